@@ -1,0 +1,359 @@
+"""The policy document's schema (``schema: 1``), as frozen pydantic models.
+
+Field-level rules live here (types, ranges, formats, one-section invariants). Rules that span
+sections (a model naming an unknown pool, a fallback cycle, ...) live in
+:mod:`switchyard.policy.references`, so that every error can still name its own YAML location.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    StringConstraints,
+    WithJsonSchema,
+    model_validator,
+)
+
+SCHEMA_VERSION = 1
+
+# Identifiers of regions, pools, tiers and priority classes: short, lower-case, URL- and
+# label-safe (they end up in metric labels and response headers).
+Name = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_-]{0,62}$")]
+
+# What clients put in "model". '@' is reserved for "model@region" in fallback chains.
+ModelName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")]
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def _parse_duration(value: Any) -> float:
+    """Accept ``90``, ``"90s"``, ``"10m"``, ``"1h"``, ``"1d"``, ``"250ms"``; return seconds."""
+    if isinstance(value, bool):
+        raise ValueError("a duration must be a number of seconds or a string like '10m'")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str) and (m := _DURATION.match(value)):
+        seconds = float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
+    else:
+        raise ValueError(f"invalid duration {value!r}: use seconds or a string like '30s', '10m', '1h', '1d'")
+    if seconds <= 0:
+        raise ValueError("a duration must be > 0")
+    return seconds
+
+
+Duration = Annotated[
+    float,
+    BeforeValidator(_parse_duration),
+    WithJsonSchema({
+        "anyOf": [{"type": "number", "exclusiveMinimum": 0},
+                  {"type": "string", "pattern": _DURATION.pattern}],
+        "description": "Seconds, or a number with a unit: ms, s, m, h, d (e.g. '10m').",
+    }),
+]
+
+
+def _check_regex(pattern: str) -> str:
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"invalid regular expression {pattern!r}: {exc}") from None
+    return pattern
+
+
+Regex = Annotated[str, StringConstraints(min_length=1), AfterValidator(_check_regex)]
+
+
+def _check_endpoint(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"endpoint {url!r} must start with http:// or https://")
+    if not parts.hostname:
+        raise ValueError(f"endpoint {url!r} has no host")
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise ValueError(f"endpoint {url!r} must not carry a query, fragment or credentials")
+    try:
+        parts.port  # noqa: B018 - raises on an out-of-range or malformed port
+    except ValueError as exc:
+        raise ValueError(f"endpoint {url!r}: {exc}") from None
+    if parts.path.rstrip("/").endswith("/v1"):
+        raise ValueError(f"endpoint {url!r}: give the server's base URL, without /v1")
+    return url.rstrip("/")
+
+
+EndpointUrl = Annotated[str, AfterValidator(_check_endpoint)]
+
+
+class Strict(BaseModel):
+    """Base of every section: unknown keys are errors, parsed documents are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Pool(Strict):
+    """A set of vLLM replicas serving one model in one region."""
+
+    name: Name
+    region: Name
+    served_model: str = Field(min_length=1, description="The name the vLLM servers serve (--served-model-name).")
+    endpoints: list[EndpointUrl] = Field(min_length=1, description="Base URLs of the replicas.")
+    kv_cache_tokens: PositiveInt = Field(description="KV-cache capacity of each replica, in tokens.")
+    sim_profile: str = Field(
+        default="h100-8b",
+        min_length=1,
+        description="Hardware profile `switchyard sim` uses when it simulates this pool.",
+    )
+
+    @model_validator(mode="after")
+    def _unique_endpoints(self) -> Pool:
+        seen: set[str] = set()
+        for url in self.endpoints:
+            if url in seen:
+                raise ValueError(f"endpoint {url} is listed twice")
+            seen.add(url)
+        return self
+
+
+class Price(Strict):
+    """Prices per million tokens, in the operator's currency (USD in the demo)."""
+
+    input_per_mtok: NonNegativeFloat
+    output_per_mtok: NonNegativeFloat
+    cached_input_per_mtok: NonNegativeFloat | None = None
+
+
+_FALLBACK = re.compile(r"^(?P<model>[A-Za-z0-9][A-Za-z0-9._:/-]{0,127})(?:@(?P<region>[a-z][a-z0-9_-]{0,62}))?$")
+
+
+def _check_fallback(target: str) -> str:
+    if not _FALLBACK.match(target):
+        raise ValueError(f"fallback {target!r} must be 'model' or 'model@region'")
+    return target
+
+
+FallbackTarget = Annotated[str, AfterValidator(_check_fallback)]
+
+
+def split_fallback(target: str) -> tuple[str, str | None]:
+    """Split ``"large@eu-west"`` into ``("large", "eu-west")`` and ``"medium"`` into ``("medium", None)``."""
+    model, _, region = target.partition("@")
+    return model, region or None
+
+
+class Model(Strict):
+    """What clients put in ``model``: a concrete model served by one or more pools."""
+
+    name: ModelName
+    pools: list[Name] = Field(min_length=1)
+    context_window: PositiveInt
+    max_output_tokens: PositiveInt | None = Field(
+        default=None, description="Largest max_tokens a request may ask for (default: the context window)."
+    )
+    default_max_tokens: PositiveInt = Field(
+        default=512, description="Expected output of a request that does not set max_tokens."
+    )
+    price: Price
+    fallback: list[FallbackTarget] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Model:
+        if len(set(self.pools)) != len(self.pools):
+            raise ValueError("a pool is listed twice")
+        if self.max_output_tokens is not None and self.max_output_tokens > self.context_window:
+            raise ValueError(
+                f"max_output_tokens ({self.max_output_tokens}) exceeds context_window ({self.context_window})"
+            )
+        cap = self.max_output_tokens or self.context_window
+        if self.default_max_tokens > cap:
+            raise ValueError(f"default_max_tokens ({self.default_max_tokens}) exceeds the output cap ({cap})")
+        if len(set(self.fallback)) != len(self.fallback):
+            raise ValueError("a fallback target is listed twice")
+        return self
+
+
+class RuleConditions(Strict):
+    """Conditions of a routing rule; all given conditions must hold (logical AND)."""
+
+    prompt_tokens_lt: PositiveInt | None = None
+    prompt_tokens_gte: PositiveInt | None = None
+    messages_lt: PositiveInt | None = None
+    messages_gte: PositiveInt | None = None
+    max_tokens_lt: PositiveInt | None = None
+    max_tokens_gte: PositiveInt | None = None
+    has_tools: bool | None = None
+    json_mode: bool | None = None
+    has_images: bool | None = None
+    match: Regex | None = Field(default=None, description="Regex searched in the last user message.")
+    no_match: Regex | None = Field(default=None, description="Regex that must not occur in the last user message.")
+    system_match: Regex | None = Field(default=None, description="Regex searched in the system prompt.")
+    tier: list[Name] | None = Field(default=None, min_length=1)
+    header: dict[str, str] | None = Field(
+        default=None, min_length=1, description="Request headers that must carry exactly these values."
+    )
+
+    @model_validator(mode="after")
+    def _not_empty_or_contradictory(self) -> RuleConditions:
+        if not self.model_fields_set:
+            raise ValueError("a rule needs at least one condition (use the route's default instead)")
+        for low, high in (("prompt_tokens_gte", "prompt_tokens_lt"), ("messages_gte", "messages_lt"),
+                          ("max_tokens_gte", "max_tokens_lt")):
+            lo, hi = getattr(self, low), getattr(self, high)
+            if lo is not None and hi is not None and lo >= hi:
+                raise ValueError(f"{low} ({lo}) >= {high} ({hi}): the rule can never match")
+        return self
+
+
+class Rule(Strict):
+    """A routing rule: when the conditions hold, the route resolves to ``model``."""
+
+    name: str | None = None
+    when: RuleConditions
+    model: ModelName
+
+
+class Route(Strict):
+    """A virtual model (such as ``auto``): rules in order, first match wins, else ``default``."""
+
+    name: ModelName
+    rules: list[Rule] = Field(default_factory=list)
+    default: ModelName
+
+
+class PriorityClass(Strict):
+    """A priority class: how long its requests may queue and when they are shed."""
+
+    lane: Literal["interactive", "batch"] = "interactive"
+    max_queue_ms: PositiveInt | None = None
+    shed_above_utilisation: float | None = Field(default=None, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _deadline(self) -> PriorityClass:
+        if self.lane == "interactive" and self.max_queue_ms is None:
+            raise ValueError("an interactive class needs max_queue_ms (its queue deadline)")
+        return self
+
+
+class Limits(Strict):
+    """Token-denominated limits; absent means unlimited."""
+
+    tokens_per_minute: PositiveInt | None = None
+    requests_per_minute: PositiveInt | None = None
+    tokens_per_day: PositiveInt | None = None
+    spend_per_month: PositiveFloat | None = None
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Limits:
+        tpm, tpd = self.tokens_per_minute, self.tokens_per_day
+        if tpm is not None and tpd is not None and tpm > tpd:
+            raise ValueError(f"tokens_per_minute ({tpm}) exceeds tokens_per_day ({tpd})")
+        return self
+
+
+class Tier(Strict):
+    """A class of tenants: its priority, the models it may use, and its limits."""
+
+    name: Name
+    priority: Name
+    models: list[Annotated[str, StringConstraints(min_length=1)]] = Field(
+        min_length=1, description="Models and routes this tier may call; '*' for all."
+    )
+    limits: Limits = Field(default_factory=Limits)
+    model_limits: dict[ModelName, Limits] = Field(default_factory=dict)
+
+
+class CacheMatch(Strict):
+    """Which requests a cache rule applies to; an absent list matches everything."""
+
+    models: list[ModelName] | None = Field(default=None, min_length=1)
+    routes: list[ModelName] | None = Field(default=None, min_length=1)
+    tiers: list[Name] | None = Field(default=None, min_length=1)
+    nondeterministic: bool = Field(
+        default=False, description="Also cache requests with temperature > 0 and no seed."
+    )
+
+
+class CacheRule(Strict):
+    """A response-cache rule."""
+
+    name: str | None = None
+    match: CacheMatch = Field(default_factory=CacheMatch)
+    mode: Literal["exact", "semantic"] = "exact"
+    min_similarity: float | None = Field(default=None, gt=0, le=1)
+    embedding_model: ModelName | None = None
+    ttl: Duration
+    scope: Literal["tenant", "global"] = "tenant"
+    max_entry_bytes: PositiveInt = 262_144
+
+    @model_validator(mode="after")
+    def _mode_fields(self) -> CacheRule:
+        if self.mode == "semantic":
+            if self.min_similarity is None:
+                raise ValueError("a semantic rule needs min_similarity")
+            if self.embedding_model is None:
+                raise ValueError("a semantic rule needs embedding_model")
+        elif self.min_similarity is not None or self.embedding_model is not None:
+            raise ValueError("min_similarity and embedding_model apply to mode: semantic only")
+        return self
+
+
+class PolicyTestRequest(Strict):
+    """The request a policy test sends through the decision path."""
+
+    model: ModelName
+    tier: Name
+    prompt: str = ""
+    system: str | None = None
+    messages: PositiveInt = 1
+    max_tokens: PositiveInt | None = None
+    tools: bool = False
+    json_mode: bool = False
+    images: bool = False
+    headers: dict[str, str] = Field(default_factory=dict)
+
+
+class PolicyTestExpect(Strict):
+    """What a policy test expects: a resolved model, or a refusal with an HTTP status."""
+
+    model: ModelName | None = None
+    status: Literal[403, 404] | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> PolicyTestExpect:
+        if (self.model is None) == (self.status is None):
+            raise ValueError("expect exactly one of model or status")
+        return self
+
+
+class PolicyTest(Strict):
+    """A policy unit test, run on validate and before publish."""
+
+    name: str | None = None
+    request: PolicyTestRequest
+    expect: PolicyTestExpect
+
+
+class PolicyDocument(Strict):
+    """The whole policy document."""
+
+    schema_: Literal[1] = Field(alias="schema", description="Version of this document's schema.")
+    regions: list[Name] = Field(min_length=1)
+    pools: list[Pool] = Field(min_length=1)
+    models: list[Model] = Field(min_length=1)
+    routes: list[Route] = Field(default_factory=list)
+    priorities: dict[Name, PriorityClass] = Field(min_length=1, description="Classes, best first.")
+    tiers: list[Tier] = Field(min_length=1)
+    cache: list[CacheRule] = Field(default_factory=list)
+    tests: list[PolicyTest] = Field(default_factory=list)
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)

@@ -1,0 +1,54 @@
+"""Settings: one frozen pydantic-settings class, read from ``SWITCHYARD_*`` variables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Everything a gateway process is configured with; built once and passed in."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="SWITCHYARD_", env_nested_delimiter="__", frozen=True, extra="ignore"
+    )
+
+    data_dir: Path = Field(default=Path(".switchyard"), description="Where embedded state lives.")
+    database_url: str | None = Field(
+        default=None, description="SQLAlchemy URL; default: a SQLite file in data_dir."
+    )
+    redis_url: str | None = Field(default=None, description="Unset: in-process state.")
+    policy_file: Path = Field(default=Path("policies.yaml"))
+    policy_source: Literal["file", "db"] = "file"
+    host: str = "127.0.0.1"
+    port: int = Field(default=8400, ge=0, le=65535)
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0, description="Largest request body.")
+    upstream_connect_timeout_s: float = Field(default=3.0, gt=0)
+    upstream_read_timeout_s: float = Field(
+        default=120.0, gt=0, description="Longest silence from an upstream before a 504."
+    )
+    upstream_max_connections: int = Field(default=1000, gt=0)
+    key_cache_ttl_s: float = Field(
+        default=5.0, ge=0, description="How long a key lookup is trusted (revocation delay)."
+    )
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
+
+    @property
+    def resolved_database_url(self) -> str:
+        """The database URL, defaulting to ``sqlite:///<data_dir>/switchyard.db``."""
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / 'switchyard.db').resolve()}"
+
+    @property
+    def listen(self) -> str:
+        """``host:port`` as printed in messages."""
+        return f"{self.host}:{self.port}"
