@@ -1,0 +1,95 @@
+"""What the decisions look at in a request, extracted once from the OpenAI request body."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from switchyard.decide.tokens import estimate_chat_tokens, estimate_text_tokens
+
+# Regular expressions of routing rules only ever see this much of a message: a policy's regex
+# runs on client text, and bounding the input bounds the cost of a badly written pattern.
+MAX_MATCH_CHARS = 16_384
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFeatures:
+    """The request as the policy sees it."""
+
+    model: str
+    prompt_tokens: int
+    messages: int = 1
+    last_user_text: str = ""
+    system_text: str = ""
+    max_tokens: int | None = None
+    has_tools: bool = False
+    json_mode: bool = False
+    has_images: bool = False
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+def _content_text(content: Any) -> tuple[str, bool]:
+    """Text of a message's content (string or list of parts) and whether it holds an image."""
+    if isinstance(content, str):
+        return content, False
+    if not isinstance(content, list):
+        return "", False
+    texts, image = [], False
+    for part in content:
+        if isinstance(part, dict):
+            kind = part.get("type")
+            if kind == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            elif kind in ("image_url", "input_image", "image"):
+                image = True
+    return "\n".join(texts), image
+
+
+def chat_features(body: Mapping[str, Any], headers: Mapping[str, str]) -> RequestFeatures:
+    """Features of a validated ``/v1/chat/completions`` body."""
+    messages = body["messages"]
+    texts: list[str] = []
+    last_user, system, images = "", "", False
+    for message in messages:
+        text, image = _content_text(message.get("content"))
+        texts.append(text)
+        images = images or image
+        role = message.get("role")
+        if role == "user":
+            last_user = text
+        elif role in ("system", "developer") and not system:
+            system = text
+    fmt = body.get("response_format")
+    return RequestFeatures(
+        model=body["model"],
+        prompt_tokens=estimate_chat_tokens(texts),
+        messages=len(messages),
+        last_user_text=last_user[-MAX_MATCH_CHARS:],
+        system_text=system[:MAX_MATCH_CHARS],
+        max_tokens=body.get("max_completion_tokens") or body.get("max_tokens"),
+        has_tools=bool(body.get("tools")),
+        json_mode=isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"),
+        has_images=images,
+        headers=headers,
+    )
+
+
+def completion_features(body: Mapping[str, Any], headers: Mapping[str, str]) -> RequestFeatures:
+    """Features of a validated ``/v1/completions`` body."""
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        text, tokens = prompt, estimate_text_tokens(prompt)
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        text, tokens = "", len(prompt)
+    else:
+        parts = [p for p in prompt if isinstance(p, str)]
+        text = parts[-1] if parts else ""
+        tokens = sum(estimate_text_tokens(p) if isinstance(p, str) else len(p) for p in prompt)
+    return RequestFeatures(
+        model=body["model"],
+        prompt_tokens=tokens,
+        last_user_text=text[-MAX_MATCH_CHARS:],
+        max_tokens=body.get("max_tokens"),
+        headers=headers,
+    )

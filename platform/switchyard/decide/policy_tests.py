@@ -1,0 +1,88 @@
+"""Run the ``tests:`` section of a policy through the same decisions the gateway makes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from switchyard.decide.features import RequestFeatures
+from switchyard.decide.resolve import Refused, resolve_model
+from switchyard.decide.tokens import estimate_chat_tokens
+from switchyard.policy.errors import PolicyError, PolicyIssue, issues_at
+from switchyard.policy.load import parse_yaml
+from switchyard.policy.schema import PolicyTest
+from switchyard.policy.snapshot import PolicySnapshot, compile_policy
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyTestResult:
+    """One policy test's outcome."""
+
+    index: int
+    name: str
+    passed: bool
+    expected: str
+    got: str
+
+    @property
+    def loc(self) -> tuple[str | int, ...]:
+        """Where the test sits in the document."""
+        return ("tests", self.index, "expect")
+
+def features_of_test(test: PolicyTest) -> RequestFeatures:
+    """The features of a policy test's request."""
+    req = test.request
+    texts = [req.prompt] + ([req.system] if req.system else [])
+    texts += [""] * max(0, req.messages - len(texts))
+    return RequestFeatures(
+        model=req.model,
+        prompt_tokens=estimate_chat_tokens(texts),
+        messages=req.messages,
+        last_user_text=req.prompt,
+        system_text=req.system or "",
+        max_tokens=req.max_tokens,
+        has_tools=req.tools,
+        json_mode=req.json_mode,
+        has_images=req.images,
+        headers={k.lower(): v for k, v in req.headers.items()},
+    )
+
+def run_policy_tests(snapshot: PolicySnapshot) -> list[PolicyTestResult]:
+    """Every test of the snapshot's document, in order."""
+    results = []
+    for index, test in enumerate(snapshot.document.tests):
+        expect = test.expect
+        expected = f"model {expect.model}" if expect.model else f"status {expect.status}"
+        try:
+            decision = resolve_model(snapshot, test.request.tier, features_of_test(test))
+            got = f"model {decision.model.name}"
+        except Refused as refusal:
+            got = f"status {refusal.status} ({refusal.code})"
+            passed = expect.status == refusal.status
+        else:
+            passed = expect.model == decision.model.name
+        results.append(PolicyTestResult(index, test.name or f"tests[{index}]", passed, expected, got))
+    return results
+
+
+def failing_tests(snapshot: PolicySnapshot, source: str) -> list[PolicyIssue]:
+    """A located issue per failing policy test (empty when all pass)."""
+    failed = [r for r in run_policy_tests(snapshot) if not r.passed]
+    if not failed:
+        return []
+    raw = parse_yaml(snapshot.text, source)
+    return issues_at(raw, source, [
+        (r.loc, f"policy test {r.name!r} failed: expected {r.expected}, got {r.got}") for r in failed
+    ])
+
+
+def compile_checked(text: str, source: str = "<policy>", version: int | None = None) -> PolicySnapshot:
+    """Validate a document, compile it, and run its tests; the gate every policy passes.
+
+    Raises:
+        PolicyError: the document is invalid or one of its tests fails.
+    """
+    snapshot = compile_policy(text, source, version)
+    issues = failing_tests(snapshot, source)
+    if issues:
+        raise PolicyError(issues)
+    return snapshot
