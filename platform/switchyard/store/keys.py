@@ -1,0 +1,95 @@
+"""API keys: created once (the only time the secret is seen), stored as a hash, revocable."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+
+from sqlmodel import Session, col, select
+
+from switchyard.store.errors import Conflict, NotFound
+from switchyard.store.models import ApiKey, ApiKeyPublic, Tenant, utcnow
+from switchyard.store.tenants import get_tenant
+
+KEY_PREFIX = "sk-sy-"
+_DISPLAY_CHARS = 6  # shown to tell keys apart: 36 of the 256 random bits
+
+
+def generate_key() -> str:
+    """A new API key: a fixed prefix and 256 random bits."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_key(key: str) -> str:
+    """The stored form of a key (hex sha256)."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class KeyIdentity:
+    """Who a valid key speaks for."""
+
+    key_id: int
+    tenant_id: int
+    tenant: str
+    tier: str
+
+
+def _public(key: ApiKey, tenant: Tenant) -> ApiKeyPublic:
+    return ApiKeyPublic(id=key.id or 0, name=key.name, tenant=tenant.name, tier=tenant.tier,
+                        prefix=key.prefix, created_at=key.created_at, revoked_at=key.revoked_at)
+
+
+def create_key(session: Session, tenant_name: str, name: str | None = None) -> tuple[str, ApiKeyPublic]:
+    """Create a key for an existing tenant; returns the secret (show it once) and the record."""
+    tenant = get_tenant(session, tenant_name)
+    secret = generate_key()
+    key = ApiKey(tenant_id=tenant.id or 0, name=name, prefix=secret[: len(KEY_PREFIX) + _DISPLAY_CHARS],
+                 key_hash=hash_key(secret))
+    session.add(key)
+    session.flush()
+    return secret, _public(key, tenant)
+
+
+def list_keys(session: Session, tenant_name: str | None = None) -> list[ApiKeyPublic]:
+    """Keys (never their secrets), oldest first, optionally of one tenant."""
+    query = select(ApiKey, Tenant).join(Tenant, col(ApiKey.tenant_id) == col(Tenant.id))
+    if tenant_name is not None:
+        query = query.where(Tenant.name == tenant_name)
+    return [_public(k, t) for k, t in session.exec(query.order_by(col(ApiKey.id))).all()]
+
+
+def revoke_key(session: Session, key_id: int) -> ApiKeyPublic:
+    """Revoke a key for good."""
+    row = session.exec(
+        select(ApiKey, Tenant).join(Tenant, col(ApiKey.tenant_id) == col(Tenant.id)).where(ApiKey.id == key_id)
+    ).first()
+    if row is None:
+        raise NotFound(f"no key with id {key_id}")
+    key, tenant = row
+    if key.revoked_at is not None:
+        raise Conflict(f"key {key_id} was already revoked at {key.revoked_at:%Y-%m-%d %H:%M:%S} UTC")
+    key.revoked_at = utcnow()
+    session.add(key)
+    session.flush()
+    return _public(key, tenant)
+
+
+def identify(session: Session, key_hash: str) -> KeyIdentity | None:
+    """The identity behind a presented key's hash, or ``None`` when it is unknown or revoked.
+
+    The lookup is by hash on a unique index, so no comparison ever runs over the secret itself
+    (no timing side channel on it), and the secret never reaches the database.
+    """
+    row = session.exec(
+        select(ApiKey, Tenant)
+        .join(Tenant, col(ApiKey.tenant_id) == col(Tenant.id))
+        .where(ApiKey.key_hash == key_hash)
+    ).first()
+    if row is None:
+        return None
+    key, tenant = row
+    if key.revoked_at is not None:
+        return None
+    return KeyIdentity(key_id=key.id or 0, tenant_id=tenant.id or 0, tenant=tenant.name, tier=tenant.tier)

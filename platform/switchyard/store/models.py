@@ -1,0 +1,124 @@
+"""SQLModel tables. Alembic migrations (``migrations/``) are the only way their schema changes."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Column, DateTime, Index, Text, TypeDecorator, text
+from sqlmodel import Field, SQLModel
+
+
+def utcnow() -> datetime:
+    """Now, timezone-aware, in UTC."""
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timestamp that is always timezone-aware UTC in Python, on SQLite as on PostgreSQL."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def _ts(nullable: bool = False) -> Any:
+    return Field(default_factory=utcnow if not nullable else None,
+                 sa_column=Column(UTCDateTime(), nullable=nullable))
+
+
+# --- tenants -------------------------------------------------------------------------------
+
+class TenantBase(SQLModel):
+    name: str = Field(max_length=64, unique=True, index=True)
+    tier: str = Field(max_length=64)
+
+
+class TenantCreate(TenantBase):
+    pass
+
+
+class TenantPublic(TenantBase):
+    id: int
+    created_at: datetime
+
+
+class Tenant(TenantBase, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    created_at: datetime = _ts()
+
+
+# --- API keys ------------------------------------------------------------------------------
+
+class ApiKeyBase(SQLModel):
+    name: str | None = Field(default=None, max_length=128)
+
+
+class ApiKeyCreate(ApiKeyBase):
+    tenant: str
+
+
+class ApiKeyPublic(ApiKeyBase):
+    id: int
+    tenant: str
+    tier: str
+    prefix: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class ApiKey(ApiKeyBase, table=True):
+    __tablename__ = "api_key"
+
+    id: int | None = Field(default=None, primary_key=True)
+    tenant_id: int = Field(foreign_key="tenant.id", index=True)
+    # What the owner sees to tell keys apart; never enough to use the key.
+    prefix: str = Field(max_length=16)
+    # sha256 of the whole key. Keys carry 256 bits of randomness, so a fast hash is safe here
+    # (unlike passwords) and lets the gateway look a key up by its hash.
+    key_hash: str = Field(max_length=64, unique=True, index=True)
+    created_at: datetime = _ts()
+    revoked_at: datetime | None = _ts(nullable=True)
+
+
+# --- policy versions -----------------------------------------------------------------------
+
+class PolicyVersionBase(SQLModel):
+    author: str = Field(max_length=128)
+    source: str = Field(max_length=16)  # file | console | api | rollback
+    message: str = Field(default="", max_length=1000)
+
+
+class PolicyVersionPublic(PolicyVersionBase):
+    number: int
+    sha256: str
+    parent: int | None
+    active: bool
+    created_at: datetime
+
+
+class PolicyVersion(PolicyVersionBase, table=True):
+    __tablename__ = "policy_version"
+    __table_args__ = (
+        # Exactly one active version: a unique index over the rows where active is true.
+        Index("uq_policy_version_one_active", "active", unique=True,
+              sqlite_where=text("active"), postgresql_where=text("active")),
+    )
+
+    number: int = Field(primary_key=True, sa_column_kwargs={"autoincrement": False})
+    yaml_text: str = Field(sa_column=Column(Text, nullable=False))
+    sha256: str = Field(max_length=64, index=True)
+    parent: int | None = Field(default=None, foreign_key="policy_version.number")
+    active: bool = Field(default=False)
+    created_at: datetime = _ts()
