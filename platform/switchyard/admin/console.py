@@ -1,0 +1,44 @@
+"""Console pages: an overview of the active policy and the engines this gateway sends to."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Router, get
+from litestar.plugins.htmx import HTMXRequest, HTMXTemplate
+from litestar.response import Template
+
+from switchyard.gateway.runtime import GatewayRuntime
+
+
+def _overview_context(runtime: GatewayRuntime) -> dict[str, Any]:
+    snapshot = runtime.policy.snapshot
+    load = runtime.load.snapshot()
+    regions = []
+    for region in snapshot.document.regions:
+        pools = [
+            {"name": p.name, "served_model": p.served_model, "kv_cache_tokens": p.kv_cache_tokens,
+             "endpoints": [{"url": u, "in_flight": load.get(u, 0)} for u in p.endpoints],
+             "models": [m.name for m in snapshot.models.values() if p.name in m.pools]}
+            for p in snapshot.pools.values() if p.region == region
+        ]
+        regions.append({"name": region, "pools": pools})
+    return {
+        "snapshot": snapshot,
+        "policy_error": runtime.policy.last_error,
+        "regions": regions,
+        "settings": runtime.settings,
+    }
+
+
+@get("/", name="admin:overview", operation_id="adminOverview", include_in_schema=False)
+async def overview(request: HTMXRequest) -> Template:
+    """The overview page (or just its live engines table, for htmx polling)."""
+    runtime: GatewayRuntime = request.app.state.runtime
+    context = _overview_context(runtime)
+    if request.htmx:
+        return HTMXTemplate(template_name="admin/partials/_engines.html.j2", context=context)
+    return Template(template_name="admin/overview.html.j2", context=context)
+
+
+admin_router = Router(path="/admin", route_handlers=[overview], request_class=HTMXRequest)

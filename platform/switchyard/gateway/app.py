@@ -1,0 +1,44 @@
+"""``create_app(settings)``: assembles the gateway, its console and their lifespan."""
+
+from __future__ import annotations
+
+from litestar import Litestar
+from litestar.contrib.jinja import JinjaTemplateEngine
+from litestar.exceptions import HTTPException
+from litestar.openapi import OpenAPIConfig
+from litestar.static_files import create_static_files_router
+from litestar.template import TemplateConfig
+
+import switchyard
+from switchyard.admin.console import admin_router
+from switchyard.gateway import openai_api, ops
+from switchyard.gateway.errors import ApiError, api_error_handler, http_exception_handler, internal_error_handler
+from switchyard.gateway.runtime import GatewayRuntime
+from switchyard.resources import static_dir, templates_dir
+from switchyard.settings import Settings
+
+
+def create_app(settings: Settings) -> Litestar:
+    """A gateway app for ``settings``; nothing is opened until its lifespan starts."""
+    runtime = GatewayRuntime(settings)
+    app = Litestar(
+        route_handlers=[
+            *openai_api.ROUTES,
+            *ops.ROUTES,
+            admin_router,
+            create_static_files_router(path="/static", directories=[static_dir()], include_in_schema=False),
+        ],
+        lifespan=[runtime.lifespan],
+        exception_handlers={
+            ApiError: api_error_handler,
+            HTTPException: http_exception_handler,
+            Exception: internal_error_handler,
+        },
+        request_max_body_size=settings.max_body_bytes,
+        template_config=TemplateConfig(directory=templates_dir(), engine=JinjaTemplateEngine),
+        openapi_config=OpenAPIConfig(title="Switchyard", version=switchyard.__version__, path="/openapi"),
+        logging_config=None,
+        debug=False,
+    )
+    app.state.runtime = runtime
+    return app

@@ -1,0 +1,128 @@
+"""One exception tree for the API; one handler turns it into OpenAI's error object."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+from litestar import Request, Response
+from litestar.exceptions import HTTPException
+
+log = logging.getLogger("switchyard.gateway")
+
+
+class ApiError(Exception):
+    """An error answered to the client as ``{"error": {"message", "type", "param", "code"}}``."""
+
+    status_code = 500
+    type = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None,
+                 headers: Mapping[str, str] | None = None, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.headers = dict(headers or {})
+        if code is not None:
+            self.code = code
+        if status_code is not None:
+            self.status_code = status_code
+
+
+class BadRequest(ApiError):
+    status_code = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class Unauthorized(ApiError):
+    status_code = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class Forbidden(ApiError):
+    status_code = 403
+    type = "permission_error"
+    code = "forbidden"
+
+
+class NotFound(ApiError):
+    status_code = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class PayloadTooLarge(ApiError):
+    status_code = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class Overloaded(ApiError):
+    status_code = 503
+    type = "overloaded_error"
+    code = "upstream_overloaded"
+
+
+class BadGateway(ApiError):
+    status_code = 502
+    type = "upstream_error"
+    code = "bad_gateway"
+
+
+class GatewayTimeout(ApiError):
+    status_code = 504
+    type = "upstream_error"
+    code = "upstream_timeout"
+
+
+def error_body(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
+    """OpenAI's error object, encoded."""
+    return msgspec.json.encode({"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+def _response(status: int, body: bytes, headers: Mapping[str, str] | None = None) -> Response[bytes]:
+    return Response(content=body, status_code=status, media_type="application/json",
+                    headers=dict(headers or {}))
+
+
+def api_error_handler(request: Request[Any, Any, Any], exc: ApiError) -> Response[bytes]:
+    """Answer an :class:`ApiError`."""
+    body = error_body(exc.message, exc.type, exc.code, exc.param)
+    return _response(exc.status_code, body, exc.headers)
+
+
+_HTTP_TYPES = {
+    400: ("invalid_request_error", "invalid_request"),
+    401: ("authentication_error", "invalid_api_key"),
+    403: ("permission_error", "forbidden"),
+    404: ("invalid_request_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"),
+}
+
+
+def http_exception_handler(request: Request[Any, Any, Any], exc: HTTPException) -> Response[bytes]:
+    """Answer the framework's own HTTP errors (unknown path, wrong method, body too large)."""
+    status = exc.status_code
+    type_, code = _HTTP_TYPES.get(status, ("invalid_request_error" if status < 500 else "internal_error",
+                                           None))
+    message = exc.detail
+    if status == 404:
+        message = f"Unknown path: {request.method} {request.url.path}"
+    elif status == 405:
+        message = f"Method {request.method} is not allowed on {request.url.path}"
+    elif status == 413:
+        message = "Request body too large."
+    headers = {k: v for k, v in (exc.headers or {}).items() if k.lower() == "allow"}
+    return _response(status, error_body(message, type_, code), headers)
+
+
+def internal_error_handler(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
+    """A bug: log it with its traceback, answer 500 without leaking internals."""
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return _response(500, error_body("Internal error in the gateway.", "internal_error", "internal_error"))

@@ -1,0 +1,40 @@
+"""The gateway's Prometheus metrics (one registry per app, so tests can build many apps).
+
+Labels are bounded by the policy (model, pool names) and by HTTP status codes; tenant ids and
+keys never appear in labels.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+
+
+class GatewayMetrics:
+    """Counters and histograms the gateway updates on every request."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "switchyard_requests", "Requests answered, by resolved model, pool and HTTP status.",
+            ["model", "pool", "status"], registry=self.registry)
+        self.duration = Histogram(
+            "switchyard_request_duration_seconds",
+            "Time from the request's arrival to its last byte, by model and pool.",
+            ["model", "pool"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.first_byte = Histogram(
+            "switchyard_time_to_first_byte_seconds",
+            "Time from the request's arrival to the engine's first byte, by model and pool.",
+            ["model", "pool"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.in_flight = Gauge(
+            "switchyard_upstream_in_flight", "Requests in flight at each pool's engines.",
+            ["pool"], registry=self.registry)
+        self.policy_info = Gauge(
+            "switchyard_policy_info", "The active policy: 1 for its version and hash.",
+            ["version", "sha256"], registry=self.registry)
+
+    def set_policy(self, version: str, sha256: str) -> None:
+        """Show ``version`` as the active policy."""
+        self.policy_info.clear()
+        self.policy_info.labels(version=version, sha256=sha256[:12]).set(1)

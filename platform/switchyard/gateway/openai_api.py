@@ -1,0 +1,52 @@
+"""The OpenAI-compatible routes under ``/v1``: thin handlers over :class:`Proxy`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from litestar import Request, Response, get, post
+
+from switchyard.gateway.proxy import Proxy
+from switchyard.gateway.runtime import GatewayRuntime
+
+
+def _runtime(request: Request[Any, Any, Any]) -> GatewayRuntime:
+    runtime: GatewayRuntime = request.app.state.runtime
+    return runtime
+
+
+@post("/v1/chat/completions", operation_id="createChatCompletion", status_code=200)
+async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
+    """Create a chat completion (streaming with ``stream: true``)."""
+    return await Proxy(_runtime(request)).handle(request, "chat")
+
+
+@post("/v1/completions", operation_id="createCompletion", status_code=200)
+async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
+    """Create a text completion (streaming with ``stream: true``)."""
+    return await Proxy(_runtime(request)).handle(request, "completion")
+
+
+@get("/v1/models", operation_id="listModels")
+async def list_models(request: Request[Any, Any, Any]) -> Response[bytes]:
+    """The models and routes the caller's tier may use."""
+    runtime = _runtime(request)
+    identity = await runtime.auth.authenticate(request.headers.get("authorization"))
+    snapshot = runtime.policy.snapshot
+    tier = snapshot.tiers.get(identity.tier)
+    created = int(runtime.started_at)
+    data: list[dict[str, Any]] = []
+    if tier is not None:
+        for model in snapshot.models.values():
+            if snapshot.allowed(tier, model.name):
+                data.append({"id": model.name, "object": "model", "created": created,
+                             "owned_by": "switchyard", "max_model_len": model.context_window})
+        for route in snapshot.routes.values():
+            if snapshot.allowed(tier, route.name):
+                data.append({"id": route.name, "object": "model", "created": created,
+                             "owned_by": "switchyard"})
+    return Response(msgspec.json.encode({"object": "list", "data": data}), media_type="application/json")
+
+
+ROUTES = [chat_completions, completions, list_models]

@@ -1,0 +1,73 @@
+"""The active policy snapshot of this gateway process, and how it is loaded at start-up.
+
+``policy_source=file``: the file is the truth; a valid file is recorded as a version.
+``policy_source=db``: the active version in the database is the truth; an empty database is
+bootstrapped from the file. Either way an invalid document never replaces a valid one: when the
+file is invalid but the database holds a good version, that version serves and the error is
+kept (and logged) for operators to see.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from sqlalchemy import Engine
+
+from switchyard.decide.policy_tests import compile_checked
+from switchyard.policy import PolicyError, PolicySnapshot, read_policy_file
+from switchyard.settings import Settings
+from switchyard.store.db import session_scope
+from switchyard.store.policy_versions import active_version, record_version
+
+log = logging.getLogger("switchyard.policy")
+
+
+@dataclass(slots=True)
+class PolicyHolder:
+    """One reference to the active snapshot; a reload swaps it, requests keep what they read."""
+
+    snapshot: PolicySnapshot
+    last_error: PolicyError | None = None
+
+
+def _stored(engine: Engine) -> PolicySnapshot | None:
+    with session_scope(engine) as session:
+        row = active_version(session)
+        if row is None:
+            return None
+        return compile_checked(row.yaml_text, f"policy version {row.number}", row.number)
+
+
+def _from_file(settings: Settings, engine: Engine, message: str) -> PolicySnapshot:
+    path = settings.policy_file
+    snapshot = compile_checked(read_policy_file(path), str(path))
+    with session_scope(engine) as session:
+        version, created = record_version(session, text=snapshot.text, sha256=snapshot.sha256,
+                                          source="file", author=f"file:{path}", message=message)
+    if created:
+        log.info("policy %s recorded as version %d", path, version.number)
+    return snapshot.with_version(version.number)
+
+
+def load_startup_policy(settings: Settings, engine: Engine) -> PolicyHolder:
+    """The snapshot to serve at start-up.
+
+    Raises:
+        PolicyError: no valid policy exists anywhere (the process must not start).
+    """
+    if settings.policy_source == "db":
+        stored = _stored(engine)
+        if stored is not None:
+            return PolicyHolder(stored)
+        return PolicyHolder(_from_file(settings, engine, "bootstrap of an empty policy store"))
+    try:
+        return PolicyHolder(_from_file(settings, engine, "loaded at start-up"))
+    except PolicyError as error:
+        stored = _stored(engine)
+        if stored is None:
+            raise
+        for issue in error.issues:
+            log.error("policy file rejected: %s", issue)
+        log.error("serving the last good policy, version %s, instead", stored.version)
+        return PolicyHolder(stored, last_error=error)
