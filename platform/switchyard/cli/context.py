@@ -1,0 +1,37 @@
+"""What every subcommand shares: settings built from the environment plus global options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+from pydantic import ValidationError
+
+from switchyard.settings import Settings
+
+
+@dataclass(frozen=True)
+class CliContext:
+    """Global options given before the subcommand."""
+
+    data_dir: Path | None = None
+    database_url: str | None = None
+    policy_file: Path | None = None
+
+    def settings(self, **overrides: Any) -> Settings:
+        """Settings from the environment, the global options and ``overrides`` (last wins)."""
+        given = {"data_dir": self.data_dir, "database_url": self.database_url, "policy_file": self.policy_file}
+        values = {k: v for k, v in {**given, **overrides}.items() if v is not None}
+        try:
+            return Settings(**values)
+        except ValidationError as exc:
+            lines = [f"  {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
+            raise click.ClickException("invalid settings:\n" + "\n".join(lines)) from None
+
+
+def cli_context() -> CliContext:
+    """The current command's :class:`CliContext`."""
+    obj = click.get_current_context().find_object(CliContext)
+    return obj if obj is not None else CliContext()

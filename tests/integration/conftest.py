@@ -1,0 +1,221 @@
+"""Real processes on loopback: simulated engines (`switchyard sim`) and gateways (`switchyard serve`).
+
+One set of simulated engines serves the whole session; a gateway runs once over SQLite and once
+over PostgreSQL, and every test that takes ``gateway`` runs against both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import free_port
+
+BIN = Path(sys.executable).parent
+SWITCHYARD = str(BIN / "switchyard") if (BIN / "switchyard").exists() else shutil.which("switchyard") or "switchyard"
+SIM_TIME_SCALE = 20
+
+
+def wait_http(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 30.0) -> None:
+    """Wait until ``url`` answers 200, failing early if ``proc`` dies."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+                last = r.status
+        except (urllib.error.URLError, OSError) as exc:
+            last = exc
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer 200 within {timeout}s (last: {last})")
+
+
+def http_json(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None,
+              raw: bytes | None = None) -> tuple[int, dict[str, str], Any]:
+    """A plain HTTP call (for what the SDK will not send); returns status, headers, JSON body."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            payload = r.read()
+            status, hdrs = r.status, dict(r.headers)
+    except urllib.error.HTTPError as err:
+        payload, status, hdrs = err.read(), err.code, dict(err.headers)
+    try:
+        parsed = json.loads(payload) if payload else None
+    except json.JSONDecodeError:
+        parsed = payload.decode("utf-8", "replace")
+    return status, {k.lower(): v for k, v in hdrs.items()}, parsed
+
+
+def stop(proc: subprocess.Popen[bytes], timeout: float = 15) -> bool:
+    """SIGTERM, then wait; whether the process stopped cleanly by itself.
+
+    uvicorn re-raises SIGTERM after its graceful shutdown, so -SIGTERM counts as clean; a
+    process that had to be killed, or exited with an error, does not.
+    """
+    if proc.poll() is not None:
+        return proc.returncode == 0
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return False
+    return proc.returncode in (0, -signal.SIGTERM)
+
+
+@dataclass
+class Engines:
+    """The simulated engines of the test policy."""
+
+    policy_file: Path
+    ports: dict[str, list[int]]
+    dead_port: int
+
+    def url(self, pool: str, i: int = 0) -> str:
+        return f"http://127.0.0.1:{self.ports[pool][i]}"
+
+
+def _policy_text(ports: dict[str, list[int]], dead_port: int) -> str:
+    def eps(pool: str) -> str:
+        return "[" + ", ".join(f"http://127.0.0.1:{p}" for p in ports[pool]) + "]"
+
+    return f"""\
+schema: 1
+regions: [us-east, eu-west]
+pools:
+  - {{name: small-us, region: us-east, served_model: sim-small, endpoints: {eps("small-us")}, kv_cache_tokens: 200000}}
+  - {{name: small-eu, region: eu-west, served_model: sim-small, endpoints: {eps("small-eu")}, kv_cache_tokens: 200000}}
+  - {{name: large-us, region: us-east, served_model: sim-large, endpoints: {eps("large-us")}, kv_cache_tokens: 400000,
+      sim_profile: h100-70b}}
+  - {{name: hang-us, region: us-east, served_model: sim-hang, endpoints: {eps("hang-us")}, kv_cache_tokens: 100000}}
+  - {{name: misnamed-us, region: us-east, served_model: not-what-it-serves, endpoints: {eps("misnamed-us")},
+      kv_cache_tokens: 100000}}
+  - {{name: dead-us, region: us-east, served_model: sim-dead, endpoints: [http://127.0.0.1:{dead_port}],
+      kv_cache_tokens: 100000}}
+models:
+  - {{name: small, pools: [small-us, small-eu], context_window: 8192,
+      price: {{input_per_mtok: 0.1, output_per_mtok: 0.2}}}}
+  - {{name: large, pools: [large-us], context_window: 16384, price: {{input_per_mtok: 1, output_per_mtok: 3}}}}
+  - {{name: hangs, pools: [hang-us], context_window: 4096, price: {{input_per_mtok: 0, output_per_mtok: 0}}}}
+  - {{name: misnamed, pools: [misnamed-us], context_window: 4096, price: {{input_per_mtok: 0, output_per_mtok: 0}}}}
+  - {{name: dead, pools: [dead-us], context_window: 4096, price: {{input_per_mtok: 0, output_per_mtok: 0}}}}
+routes:
+  - name: auto
+    rules:
+      - {{name: hard, when: {{match: "(?i)prove"}}, model: large}}
+      - {{name: short, when: {{prompt_tokens_lt: 200}}, model: small}}
+    default: large
+priorities:
+  standard: {{max_queue_ms: 1000}}
+  sheddable: {{max_queue_ms: 100}}
+tiers:
+  - {{name: free, priority: sheddable, models: [auto, small]}}
+  - {{name: pro, priority: standard, models: ["*"]}}
+tests:
+  - {{request: {{model: auto, tier: free, prompt: hi}}, expect: {{model: small}}}}
+"""
+
+
+@pytest.fixture(scope="session")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    """Simulated engines for every pool of the test policy but ``dead-us`` (nothing listens there)."""
+    ports = {"small-us": [free_port(), free_port()], "small-eu": [free_port()], "large-us": [free_port()],
+             "hang-us": [free_port()], "misnamed-us": [free_port()]}
+    dead_port = free_port()
+    policy_file = tmp_path_factory.mktemp("policy") / "policies.yaml"
+    policy_file.write_text(_policy_text(ports, dead_port))
+    main = subprocess.Popen([SWITCHYARD, "sim", "--policy", str(policy_file), "--time-scale", str(SIM_TIME_SCALE),
+                             "--pool", "small-us", "--pool", "small-eu", "--pool", "large-us", "--pool", "hang-us"])
+    # The misnamed pool's engine serves another model than the policy says.
+    other = subprocess.Popen([SWITCHYARD, "sim", "--model", "sim-other", "--port", str(ports["misnamed-us"][0]),
+                              "--time-scale", str(SIM_TIME_SCALE)])
+    try:
+        for pool, pool_ports in ports.items():
+            for port in pool_ports:
+                wait_http(f"http://127.0.0.1:{port}/health", main if pool != "misnamed-us" else other)
+        yield Engines(policy_file, ports, dead_port)
+    finally:
+        stop(main)
+        stop(other)
+
+
+@dataclass
+class Gateway:
+    """A running `switchyard serve` process and how to reach it."""
+
+    base_url: str
+    env: dict[str, str]
+    backend: str
+    proc: subprocess.Popen[bytes]
+    keys: dict[str, str] = field(default_factory=dict)
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run `switchyard ARGS` against this gateway's database and policy."""
+        result = subprocess.run([SWITCHYARD, *args], env=self.env, capture_output=True, text=True, timeout=60)
+        if check and result.returncode != 0:
+            raise AssertionError(f"switchyard {' '.join(args)} failed: {result.stderr}")
+        return result
+
+    def new_key(self, tenant: str, tier: str) -> str:
+        """A new API key for ``tenant`` (created in ``tier`` if new), made with the real CLI."""
+        return self.cli("keys", "create", "--tenant", tenant, "--tier", tier).stdout.strip()
+
+
+GATEWAY_SETTINGS = {
+    "SWITCHYARD_UPSTREAM_READ_TIMEOUT_S": "3",
+    "SWITCHYARD_KEY_CACHE_TTL_S": "0.3",
+    "SWITCHYARD_MAX_BODY_BYTES": "1000000",
+    "SWITCHYARD_LOG_LEVEL": "warning",
+}
+
+
+def start_gateway(engines: Engines, database_url: str, data_dir: Path, backend: str,
+                  extra_env: dict[str, str] | None = None) -> Gateway:
+    """Start `switchyard serve` on a free port and wait until it is ready."""
+    port = free_port()
+    env = {**os.environ, **GATEWAY_SETTINGS, "SWITCHYARD_DATA_DIR": str(data_dir),
+           "SWITCHYARD_DATABASE_URL": database_url, "SWITCHYARD_POLICY_FILE": str(engines.policy_file),
+           "SWITCHYARD_PORT": str(port), **(extra_env or {})}
+    proc = subprocess.Popen([SWITCHYARD, "serve"], env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{base}/readyz", proc)
+    except BaseException:
+        stop(proc)
+        raise
+    return Gateway(base, env, backend, proc)
+
+
+@pytest.fixture(scope="session", params=["sqlite", "postgresql"])
+def gateway(request: pytest.FixtureRequest, engines: Engines, tmp_path_factory: pytest.TempPathFactory,
+            pg_database: Callable[[], str]) -> Iterator[Gateway]:
+    """A gateway over the test engines, once on SQLite and once on PostgreSQL, with keys per tier."""
+    data_dir = tmp_path_factory.mktemp(f"gw-{request.param}")
+    url = f"sqlite:///{data_dir / 'switchyard.db'}" if request.param == "sqlite" else pg_database()
+    gw = start_gateway(engines, url, data_dir, request.param)
+    try:
+        gw.keys = {"free": gw.new_key("free-co", "free"), "pro": gw.new_key("pro-co", "pro")}
+        yield gw
+    finally:
+        assert stop(gw.proc), "the gateway must stop cleanly on SIGTERM"

@@ -1,0 +1,109 @@
+"""The `switchyard` command line as a user runs it (real subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from tests.integration.conftest import SWITCHYARD
+from tests.unit.policy.base import base, to_yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([SWITCHYARD, *args], capture_output=True, text=True, timeout=60, cwd=cwd,
+                          env={**os.environ, **(env or {})})
+
+
+def test_policy_validate_accepts_the_demo_policy() -> None:
+    result = run("policy", "validate", str(ROOT / "policies.yaml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "valid (2 regions, 6 pools, 3 models, 1 routes, 3 tiers; 5 policy tests passed)" in result.stdout
+
+
+def test_policy_validate_prints_one_line_per_error(tmp_path: Path) -> None:
+    doc = base()
+    doc["pools"][0]["region"] = "us-esat"
+    doc["tiers"][0]["priority"] = "nope"
+    doc["models"][1]["fallback"] = ["nowhere"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(to_yaml(doc))
+    result = run("policy", "validate", str(bad))
+    assert result.returncode == 1
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 3, result.stdout
+    assert lines[0].startswith("pools[small-us].region: unknown region 'us-esat'; did you mean 'us-east'? (")
+    assert all(f"({bad}:" in line for line in lines)
+    as_json = json.loads(run("policy", "validate", "--json", str(bad)).stdout)
+    assert as_json["valid"] is False and len(as_json["errors"]) == 3
+    assert {"path", "message", "line", "source"} == set(as_json["errors"][0])
+
+
+def test_policy_validate_missing_file(tmp_path: Path) -> None:
+    result = run("policy", "validate", str(tmp_path / "nope.yaml"))
+    assert result.returncode == 1
+    assert "cannot read policy file" in result.stdout
+
+
+def test_policy_schema_is_json_schema_that_checks_the_demo(tmp_path: Path) -> None:
+    result = run("policy", "schema")
+    assert result.returncode == 0
+    schema = json.loads(result.stdout)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    from ruamel.yaml import YAML
+
+    demo = YAML(typ="safe").load((ROOT / "policies.yaml").read_text())
+    jsonschema.validate(demo, schema)
+    demo["pools"][0]["kv_cache_tokens"] = "lots"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(demo, schema)
+
+
+def test_db_upgrade_and_key_lifecycle(tmp_path: Path, database_url: str) -> None:
+    env = {"SWITCHYARD_DATABASE_URL": database_url, "SWITCHYARD_POLICY_FILE": str(ROOT / "policies.yaml")}
+    assert "behind head" in run("db", "current", env=env).stdout
+    first = run("keys", "list", env=env)
+    assert first.returncode == 1 and "run `switchyard db upgrade` first" in first.stderr
+    assert run("db", "upgrade", env=env).returncode == 0
+    assert "0001 (current)" in run("db", "current", env=env).stdout
+
+    unknown = run("keys", "create", "--tenant", "acme", "--tier", "gold", env=env)
+    assert unknown.returncode == 1 and "unknown tier 'gold'" in unknown.stderr
+    assert "give --tier" in run("keys", "create", "--tenant", "acme", env=env).stderr
+    created = run("keys", "create", "--tenant", "acme", "--tier", "pro", "--name", "ci", env=env)
+    assert created.returncode == 0
+    secret = created.stdout.strip()
+    assert secret.startswith("sk-sy-") and "shown only this once" in created.stderr
+    clash = run("keys", "create", "--tenant", "acme", "--tier", "free", env=env)
+    assert clash.returncode == 1 and "tenants set-tier acme free" in clash.stderr
+
+    listing = run("keys", "list", env=env).stdout
+    assert "acme" in listing and secret[:12] in listing and secret not in listing
+    keys = json.loads(run("keys", "list", "--json", env=env).stdout)
+    assert [(k["tenant"], k["tier"], k["name"], k["revoked_at"]) for k in keys] == [("acme", "pro", "ci", None)]
+    assert run("keys", "revoke", str(keys[0]["id"]), env=env).returncode == 0
+    again = run("keys", "revoke", str(keys[0]["id"]), env=env)
+    assert again.returncode == 1 and "already revoked" in again.stderr
+
+    assert run("tenants", "set-tier", "acme", "enterprise", env=env).returncode == 0
+    tenants = json.loads(run("tenants", "list", "--json", env=env).stdout)
+    assert [(t["name"], t["tier"]) for t in tenants] == [("acme", "enterprise")]
+
+
+def test_unreachable_database_is_a_clear_error() -> None:
+    result = run("db", "upgrade", env={"SWITCHYARD_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none"})
+    assert result.returncode == 1
+    assert "cannot reach the database" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_settings_are_a_clear_error() -> None:
+    result = run("db", "current", env={"SWITCHYARD_POLICY_SOURCE": "git"})
+    assert result.returncode == 1
+    assert "invalid settings" in result.stderr and "policy_source" in result.stderr
