@@ -1,0 +1,33 @@
+"""Simulated vLLM engines: the OpenAI-compatible API and ``/metrics`` over a performance model.
+
+Owns: ``switchyard sim`` — engines that speak vLLM's HTTP API (``/v1/models``,
+``/v1/completions``, ``/v1/chat/completions``, ``/health``, ``/metrics``) and model what a
+real engine does with a request: a paged KV cache with an LRU prefix cache keyed by chained
+block hashes, continuous batching with chunked prefill and priority scheduling, preemption
+when KV runs out, and step times from a per-hardware roofline cost model (``profiles.py``).
+Also fault injection (``/sim/faults``) and a view of the internals (``/sim/state``).
+
+Must not touch: any other switchyard package. It imports only its own modules, the web
+framework (litestar, uvicorn), msgspec and prometheus_client, so it can run on its own and
+be replaced by real vLLM servers without anything else noticing.
+
+Layout: ``tokens`` (tokenizer, generated text) · ``chat`` (chat template) · ``kv`` (block
+pool, prefix cache) · ``request`` / ``core`` (the synchronous scheduler: ``step()``) ·
+``profiles`` (hardware cost models) · ``runtime`` (the asyncio engine loop on an anchored
+clock) · ``protocol`` / ``responses`` / ``generate`` (the OpenAI surface) · ``metrics`` ·
+``faults`` · ``app`` (Litestar app) · ``serve`` (uvicorn servers, signals).
+"""
+
+from switchyard.sim.app import create_engine_app
+from switchyard.sim.config import EngineConfig
+from switchyard.sim.profiles import PROFILES, HardwareProfile
+from switchyard.sim.serve import run_engines, serve_engines
+
+__all__ = [
+    "PROFILES",
+    "EngineConfig",
+    "HardwareProfile",
+    "create_engine_app",
+    "run_engines",
+    "serve_engines",
+]

@@ -1,0 +1,156 @@
+"""One simulated engine as a Litestar app: vLLM's HTTP surface plus ``/sim/*`` controls.
+
+Routes: ``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (as vLLM's OpenAI server), and ``GET/POST /sim/faults``,
+``GET /sim/state`` (simulator only). The app's lifespan starts and stops the engine loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import msgspec
+from litestar import Litestar, Request, Response, get, post
+from litestar.datastructures import State
+from litestar.enums import MediaType, ScopeType
+from litestar.handlers import asgi
+from litestar.types import ASGIApp, Receive, Scope, Send
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from switchyard.sim.config import EngineConfig, ResolvedConfig, resolve
+from switchyard.sim.faults import FaultError
+from switchyard.sim.generate import handle_generation, send_json
+from switchyard.sim.metrics import EngineMetrics
+from switchyard.sim.protocol import ApiError
+from switchyard.sim.runtime import EngineRuntime
+
+_DOWN = ApiError(503, "Engine is down (sim fault mode 'down').").body()
+
+
+def _engine(state: State) -> EngineRuntime:
+    engine: EngineRuntime = state["engine"]
+    return engine
+
+
+def _scope_engine(scope: Scope) -> EngineRuntime:
+    return _engine(Litestar.from_scope(scope).state)
+
+
+@get("/v1/models", operation_id="listModels", sync_to_thread=False)
+def list_models(state: State) -> dict[str, Any]:
+    """vLLM's model list, with ``max_model_len``."""
+    cfg = _engine(state).config
+    created = int(time.time())
+    card = {
+        "id": cfg.served_model, "object": "model", "created": created, "owned_by": "vllm",
+        "root": cfg.profile.model, "parent": None, "max_model_len": cfg.max_model_len,
+        "permission": [{
+            "id": f"modelperm-{cfg.served_model}", "object": "model_permission",
+            "created": created, "allow_create_engine": False, "allow_sampling": True,
+            "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+            "allow_fine_tuning": False, "organization": "*", "group": None,
+            "is_blocking": False}],
+    }
+    return {"object": "list", "data": [card]}
+
+
+@get("/health", operation_id="health", sync_to_thread=False)
+def health() -> Response[bytes]:
+    """200 with an empty body while the engine is up."""
+    return Response(b"", status_code=200, media_type=MediaType.TEXT)
+
+
+@get("/metrics", operation_id="metrics", sync_to_thread=False)
+def metrics(state: State) -> Response[bytes]:
+    """Prometheus text exposition."""
+    body = state["metrics"].render()
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+@asgi("/v1/completions", copy_scope=False)
+async def completions(scope: Scope, receive: Receive, send: Send) -> None:
+    """``POST /v1/completions``."""
+    await handle_generation(_scope_engine(scope), False, scope, receive, send)  # type: ignore[arg-type]
+
+
+@asgi("/v1/chat/completions", copy_scope=False)
+async def chat_completions(scope: Scope, receive: Receive, send: Send) -> None:
+    """``POST /v1/chat/completions``."""
+    await handle_generation(_scope_engine(scope), True, scope, receive, send)  # type: ignore[arg-type]
+
+
+@get("/sim/faults", operation_id="getFaults", sync_to_thread=False)
+def get_faults(state: State) -> dict[str, Any]:
+    """Current fault settings."""
+    return _engine(state).faults.as_dict()
+
+
+@post("/sim/faults", operation_id="setFaults", status_code=200)
+async def set_faults(request: Request[Any, Any, Any], state: State) -> Response[bytes]:
+    """Change the fault mode.
+
+    Body: ``{"mode": "none"|"error"|"slow"|"hang"|"down", "error_rate": float,
+    "slow_factor": float}`` (numbers left out keep their value). A refused connection is not
+    a mode: stop the process to get one.
+    """
+    faults = _engine(state).faults
+    try:
+        faults.update(msgspec.json.decode(await request.body()))
+    except (msgspec.DecodeError, FaultError) as exc:
+        return Response(ApiError(400, str(exc)).body(), status_code=400,
+                        media_type="application/json")
+    return Response(msgspec.json.encode(faults.as_dict()), media_type="application/json")
+
+
+@get("/sim/state", operation_id="getState", sync_to_thread=False)
+def get_state(state: State) -> dict[str, Any]:
+    """Engine internals: queues, KV blocks, prefix cache, preemptions, clock."""
+    return _engine(state).snapshot()
+
+
+def _down_guard(app: ASGIApp) -> ASGIApp:
+    """Answer 503 on everything but ``/sim/*`` while the fault mode is ``down``."""
+
+    async def guard(scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] == ScopeType.HTTP and not scope["path"].startswith("/sim/")
+                and _scope_engine(scope).faults.mode == "down"):
+            await send_json(send, 503, _DOWN)  # type: ignore[arg-type]
+            return
+        await app(scope, receive, send)
+
+    return guard
+
+
+def build_app(config: ResolvedConfig) -> Litestar:
+    """The app of an already resolved configuration (see ``create_engine_app``)."""
+    engine = EngineRuntime(config)
+
+    @asynccontextmanager
+    async def lifespan(_: Litestar) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    return Litestar(
+        route_handlers=[list_models, health, metrics, completions, chat_completions,
+                        get_faults, set_faults, get_state],
+        state=State({"engine": engine, "metrics": EngineMetrics(engine)}),
+        lifespan=[lifespan],
+        middleware=[_down_guard],
+        openapi_config=None,
+        logging_config=None,
+    )
+
+
+def create_engine_app(config: EngineConfig) -> Litestar:
+    """One engine's ASGI app; its lifespan starts and stops the engine loop.
+
+    Raises:
+        ValueError: The configuration is invalid (unknown profile, bad limits).
+    """
+    return build_app(resolve(config))

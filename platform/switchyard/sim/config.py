@@ -1,0 +1,95 @@
+"""Engine configuration: what the command line gives, resolved against a hardware profile."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from switchyard.sim.profiles import HardwareProfile, get_profile
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One simulated engine, as ``switchyard sim`` is told to run it.
+
+    Attributes:
+        served_model: Model name clients put in ``model`` (vLLM's ``--served-model-name``).
+        port: TCP port to listen on.
+        host: Interface to listen on.
+        profile: Hardware profile name (see ``PROFILES``).
+        max_model_len: Context window; None for the profile's default.
+        kv_cache_tokens: KV-cache capacity in tokens; None for the profile's default.
+        max_num_seqs: Most running sequences; None for the profile's default.
+        time_scale: Simulated seconds per wall-clock second (10 = ten times faster).
+        seed: Seed of the generated text and of fault injection.
+    """
+
+    served_model: str
+    port: int
+    host: str = "127.0.0.1"
+    profile: str = "h100-8b"
+    max_model_len: int | None = None
+    kv_cache_tokens: int | None = None
+    max_num_seqs: int | None = None
+    time_scale: float = 1.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """An ``EngineConfig`` with every default filled in and every limit checked."""
+
+    served_model: str
+    host: str
+    port: int
+    profile: HardwareProfile
+    max_model_len: int
+    kv_cache_tokens: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    time_scale: float
+    seed: int
+
+    def describe(self) -> str:
+        """The one line printed when the engine listens."""
+        return (f"sim: {self.served_model} on http://{self.host}:{self.port} "
+                f"(profile {self.profile.name}, kv {self.kv_cache_tokens} tokens, "
+                f"max_model_len {self.max_model_len})")
+
+
+def resolve(config: EngineConfig) -> ResolvedConfig:
+    """Fill in profile defaults and validate.
+
+    Raises:
+        ValueError: With a message naming the bad setting.
+    """
+    if not config.served_model:
+        raise ValueError("sim: the served model name must not be empty")
+    if not 0 <= config.port <= 65535:
+        raise ValueError(f"sim: port {config.port} is not a valid TCP port")
+    if not config.time_scale > 0:
+        raise ValueError(f"sim: time_scale must be > 0, got {config.time_scale}")
+    profile = get_profile(config.profile)
+    kv = config.kv_cache_tokens if config.kv_cache_tokens is not None else profile.kv_cache_tokens
+    if kv < profile.block_size:
+        raise ValueError(f"sim: kv_cache_tokens must be at least one block "
+                         f"({profile.block_size} tokens), got {kv}")
+    kv -= kv % profile.block_size
+    if config.max_model_len is None:
+        # Like vLLM with a small --gpu-memory-utilization: the default shrinks to what fits.
+        max_len = min(profile.max_model_len, kv)
+    else:
+        max_len = config.max_model_len
+        if max_len < 2:
+            raise ValueError(f"sim: max_model_len must be at least 2, got {max_len}")
+        if max_len > kv:
+            raise ValueError(
+                f"sim: max_model_len {max_len} is larger than the KV cache can hold "
+                f"({kv} tokens); raise kv_cache_tokens or lower max_model_len")
+    seqs = config.max_num_seqs if config.max_num_seqs is not None else profile.max_num_seqs
+    if seqs < 1:
+        raise ValueError(f"sim: max_num_seqs must be at least 1, got {seqs}")
+    return ResolvedConfig(
+        served_model=config.served_model, host=config.host, port=config.port, profile=profile,
+        max_model_len=max_len, kv_cache_tokens=kv, max_num_seqs=seqs,
+        max_num_batched_tokens=profile.max_num_batched_tokens,
+        time_scale=config.time_scale, seed=config.seed)

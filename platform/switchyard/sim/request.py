@@ -1,0 +1,99 @@
+"""One request as the simulated engine core sees it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from switchyard.sim.kv import ROOT_HASH, chain_hash
+from switchyard.sim.tokens import filler_ids
+
+
+class Status(enum.Enum):
+    """Where a request is in the engine."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class TokenSink(Protocol):
+    """Receives a request's progress once the step that produced it has elapsed."""
+
+    def publish(self, request: SimRequest) -> None:
+        """Called after a step produced a token for (or finished) ``request``."""
+
+
+@dataclass(eq=False, slots=True)
+class SimRequest:
+    """A generation request: its prompt, its target output, and its engine state.
+
+    Args:
+        request_id: Identifier (used in logs and ``/sim/state`` only).
+        prompt: Prompt token ids.
+        max_output: Exact number of tokens the request will generate.
+        final_reason: Finish reason when ``max_output`` is reached ("length" or "stop").
+        priority: vLLM priority; lower runs first.
+        arrival: Simulated time the request reached the server (TTFT counts from here).
+        seed: Seed of the generated text.
+        cache_salt: Optional prefix-cache salt (vLLM's ``cache_salt``): separates caches.
+    """
+
+    request_id: str
+    prompt: list[int]
+    max_output: int
+    final_reason: str = "length"
+    priority: int = 0
+    arrival: float = 0.0
+    seed: int = 0
+    cache_salt: str | None = None
+    seq: int = 0
+    status: Status = Status.WAITING
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_registered: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    queued_at: float = 0.0
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float = 0.0
+    finished_at: float | None = None
+    finish_reason: str | None = None
+    sink: TokenSink | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt) + len(self.output)
+
+    def generate(self, count: int) -> None:
+        """Append the next ``count`` generated tokens (deterministic in ``seed``)."""
+        done = len(self.output)
+        self.output.extend(filler_ids(self.seed, done, done + count))
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """Token ids ``[start, stop)`` of prompt followed by output."""
+        p = len(self.prompt)
+        if stop <= p:
+            return self.prompt[start:stop]
+        if start >= p:
+            return self.output[start - p:stop - p]
+        return self.prompt[start:] + self.output[:stop - p]
+
+    def full_block_hashes(self, count: int, block_size: int) -> list[int]:
+        """Chained hashes of the first ``count`` full blocks (computed once, then kept)."""
+        hashes = self.block_hashes
+        if len(hashes) < count:
+            parent = hashes[-1] if hashes else self._root()
+            for idx in range(len(hashes), count):
+                start = idx * block_size
+                parent = chain_hash(parent, self.tokens(start, start + block_size))
+                hashes.append(parent)
+        return hashes[:count]
+
+    def _root(self) -> int:
+        return ROOT_HASH if self.cache_salt is None else hash((ROOT_HASH, self.cache_salt))

@@ -1,0 +1,222 @@
+"""The engine loop: runs the synchronous core against the wall clock.
+
+Simulated time maps to wall time by one fixed anchor: ``sim = (wall - wall0) * time_scale``.
+Each step's outputs are released when the wall clock reaches the simulated end of that step,
+so timer granularity and scheduling jitter never accumulate into drift. When the loop falls
+behind (many streams, a high ``time_scale``), it computes every step up to "now" in one go
+and delivers their tokens together: each stream then gets one write with all its queued
+chunks, the per-token cost drops, and the engine catches up instead of falling further
+behind. Simulated timings (and so the metrics) are the same either way; only the wall-clock
+granularity of delivery coarsens while the process is saturated.
+
+While nothing is queued the loop waits on an event (no polling); a request arriving then
+jumps the idle clock forward to "now".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from switchyard.sim.config import ResolvedConfig
+from switchyard.sim.core import EngineCore
+from switchyard.sim.faults import FaultState
+from switchyard.sim.request import SimRequest, Status
+
+#: Most steps computed between two deliveries when catching up (bounds the loop's latency).
+MAX_STEPS_PER_WAKE = 2048
+
+
+class Waker:
+    """A one-slot wake-up signal shared by the channels of one HTTP request."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self) -> None:
+        self._future: asyncio.Future[None] | None = None
+
+    def wake(self) -> None:
+        """Wake the waiter, if any (a no-op otherwise)."""
+        future = self._future
+        if future is not None and not future.done():
+            future.set_result(None)
+
+    async def wait(self) -> None:
+        """Sleep until the next ``wake``."""
+        self._future = asyncio.get_running_loop().create_future()
+        try:
+            await self._future
+        finally:
+            self._future = None
+
+
+class Channel:
+    """What an HTTP handler may see of one request: tokens whose step has elapsed.
+
+    The core appends a token when it *computes* a step; the channel only shows it once the
+    step's simulated duration has passed on the wall clock.
+    """
+
+    __slots__ = ("finished", "request", "visible", "waker")
+
+    def __init__(self, request: SimRequest, waker: Waker) -> None:
+        self.request = request
+        self.waker = waker
+        self.visible = 0
+        self.finished = False
+
+    def publish(self, request: SimRequest) -> None:
+        """Make the request's progress visible and wake its handler."""
+        self.visible = len(request.output)
+        self.finished = request.status is Status.FINISHED
+        self.waker.wake()
+
+    @property
+    def aborted(self) -> bool:
+        """Whether the request was aborted (client gone, or engine stopping)."""
+        return self.request.finish_reason == "abort"
+
+
+class EngineRuntime:
+    """One simulated engine: core, fault state and the asyncio task that drives them.
+
+    Args:
+        config: The resolved engine configuration.
+    """
+
+    def __init__(self, config: ResolvedConfig) -> None:
+        self.config = config
+        self.core = EngineCore(
+            config.profile, kv_cache_tokens=config.kv_cache_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len)
+        self.faults = FaultState(config.seed)
+        self.scale = config.time_scale
+        self.lag_s = 0.0
+        self._wall0 = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._live: set[SimRequest] = set()
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the engine loop on the running event loop."""
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._wall0 = loop.time()
+        self._task = loop.create_task(self._run(), name=f"sim-engine-{self.config.port}")
+
+    async def stop(self) -> None:
+        """Stop the loop and abort whatever is still in flight."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for req in list(self._live):
+            self.abort(req)
+
+    # --- clock -------------------------------------------------------------------------------
+
+    def _loop_or_fail(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError("the engine is not started")
+        return self._loop
+
+    def wall_to_sim(self) -> float:
+        """The anchored simulated time of this wall-clock instant."""
+        return (self._loop_or_fail().time() - self._wall0) * self.scale
+
+    def clock(self) -> float:
+        """Simulated "now" for an event arriving from outside the loop (an arrival).
+
+        This is the anchored time, also when the core is lagging behind it (the arrival then
+        waits in the core's pending queue until the catch-up steps reach it) or ahead of it
+        (a step in flight: the arrival joins the queue when that step ends).
+        """
+        t = self.wall_to_sim()
+        if not self.core.has_work():
+            self.core.advance_to(t)
+        return t
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def submit(self, req: SimRequest, channel: Channel) -> None:
+        """Accept a request now; the core adds the profile's frontend overhead."""
+        req.arrival = self.clock()
+        req.sink = channel
+        self._live.add(req)
+        self.core.add_request(req)
+        self._wake.set()
+
+    def abort(self, req: SimRequest) -> None:
+        """Abort a request (frees its KV blocks) and wake its handler."""
+        self._live.discard(req)
+        if req.status is not Status.FINISHED:
+            self.core.abort(req)
+        if req.sink is not None:
+            req.sink.publish(req)
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = self._loop_or_fail()
+        core = self.core
+        live = self._live
+        while True:
+            if not core.has_work():
+                self._wake.clear()
+                # The idle clock was moved to the arrival by ``clock()``; the loop's own
+                # wake-up latency must not be charged to the request.
+                await self._wake.wait()
+                continue
+            core.slow_factor = self.faults.step_factor
+            # One step when on time; every step up to "now" when behind (one delivery each).
+            now = self.wall_to_sim()
+            self.lag_s = max(0.0, now - core.now)
+            emitted = core.advance(until=now, max_steps=MAX_STEPS_PER_WAKE)
+            delay = self._wall0 + core.now / self.scale - loop.time()
+            await asyncio.sleep(max(delay, 0.0))  # sleep(0) still lets handlers run
+            for req in emitted:
+                if req.status is Status.FINISHED:
+                    live.discard(req)
+                sink = req.sink
+                if sink is not None:
+                    sink.publish(req)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Engine internals for ``/sim/state``."""
+        core, kv = self.core, self.core.kv
+        cfg = self.config
+        return {
+            "clock_s": core.now,
+            "steps": core.steps,
+            "busy_s": core.busy_seconds,
+            "running": len(core.running),
+            "waiting": core.num_waiting,
+            "kv_blocks_total": kv.num_blocks,
+            "kv_blocks_used": kv.num_used,
+            "kv_blocks_cached": kv.num_cached,
+            "kv_blocks_free": kv.num_free,
+            "kv_cache_usage": kv.usage,
+            "kv_evictions": kv.evictions,
+            "block_size": core.block_size,
+            "preemptions": core.stats.preemptions,
+            "prefix_cache_queries": core.stats.prefix_queries,
+            "prefix_cache_hits": core.stats.prefix_hits,
+            "slow_factor": core.slow_factor,
+            "model": cfg.served_model,
+            "profile": cfg.profile.name,
+            "time_scale": self.scale,
+            "lag_s": self.lag_s,
+            "in_flight": len(self._live),
+            "max_num_seqs": cfg.max_num_seqs,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "max_model_len": cfg.max_model_len,
+            "kv_cache_tokens": cfg.kv_cache_tokens,
+            "faults": self.faults.as_dict(),
+        }

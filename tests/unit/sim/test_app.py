@@ -1,0 +1,128 @@
+"""The engine app in process (Litestar's test client): routes, shapes, faults, clock."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import msgspec
+import pytest
+from litestar.testing import AsyncTestClient
+
+from switchyard.sim import EngineConfig, create_engine_app
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[AsyncTestClient]:  # type: ignore[type-arg]
+    app = create_engine_app(EngineConfig(served_model="m", port=1, time_scale=1000, seed=1))
+    async with AsyncTestClient(app=app) as c:
+        yield c
+
+
+def _events(body: str) -> list[str]:
+    return [line.removeprefix("data: ") for line in body.split("\n\n") if line]
+
+
+async def test_create_engine_app_rejects_bad_config() -> None:
+    with pytest.raises(ValueError, match="unknown profile"):
+        create_engine_app(EngineConfig(served_model="m", port=1, profile="x"))
+    with pytest.raises(ValueError, match="time_scale"):
+        create_engine_app(EngineConfig(served_model="m", port=1, time_scale=-1))
+
+
+async def test_simulated_timings_do_not_depend_on_wall_clock(client: AsyncTestClient) -> None:  # type: ignore[type-arg]
+    # At time_scale 1000 one millisecond of timer slack would be a whole simulated second;
+    # the engine's own clock must still report the model's ~12 ms TTFT and ~6.4 ms ITL.
+    resp = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5})
+    assert resp.status_code == 200
+    metrics = (await client.get("/metrics")).text
+    values = dict(line.rsplit(" ", 1) for line in metrics.splitlines()
+                  if line and not line.startswith("#"))
+    labels = '{engine="0",model_name="m"}'
+    ttft = float(values[f"vllm:time_to_first_token_seconds_sum{labels}"])
+    itl = float(values[f"vllm:inter_token_latency_seconds_sum{labels}"])
+    assert 0.010 < ttft < 0.020
+    assert 4 * 0.006 < itl < 4 * 0.008
+
+
+async def test_multi_prompt_streaming_interleaves_choices(client: AsyncTestClient) -> None:  # type: ignore[type-arg]
+    resp = await client.post("/v1/completions", json={
+        "prompt": [[1, 2, 3], [4, 5]], "max_tokens": 4, "stream": True,
+        "stream_options": {"include_usage": True}, "priority": -1})
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    events = _events(resp.text)
+    assert events[-1] == "[DONE]"
+    chunks = [msgspec.json.decode(e) for e in events[:-1]]
+    per_choice = [sum(1 for c in chunks if c["choices"] and c["choices"][0]["index"] == i)
+                  for i in (0, 1)]
+    assert per_choice == [4, 4]
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["prompt_tokens"] == 5
+    assert chunks[-1]["usage"]["completion_tokens"] == 8
+
+
+async def test_chat_stream_shape(client: AsyncTestClient) -> None:  # type: ignore[type-arg]
+    resp = await client.post("/v1/chat/completions", headers={"x-request-id": "abc"}, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True})
+    chunks = [msgspec.json.decode(e) for e in _events(resp.text)[:-1]]
+    assert chunks[0]["id"] == "chatcmpl-abc"
+    assert chunks[0]["object"] == "chat.completion.chunk"
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
+    assert all("usage" not in c for c in chunks)
+
+
+async def test_client_mistakes_never_500(client: AsyncTestClient) -> None:  # type: ignore[type-arg]
+    for body in (b"", b"{", b"[]", b'{"prompt": null}', b'{"prompt": "x", "max_tokens": -1}',
+                 b'{"messages": [{"role": 1}]}', b'{"prompt": [1, 2.5]}'):
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            resp = await client.post(path, content=body)
+            assert resp.status_code == 400, (path, body, resp.text)
+            assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+    assert (await client.get("/v1/completions")).status_code == 405
+
+
+async def test_fault_settings_validate_and_round_trip(client: AsyncTestClient) -> None:  # type: ignore[type-arg]
+    assert (await client.get("/sim/faults")).json()["mode"] == "none"
+    for bad in ({"mode": "broken"}, {"error_rate": 2}, {"slow_factor": 0}, {"colour": 1}, [1]):
+        resp = await client.post("/sim/faults", json=bad)
+        assert resp.status_code == 400
+        assert resp.json()["error"]["type"] == "BadRequestError"
+    resp = await client.post("/sim/faults", json={"mode": "error", "error_rate": 0.25})
+    assert resp.status_code == 200
+    assert (await client.get("/sim/faults")).json() == {
+        "mode": "error", "error_rate": 0.25, "slow_factor": 5.0}
+
+
+async def test_error_rate_is_a_fraction(client: AsyncTestClient) -> None:  # type: ignore[type-arg]
+    await client.post("/sim/faults", json={"mode": "error", "error_rate": 0.5})
+    codes = [(await client.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}))
+             .status_code for _ in range(40)]
+    assert set(codes) == {200, 500}
+    assert 8 <= codes.count(500) <= 32
+
+
+async def test_state_reports_internals(client: AsyncTestClient) -> None:  # type: ignore[type-arg]
+    await client.post("/v1/completions", json={"prompt": "x " * 100, "max_tokens": 2})
+    state = (await client.get("/sim/state")).json()
+    for key in ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_blocks_cached",
+                "preemptions", "clock_s", "faults", "lag_s"):
+        assert key in state
+    assert state["kv_blocks_cached"] >= 6 and state["kv_blocks_used"] == 0
+    assert state["clock_s"] > 0
+
+
+async def test_multi_turn_conversation_reuses_the_previous_turn(client: AsyncTestClient) -> None:  # type: ignore[type-arg]
+    history = [{"role": "system", "content": "You are terse. " * 20},
+               {"role": "user", "content": "Describe the cache."}]
+    first = (await client.post("/v1/chat/completions",
+                               json={"messages": history, "max_tokens": 40})).json()
+    answer = first["choices"][0]["message"]["content"]
+    history += [{"role": "assistant", "content": answer},
+                {"role": "user", "content": "And then?"}]
+    second = (await client.post("/v1/chat/completions",
+                                json={"messages": history, "max_tokens": 5})).json()
+    previous = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    # Everything up to the last full block of the previous turn's output is reused.
+    assert cached >= (previous - 1) // 16 * 16 - 16
+    assert cached > first["usage"]["prompt_tokens"]
