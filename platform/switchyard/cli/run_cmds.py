@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import click
@@ -11,6 +12,9 @@ from sqlalchemy.exc import OperationalError
 
 from switchyard.cli.context import cli_context
 from switchyard.policy import PolicyError, PolicySnapshot, compile_policy, read_policy_file
+
+if TYPE_CHECKING:
+    from switchyard.sim import EngineConfig
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -43,11 +47,11 @@ def serve(host: str | None, port: int | None, policy_source: str | None) -> None
 
 
 def engines_for_policy(snapshot: PolicySnapshot, regions: tuple[str, ...] = (), pools: tuple[str, ...] = (),
-                       time_scale: float = 1.0, seed: int = 0) -> list[object]:
+                       time_scale: float = 1.0, seed: int = 0) -> list[EngineConfig]:
     """One simulated engine per loopback endpoint of the policy's pools (optionally filtered)."""
     from switchyard.sim import EngineConfig
 
-    configs: list[object] = []
+    configs: list[EngineConfig] = []
     for pool in snapshot.pools.values():
         if (regions and pool.region not in regions) or (pools and pool.name not in pools):
             continue
@@ -101,7 +105,4 @@ def sim(policy_path: Path | None, regions: tuple[str, ...], pools: tuple[str, ..
         configs = [EngineConfig(served_model=served_model, port=port, host=host, profile=profile,
                                 kv_cache_tokens=kv_cache_tokens, max_model_len=max_model_len,
                                 max_num_seqs=max_num_seqs, time_scale=time_scale, seed=seed)]
-    try:
-        run_engines(configs)  # type: ignore[arg-type]
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
+    run_engines(configs)  # bad configuration exits with one line saying what is wrong

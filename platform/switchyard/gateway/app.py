@@ -13,6 +13,7 @@ import switchyard
 from switchyard.admin.console import admin_router
 from switchyard.gateway import openai_api, ops
 from switchyard.gateway.errors import ApiError, api_error_handler, http_exception_handler, internal_error_handler
+from switchyard.gateway.proxy import Proxy
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.resources import static_dir, templates_dir
 from switchyard.settings import Settings
@@ -41,4 +42,5 @@ def create_app(settings: Settings) -> Litestar:
         debug=False,
     )
     app.state.runtime = runtime
+    app.state.proxy = Proxy(runtime)
     return app

@@ -11,6 +11,11 @@ from switchyard.gateway.proxy import Proxy
 from switchyard.gateway.runtime import GatewayRuntime
 
 
+def _proxy(request: Request[Any, Any, Any]) -> Proxy:
+    proxy: Proxy = request.app.state.proxy
+    return proxy
+
+
 def _runtime(request: Request[Any, Any, Any]) -> GatewayRuntime:
     runtime: GatewayRuntime = request.app.state.runtime
     return runtime
@@ -19,13 +24,13 @@ def _runtime(request: Request[Any, Any, Any]) -> GatewayRuntime:
 @post("/v1/chat/completions", operation_id="createChatCompletion", status_code=200)
 async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
     """Create a chat completion (streaming with ``stream: true``)."""
-    return await Proxy(_runtime(request)).handle(request, "chat")
+    return await _proxy(request).handle(request, "chat")
 
 
 @post("/v1/completions", operation_id="createCompletion", status_code=200)
 async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
     """Create a text completion (streaming with ``stream: true``)."""
-    return await Proxy(_runtime(request)).handle(request, "completion")
+    return await _proxy(request).handle(request, "completion")
 
 
 @get("/v1/models", operation_id="listModels")

@@ -142,7 +142,9 @@ class Proxy:
             metrics.requests.labels(model, pool, str(status)).inc()
             metrics.duration.labels(model, pool).observe(time.perf_counter() - started)
 
-        upstream_headers = {"Content-Type": "application/json", "X-Request-Id": headers["x-request-id"]}
+        # The engine gets an id of our own: clients may reuse theirs, and two in-flight requests
+        # with one id would collide inside the engine.
+        upstream_headers = {"Content-Type": "application/json", "X-Request-Id": uuid.uuid4().hex}
         try:
             response = await post(runtime.http, choice.url + _PATHS[kind], payload, upstream_headers)
         except UpstreamFailure as failure:
