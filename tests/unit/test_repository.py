@@ -1,0 +1,41 @@
+"""The repository keeps its promises to a newcomer: README commands, CI, layout."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _readme_commands() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    return re.findall(r"```bash\n(.+?)\n```", readme, flags=re.S)
+
+
+def test_readme_starts_with_demo_then_test_command() -> None:
+    demo, tests = _readme_commands()[:2]
+    assert demo.endswith("switchyard demo")
+    assert "pytest" in tests
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    tests = _readme_commands()[1]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert tests in ci.splitlines(), ".ci/run must call the README's test command verbatim"
+
+
+def test_platform_is_a_source_root_not_a_package() -> None:
+    assert not (ROOT / "platform" / "__init__.py").exists(), "it would shadow the stdlib module 'platform'"
+    for package in ("policy", "decide", "gateway", "engines", "store", "admin", "sim"):
+        init = ROOT / "platform" / "switchyard" / package / "__init__.py"
+        assert init.read_text().lstrip().startswith('"""'), f"{package} needs a docstring saying what it owns"
+
+
+def test_dependency_direction() -> None:
+    """policy imports no other switchyard package; decide only policy; sim only itself."""
+    allowed = {"policy": {"policy"}, "decide": {"decide", "policy"}, "sim": {"sim"}}
+    for package, ok in allowed.items():
+        for path in (ROOT / "platform" / "switchyard" / package).rglob("*.py"):
+            for imported in re.findall(r"^\s*(?:from|import) switchyard\.(\w+)", path.read_text(), flags=re.M):
+                assert imported in ok, f"{path.relative_to(ROOT)} imports switchyard.{imported}"
