@@ -41,7 +41,7 @@ def test_demo_runs_and_stops_cleanly(tmp_path: Path) -> None:
         key = re.search(r"(sk-sy-[A-Za-z0-9_-]+)", output)
         assert key, output
         base = f"http://127.0.0.1:{gateway_port}"
-        for shown in (f"{base}/v1", f"{base}/admin/", "curl -s", "from openai import OpenAI"):
+        for shown in (f"{base}/v1", f"{base}/admin/", "curl -s", "from openai import OpenAI", "policy v1)"):
             assert shown in output
         client = OpenAI(base_url=f"{base}/v1", api_key=key.group(1), max_retries=0)
         reply = client.chat.completions.with_raw_response.create(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -70,10 +71,19 @@ def _demo_key(settings: Settings, snapshot: PolicySnapshot) -> tuple[str, str]:
     return secret, tier
 
 
+def _policy_label(base: str, fallback: str) -> str:
+    """The version the gateway serves (it numbers the policy when it records it)."""
+    try:
+        with urllib.request.urlopen(f"{base}/readyz", timeout=2) as response:  # noqa: S310 - loopback only
+            return str(json.load(response)["checks"]["policy"]["version"])
+    except (urllib.error.URLError, OSError, KeyError, ValueError):
+        return fallback
+
+
 def _banner(base: str, key: str, tier: str, snapshot: PolicySnapshot, engines: int) -> str:
     model = "auto" if "auto" in snapshot.routes else next(iter(snapshot.models))
     return f"""
-Switchyard demo is running ({engines} simulated vLLM engines, policy {snapshot.label}).
+Switchyard demo is running ({engines} simulated vLLM engines, policy {_policy_label(base, snapshot.label)}).
 
   API (OpenAI-compatible)  {base}/v1
   Admin console            {base}/admin/
@@ -87,7 +97,7 @@ Try it:
     -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "hi there"}}], "max_tokens": 32}}' -i
 
-  python - <<'PY'
+  pip install openai && python - <<'PY'
 from openai import OpenAI
 client = OpenAI(base_url="{base}/v1", api_key="{key}")
 for chunk in client.chat.completions.create(model="{model}", stream=True, max_tokens=64,
