@@ -60,11 +60,11 @@ _PLAIN_MESSAGES = {
 }
 
 
-def _message(err: ErrorDetails, raw: Any) -> str:
+def _message(err: ErrorDetails) -> str:
     kind = err["type"]
     if kind == "extra_forbidden":
         field = str(err["loc"][-1])
-        allowed = _allowed_fields(err["loc"][:-1], raw)
+        allowed = _allowed_fields(err["loc"][:-1])
         hint = get_close_matches(field, allowed, n=1)
         suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
         return f"unknown field {field!r}{suggestion}"
@@ -88,7 +88,7 @@ def _message(err: ErrorDetails, raw: Any) -> str:
     return str(err["msg"]).removeprefix("Value error, ")
 
 
-def _allowed_fields(parent: tuple[Any, ...], raw: Any) -> list[str]:
+def _allowed_fields(parent: tuple[Any, ...]) -> list[str]:
     """Field names valid at ``parent``, found by walking the schema along the raw path."""
     model: type[BaseModel] | None = PolicyDocument
     for part in parent:
@@ -127,7 +127,7 @@ def parse_policy(text: str, source: str = "<policy>") -> PolicyDocument:
         issues = []
         for err in exc.errors(include_url=False):
             path, line = locate(raw, tuple(err["loc"]))
-            issues.append(PolicyIssue(path, _message(err, raw), line, source))
+            issues.append(PolicyIssue(path, _message(err), line, source))
         raise PolicyError(sorted(issues, key=lambda i: (i.line or 0, i.path))) from None
     found = check_references(doc)
     if found:
