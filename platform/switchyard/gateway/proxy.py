@@ -110,6 +110,12 @@ def engine_error(err: EngineError, choice: EndpointChoice, headers: dict[str, st
     return BadGateway(f"The engine of {where} answered {err.status}: {err.message}", headers=headers)
 
 
+def failure_error(failure: UpstreamFailure, pool: str, headers: dict[str, str]) -> ApiError:
+    """504 when the engine did not answer in time, 502 when it could not be reached or broke off."""
+    cls = GatewayTimeout if failure.timeout else BadGateway
+    return cls(f"Upstream failure in pool {pool}: {failure}", headers=headers)
+
+
 class Proxy:
     """Carries requests to the engines."""
 
@@ -167,12 +173,11 @@ class Proxy:
         try:
             response = await post(runtime.http, choice.url + _PATHS[kind], payload, upstream_headers)
         except UpstreamFailure as failure:
-            error: ApiError = (GatewayTimeout if failure.timeout else BadGateway)(
-                f"Upstream failure in pool {pool}: {failure}", headers=headers)
+            error = failure_error(failure, pool, headers)
             done(error.status_code)
             raise error from None
         if response.status >= 300:
-            error = engine_error(await read_engine_error(response), choice, headers)
+            error: ApiError = engine_error(await read_engine_error(response), choice, headers)
             done(error.status_code)
             raise error
         first_byte = self._first_byte_observer(model, pool, started)
@@ -184,8 +189,7 @@ class Proxy:
         try:
             data = await read_body(response)
         except UpstreamFailure as failure:
-            error = (GatewayTimeout if failure.timeout else BadGateway)(
-                f"Upstream failure in pool {pool}: {failure}", headers=headers)
+            error = failure_error(failure, pool, headers)
             done(error.status_code)
             raise error from None
         first_byte()
