@@ -177,7 +177,7 @@ class Proxy:
             done(error.status_code)
             raise error from None
         if response.status >= 300:
-            error: ApiError = engine_error(await read_engine_error(response), choice, headers)
+            error = engine_error(await read_engine_error(response), choice, headers)
             done(error.status_code)
             raise error
         first_byte = self._first_byte_observer(model, pool, started)
