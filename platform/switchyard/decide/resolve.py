@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 from switchyard.decide.features import RequestFeatures
 from switchyard.policy.schema import Model, RuleConditions
@@ -38,26 +40,35 @@ def _regex(pattern: str) -> re.Pattern[str]:
     return re.compile(pattern)
 
 
+Condition = Callable[[Any, RequestFeatures, str], bool]
+
+# One predicate per condition field of RuleConditions: (value from the policy, request, tier).
+_CONDITIONS: dict[str, Condition] = {
+    "prompt_tokens_lt": lambda v, f, _t: f.prompt_tokens < v,
+    "prompt_tokens_gte": lambda v, f, _t: f.prompt_tokens >= v,
+    "messages_lt": lambda v, f, _t: f.messages < v,
+    "messages_gte": lambda v, f, _t: f.messages >= v,
+    "max_tokens_lt": lambda v, f, _t: f.max_tokens is not None and f.max_tokens < v,
+    "max_tokens_gte": lambda v, f, _t: f.max_tokens is not None and f.max_tokens >= v,
+    "has_tools": lambda v, f, _t: f.has_tools == v,
+    "json_mode": lambda v, f, _t: f.json_mode == v,
+    "has_images": lambda v, f, _t: f.has_images == v,
+    "match": lambda v, f, _t: _regex(v).search(f.last_user_text) is not None,
+    "no_match": lambda v, f, _t: _regex(v).search(f.last_user_text) is None,
+    "system_match": lambda v, f, _t: _regex(v).search(f.system_text) is not None,
+    "tier": lambda v, _f, t: t in v,
+    "header": lambda v, f, _t: all(f.headers.get(k.lower()) == want for k, want in v.items()),
+}
+assert set(_CONDITIONS) == set(RuleConditions.model_fields), "every rule condition needs a predicate"
+
+
 def rule_matches(when: RuleConditions, features: RequestFeatures, tier: str) -> bool:
     """Whether every condition that ``when`` sets holds for the request."""
-    f = features
-    checks = (
-        (when.prompt_tokens_lt, lambda v: f.prompt_tokens < v),
-        (when.prompt_tokens_gte, lambda v: f.prompt_tokens >= v),
-        (when.messages_lt, lambda v: f.messages < v),
-        (when.messages_gte, lambda v: f.messages >= v),
-        (when.max_tokens_lt, lambda v: f.max_tokens is not None and f.max_tokens < v),
-        (when.max_tokens_gte, lambda v: f.max_tokens is not None and f.max_tokens >= v),
-        (when.has_tools, lambda v: f.has_tools == v),
-        (when.json_mode, lambda v: f.json_mode == v),
-        (when.has_images, lambda v: f.has_images == v),
-        (when.match, lambda v: _regex(v).search(f.last_user_text) is not None),
-        (when.no_match, lambda v: _regex(v).search(f.last_user_text) is None),
-        (when.system_match, lambda v: _regex(v).search(f.system_text) is not None),
-        (when.tier, lambda v: tier in v),
-        (when.header, lambda v: all(f.headers.get(k.lower()) == want for k, want in v.items())),
-    )
-    return all(check(value) for value, check in checks if value is not None)
+    for name in when.model_fields_set:
+        value = getattr(when, name)
+        if value is not None and not _CONDITIONS[name](value, features, tier):
+            return False
+    return True
 
 
 def resolve_model(snapshot: PolicySnapshot, tier_name: str, features: RequestFeatures) -> ModelDecision:
