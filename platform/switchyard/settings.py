@@ -35,6 +35,15 @@ class Settings(BaseSettings):
     key_cache_ttl_s: float = Field(
         default=5.0, ge=0, description="How long a key lookup is trusted (revocation delay)."
     )
+    scrape_interval_s: float = Field(
+        default=1.0, gt=0, description="How often each engine's /metrics is read for load signals."
+    )
+    max_attempts: int = Field(
+        default=3, ge=1, le=10, description="Most engines one request is sent to (first try plus fallbacks)."
+    )
+    endpoint_cooldown_s: float = Field(
+        default=5.0, ge=0, description="How long an engine that refused a connection is left out."
+    )
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -1,32 +1,123 @@
-"""Per-endpoint observations that outlive policy reloads (keyed by URL)."""
+"""Per-endpoint observations that outlive policy reloads (keyed by URL).
+
+Three sources feed an endpoint's state:
+
+- the gateway's own accounting: requests this process has in flight there;
+- the engine's ``/metrics`` (running and waiting requests, KV-cache usage, prefix-cache
+  counters), scraped on an interval by :mod:`switchyard.engines.scrape`;
+- passive health: an endpoint that refused a connection is left out for a cool-down.
+
+The load estimate combines the first two so that a burst between two scrapes is not all sent to
+one endpoint (see :meth:`EndpointState.load`).
+"""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 
-class EndpointLoad:
-    """Requests this gateway process has in flight at each endpoint."""
 
-    __slots__ = ("_outstanding",)
+@dataclass(frozen=True, slots=True)
+class EngineSignals:
+    """What one scrape of an engine's ``/metrics`` said (sums over its label sets)."""
 
-    def __init__(self) -> None:
-        self._outstanding: dict[str, int] = {}
+    running: float
+    waiting: float
+    kv_usage: float
+    prefix_queries: float
+    prefix_hits: float
+
+
+class EndpointState:
+    """Everything the gateway knows about one engine URL."""
+
+    __slots__ = ("down_until", "failure", "outstanding", "outstanding_at_scrape", "scrape_error", "scraped_at",
+                 "signals", "url")
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.outstanding = 0
+        self.signals: EngineSignals | None = None
+        self.scraped_at = 0.0
+        self.outstanding_at_scrape = 0
+        self.scrape_error: str | None = None
+        self.down_until = 0.0
+        self.failure: str | None = None
+
+    def load(self, now: float, max_age: float) -> float:
+        """Requests the engine is estimated to hold (running + waiting), from every gateway.
+
+        With a scrape younger than ``max_age``: the engine's running + waiting at scrape time,
+        plus what this process dispatched there since (its in-flight count now minus then),
+        never less than this process's own in-flight count. Otherwise only the own count.
+        """
+        signals = self.signals
+        if signals is None or now - self.scraped_at > max_age:
+            return float(self.outstanding)
+        scraped = signals.running + signals.waiting + (self.outstanding - self.outstanding_at_scrape)
+        return max(float(self.outstanding), scraped)
+
+    def queued(self, now: float, max_age: float) -> float:
+        """Requests waiting inside the engine at the last fresh scrape (0 when unknown)."""
+        signals = self.signals
+        if signals is None or now - self.scraped_at > max_age:
+            return 0.0
+        return signals.waiting
+
+    def healthy(self, now: float) -> bool:
+        """Whether the endpoint is not in a failure cool-down."""
+        return now >= self.down_until
+
+
+class EndpointRegistry:
+    """The state of every endpoint this process has seen, by URL."""
+
+    __slots__ = ("_states", "signal_max_age")
+
+    def __init__(self, signal_max_age: float = 3.0) -> None:
+        self._states: dict[str, EndpointState] = {}
+        #: Scrapes older than this are not trusted (the engine may have stopped answering them).
+        self.signal_max_age = signal_max_age
+
+    def state(self, url: str) -> EndpointState:
+        """The state of ``url`` (created on first use)."""
+        state = self._states.get(url)
+        if state is None:
+            state = self._states[url] = EndpointState(url)
+        return state
 
     def outstanding(self, url: str) -> int:
-        """In-flight requests at ``url``."""
-        return self._outstanding.get(url, 0)
+        """In-flight requests at ``url`` from this process."""
+        state = self._states.get(url)
+        return state.outstanding if state is not None else 0
 
     def acquire(self, url: str) -> None:
         """Count a request dispatched to ``url``."""
-        self._outstanding[url] = self._outstanding.get(url, 0) + 1
+        self.state(url).outstanding += 1
 
     def release(self, url: str) -> None:
         """Count a request at ``url`` as finished."""
-        left = self._outstanding.get(url, 0) - 1
-        if left > 0:
-            self._outstanding[url] = left
-        else:
-            self._outstanding.pop(url, None)
+        state = self.state(url)
+        state.outstanding = max(0, state.outstanding - 1)
 
-    def snapshot(self) -> dict[str, int]:
-        """A copy of the in-flight counts, for display."""
-        return dict(self._outstanding)
+    def record_scrape(self, url: str, signals: EngineSignals, now: float | None = None) -> None:
+        """Store a successful scrape."""
+        state = self.state(url)
+        state.signals = signals
+        state.scraped_at = time.monotonic() if now is None else now
+        state.outstanding_at_scrape = state.outstanding
+        state.scrape_error = None
+
+    def record_scrape_error(self, url: str, error: str) -> None:
+        """Note that ``url``'s metrics could not be read (its last signals age out)."""
+        self.state(url).scrape_error = error
+
+    def mark_down(self, url: str, reason: str, cooldown_s: float, now: float | None = None) -> None:
+        """Leave ``url`` out of picking for ``cooldown_s``: it refused a connection."""
+        state = self.state(url)
+        state.down_until = (time.monotonic() if now is None else now) + cooldown_s
+        state.failure = reason
+
+    def snapshot(self) -> dict[str, EndpointState]:
+        """The states, for display (do not mutate)."""
+        return dict(self._states)

@@ -1,0 +1,134 @@
+"""Load signals from each engine's Prometheus ``/metrics``, read on an interval.
+
+vLLM's exposition is large (tens of kB of histogram buckets per engine) and the gateway needs five
+series of it, so the parser reads only sample lines of those names instead of building every
+metric family: it is called for every endpoint every second on the event loop that serves
+requests. ``tests/unit/engines/test_scrape.py`` checks it against ``prometheus_client``'s parser.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+
+import aiohttp
+
+from switchyard.engines.endpoints import EndpointRegistry, EngineSignals
+
+log = logging.getLogger("switchyard.scrape")
+
+#: The series read, by what they mean. vLLM V1 names; ``gpu_cache_usage_perc`` is the V0 name of
+#: KV-cache usage, still read for older servers.
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+_WANTED = (RUNNING, WAITING, *KV_USAGE, PREFIX_QUERIES, PREFIX_HITS)
+
+
+class MetricsFormatError(ValueError):
+    """The text is not a vLLM metrics exposition (none of the load series is in it)."""
+
+
+def _sample(line: str) -> tuple[str, float] | None:
+    """Name and value of one sample line of a wanted series, else None."""
+    for name in _WANTED:
+        if line.startswith(name):
+            rest = line[len(name):]
+            if rest[:1] == "{":
+                end = rest.rfind("}")
+                if end < 0:
+                    return None
+                rest = rest[end + 1:]
+            elif rest[:1] not in (" ", "\t"):
+                return None  # a longer name that starts with a wanted one
+            fields = rest.split()
+            if not fields:
+                return None
+            try:
+                value = float(fields[0])
+            except ValueError:
+                return None
+            return name, value if math.isfinite(value) else 0.0
+    return None
+
+
+def parse_engine_metrics(text: str) -> EngineSignals:
+    """The load signals in a ``/metrics`` text, summed over label sets (engines, models).
+
+    Raises:
+        MetricsFormatError: neither running nor waiting requests are reported.
+    """
+    sums: dict[str, float] = {}
+    kv: list[float] = []
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        parsed = _sample(line)
+        if parsed is None:
+            continue
+        name, value = parsed
+        if name in KV_USAGE:
+            kv.append(value)
+        else:
+            sums[name] = sums.get(name, 0.0) + value
+    if RUNNING not in sums and WAITING not in sums:
+        raise MetricsFormatError(f"no {RUNNING} or {WAITING} series")
+    return EngineSignals(
+        running=sums.get(RUNNING, 0.0),
+        waiting=sums.get(WAITING, 0.0),
+        # Several engines behind one URL (data parallel) each report a fraction; the most
+        # loaded one bounds what can be admitted.
+        kv_usage=max(kv) if kv else 0.0,
+        prefix_queries=sums.get(PREFIX_QUERIES, 0.0),
+        prefix_hits=sums.get(PREFIX_HITS, 0.0),
+    )
+
+
+class MetricsScraper:
+    """Reads every endpoint's ``/metrics`` each interval into an :class:`EndpointRegistry`.
+
+    A connection refused takes the endpoint out for the cool-down (it is down); any other
+    failure only ages its signals out, so load falls back to the gateway's own accounting.
+    """
+
+    def __init__(self, registry: EndpointRegistry, session: aiohttp.ClientSession,
+                 urls: Callable[[], Iterable[str]], interval_s: float, cooldown_s: float) -> None:
+        self.registry = registry
+        self.session = session
+        self.urls = urls
+        self.interval_s = interval_s
+        self.cooldown_s = cooldown_s
+        self._timeout = aiohttp.ClientTimeout(total=max(0.5, min(interval_s * 2, 5.0)))
+
+    async def scrape(self, url: str) -> None:
+        """Read one endpoint's metrics and record what they say."""
+        try:
+            async with self.session.get(url + "/metrics", timeout=self._timeout) as response:
+                if response.status != 200:
+                    self.registry.record_scrape_error(url, f"/metrics answered {response.status}")
+                    return
+                text = await response.text()
+            signals = parse_engine_metrics(text)
+        except aiohttp.ClientConnectorError as exc:
+            reason = f"cannot connect: {exc.os_error.strerror or exc.os_error}"
+            self.registry.record_scrape_error(url, reason)
+            self.registry.mark_down(url, reason, self.cooldown_s)
+            return
+        except (TimeoutError, aiohttp.ClientError, MetricsFormatError, UnicodeDecodeError) as exc:
+            self.registry.record_scrape_error(url, f"{exc.__class__.__name__}: {exc}")
+            return
+        self.registry.record_scrape(url, signals, time.monotonic())
+
+    async def run(self) -> None:
+        """Scrape forever (cancel the task to stop)."""
+        while True:
+            started = time.monotonic()
+            urls = sorted(set(self.urls()))
+            if urls:
+                await asyncio.gather(*(self.scrape(url) for url in urls))
+            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))

@@ -1,0 +1,102 @@
+"""The targeted /metrics parser agrees with prometheus_client's full parser."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from switchyard.engines.endpoints import EndpointRegistry, EngineSignals
+from switchyard.engines.scrape import (
+    KV_USAGE,
+    PREFIX_HITS,
+    PREFIX_QUERIES,
+    RUNNING,
+    WAITING,
+    MetricsFormatError,
+    parse_engine_metrics,
+)
+
+# The shape of a vLLM 0.x V1 exposition (two engines behind one server, data parallel).
+VLLM_TEXT = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 3.0
+vllm:num_requests_running{engine="1",model_name="tiny"} 2.0
+# HELP vllm:num_requests_running_total_fake A longer name that must not be read as running.
+# TYPE vllm:num_requests_running_total_fake gauge
+vllm:num_requests_running_total_fake{engine="0"} 100.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 4.0
+vllm:num_requests_waiting{engine="1",model_name="tiny"} 0.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="tiny"} 0.5
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 1024.0
+vllm:prefix_cache_queries_created{engine="0",model_name="tiny"} 1.7e+09
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 256.0
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="tiny"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="tiny"} 5.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="tiny"} 5.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="tiny"} 0.5
+"""
+
+
+def reference(text: str) -> EngineSignals:
+    """The same signals computed with prometheus_client's parser."""
+    sums: dict[str, float] = {}
+    kv: list[float] = []
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in KV_USAGE:
+                kv.append(sample.value)
+            elif sample.name in (RUNNING, WAITING, PREFIX_QUERIES, PREFIX_HITS):
+                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+    return EngineSignals(sums.get(RUNNING, 0.0), sums.get(WAITING, 0.0), max(kv, default=0.0),
+                         sums.get(PREFIX_QUERIES, 0.0), sums.get(PREFIX_HITS, 0.0))
+
+
+def test_vllm_exposition_agrees_with_prometheus_client() -> None:
+    signals = parse_engine_metrics(VLLM_TEXT)
+    assert signals == reference(VLLM_TEXT)
+    assert signals == EngineSignals(running=5, waiting=4, kv_usage=0.5, prefix_queries=1024, prefix_hits=256)
+
+
+def test_unlabelled_series_older_names_and_odd_values() -> None:
+    text = ("vllm:num_requests_running 1\nvllm:num_requests_waiting NaN\n"
+            "vllm:gpu_cache_usage_perc{model_name=\"x\"} 0.75 1700000000000\n"
+            "vllm:num_requests_waiting{broken 7\n")
+    assert parse_engine_metrics(text) == EngineSignals(1, 0, 0.75, 0, 0)
+
+
+def test_text_without_load_series_is_rejected() -> None:
+    with pytest.raises(MetricsFormatError):
+        parse_engine_metrics("# nothing here\nprocess_cpu_seconds_total 3\n")
+
+
+def test_load_estimate_combines_scrape_and_own_dispatches() -> None:
+    registry = EndpointRegistry(signal_max_age=3)
+    url = "http://127.0.0.1:1"
+    registry.acquire(url)
+    registry.record_scrape(url, EngineSignals(running=4, waiting=2, kv_usage=0.1, prefix_queries=0, prefix_hits=0),
+                           now=100)
+    state = registry.state(url)
+    assert state.load(100, 3) == 6  # the engine's view already includes our one request
+    registry.acquire(url)
+    registry.acquire(url)
+    assert state.load(101, 3) == 8  # two more sent since the scrape
+    assert state.queued(101, 3) == 2
+    assert state.load(104, 3) == 3  # a stale scrape: only our own count
+    for _ in range(3):
+        registry.release(url)
+    registry.release(url)
+    assert registry.outstanding(url) == 0
+    registry.mark_down(url, "refused", 5, now=200)
+    assert not state.healthy(204) and state.healthy(205)
