@@ -114,6 +114,11 @@ class Pool(Strict):
         min_length=1,
         description="Hardware profile `switchyard sim` uses when it simulates this pool.",
     )
+    priority_scheduling: bool = Field(
+        default=False,
+        description="The replicas run vLLM with `--scheduling-policy priority`: requests carry a `priority` "
+        "from their class. Other pools get no `priority` field (vLLM rejects it there).",
+    )
 
     @model_validator(mode="after")
     def _unique_endpoints(self) -> Pool:
@@ -236,6 +241,11 @@ class PriorityClass(Strict):
     lane: Literal["interactive", "batch"] = "interactive"
     max_queue_ms: PositiveInt | None = None
     shed_above_utilisation: float | None = Field(default=None, gt=0, le=1)
+    engine_priority: int | None = Field(
+        default=None, ge=-1_000_000, le=1_000_000,
+        description="vLLM request `priority` for this class (lower is served first). Default: the class's "
+        "position in `priorities` times 10 (0 for the first class, 10 for the second, ...).",
+    )
 
     @model_validator(mode="after")
     def _deadline(self) -> PriorityClass:

@@ -35,6 +35,7 @@ class PolicySnapshot:
     priorities: MappingProxyType[str, PriorityClass]
     model_pools: MappingProxyType[str, tuple[Pool, ...]]
     tier_allows: MappingProxyType[str, frozenset[str]] = field(repr=False)
+    engine_priority: MappingProxyType[str, int] = field(repr=False)
 
     @property
     def label(self) -> str:
@@ -70,6 +71,10 @@ def build_snapshot(doc: PolicyDocument, text: str, version: int | None = None) -
         priorities=frozen(dict(doc.priorities)),
         model_pools=frozen({m.name: tuple(pools[p] for p in m.pools) for m in doc.models}),
         tier_allows=frozen({t.name: frozenset(t.models) for t in doc.tiers}),
+        engine_priority=frozen({
+            name: cls.engine_priority if cls.engine_priority is not None else 10 * i
+            for i, (name, cls) in enumerate(doc.priorities.items())
+        }),
     )
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from switchyard.decide.features import MAX_MATCH_CHARS, chat_features, completion_features
-from switchyard.decide.pick import candidates, pick_least_outstanding
 from switchyard.decide.policy_tests import run_policy_tests
 from switchyard.decide.resolve import Refused, resolve_model
 from switchyard.decide.tokens import estimate_chat_tokens, estimate_text_tokens
@@ -97,18 +96,6 @@ def test_token_estimate() -> None:
     assert estimate_text_tokens("abcd") == 1
     assert estimate_text_tokens("abcde") == 2
     assert estimate_chat_tokens(["abcd", "abcd"]) == 2 + 8
-
-
-def test_least_outstanding_pick_spreads_ties(snapshot: PolicySnapshot) -> None:
-    options = candidates(snapshot, snapshot.models["small"])
-    assert [o.url for o in options] == ["http://127.0.0.1:9001", "http://127.0.0.1:9002", "http://127.0.0.1:9003"]
-    loads = {"http://127.0.0.1:9001": 3, "http://127.0.0.1:9002": 1, "http://127.0.0.1:9003": 1}
-    picked = {pick_least_outstanding(options, lambda u: loads[u], r).url for r in range(6)}
-    assert picked == {"http://127.0.0.1:9002", "http://127.0.0.1:9003"}
-    choice = pick_least_outstanding(options, lambda u: 0, 0)
-    assert "least of 3" in choice.trace
-    with pytest.raises(ValueError, match="no endpoint"):
-        pick_least_outstanding([], lambda u: 0, 0)
 
 
 def test_policy_tests_report_pass_and_fail(snapshot: PolicySnapshot) -> None:
