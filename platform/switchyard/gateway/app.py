@@ -10,6 +10,7 @@ from litestar.static_files import create_static_files_router
 from litestar.template import TemplateConfig
 
 import switchyard
+from switchyard.admin.api import admin_api_router
 from switchyard.admin.console import admin_router
 from switchyard.gateway import openai_api, ops
 from switchyard.gateway.errors import ApiError, api_error_handler, http_exception_handler, internal_error_handler
@@ -27,6 +28,7 @@ def create_app(settings: Settings) -> Litestar:
             *openai_api.ROUTES,
             *ops.ROUTES,
             admin_router,
+            admin_api_router,
             create_static_files_router(path="/static", directories=[static_dir()], include_in_schema=False),
         ],
         lifespan=[runtime.lifespan],

@@ -51,6 +51,10 @@ def _common(body: dict[str, Any]) -> None:
                              param="stream_options")
     for key in ("max_tokens", "n"):
         _positive_int(body, key)
+    priority = body.get("priority")
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+        raise BadRequest(f"'priority' must be an integer (lower is served first), got {priority!r}.",
+                         param="priority")
 
 
 def check_chat(body: dict[str, Any]) -> None:

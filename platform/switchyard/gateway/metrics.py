@@ -30,6 +30,11 @@ class GatewayMetrics:
         self.in_flight = Gauge(
             "switchyard_upstream_in_flight", "Requests in flight at each pool's engines.",
             ["pool"], registry=self.registry)
+        self.attempts = Counter(
+            "switchyard_upstream_attempts",
+            "Requests sent to engines, by pool and outcome (ok, connect_error, timeout, body_error, "
+            "body_timeout, or the engine's HTTP status); a request that fell back counts once per try.",
+            ["pool", "outcome"], registry=self.registry)
         self.policy_info = Gauge(
             "switchyard_policy_info", "The active policy: 1 for its version and hash.",
             ["version", "sha256"], registry=self.registry)

@@ -6,11 +6,13 @@ the engine → stream or return its answer. Every step that can refuse raises an
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
@@ -19,7 +21,8 @@ from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from switchyard.decide.features import RequestFeatures, chat_features, completion_features
-from switchyard.decide.pick import EndpointChoice, candidates, pick_least_outstanding
+from switchyard.decide.pick import EndpointChoice, Stage, fallback_plan, pick_endpoint
+from switchyard.decide.prefix import block_hashes, prompt_text
 from switchyard.decide.resolve import ModelDecision, Refused, resolve_model
 from switchyard.engines.upstream import (
     EngineError,
@@ -42,6 +45,7 @@ from switchyard.gateway.errors import (
 )
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy import PolicySnapshot
+from switchyard.policy.schema import Pool
 
 Kind = Literal["chat", "completion"]
 _PATHS: dict[Kind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
@@ -71,14 +75,19 @@ class RequestIds:
         return given if given and _REQUEST_ID.match(given) else self.new()
 
 
-def route_header(decision: ModelDecision, choice: EndpointChoice, snapshot: PolicySnapshot) -> str:
+def route_header(decision: ModelDecision, stage: Stage, choice: EndpointChoice, snapshot: PolicySnapshot,
+                 attempt: int) -> str:
     """The ``x-switchyard-route`` value: what served the request, under which policy."""
-    parts = [f"model={decision.model.name}"]
+    parts = [f"model={stage.model.name}"]
     if decision.route:
         parts.append(f"route={decision.route}")
         parts.append(f"rule={decision.rule}")
+    if stage.model is not decision.model:
+        parts.append(f"fallback_from={decision.model.name}")
     parts += [f"pool={choice.pool.name}", f"region={choice.pool.region}",
               f"endpoint={choice.url}", f"policy={snapshot.label}"]
+    if attempt > 1:
+        parts.append(f"attempt={attempt}")
     return "; ".join(parts)
 
 
@@ -116,6 +125,40 @@ def failure_error(failure: UpstreamFailure, pool: str, headers: dict[str, str]) 
     return cls(f"Upstream failure in pool {pool}: {failure}", headers=headers)
 
 
+#: Engine answers that say "try elsewhere": the engine is overloaded or broken, or does not serve
+#: the model it should (a misconfigured replica). Other 4xx are the client's mistakes and pass through.
+RETRYABLE_STATUS = frozenset({404, 429, 500, 502, 503, 504})
+
+
+@dataclass(slots=True)
+class Attempts:
+    """One request's way through its fallback plan: what was tried and how each try failed."""
+
+    limit: int
+    tried: set[str] = field(default_factory=set)
+    failures: list[str] = field(default_factory=list)
+    last_error: ApiError | None = None
+
+    @property
+    def count(self) -> int:
+        return len(self.tried)
+
+    def failed(self, url: str, reason: str, error: ApiError) -> None:
+        self.failures.append(f"{url}: {reason}")
+        self.last_error = error
+
+    def final_error(self, headers: dict[str, str]) -> ApiError:
+        """The error to answer with when every attempt failed (or none was possible)."""
+        error = self.last_error
+        if error is None:
+            return Overloaded("No endpoint can serve this request right now.", code="no_endpoint",
+                              headers={**headers, "Retry-After": "1"})
+        if self.count > 1:
+            error.message = f"All {self.count} attempts failed: " + "; ".join(self.failures)
+            error.headers = {**(error.headers or {}), "x-switchyard-attempts": str(self.count)}
+        return error
+
+
 class Proxy:
     """Carries requests to the engines."""
 
@@ -144,44 +187,97 @@ class Proxy:
         except Refused as refusal:
             runtime.metrics.requests.labels("-", "-", str(refusal.status)).inc()
             raise refusal_error(refusal) from None
-        choice = pick_least_outstanding(candidates(snapshot, decision.model), runtime.load.outstanding,
-                                        runtime.next_rotation())
-        served = choice.pool.served_model
-        if body["model"] != served:
-            body["model"] = served
-            raw = msgspec.json.encode(body)
-        headers = {"x-switchyard-route": route_header(decision, choice, snapshot), "x-request-id": rid}
-        return await self._dispatch(kind, raw, bool(body.get("stream")), decision, choice, headers, started)
+        priority = engine_priority(snapshot, snapshot.tiers[identity.tier].priority, body.get("priority"))
+        request_state = _Request(kind, body, raw, bool(body.get("stream")), priority, features, rid, started)
+        return await self._dispatch(request_state, snapshot, decision)
 
-    async def _dispatch(self, kind: Kind, payload: bytes, stream: bool, decision: ModelDecision,
-                        choice: EndpointChoice, headers: dict[str, str], started: float) -> Response[Any]:
+    async def _dispatch(self, req: _Request, snapshot: PolicySnapshot, decision: ModelDecision) -> Response[Any]:
+        """Try the plan's stages in order until an engine answers (see ``decide.pick``)."""
         runtime = self.runtime
-        model, pool = decision.model.name, choice.pool.name
+        attempts = Attempts(runtime.settings.max_attempts)
+        headers = {"x-request-id": req.rid}
+        needed = req.features.prompt_tokens + (req.features.max_tokens or 0)
+        hashes: list[bytes] | None = None
+        for index, stage in enumerate(fallback_plan(snapshot, decision.model)):
+            if index and stage.model.context_window < needed:
+                attempts.failures.append(f"fallback {stage.label}: context window "
+                                         f"{stage.model.context_window} < {needed} tokens")
+                continue
+            options = stage.candidates()
+            if hashes is None and len(options) > 1:
+                hashes = block_hashes(prompt_text(req.body))
+            while attempts.count < attempts.limit:
+                now = time.monotonic()
+                affinity = runtime.prefixes.affinity(hashes, [o.url for o in options], now) if hashes else {}
+                choice = pick_endpoint(options, functools.partial(runtime.endpoint_view, now=now), affinity,
+                                       runtime.next_rotation(), attempts.tried)
+                if choice is None:
+                    break
+                attempts.tried.add(choice.url)
+                headers["x-switchyard-route"] = route_header(decision, stage, choice, snapshot, attempts.count)
+                response = await self._attempt(req, stage, choice, attempts, headers)
+                if response is not None:
+                    if hashes:
+                        runtime.prefixes.record(hashes, choice.url)
+                    return response
+            if attempts.count >= attempts.limit:
+                break
+        error = attempts.final_error(headers)
+        runtime.metrics.requests.labels(decision.model.name, "-", str(error.status_code)).inc()
+        raise error
+
+    async def _attempt(self, req: _Request, stage: Stage, choice: EndpointChoice, attempts: Attempts,
+                       headers: dict[str, str]) -> Response[Any] | None:
+        """Send the request to one endpoint: its response, or None after a failure worth retrying."""
+        runtime = self.runtime
+        model, pool, url = stage.model.name, choice.pool.name, choice.url
         metrics = runtime.metrics
-        runtime.load.acquire(choice.url)
+        endpoints = runtime.endpoints
+        endpoints.acquire(url)
         metrics.in_flight.labels(pool).inc()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                endpoints.release(url)
+                metrics.in_flight.labels(pool).dec()
 
         def done(status: int) -> None:
-            runtime.load.release(choice.url)
-            metrics.in_flight.labels(pool).dec()
+            release()
             metrics.requests.labels(model, pool, str(status)).inc()
-            metrics.duration.labels(model, pool).observe(time.perf_counter() - started)
+            metrics.duration.labels(model, pool).observe(time.perf_counter() - req.started)
+
+        def retry(outcome: str, reason: str, error: ApiError) -> None:
+            release()
+            metrics.attempts.labels(pool, outcome).inc()
+            attempts.failed(url, reason, error)
 
         # The engine gets an id of our own: clients may reuse theirs, and two in-flight requests
         # with one id would collide inside the engine.
         upstream_headers = {"Content-Type": "application/json", "X-Request-Id": self.ids.new()}
+        payload = req.payload_for(choice.pool)
         try:
-            response = await post(runtime.http, choice.url + _PATHS[kind], payload, upstream_headers)
+            response = await post(runtime.http, url + _PATHS[req.kind], payload, upstream_headers)
         except UpstreamFailure as failure:
-            error = failure_error(failure, pool, headers)
-            done(error.status_code)
-            raise error from None
+            if not failure.timeout:
+                endpoints.mark_down(url, str(failure), runtime.settings.endpoint_cooldown_s)
+            retry("timeout" if failure.timeout else "connect_error", str(failure),
+                  failure_error(failure, pool, dict(headers)))
+            return None
         if response.status >= 300:
-            error = engine_error(await read_engine_error(response), choice, headers)
+            err = await read_engine_error(response)
+            error = engine_error(err, choice, dict(headers))
+            if err.status in RETRYABLE_STATUS:
+                retry(str(err.status), f"{err.status} {err.message[:200]}", error)
+                return None
+            metrics.attempts.labels(pool, str(err.status)).inc()
             done(error.status_code)
             raise error
-        first_byte = self._first_byte_observer(model, pool, started)
-        if stream:
+        metrics.attempts.labels(pool, "ok").inc()
+        first_byte = self._first_byte_observer(model, pool, req.started)
+        if req.stream:
             relay = StreamRelay(response, first_byte, lambda _completed: done(200))
             return Stream(relay.chunks(), media_type="text/event-stream",
                           headers={**headers, "Cache-Control": "no-cache"},
@@ -189,13 +285,58 @@ class Proxy:
         try:
             data = await read_body(response)
         except UpstreamFailure as failure:
-            error = failure_error(failure, pool, headers)
-            done(error.status_code)
-            raise error from None
+            retry("body_timeout" if failure.timeout else "body_error", str(failure),
+                  failure_error(failure, pool, dict(headers)))
+            return None
         first_byte()
         done(200)
-        return Response(content=data, status_code=200, media_type="application/json", headers=headers)
+        return Response(content=data, status_code=200, media_type="application/json", headers=dict(headers))
 
     def _first_byte_observer(self, model: str, pool: str, started: float) -> Callable[[], None]:
         histogram = self.runtime.metrics.first_byte.labels(model, pool)
         return lambda: histogram.observe(time.perf_counter() - started)
+
+
+def engine_priority(snapshot: PolicySnapshot, class_name: str, asked: object) -> int:
+    """vLLM ``priority`` of a request: its class's, or the client's own if that is lower (a larger number).
+
+    A client may lower its request's priority, never raise it above its tier's class.
+    """
+    base = snapshot.engine_priority[class_name]
+    if isinstance(asked, int) and not isinstance(asked, bool) and asked > base:
+        return asked
+    return base
+
+
+@dataclass(slots=True)
+class _Request:
+    """A parsed request on its way to an engine, and the bodies encoded for each kind of pool."""
+
+    kind: Kind
+    body: dict[str, Any]
+    raw: bytes
+    stream: bool
+    priority: int
+    features: RequestFeatures
+    rid: str
+    started: float
+    _payloads: dict[tuple[str, bool], bytes] = field(default_factory=dict)
+
+    def payload_for(self, pool: Pool) -> bytes:
+        """The body for ``pool``: its served model name, and a ``priority`` only where it is honoured."""
+        key = (pool.served_model, pool.priority_scheduling)
+        payload = self._payloads.get(key)
+        if payload is None:
+            body = self.body
+            wanted = self.priority if pool.priority_scheduling else None
+            if body["model"] == pool.served_model and body.get("priority") == wanted:
+                payload = self.raw
+            else:
+                body = dict(body, model=pool.served_model)
+                if wanted is None:
+                    body.pop("priority", None)
+                else:
+                    body["priority"] = wanted
+                payload = msgspec.json.encode(body)
+            self._payloads[key] = payload
+        return payload

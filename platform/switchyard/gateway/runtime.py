@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import logging
 import time
@@ -13,7 +15,10 @@ import aiohttp
 import anyio.to_thread
 from sqlalchemy import Engine
 
-from switchyard.engines.endpoints import EndpointLoad
+from switchyard.decide.pick import EndpointView
+from switchyard.decide.prefix import PrefixIndex
+from switchyard.engines.endpoints import EndpointRegistry
+from switchyard.engines.scrape import MetricsScraper
 from switchyard.engines.upstream import UpstreamTimeouts, create_client_session
 from switchyard.gateway.auth import KeyAuthenticator
 from switchyard.gateway.metrics import GatewayMetrics
@@ -31,7 +36,9 @@ class GatewayRuntime:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.metrics = GatewayMetrics()
-        self.load = EndpointLoad()
+        # Scrapes older than three intervals are not trusted as load signals.
+        self.endpoints = EndpointRegistry(signal_max_age=3 * settings.scrape_interval_s)
+        self.prefixes = PrefixIndex()
         self.started_at = time.time()
         self._engine: Engine | None = None
         self._policy: PolicyHolder | None = None
@@ -64,6 +71,16 @@ class GatewayRuntime:
         """A counter that spreads ties between equally loaded endpoints."""
         self.rotation += 1
         return self.rotation
+
+    def endpoint_view(self, url: str, now: float) -> EndpointView:
+        """What the picker knows of ``url`` at ``now`` (monotonic)."""
+        state = self.endpoints.state(url)
+        age = self.endpoints.signal_max_age
+        return EndpointView(state.healthy(now), state.load(now, age), state.queued(now, age))
+
+    def engine_urls(self) -> list[str]:
+        """Every endpoint of the active policy."""
+        return [url for pool in self.policy.snapshot.pools.values() for url in pool.endpoints]
 
     def _lookup_key(self, key_hash: str) -> KeyIdentity | None:
         with db.session_scope(self.engine) as session:
@@ -109,9 +126,15 @@ class GatewayRuntime:
         gc.set_threshold(50_000, 20, 20)
         log.info("gateway ready on %s with policy %s (%s)", self.settings.listen, snapshot.label,
                  self.settings.policy_source)
+        scraper = MetricsScraper(self.endpoints, self._http, self.engine_urls, self.settings.scrape_interval_s,
+                                 self.settings.endpoint_cooldown_s)
+        scraping = asyncio.create_task(scraper.run(), name="switchyard-scrape")
         try:
             yield
         finally:
+            scraping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await scraping
             await self._http.close()
             self._http = None
             self.engine.dispose()
