@@ -1,0 +1,40 @@
+"""The body each pool gets: its served model name, and a priority only where it is honoured."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+
+from switchyard.decide.features import chat_features
+from switchyard.gateway.proxy import _Request
+from switchyard.policy.schema import Pool
+
+
+def pool(served: str, priority_scheduling: bool) -> Pool:
+    return Pool(name="p", region="r", served_model=served, endpoints=["http://127.0.0.1:1"],
+                kv_cache_tokens=1000, priority_scheduling=priority_scheduling)
+
+
+def request(body: dict[str, object], priority: int) -> _Request:
+    raw = msgspec.json.encode(body)
+    return _Request("chat", body, raw, False, priority, chat_features(body, {}), "rid", 0.0)
+
+
+def test_priority_goes_only_to_priority_scheduling_pools() -> None:
+    body = {"model": "auto", "messages": [{"role": "user", "content": "hi"}], "priority": 3}
+    req = request(body, 10)
+    with_priority = json.loads(req.payload_for(pool("llama", True)))
+    assert with_priority["model"] == "llama" and with_priority["priority"] == 10
+    without = json.loads(req.payload_for(pool("llama", False)))
+    assert without["model"] == "llama" and "priority" not in without
+    assert body["model"] == "auto" and body["priority"] == 3  # the parsed body is not changed
+
+
+def test_the_client_bytes_are_forwarded_untouched_when_nothing_changes() -> None:
+    body = {"model": "llama", "messages": [{"role": "user", "content": "hi"}]}
+    req = request(body, 0)
+    assert req.payload_for(pool("llama", False)) is req.raw
+    assert json.loads(req.payload_for(pool("llama", True)))["priority"] == 0
+    # Encoded once per kind of pool.
+    assert req.payload_for(pool("llama", True)) is req.payload_for(pool("llama", True))
