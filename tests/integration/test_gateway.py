@@ -259,5 +259,11 @@ def test_console_overview_and_live_partial(gateway: Gateway) -> None:
     assert "/static/htmx-2.0.11.min.js" in page
     status, _, partial = http_json("GET", f"{gateway.base_url}/admin/", headers={"HX-Request": "true"})
     assert status == 200 and partial.lstrip().startswith('<div id="engines"') and "<html" not in partial
+    # Scraped signals show per endpoint; the dead pool's engine is shown down with the reason.
+    deadline = time.monotonic() + 5
+    while "cannot connect" not in partial and time.monotonic() < deadline:
+        time.sleep(0.2)
+        _, _, partial = http_json("GET", f"{gateway.base_url}/admin/", headers={"HX-Request": "true"})
+    assert "<th>Running</th>" in partial and "cannot connect" in partial and ">down" in partial
     status, headers, _ = http_json("GET", f"{gateway.base_url}/static/htmx-2.0.11.min.js")
     assert status == 200 and "javascript" in headers["content-type"]
