@@ -1,0 +1,264 @@
+"""Switchyard in front of two real vLLM servers (CPU, tiny random-weight Llama).
+
+What a client sees through the gateway, and what the gateway does with the engines' real
+signals: priority forwarded and honoured, load read from the real ``/metrics``, a repeated long
+prompt kept on the replica whose prefix cache then hits, and a replica killed mid-run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.conftest import Engines, Gateway, http_json, start_gateway, stop
+
+MODEL = "tiny-llama"
+EXACT = {"ignore_eos": True}  # the model's text is noise: exact lengths need ignore_eos
+
+
+def _policy(a: str, b: str) -> str:
+    return f"""\
+schema: 1
+regions: [local]
+pools:
+  - {{name: pa, region: local, served_model: {MODEL}, endpoints: [{a}], kv_cache_tokens: 8192,
+      priority_scheduling: true}}
+  - {{name: pb, region: local, served_model: {MODEL}, endpoints: [{b}], kv_cache_tokens: 8192,
+      priority_scheduling: true}}
+models:
+  - {{name: tiny, pools: [pa, pb], context_window: 512, price: {{input_per_mtok: 0, output_per_mtok: 0}}}}
+  - {{name: tiny-a, pools: [pa], context_window: 512, price: {{input_per_mtok: 0, output_per_mtok: 0}}}}
+priorities:
+  critical: {{max_queue_ms: 5000}}
+  sheddable: {{max_queue_ms: 1000}}
+tiers:
+  - {{name: gold, priority: critical, models: ["*"]}}
+  - {{name: free, priority: sheddable, models: ["*"]}}
+"""
+
+
+@pytest.fixture(scope="module")
+def gateway(vllm_servers: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    vllm_servers.ensure_running()
+    tmp = tmp_path_factory.mktemp("gw-vllm")
+    policy = tmp / "policies.yaml"
+    policy.write_text(_policy(vllm_servers.a.url, vllm_servers.b.url))
+    gw = start_gateway(Engines(policy, {}, 0), f"sqlite:///{tmp / 'gw.db'}", tmp, "sqlite",
+                       {"SWITCHYARD_UPSTREAM_READ_TIMEOUT_S": "120", "SWITCHYARD_SCRAPE_INTERVAL_S": "0.25",
+                        "SWITCHYARD_ENDPOINT_COOLDOWN_S": "600"})
+    try:
+        gw.keys = {"gold": gw.new_key("gold-co", "gold"), "free": gw.new_key("free-co", "free")}
+        yield gw
+    finally:
+        assert stop(gw.proc)
+
+
+def client(gw: Gateway, tier: str = "gold") -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.base_url + "/v1", api_key=gw.keys[tier], max_retries=0, timeout=180)
+
+
+def route(raw: openai.APIResponse[object]) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in raw.headers["x-switchyard-route"].split("; "))
+
+
+def counter(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def sized_prompt(url: str, topic: str, tokens: int) -> str:
+    """A prompt of about ``tokens`` tokens under the tiny model's tokenizer (asked of vLLM's /tokenize)."""
+    words: list[str] = []
+    while True:
+        text = f"{topic}: " + " ".join(words)
+        _, _, body = http_json("POST", url + "/tokenize", {"model": MODEL, "prompt": text})
+        if body["count"] >= tokens:
+            return text
+        words += [f"{topic.split()[0]}{len(words) + i}" for i in range(8)]
+
+
+def endpoint_rows(gw: Gateway) -> dict[str, dict[str, Any]]:
+    status, _, body = http_json("GET", gw.base_url + "/admin/api/endpoints")
+    assert status == 200
+    return {row["url"]: row for row in body["endpoints"]}
+
+
+def test_chat_and_completions_with_usage_through_the_gateway(gateway: Gateway) -> None:
+    c = client(gateway)
+    raw = c.chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": "hello there"}], max_tokens=7, extra_body=EXACT)
+    chat = raw.parse()
+    assert route(raw)["pool"] in ("pa", "pb")
+    assert chat.model == MODEL and chat.object == "chat.completion"
+    assert chat.usage is not None and chat.usage.completion_tokens == 7
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + 7 and chat.usage.prompt_tokens > 0
+    assert chat.choices[0].finish_reason == "length"
+
+    done = c.completions.create(model="tiny", prompt="once upon a time", max_tokens=5, extra_body=EXACT)
+    assert done.object == "text_completion" and done.usage is not None and done.usage.completion_tokens == 5
+
+    chunks = list(c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "stream please"}], max_tokens=6, stream=True,
+        stream_options={"include_usage": True}, extra_body=EXACT))
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    assert all(ch.object == "chat.completion.chunk" for ch in chunks)
+    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content) >= 1
+
+    text = list(c.completions.create(model="tiny", prompt="abc", max_tokens=4, stream=True,
+                                     stream_options={"include_usage": True}, extra_body=EXACT))
+    assert text[-1].usage is not None and text[-1].usage.completion_tokens == 4
+
+
+def test_engine_errors_reach_the_client_as_openai_errors(gateway: Gateway) -> None:
+    c = client(gateway)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(model="tiny", prompt="x " * 2000, max_tokens=5)
+    assert err.value.status_code == 400
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=5,
+                                  temperature=-3)
+
+
+async def test_priority_is_forwarded_and_a_queued_higher_class_overtakes(vllm_servers: Any,
+                                                                         gateway: Gateway) -> None:
+    """Server a runs 8 sequences at most: 16 equal free-tier requests make 8 run and 8 queue,
+    then a short free and a short gold request queue behind them. When the first wave ends, gold
+    (priority 0, critical) is scheduled ahead of the eight queued free requests (priority 10,
+    sheddable) and finishes before any of them; the short free request waits its turn behind
+    them (FCFS would put both in the third wave). The queue also shows in the signals the
+    gateway scraped."""
+    a = vllm_servers.a.url
+    clients = {tier: openai.AsyncOpenAI(base_url=gateway.base_url + "/v1", api_key=gateway.keys[tier],
+                                        max_retries=0, timeout=180) for tier in ("free", "gold")}
+    finished: dict[str, float] = {}
+    waiting_seen: list[float] = []
+
+    async def call(tier: str, tokens: int, label: str) -> None:
+        await clients[tier].completions.create(model="tiny-a", prompt=f"{label} go", max_tokens=tokens,
+                                               extra_body=EXACT)
+        finished[label] = time.monotonic()
+
+    async def in_flight(count: int) -> None:
+        """Until the gateway has sent ``count`` requests on to server a."""
+        deadline = time.monotonic() + 30
+        while (await asyncio.to_thread(endpoint_rows, gateway))[a]["in_flight"] < count:
+            assert time.monotonic() < deadline, f"the gateway never had {count} requests in flight at {a}"
+            await asyncio.sleep(0.01)
+
+    async def watch() -> None:
+        while True:
+            scrape = (await asyncio.to_thread(endpoint_rows, gateway))[a]["scrape"]
+            if scrape["fresh"] and scrape["waiting"] is not None:
+                waiting_seen.append(scrape["waiting"])
+            await asyncio.sleep(0.1)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        fills = [asyncio.create_task(call("free", 480, f"fill{i}")) for i in range(16)]
+        await in_flight(16)
+        low = asyncio.create_task(call("free", 3, "low"))
+        await in_flight(17)
+        high = asyncio.create_task(call("gold", 3, "high"))
+        await in_flight(18)
+        assert not finished, f"the first wave ended before every request had arrived: {finished}"
+        await asyncio.gather(*fills, low, high)
+    finally:
+        watcher.cancel()
+    queued = sorted(finished[f"fill{i}"] for i in range(16))[8:]  # the second wave
+    # gold jumped the eight queued free requests; free's own short request did not.
+    assert finished["high"] < queued[0] < finished["low"], finished
+    assert max(waiting_seen, default=0) >= 9, f"the queue never showed in the scraped /metrics: {waiting_seen}"
+
+
+def test_load_signals_come_from_the_real_metrics(vllm_servers: Any, gateway: Gateway) -> None:
+    """Idle engines: fresh scrapes of both, showing nothing running or waiting (once the
+    previous test's last requests have left the engines' gauges)."""
+    deadline = time.monotonic() + 10
+    while True:
+        rows = endpoint_rows(gateway)
+        scrapes = [rows[url]["scrape"] for url in (vllm_servers.a.url, vllm_servers.b.url)]
+        if all(s["fresh"] and s["running"] == 0 and s["waiting"] == 0 for s in scrapes):
+            break
+        assert time.monotonic() < deadline, scrapes
+        time.sleep(0.1)
+    for scrape in scrapes:
+        assert scrape["error"] is None
+        assert 0 <= scrape["kv_usage"] <= 1
+        assert scrape["prefix_cache_queries"] > 0 and scrape["prefix_cache_hits"] >= 0
+    assert rows[vllm_servers.a.url]["load"] == 0 and rows[vllm_servers.a.url]["healthy"] is True
+
+
+def test_a_repeated_long_prompt_stays_on_the_replica_whose_prefix_cache_hits(
+        vllm_servers: Any, gateway: Gateway) -> None:
+    urls = [vllm_servers.a.url, vllm_servers.b.url]
+    homes = set()
+    for topic in ("rivers and mountains", "ships at sea"):
+        # About 300 tokens: over two of the CPU backend's 128-token KV blocks, inside 512.
+        text = sized_prompt(vllm_servers.a.url, topic, 300)
+        before = {u: counter(u, "vllm:prefix_cache_hits_total") for u in urls}
+        served = []
+        for _ in range(3):
+            raw = client(gateway).completions.with_raw_response.create(
+                model="tiny", prompt=text, max_tokens=2, extra_body=EXACT)
+            usage = raw.parse().usage
+            assert usage is not None and 128 * 2 <= usage.prompt_tokens < 500, usage
+            served.append(route(raw)["endpoint"])
+        assert len(set(served)) == 1, served
+        home = served[0]
+        other = next(u for u in urls if u != home)
+        after = {u: counter(u, "vllm:prefix_cache_hits_total") for u in urls}
+        assert after[home] - before[home] >= 2 * 128, (before, after)
+        assert after[other] == before[other], (before, after)
+        homes.add(home)
+    assert homes == set(urls), "two different prompts should not be herded onto one replica when both are idle"
+
+
+def test_a_replica_killed_mid_run_and_the_other_takes_over(vllm_servers: Any, gateway: Gateway) -> None:
+    b = vllm_servers.b.url
+    results: list[tuple[str, str]] = []
+    errors: list[BaseException] = []
+    stop_load = threading.Event()
+
+    def load() -> None:
+        c = client(gateway)
+        i = 0
+        while not stop_load.is_set():
+            i += 1
+            try:
+                raw = c.completions.with_raw_response.create(model="tiny", prompt=f"request {i}", max_tokens=30,
+                                                             extra_body=EXACT)
+                assert raw.parse().usage.completion_tokens == 30  # type: ignore[union-attr]
+                results.append((route(raw)["endpoint"], route(raw).get("attempt", "1")))
+            except BaseException as exc:  # collected and reported below
+                errors.append(exc)
+
+    try:
+        workers = [threading.Thread(target=load) for _ in range(3)]
+        for w in workers:
+            w.start()
+        deadline = time.monotonic() + 60
+        while not any(ep == b for ep, _ in results) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert any(ep == b for ep, _ in results), "replica b never got traffic"
+        vllm_servers.b.kill()
+        killed_at = len(results)
+        time.sleep(4)
+        stop_load.set()
+        for w in workers:
+            w.join(timeout=120)
+        assert not errors, errors
+        after = results[killed_at + 3:]  # requests in flight at the kill may have started on b
+        assert after and all(ep != b for ep, _ in after), results
+        assert endpoint_rows(gateway)[b]["healthy"] is False
+    finally:
+        stop_load.set()
+        vllm_servers.ensure_running()
