@@ -41,6 +41,10 @@ class Settings(BaseSettings):
     max_attempts: int = Field(
         default=3, ge=1, le=10, description="Most engines one request is sent to (first try plus fallbacks)."
     )
+    picker: Literal["prefix-aware", "least-loaded", "round-robin"] = Field(
+        default="prefix-aware",
+        description="Endpoint picking: Switchyard's load- and prefix-aware scoring, or a baseline for benchmarks.",
+    )
     endpoint_cooldown_s: float = Field(
         default=5.0, ge=0, description="How long an engine that refused a connection is left out."
     )

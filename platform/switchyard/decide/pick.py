@@ -22,9 +22,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from switchyard.policy.schema import Model, Pool
 from switchyard.policy.snapshot import PolicySnapshot
+
+#: ``prefix-aware`` is Switchyard's picker; the other two are the usual baselines, kept so that
+#: ``switchyard bench`` can measure against them on the same engines.
+Strategy = Literal["prefix-aware", "least-loaded", "round-robin"]
+STRATEGIES: tuple[Strategy, ...] = ("prefix-aware", "least-loaded", "round-robin")
 
 W_PREFIX = 0.6
 W_LOAD = 0.4
@@ -91,15 +97,26 @@ def fallback_plan(snapshot: PolicySnapshot, model: Model) -> list[Stage]:
 
 def pick_endpoint(options: Sequence[Candidate], view: Callable[[str], EndpointView],
                   affinity: Mapping[str, float], rotation: int,
-                  exclude: frozenset[str] | set[str] = frozenset()) -> EndpointChoice | None:
-    """The best of ``options`` not in ``exclude`` (see the module doc); None when none is left."""
+                  exclude: frozenset[str] | set[str] = frozenset(),
+                  strategy: Strategy = "prefix-aware") -> EndpointChoice | None:
+    """The best of ``options`` not in ``exclude`` (see the module doc); None when none is left.
+
+    ``least-loaded`` ignores affinity; ``round-robin`` ignores load and affinity (it still
+    leaves out endpoints in cool-down and those already tried).
+    """
     views = {o.url: view(o.url) for o in options}
     healthy = [o for o in options if views[o.url].healthy]
     pool = [o for o in (healthy or options) if o.url not in exclude]
     if not pool:
         return None
-    min_load = min(views[o.url].load for o in pool)
     n = len(pool)
+    if strategy == "round-robin":
+        option = pool[rotation % n]
+        return EndpointChoice(option.pool, option.url, views[option.url].load, 0.0,
+                              f"endpoint {option.url} of pool {option.pool.name}: round-robin of {n}")
+    if strategy == "least-loaded":
+        affinity = {}
+    min_load = min(views[o.url].load for o in pool)
     best: Candidate | None = None
     best_score = best_affinity = -1.0
     for i in range(n):

@@ -198,19 +198,20 @@ class Proxy:
         headers = {"x-request-id": req.rid}
         needed = req.features.prompt_tokens + (req.features.max_tokens or 0)
         hashes: list[bytes] | None = None
+        strategy = runtime.settings.picker
         for index, stage in enumerate(fallback_plan(snapshot, decision.model)):
             if index and stage.model.context_window < needed:
                 attempts.failures.append(f"fallback {stage.label}: context window "
                                          f"{stage.model.context_window} < {needed} tokens")
                 continue
             options = stage.candidates()
-            if hashes is None and len(options) > 1:
+            if hashes is None and len(options) > 1 and strategy == "prefix-aware":
                 hashes = block_hashes(prompt_text(req.body))
             while attempts.count < attempts.limit:
                 now = time.monotonic()
                 affinity = runtime.prefixes.affinity(hashes, [o.url for o in options], now) if hashes else {}
                 choice = pick_endpoint(options, functools.partial(runtime.endpoint_view, now=now), affinity,
-                                       runtime.next_rotation(), attempts.tried)
+                                       runtime.next_rotation(), attempts.tried, strategy)
                 if choice is None:
                     break
                 attempts.tried.add(choice.url)

@@ -135,3 +135,17 @@ def test_engine_priority_comes_from_the_class_and_can_only_be_lowered() -> None:
     assert engine_priority(snapshot, "sheddable", -5) == 10  # cannot raise itself
     assert engine_priority(snapshot, "sheddable", 50) == 50  # may lower itself
     assert engine_priority(snapshot, "critical", True) == 0
+
+
+def test_baseline_strategies(snapshot: PolicySnapshot) -> None:
+    options = candidates(snapshot, snapshot.models["small"])
+    loads = {U1: EndpointView(load=5), U2: EndpointView(load=0), U3: EndpointView(load=1)}
+    least = {pick_endpoint(options, loads.__getitem__, {U1: 1.0}, r, strategy="least-loaded").url  # type: ignore[union-attr]
+             for r in range(3)}
+    assert least == {U2}
+    robin = [pick_endpoint(options, loads.__getitem__, {U1: 1.0}, r, strategy="round-robin").url  # type: ignore[union-attr]
+             for r in range(3)]
+    assert robin == [U1, U2, U3]
+    down = {**loads, U2: EndpointView(healthy=False)}
+    assert {pick_endpoint(options, down.__getitem__, {}, r, strategy="round-robin").url  # type: ignore[union-attr]
+            for r in range(4)} == {U1, U3}
