@@ -1,4 +1,4 @@
-"""``switchyard serve`` and ``switchyard sim``: the long-running processes."""
+"""``switchyard serve`` and ``switchyard sim`` (the long-running processes), and ``switchyard sim calibrate``."""
 
 from __future__ import annotations
 
@@ -47,15 +47,23 @@ def serve(host: str | None, port: int | None, policy_source: str | None) -> None
 
 
 def engines_for_policy(snapshot: PolicySnapshot, regions: tuple[str, ...] = (), pools: tuple[str, ...] = (),
-                       time_scale: float = 1.0, seed: int = 0) -> list[EngineConfig]:
-    """One simulated engine per loopback endpoint of the policy's pools (optionally filtered)."""
+                       time_scale: float = 1.0, seed: int = 0, base_dir: Path | None = None) -> list[EngineConfig]:
+    """One simulated engine per loopback endpoint of the policy's pools (optionally filtered).
+
+    A pool's ``sim_profile`` is a profile name or the path of a profile file; a relative path is
+    taken from ``base_dir`` (the policy file's folder), not from the working directory.
+    """
     from switchyard.sim import EngineConfig
+    from switchyard.sim.profiles import looks_like_profile_path
 
     configs: list[EngineConfig] = []
     for pool in snapshot.pools.values():
         if (regions and pool.region not in regions) or (pools and pool.name not in pools):
             continue
         context = max((m.context_window for m in snapshot.models.values() if pool.name in m.pools), default=None)
+        profile = pool.sim_profile
+        if base_dir is not None and looks_like_profile_path(profile) and not Path(profile).is_absolute():
+            profile = str(base_dir / profile)
         for url in pool.endpoints:
             parts = urlsplit(url)
             if parts.hostname not in LOOPBACK or parts.port is None:
@@ -63,14 +71,14 @@ def engines_for_policy(snapshot: PolicySnapshot, regions: tuple[str, ...] = (), 
                     f"pool {pool.name}: {url} is not a loopback address with a port; the simulator "
                     "only serves 127.0.0.1/localhost endpoints")
             configs.append(EngineConfig(served_model=pool.served_model, port=parts.port, host=parts.hostname,
-                                        profile=pool.sim_profile, kv_cache_tokens=pool.kv_cache_tokens,
+                                        profile=profile, kv_cache_tokens=pool.kv_cache_tokens,
                                         max_model_len=context, time_scale=time_scale, seed=seed))
     if not configs:
         raise click.ClickException("no pool matches the given --region/--pool filters")
     return configs
 
 
-@click.command()
+@click.group(invoke_without_command=True)
 @click.option("--policy", "policy_path", type=click.Path(path_type=Path), default=None,
               help="Simulate every endpoint of this policy's pools.")
 @click.option("--region", "regions", multiple=True, help="With --policy: only pools of this region.")
@@ -78,17 +86,25 @@ def engines_for_policy(snapshot: PolicySnapshot, regions: tuple[str, ...] = (), 
 @click.option("--model", "served_model", help="Served model name of a single engine.")
 @click.option("--port", type=int, help="Port of a single engine.")
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--profile", default="h100-8b", show_default=True, help="Hardware profile.")
+@click.option("--profile", default="h100-8b", show_default=True,
+              help="Hardware profile: a built-in name or the path of a profile file (.json/.yaml).")
 @click.option("--kv-cache-tokens", type=int, default=None, help="KV-cache capacity (tokens).")
 @click.option("--max-model-len", type=int, default=None, help="Context window (tokens).")
 @click.option("--max-num-seqs", type=int, default=None, help="Most sequences running at once.")
 @click.option("--time-scale", type=float, default=1.0, show_default=True,
               help="Simulated seconds per wall-clock second (10 = ten times faster).")
 @click.option("--seed", type=int, default=0, show_default=True)
-def sim(policy_path: Path | None, regions: tuple[str, ...], pools: tuple[str, ...], served_model: str | None,
-        port: int | None, host: str, profile: str, kv_cache_tokens: int | None, max_model_len: int | None,
-        max_num_seqs: int | None, time_scale: float, seed: int) -> None:
-    """Run simulated vLLM engines: one (--model, --port) or all of a policy's (--policy)."""
+@click.pass_context
+def sim(ctx: click.Context, policy_path: Path | None, regions: tuple[str, ...], pools: tuple[str, ...],
+        served_model: str | None, port: int | None, host: str, profile: str, kv_cache_tokens: int | None,
+        max_model_len: int | None, max_num_seqs: int | None, time_scale: float, seed: int) -> None:
+    """Run simulated vLLM engines: one (--model, --port) or all of a policy's (--policy).
+
+    `switchyard sim calibrate --url URL --out FILE` measures a real engine instead and writes a
+    profile that --profile loads.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
     from switchyard.sim import EngineConfig, run_engines
 
     if policy_path is not None:
@@ -98,7 +114,8 @@ def sim(policy_path: Path | None, regions: tuple[str, ...], pools: tuple[str, ..
             snapshot = compile_policy(read_policy_file(policy_path), str(policy_path))
         except PolicyError as error:
             raise click.ClickException(f"invalid policy:\n{error}") from None
-        configs = engines_for_policy(snapshot, regions, pools, time_scale, seed)
+        configs = engines_for_policy(snapshot, regions, pools, time_scale, seed,
+                                     base_dir=policy_path.resolve().parent)
     else:
         if not served_model or not port:
             raise click.UsageError("give --model and --port (or --policy FILE)")
@@ -106,3 +123,60 @@ def sim(policy_path: Path | None, regions: tuple[str, ...], pools: tuple[str, ..
                                 kv_cache_tokens=kv_cache_tokens, max_model_len=max_model_len,
                                 max_num_seqs=max_num_seqs, time_scale=time_scale, seed=seed)]
     run_engines(configs)  # bad configuration exits with one line saying what is wrong
+
+
+@sim.command("calibrate")
+@click.option("--url", required=True, help="Base URL of the engine to measure (vLLM or anything that speaks its API).")
+@click.option("--model", "served_model", default=None,
+              help="Served model to measure [default: the first /v1/models lists].")
+@click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="Profile file to write (.json, or .yaml/.yml).")
+@click.option("--report", "report", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write a Markdown report here.")
+@click.option("--quick", is_flag=True,
+              help="Fewer, shorter measurements and a shorter replay (about a minute on a CPU).")
+@click.option("--no-compare", "no_compare", is_flag=True,
+              help="Skip replaying a workload against the engine and a simulator with the fitted profile.")
+@click.option("--name", default=None, help="Profile name [default: the --out file name without its suffix].")
+@click.option("--hardware", default=None, help="Description of the measured hardware, kept in the profile.")
+@click.option("--max-num-seqs", type=int, default=None,
+              help="The engine's --max-num-seqs, when the measurements cannot reach it.")
+@click.option("--max-num-batched-tokens", type=int, default=None,
+              help="The engine's --max-num-batched-tokens (not visible to a client) [default: 2048].")
+@click.option("--replay-requests", type=int, default=None, help="Requests in the comparison's replay.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompts and the replayed workload.")
+def calibrate(url: str, served_model: str | None, out: Path, report: Path | None, quick: bool, no_compare: bool,
+              name: str | None, hardware: str | None, max_num_seqs: int | None, max_num_batched_tokens: int | None,
+              replay_requests: int | None, seed: int) -> None:
+    """Measure a real engine and write a hardware profile the simulator can load.
+
+    Measures TTFT against prompt length, the prefix-cache speed-up and inter-token latency against
+    batch size on an otherwise idle engine, fits the simulator's step-time model, writes the profile,
+    then (unless --no-compare) replays one short workload against the engine and against a simulator
+    running the new profile and reports TTFT and ITL percentiles side by side.
+    """
+    import asyncio
+
+    from switchyard.sim.calibrate import CalibrationOptions, EngineError, render_report
+    from switchyard.sim.calibrate import calibrate as run_calibration
+
+    for flag, value in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens),
+                        ("--replay-requests", replay_requests)):
+        if value is not None and value < 1:
+            raise click.BadParameter("must be at least 1", param_hint=flag)
+    for flag, path in (("--out", out), ("--report", report)):
+        if path is not None and not path.resolve().parent.is_dir():
+            raise click.BadParameter(f"folder {path.parent} does not exist", param_hint=flag)
+    options = CalibrationOptions(url=url, out=out, model=served_model, report=report, quick=quick,
+                                 compare=not no_compare, name=name, hardware=hardware, max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=max_num_batched_tokens, replay_requests=replay_requests,
+                                 seed=seed)
+    try:
+        result = asyncio.run(run_calibration(options, lambda line: click.echo(line, err=True)))
+    except (EngineError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    text = render_report(result)
+    if report is not None:
+        report.write_text(text, encoding="utf-8")
+        click.echo(f"calibrate: report written to {report}", err=True)
+    click.echo(text)

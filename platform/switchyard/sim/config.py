@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from switchyard.sim.profiles import HardwareProfile, get_profile
+from switchyard.sim.profiles import EngineProfile, get_profile
 
 
 @dataclass(frozen=True)
@@ -15,7 +15,8 @@ class EngineConfig:
         served_model: Model name clients put in ``model`` (vLLM's ``--served-model-name``).
         port: TCP port to listen on.
         host: Interface to listen on.
-        profile: Hardware profile name (see ``PROFILES``).
+        profile: Hardware profile: a built-in name (see ``PROFILES``), the name of a shipped
+            measured profile, or the path of a profile file (``.json``/``.yaml``).
         max_model_len: Context window; None for the profile's default.
         kv_cache_tokens: KV-cache capacity in tokens; None for the profile's default.
         max_num_seqs: Most running sequences; None for the profile's default.
@@ -41,7 +42,7 @@ class ResolvedConfig:
     served_model: str
     host: str
     port: int
-    profile: HardwareProfile
+    profile: EngineProfile
     max_model_len: int
     kv_cache_tokens: int
     max_num_seqs: int

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from switchyard.sim.fastpath import run_decodes
 from switchyard.sim.kv import BlockPool
-from switchyard.sim.profiles import HardwareProfile
+from switchyard.sim.profiles import EngineProfile
 from switchyard.sim.request import SimRequest, Status
 from switchyard.sim.stats import EngineStats
 
@@ -80,7 +80,7 @@ class EngineCore:
             its arrival at the scheduler; None for the profile's.
     """
 
-    def __init__(self, profile: HardwareProfile, *, kv_cache_tokens: int, max_num_seqs: int,
+    def __init__(self, profile: EngineProfile, *, kv_cache_tokens: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
                  frontend_overhead_s: float | None = None) -> None:
         self.profile = profile
@@ -148,7 +148,10 @@ class EngineCore:
         req.status = Status.FINISHED
         req.finish_reason = "abort"
         req.finished_at = self.now
-        self.stats.finished["abort"] += 1
+        # vLLM 0.32 records no finished-request stats for a request its client abandoned:
+        # request_success{finished_reason="abort"} and the latency histograms do not move.
+        # The count is kept for /sim/state only.
+        self.stats.aborted += 1
         return True
 
     # --- the step ----------------------------------------------------------------------------
@@ -156,11 +159,12 @@ class EngineCore:
     def step(self) -> StepResult:
         """Schedule, "run" and sample one iteration; advance the clock by its duration.
 
-        An idle engine first jumps its clock to the next request's arrival at the scheduler.
+        An idle engine first jumps its clock to the next request's arrival at the scheduler,
+        plus the profile's ``idle_wakeup_s`` (what starting from idle costs on top of a step).
         """
         pending = self._pending
         if pending and not self.running and not self._waiting:
-            self.now = max(self.now, pending[0].queued_at)
+            self.now = max(self.now, pending[0].queued_at + self.profile.idle_wakeup_s)
         start = self.now
         while pending and pending[0].queued_at <= start:
             req = pending.popleft()
@@ -281,6 +285,7 @@ class EngineCore:
                 req.first_token_at = end
                 stats.ttft.observe(end - req.arrival)
                 stats.prompt_tokens += len(req.prompt)
+                stats.prompt_tokens_cached += req.num_cached_tokens
             else:
                 gap = end - req.last_token_at
                 itl[gap] = itl.get(gap, 0) + 1
@@ -376,13 +381,4 @@ class EngineCore:
         reason = req.final_reason
         req.finish_reason = reason
         req.finished_at = end
-        stats = self.stats
-        stats.finished[reason] = stats.finished.get(reason, 0) + 1
-        stats.e2e.observe(end - req.arrival)
-        scheduled_at = req.scheduled_at if req.scheduled_at is not None else end
-        first = req.first_token_at if req.first_token_at is not None else end
-        stats.prefill.observe(first - scheduled_at)
-        stats.decode.observe(end - first)
-        stats.inference.observe(end - scheduled_at)
-        stats.request_prompt_tokens.observe(len(req.prompt))
-        stats.request_generation_tokens.observe(len(req.output))
+        self.stats.record_finished(req, end)

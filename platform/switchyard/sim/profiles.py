@@ -11,11 +11,25 @@ context), whichever is larger, plus a fixed per-step and per-sequence CPU/launch
 Prefill chunks are FLOP-bound, so their cost is proportional to the *uncached* tokens
 computed; decode batches are bandwidth-bound, so their cost grows with batch size and with
 the context each decoding sequence reads.
+
+Besides these built-ins, a profile can be *measured*: ``switchyard sim calibrate`` fits the
+same step-time shape, in seconds, to a real engine and writes a profile file (``measured.py``).
+Files shipped in ``calibrated/`` are known by name like the built-ins; ``get_profile`` also
+takes a path to any profile file. The engine core reads any of them through ``EngineProfile``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Protocol
+
+from switchyard.sim.measured import (
+    PROFILE_SUFFIXES,
+    StepTimeModel,
+    load_profile_file,
+)
 
 # --- NVIDIA H100 SXM5 80GB (datasheet: nvidia.com/en-us/data-center/h100) -----------------
 #: HBM3 bandwidth, bytes/s ("GPU memory bandwidth 3.35TB/s").
@@ -80,6 +94,7 @@ class HardwareProfile:
         per_seq_overhead_s: CPU cost per scheduled sequence per step (inputs, sampling).
         frontend_overhead_s: API-server time before a request reaches the engine core
             (HTTP parsing, chat template, tokenisation, IPC); counted in TTFT, not in steps.
+        idle_wakeup_s: Extra delay before the first step of an idle engine (0: none).
         vocab_size: Token ids accepted in a prompt are ``0 <= id < vocab_size``.
         kv_cache_tokens: Default KV-cache capacity in tokens.
         max_model_len: Default context window.
@@ -109,6 +124,7 @@ class HardwareProfile:
     max_num_seqs: int = VLLM_H100_MAX_NUM_SEQS
     max_num_batched_tokens: int = VLLM_H100_MAX_NUM_BATCHED_TOKENS
     block_size: int = VLLM_BLOCK_SIZE
+    idle_wakeup_s: float = 0.0
 
     def step_seconds(self, num_tokens: int, num_seqs: int, kv_read_tokens: int,
                      attn_pairs: int) -> float:
@@ -130,6 +146,51 @@ class HardwareProfile:
         traffic = self.weight_bytes + self.kv_bytes_per_token * kv_read_tokens
         memory_s = traffic / (self.hbm_bandwidth * self.bandwidth_efficiency)
         return self.step_overhead_s + self.per_seq_overhead_s * num_seqs + max(compute_s, memory_s)
+
+    @property
+    def step_time(self) -> StepTimeModel:
+        """The same cost model with every term in seconds (what calibration measures)."""
+        flops_s = self.peak_flops * self.compute_efficiency
+        bytes_s = self.hbm_bandwidth * self.bandwidth_efficiency
+        return StepTimeModel(
+            step_s=self.step_overhead_s, per_seq_s=self.per_seq_overhead_s,
+            per_token_s=2.0 * self.matmul_params / flops_s,
+            per_attn_pair_s=self.attn_flops_per_pair / flops_s,
+            weights_s=self.weight_bytes / bytes_s,
+            per_kv_token_s=self.kv_bytes_per_token / bytes_s)
+
+
+class EngineProfile(Protocol):
+    """What the engine core and the server read from a profile, built-in or measured."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def hardware(self) -> str: ...
+    @property
+    def step_overhead_s(self) -> float: ...
+    @property
+    def frontend_overhead_s(self) -> float: ...
+    @property
+    def idle_wakeup_s(self) -> float: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def kv_cache_tokens(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+
+    def step_seconds(self, num_tokens: int, num_seqs: int, kv_read_tokens: int,
+                     attn_pairs: int) -> float:
+        """Simulated duration of one engine step (see ``HardwareProfile.step_seconds``)."""
 
 
 def _llama31_8b() -> HardwareProfile:
@@ -232,20 +293,45 @@ def _llama31_70b() -> HardwareProfile:
     )
 
 
-#: Every known profile by name.
+#: The built-in profiles (rooflines of published figures) by name.
 PROFILES: dict[str, HardwareProfile] = {
     p.name: p for p in (_llama31_8b(), _qwen25_32b(), _llama31_70b())
 }
 
 
-def get_profile(name: str) -> HardwareProfile:
-    """Look a profile up by name.
+#: Measured profiles shipped with the package (``calibrated/NAME.json``), known by name.
+CALIBRATED_DIR = "calibrated"
+
+
+def shipped_profile_names() -> list[str]:
+    """Names of the measured profiles shipped in ``calibrated/``."""
+    folder = resources.files("switchyard.sim").joinpath(CALIBRATED_DIR)
+    if not folder.is_dir():
+        return []
+    return sorted(p.name[:-len(".json")] for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def looks_like_profile_path(name: str) -> bool:
+    """Whether ``name`` is meant as a profile file rather than a profile name."""
+    return "/" in name or "\\" in name or name.lower().endswith(PROFILE_SUFFIXES)
+
+
+def get_profile(name: str) -> EngineProfile:
+    """Look a profile up: a built-in name, a shipped measured profile's name, or a file path.
 
     Raises:
-        ValueError: The name is not a known profile (the message lists the known ones).
+        ValueError: The name is not a known profile (the message lists the known ones), or
+            the file is missing or invalid (``ProfileFileError``, naming file and field).
     """
-    try:
+    if name in PROFILES:
         return PROFILES[name]
-    except KeyError:
-        known = ", ".join(sorted(PROFILES))
-        raise ValueError(f"sim: unknown profile {name!r}; known profiles: {known}") from None
+    if name in shipped_profile_names():
+        ref = resources.files("switchyard.sim").joinpath(CALIBRATED_DIR, f"{name}.json")
+        with resources.as_file(ref) as path:
+            return load_profile_file(path)
+    if looks_like_profile_path(name) or Path(name).is_file():
+        return load_profile_file(name)
+    known = ", ".join([*sorted(PROFILES), *shipped_profile_names()])
+    raise ValueError(f"sim: unknown profile {name!r}; known profiles: {known} "
+                     "(or give the path of a profile file, .json or .yaml)")
+
