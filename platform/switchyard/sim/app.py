@@ -1,8 +1,10 @@
 """One simulated engine as a Litestar app: vLLM's HTTP surface plus ``/sim/*`` controls.
 
 Routes: ``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``POST /v1/completions``,
-``POST /v1/chat/completions`` (as vLLM's OpenAI server), and ``GET/POST /sim/faults``,
-``GET /sim/state`` (simulator only). The app's lifespan starts and stops the engine loop.
+``POST /v1/chat/completions``, ``GET /version``, ``GET|POST /ping``, ``GET /load``,
+``POST /tokenize`` (as vLLM's OpenAI server), and ``GET/POST /sim/faults``, ``GET /sim/state``
+(simulator only). Unknown paths and methods get FastAPI's ``{"detail": …}`` answers, as from
+vLLM. The app's lifespan starts and stops the engine loop.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any
 import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.datastructures import State
-from litestar.enums import MediaType, ScopeType
+from litestar.enums import ScopeType
+from litestar.exceptions import HTTPException, MethodNotAllowedException, NotFoundException
 from litestar.handlers import asgi
 from litestar.types import ASGIApp, Receive, Scope, Send
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -26,8 +29,12 @@ from switchyard.sim.generate import handle_generation, send_json
 from switchyard.sim.metrics import EngineMetrics
 from switchyard.sim.protocol import ApiError
 from switchyard.sim.runtime import EngineRuntime
+from switchyard.sim.utility import load, ping, tokenize_endpoint, version
 
 _DOWN = ApiError(503, "Engine is down (sim fault mode 'down').").body()
+_METHOD_NOT_ALLOWED = b'{"detail":"Method Not Allowed"}'
+# Litestar appends the charset to a text type itself.
+_METRICS_TYPE = CONTENT_TYPE_LATEST.split("; charset=")[0]
 
 
 def _engine(state: State) -> EngineRuntime:
@@ -57,17 +64,26 @@ def list_models(state: State) -> dict[str, Any]:
     return {"object": "list", "data": [card]}
 
 
-@get("/health", operation_id="health", sync_to_thread=False)
-def health() -> Response[bytes]:
+async def send_empty_ok(scope: Scope, send: Send) -> None:
+    """200 with an empty body and no content type (vLLM's ``/health`` and ``/ping``)."""
+    if scope.get("method") not in ("GET", "HEAD"):
+        await send_json(send, 405, _METHOD_NOT_ALLOWED)  # type: ignore[arg-type]
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+@asgi("/health", copy_scope=False)
+async def health(scope: Scope, receive: Receive, send: Send) -> None:
     """200 with an empty body while the engine is up."""
-    return Response(b"", status_code=200, media_type=MediaType.TEXT)
+    await send_empty_ok(scope, send)
 
 
 @get("/metrics", operation_id="metrics", sync_to_thread=False)
 def metrics(state: State) -> Response[bytes]:
     """Prometheus text exposition."""
     body = state["metrics"].render()
-    return Response(body, media_type=CONTENT_TYPE_LATEST)
+    return Response(body, media_type=_METRICS_TYPE)
 
 
 @asgi("/v1/completions", copy_scope=False)
@@ -111,6 +127,11 @@ def get_state(state: State) -> dict[str, Any]:
     return _engine(state).snapshot()
 
 
+def _fastapi_error(_: Request[Any, Any, Any], exc: HTTPException) -> Response[dict[str, str]]:
+    """Routing errors as vLLM (FastAPI) words them: ``{"detail": "Not Found"}``."""
+    return Response({"detail": exc.detail}, status_code=exc.status_code)
+
+
 def _down_guard(app: ASGIApp) -> ASGIApp:
     """Answer 503 on everything but ``/sim/*`` while the fault mode is ``down``."""
 
@@ -138,10 +159,11 @@ def build_app(config: ResolvedConfig) -> Litestar:
 
     return Litestar(
         route_handlers=[list_models, health, metrics, completions, chat_completions,
-                        get_faults, set_faults, get_state],
+                        version, ping, load, tokenize_endpoint, get_faults, set_faults, get_state],
         state=State({"engine": engine, "metrics": EngineMetrics(engine)}),
         lifespan=[lifespan],
         middleware=[_down_guard],
+        exception_handlers={NotFoundException: _fastapi_error, MethodNotAllowedException: _fastapi_error},
         openapi_config=None,
         logging_config=None,
     )

@@ -14,17 +14,19 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from switchyard.sim.logprobs import chat_logprobs, completion_logprobs
 from switchyard.sim.protocol import (
     ApiError,
     GenerationSpec,
-    check_context,
     decode_body,
+    find_stop,
     parse_generation,
     plan_output,
 )
 from switchyard.sim.request import SimRequest
-from switchyard.sim.responses import DONE, ResponseShaper, usage
+from switchyard.sim.responses import DONE, ChoiceOutput, ResponseShaper, Usage
 from switchyard.sim.runtime import Channel, EngineRuntime, Waker
+from switchyard.sim.tokens import VOCAB_TEXT, detokenize
 
 Scope = dict[str, Any]
 Receive = Callable[[], Any]
@@ -32,7 +34,8 @@ Send = Callable[[dict[str, Any]], Any]
 
 log = logging.getLogger("switchyard.sim")
 _JSON = [(b"content-type", b"application/json")]
-_SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+_SSE = [(b"content-type", b"text/event-stream; charset=utf-8")]
+_METHOD_NOT_ALLOWED = b'{"detail":"Method Not Allowed"}'
 
 
 async def send_json(send: Send, status: int, body: bytes) -> None:
@@ -81,7 +84,7 @@ async def handle_generation(engine: EngineRuntime, chat: bool, scope: Scope, rec
                             send: Send) -> None:
     """Serve one chat or text completion request end to end."""
     if scope.get("method") != "POST":
-        await send_json(send, 405, ApiError(405, "Method Not Allowed").body())
+        await send_json(send, 405, _METHOD_NOT_ALLOWED)  # FastAPI's answer, as vLLM gives it
         return
     raw = await _read_body(receive)
     if raw is None:
@@ -91,9 +94,7 @@ async def handle_generation(engine: EngineRuntime, chat: bool, scope: Scope, rec
         if engine.faults.should_fail():
             raise ApiError(500, "Simulated engine failure (sim fault mode 'error').")
         spec = parse_generation(decode_body(raw), chat=chat, served_model=cfg.served_model,
-                                vocab_size=cfg.profile.vocab_size)
-        for prompt in spec.prompts:
-            check_context(len(prompt), spec.max_tokens, cfg.max_model_len)
+                                vocab_size=cfg.profile.vocab_size, max_model_len=cfg.max_model_len)
     except ApiError as exc:
         await send_json(send, exc.status, exc.body())
         return
@@ -111,14 +112,16 @@ async def handle_generation(engine: EngineRuntime, chat: bool, scope: Scope, rec
         headers = dict(scope.get("headers") or [])
         request_id = headers.get(b"x-request-id", b"").decode("latin-1") or None
         shaper = ResponseShaper(chat=chat, model=cfg.served_model, request_id=request_id,
-                                choices=len(spec.prompts))
+                                choices=len(spec.prompts) * spec.n, fingerprint=engine.fingerprint,
+                                include_usage=spec.include_usage, role=spec.role)
         waker = Waker()
-        channels = [_submit(engine, spec, shaper.id, i, prompt, waker, requests)
-                    for i, prompt in enumerate(spec.prompts)]
+        # Choice p * n + j is the j-th sample of prompt p, as vLLM numbers them.
+        channels = [_submit(engine, spec, shaper.id, p * spec.n + j, j, prompt, waker, requests)
+                    for p, prompt in enumerate(spec.prompts) for j in range(spec.n)]
         if spec.stream:
-            await _stream(send, spec, shaper, channels, waker)
+            await _stream(send, spec, shaper, channels, waker, engine.core.block_size)
         else:
-            await _complete(send, shaper, channels, waker)
+            await _complete(send, spec, shaper, channels, waker, engine.core.block_size)
     except Exception:  # a bug in the simulator, not a client mistake: log it and answer 500
         log.exception("sim: request failed")
         with contextlib.suppress(Exception):
@@ -143,41 +146,109 @@ async def _hang(engine: EngineRuntime, watch: ClientWatch) -> bool:
     return True
 
 
-def _submit(engine: EngineRuntime, spec: GenerationSpec, base_id: str, index: int,
+def _submit(engine: EngineRuntime, spec: GenerationSpec, base_id: str, index: int, sample: int,
             prompt: list[int], waker: Waker, requests: list[SimRequest]) -> Channel:
     cfg = engine.config
-    n, reason, seed = plan_output(spec, prompt, cfg.max_model_len, cfg.seed)
+    n, reason, seed = plan_output(spec, prompt, cfg.max_model_len, cfg.seed, sample)
+    stop = find_stop(seed, n, spec.stop) if spec.stop else None
+    if stop is not None:
+        n, reason = stop[0], "stop"
+    room = cfg.max_model_len - len(prompt)
     req = SimRequest(request_id=f"{base_id}-{index}", prompt=prompt, max_output=n,
                      final_reason=reason, priority=spec.priority, seed=seed,
-                     cache_salt=spec.cache_salt)
+                     cache_salt=spec.cache_salt,
+                     budget=room if spec.max_tokens is None else min(spec.max_tokens, room),
+                     n_param=spec.n if sample == 0 else 0,
+                     stop_reason=stop[1] if stop else None, text_len=stop[2] if stop else None)
     channel = Channel(req, waker)
     requests.append(req)
     engine.submit(req, channel)
     return channel
 
 
-def _usage(channels: list[Channel]) -> dict[str, Any]:
-    return usage(sum(len(c.request.prompt) for c in channels),
-                 sum(len(c.request.output) for c in channels),
-                 sum(c.request.num_cached_tokens for c in channels))
+def _usage(spec: GenerationSpec, channels: list[Channel], block_size: int, *, first: bool) -> Usage:
+    """The response's usage, counted as vLLM counts it: each prompt once whatever ``n``, and
+    the cache figures of one request (a stream's first, a full response's last prompt)."""
+    lead = channels[0] if first else channels[-spec.n]
+    cached = lead.request.num_cached_tokens
+    created = max(0, len(lead.request.prompt) // block_size * block_size - cached)
+    return Usage(prompt_tokens=sum(len(p) for p in spec.prompts),
+                 completion_tokens=sum(len(c.request.output) for c in channels),
+                 cached_tokens=cached, created_cache_tokens=created)
 
 
-async def _complete(send: Send, shaper: ResponseShaper, channels: list[Channel],
-                    waker: Waker) -> None:
+def _logprobs(spec: GenerationSpec, req: SimRequest, start: int, ids: list[int],
+              text_offset: int) -> dict[str, Any] | None:
+    if spec.logprobs is None:
+        return None
+    if spec.chat:
+        return chat_logprobs(req.seed, start, ids, spec.logprobs)
+    return completion_logprobs(req.seed, start, ids, spec.logprobs, text_offset)
+
+
+async def _complete(send: Send, spec: GenerationSpec, shaper: ResponseShaper,
+                    channels: list[Channel], waker: Waker, block_size: int) -> None:
     while not all(c.finished for c in channels):
         await waker.wait()
     if any(c.aborted for c in channels):
         return
-    outputs = [(c.request.output, c.request.finish_reason or "length") for c in channels]
-    await send_json(send, 200, shaper.full_body(outputs, _usage(channels)))
+    outputs = [ChoiceOutput(text=detokenize(c.request.output)[:c.request.text_len],
+                            finish_reason=c.request.finish_reason or "length", stop_reason=c.request.stop_reason,
+                            logprobs=_logprobs(spec, c.request, 0, c.request.output, 0)) for c in channels]
+    await send_json(send, 200, shaper.full_body(outputs, _usage(spec, channels, block_size, first=False)))
+
+
+class _SlowChunks:
+    """Chunks built one by one, for streams that carry per-token data (logprobs, usage)."""
+
+    def __init__(self, spec: GenerationSpec, shaper: ResponseShaper, channels: list[Channel]) -> None:
+        self.spec = spec
+        self.shaper = shaper
+        self.channels = channels
+        self.text_offsets = [0] * len(channels)
+
+    def prompt_len(self, index: int) -> int:
+        return len(self.channels[index].request.prompt)
+
+    def role(self, index: int) -> bytes:
+        usage = (Usage(self.prompt_len(index), 0, 0, 0).running(chat=True)
+                 if self.spec.continuous_usage else None)
+        return self.shaper.role_chunk(index, usage)
+
+    def tokens(self, index: int, start: int, ids: list[int], finish_reason: str | None) -> bytes:
+        spec, req = self.spec, self.channels[index].request
+        out: list[bytes] = []
+        for k, token in enumerate(ids or [None]):
+            piece = [] if token is None else [token]
+            last = k == max(len(ids), 1) - 1
+            logprobs = _logprobs(spec, req, start + k, piece, self.text_offsets[index])
+            self.text_offsets[index] += sum(len(VOCAB_TEXT[t]) for t in piece)
+            usage = (Usage(self.prompt_len(index), start + k + len(piece), 0, 0).running(chat=spec.chat)
+                     if spec.continuous_usage else None)
+            final = finish_reason if last else None
+            text = _last_text(req) if final is not None else None
+            out.append(self.shaper.chunk(index, piece, final, logprobs, usage, req.stop_reason if final else None,
+                                         text))
+        return b"".join(out)
+
+
+def _last_text(req: SimRequest) -> str | None:
+    """Text of the last token of an output a stop string cut short (None when none did)."""
+    if req.text_len is None or not req.output:
+        return None
+    full = detokenize(req.output)
+    before = len(full) - len(VOCAB_TEXT[req.output[-1]])
+    return full[before:req.text_len] if req.text_len > before else ""
 
 
 async def _stream(send: Send, spec: GenerationSpec, shaper: ResponseShaper,
-                  channels: list[Channel], waker: Waker) -> None:
+                  channels: list[Channel], waker: Waker, block_size: int) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": _SSE})
+    slow = _SlowChunks(spec, shaper, channels) if (
+        spec.logprobs is not None or spec.continuous_usage) else None
     pending: list[bytes] = []
     if spec.chat:
-        pending.extend(shaper.role_chunk(i) for i in range(len(channels)))
+        pending.extend(slow.role(i) if slow else shaper.role_chunk(i) for i in range(len(channels)))
     seen = [0] * len(channels)
     while True:
         done = True
@@ -188,8 +259,9 @@ async def _stream(send: Send, spec: GenerationSpec, shaper: ResponseShaper,
             if visible > seen[i]:
                 ids = ch.request.output[seen[i]:visible]
                 final = ch.finished and visible == len(ch.request.output)
-                pending.append(shaper.token_chunks(
-                    i, ids, ch.request.finish_reason if final else None))
+                reason = ch.request.finish_reason if final else None
+                pending.append(slow.tokens(i, seen[i], ids, reason) if slow else shaper.token_chunks(
+                    i, ids, reason, ch.request.stop_reason, _last_text(ch.request) if final else None))
                 seen[i] = visible
             if not (ch.finished and seen[i] == len(ch.request.output)):
                 done = False
@@ -203,6 +275,6 @@ async def _stream(send: Send, spec: GenerationSpec, shaper: ResponseShaper,
         else:
             await waker.wait()
     if spec.include_usage:
-        pending.append(shaper.usage_chunk(_usage(channels)))
+        pending.append(shaper.usage_chunk(_usage(spec, channels, block_size, first=True)))
     pending.append(DONE)
     await send({"type": "http.response.body", "body": b"".join(pending), "more_body": False})

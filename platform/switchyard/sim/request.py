@@ -38,6 +38,11 @@ class SimRequest:
         arrival: Simulated time the request reached the server (TTFT counts from here).
         seed: Seed of the generated text.
         cache_salt: Optional prefix-cache salt (vLLM's ``cache_salt``): separates caches.
+        budget: The output budget (``max_tokens`` as the engine applies it), for the metrics.
+        n_param: The request's ``n`` on its first sample, 0 on the others (counted once).
+        stop_reason: The stop string that ends the output, if one does.
+        text_len: Characters of the output's text a client sees (it ends before the stop
+            string), or None for all of it.
     """
 
     request_id: str
@@ -48,6 +53,10 @@ class SimRequest:
     arrival: float = 0.0
     seed: int = 0
     cache_salt: str | None = None
+    budget: int = 0
+    n_param: int = 1
+    stop_reason: str | None = None
+    text_len: int | None = None
     seq: int = 0
     status: Status = Status.WAITING
     output: list[int] = field(default_factory=list)

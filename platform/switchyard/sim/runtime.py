@@ -23,6 +23,7 @@ from switchyard.sim.config import ResolvedConfig
 from switchyard.sim.core import EngineCore
 from switchyard.sim.faults import FaultState
 from switchyard.sim.request import SimRequest, Status
+from switchyard.sim.responses import system_fingerprint
 
 #: Most steps computed between two deliveries when catching up (bounds the loop's latency).
 MAX_STEPS_PER_WAKE = 2048
@@ -93,6 +94,10 @@ class EngineRuntime:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len)
         self.faults = FaultState(config.seed)
+        #: ``system_fingerprint`` of every response: stable for one engine setup.
+        self.fingerprint = system_fingerprint(config.served_model, config.profile.name,
+                                              config.max_model_len, config.kv_cache_tokens,
+                                              config.max_num_seqs)
         self.scale = config.time_scale
         self.lag_s = 0.0
         self._wall0 = 0.0
@@ -119,6 +124,11 @@ class EngineRuntime:
             self._task = None
         for req in list(self._live):
             self.abort(req)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests accepted and not yet finished or aborted."""
+        return len(self._live)
 
     # --- clock -------------------------------------------------------------------------------
 
@@ -206,6 +216,7 @@ class EngineRuntime:
             "kv_evictions": kv.evictions,
             "block_size": core.block_size,
             "preemptions": core.stats.preemptions,
+            "aborted": core.stats.aborted,
             "prefix_cache_queries": core.stats.prefix_queries,
             "prefix_cache_hits": core.stats.prefix_hits,
             "slow_factor": core.slow_factor,
@@ -213,7 +224,7 @@ class EngineRuntime:
             "profile": cfg.profile.name,
             "time_scale": self.scale,
             "lag_s": self.lag_s,
-            "in_flight": len(self._live),
+            "in_flight": self.in_flight,
             "max_num_seqs": cfg.max_num_seqs,
             "max_num_batched_tokens": cfg.max_num_batched_tokens,
             "max_model_len": cfg.max_model_len,
