@@ -8,14 +8,17 @@ when KV runs out, and step times from a per-hardware roofline cost model (``prof
 Also fault injection (``/sim/faults``) and a view of the internals (``/sim/state``).
 
 Must not touch: any other switchyard package. It imports only its own modules, the web
-framework (litestar, uvicorn), msgspec and prometheus_client, so it can run on its own and
-be replaced by real vLLM servers without anything else noticing.
+framework (litestar, uvicorn), msgspec and prometheus_client (and, for calibration and profile
+files, aiohttp and ruamel.yaml), so it can run on its own and be replaced by real vLLM servers
+without anything else noticing.
 
 Layout: ``tokens`` (tokenizer, generated text) · ``chat`` (chat template) · ``kv`` (block
 pool, prefix cache) · ``request`` / ``core`` (the synchronous scheduler: ``step()``) ·
 ``profiles`` (hardware cost models) · ``runtime`` (the asyncio engine loop on an anchored
 clock) · ``protocol`` / ``responses`` / ``generate`` (the OpenAI surface) · ``metrics`` ·
-``faults`` · ``app`` (Litestar app) · ``serve`` (uvicorn servers, signals).
+``faults`` · ``app`` (Litestar app) · ``serve`` (uvicorn servers, signals) · ``measured``
+(profile files: coefficients measured on a real engine) · ``calibrate`` (``switchyard sim
+calibrate``: measure, fit, compare) · ``calibrated/`` (shipped measured profiles).
 """
 
 from switchyard.sim.app import create_engine_app
