@@ -26,7 +26,7 @@ from tests.integration.test_sim import _free_port, _stop, _wait_healthy
 SWITCHYARD = Path(sys.executable).with_name("switchyard")
 MODEL = "sim-calibrated"
 #: Simulated seconds per wall-clock second of the engine under calibration.
-TIME_SCALE = 2.0
+TIME_SCALE = 0.5
 
 
 def _sim(port: int, *args: str) -> subprocess.Popen[str]:
