@@ -1,0 +1,83 @@
+"""The policy documents the bench scenarios run, written for the ports each run chose.
+
+Each is an ordinary ``schema: 1`` document (the gateway and ``switchyard sim --policy`` read it
+as they would any other), kept minimal so that what a scenario measures is the feature under
+test, not the demo policy's route rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+#: The tenant and tier every scenario's requests use.
+TENANT = "bench"
+TIER = "bench"
+PRIORITY = "interactive"
+
+
+def _urls(ports: Sequence[int]) -> str:
+    return "[" + ", ".join(f"http://127.0.0.1:{p}" for p in ports) + "]"
+
+
+def _tail(models: str) -> str:
+    return f"""\
+{models}
+priorities:
+  {PRIORITY}: {{max_queue_ms: 2000}}
+tiers:
+  - {{name: {TIER}, priority: {PRIORITY}, models: ["*"]}}
+"""
+
+
+def overhead_policy(engine_port: int, served_model: str, model: str) -> str:
+    """One pool of one instant engine; clients call ``model``."""
+    return f"""\
+schema: 1
+regions: [local]
+pools:
+  - {{name: instant, region: local, served_model: {served_model}, endpoints: {_urls([engine_port])},
+      kv_cache_tokens: 100000}}
+""" + _tail(f"""\
+models:
+  - {{name: {model}, pools: [instant], context_window: 8192, price: {{input_per_mtok: 0, output_per_mtok: 0}}}}""")
+
+
+def replicas_policy(ports: Sequence[int], *, model: str, served_model: str, profile: str, kv_cache_tokens: int,
+                    context_window: int) -> str:
+    """One pool of simulated replicas (the prefix scenario)."""
+    return f"""\
+schema: 1
+regions: [local]
+pools:
+  - {{name: replicas, region: local, served_model: {served_model}, endpoints: {_urls(ports)},
+      kv_cache_tokens: {kv_cache_tokens}, sim_profile: {profile}}}
+""" + _tail(f"""\
+models:
+  - {{name: {model}, pools: [replicas], context_window: {context_window},
+      price: {{input_per_mtok: 0, output_per_mtok: 0}}}}""")
+
+
+def two_region_policy(us_ports: Sequence[int], eu_ports: Sequence[int], *, served_model: str, profile: str,
+                      kv_cache_tokens: int, context_window: int) -> str:
+    """Two regions; clients call ``chat-us`` or ``chat-eu`` (their home region), each falling back
+    to ``chat`` (served in both regions) in the other region (the failover scenario).
+
+    A fallback chain may not loop back (``chat-us → chat-eu → chat-us`` is refused), hence the
+    third model: the region-neutral ``chat`` is only a fallback target.
+    """
+    return f"""\
+schema: 1
+regions: [us-east, eu-west]
+pools:
+  - {{name: chat-us, region: us-east, served_model: {served_model}, endpoints: {_urls(us_ports)},
+      kv_cache_tokens: {kv_cache_tokens}, sim_profile: {profile}}}
+  - {{name: chat-eu, region: eu-west, served_model: {served_model}, endpoints: {_urls(eu_ports)},
+      kv_cache_tokens: {kv_cache_tokens}, sim_profile: {profile}}}
+""" + _tail(f"""\
+models:
+  - {{name: chat, pools: [chat-us, chat-eu], context_window: {context_window},
+      price: {{input_per_mtok: 0, output_per_mtok: 0}}}}
+  - {{name: chat-us, pools: [chat-us], context_window: {context_window}, fallback: ["chat@eu-west"],
+      price: {{input_per_mtok: 0, output_per_mtok: 0}}}}
+  - {{name: chat-eu, pools: [chat-eu], context_window: {context_window}, fallback: ["chat@us-east"],
+      price: {{input_per_mtok: 0, output_per_mtok: 0}}}}""")

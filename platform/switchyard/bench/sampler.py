@@ -1,0 +1,103 @@
+"""Series sampled from Prometheus ``/metrics`` while a run goes on (queue depth, requests running).
+
+The load generator sees requests; what waits inside the engines (``vllm:num_requests_waiting``)
+it cannot see. A :class:`MetricsSampler` reads the named series from a set of ``/metrics`` URLs
+every ``bin_s`` on the run's own clock and sums them over the URLs, so the report can plot queue
+depth over time in the same bins as throughput.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import Sequence
+
+import aiohttp
+
+
+def sum_series(text: str, name: str) -> float:
+    """Sum of every sample of ``name`` (any labels) in a Prometheus text exposition."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        rest = line[len(name):]
+        if rest[:1] == "{":
+            rest = rest[rest.rfind("}") + 1:]
+        elif rest[:1] not in (" ", "\t"):
+            continue
+        fields = rest.split()
+        if fields:
+            try:
+                value = float(fields[0])
+            except ValueError:
+                continue
+            if math.isfinite(value):
+                total += value
+    return total
+
+
+async def scrape_sums(session: aiohttp.ClientSession, urls: Sequence[str], names: Sequence[str],
+                      timeout_s: float = 2.0) -> tuple[dict[str, float], int]:
+    """Each series summed over ``urls``; and how many URLs answered."""
+    sums = dict.fromkeys(names, 0.0)
+    answered = 0
+
+    async def one(url: str) -> None:
+        nonlocal answered
+        try:
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+                if response.status != 200:
+                    return
+                text = await response.text()
+        except (TimeoutError, aiohttp.ClientError):
+            return
+        answered += 1
+        for name in names:
+            sums[name] += sum_series(text, name)
+
+    await asyncio.gather(*(one(u) for u in urls))
+    return sums, answered
+
+
+class MetricsSampler:
+    """Samples series from ``/metrics`` URLs into bins of ``bin_s`` (one value per bin).
+
+    Call :meth:`start` with the run's start (``loop.time()``), :meth:`stop` when it ends;
+    :attr:`series` then maps each name to its per-bin values. A URL that does not answer adds
+    nothing to the sum (an engine that is down holds no requests).
+    """
+
+    def __init__(self, urls: Sequence[str], names: Sequence[str], bin_s: float = 1.0) -> None:
+        self.urls = list(urls)
+        self.names = list(names)
+        self.bin_s = bin_s
+        self.series: dict[str, list[float]] = {n: [] for n in names}
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self, at: float) -> None:
+        """Begin sampling; bins count from ``at`` on the running loop's clock."""
+        self._task = asyncio.get_running_loop().create_task(self._run(at))
+
+    async def stop(self) -> None:
+        """Stop sampling."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self, at: float) -> None:
+        loop = asyncio.get_running_loop()
+        async with aiohttp.ClientSession() as session:
+            index = 0
+            while True:
+                # Sample in the middle of each bin.
+                due = at + (index + 0.5) * self.bin_s
+                await asyncio.sleep(max(0.0, due - loop.time()))
+                sums, _answered = await scrape_sums(session, self.urls, self.names, timeout_s=self.bin_s)
+                for name in self.names:
+                    values = self.series[name]
+                    values.append(sums[name])
+                index += 1

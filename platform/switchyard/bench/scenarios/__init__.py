@@ -1,0 +1,38 @@
+"""The scenarios of ``switchyard bench``, one flag each.
+
+Landed: ``overhead`` (the gateway's added latency and throughput against calling the engine
+directly and against LiteLLM), ``prefix`` (prefix-aware routing against least-loaded and
+round-robin on a trace replay), ``failover`` (a region stopped and restarted under steady load).
+
+Not landed: scenarios whose feature does not exist yet. They are listed with the issue that
+brings the feature, and every report names them instead of showing a figure.
+
+Must not touch: the gateway's or the simulator's internals. Scenarios start real processes
+(``bench.procs``) and talk HTTP to them.
+"""
+
+from __future__ import annotations
+
+from switchyard.bench.scenarios import failover, overhead, prefix
+from switchyard.bench.scenarios.base import BenchOptions, Outcome, Scenario, ScenarioContext
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s for s in (
+        Scenario("overhead", "gateway overhead: added latency and max requests/s vs direct and LiteLLM",
+                 overhead.run),
+        Scenario("prefix", "prefix-aware routing vs least-loaded and round-robin on a trace replay", prefix.run),
+        Scenario("overload", "flow control: priority queues and shedding under overload", issue=5,
+                 missing="gateway-side priority queues, deadlines and shedding"),
+        Scenario("failover", "resilience: a region's engines stopped and restarted under load", failover.run),
+        Scenario("cache", "response caches: repeated requests not recomputed", issue=8,
+                 missing="exact and semantic response caches"),
+        Scenario("batch", "the Batch API filling idle capacity without hurting interactive traffic", issue=10,
+                 missing="the Batch API and its idle-capacity lane"),
+        Scenario("reload", "policy lifecycle: a hot reload under load", issue=3,
+                 missing="policy hot reload and version history"),
+    )
+}
+#: What ``switchyard bench`` runs when no ``--scenario`` is given.
+DEFAULT_SCENARIOS = ("overhead", "prefix", "failover")
+
+__all__ = ["DEFAULT_SCENARIOS", "SCENARIOS", "BenchOptions", "Outcome", "Scenario", "ScenarioContext"]

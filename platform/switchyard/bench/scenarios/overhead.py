@@ -1,0 +1,336 @@
+"""``overhead``: what the gateway adds to a request, and how many requests per second it carries.
+
+Three arms in front of one engine that answers instantly (``bench.instant``): ``direct`` (the
+client calls the engine), ``switchyard`` (through ``switchyard serve``) and ``litellm`` (through
+the LiteLLM proxy, one worker, installed by ``bench.litellm_env``), each non-streaming and
+streaming, back to back on the same engine.
+
+(a) **Added latency**: open-loop Poisson load at fixed rates (25, 100, 250, 500 requests/s; 25
+is there so that LiteLLM, which sustains 40 to 80 here, has a figure too); a request's
+latency is measured from the moment it was sent (the whole body when not streaming, the first
+content chunk when streaming). Added latency = the arm's percentile minus the direct arm's
+percentile in the same repeat (a difference of percentiles, not a percentile of differences:
+requests are not paired); at the goal rate every arm runs three times, interleaved, and the
+median difference is reported with the range. The first second of every step is a warm-up and
+is left out; a step whose load generator fell behind by more than 50 ms (p99; the machine
+stalled) is run again once. An arm is not run at a rate above its own max sustained rate (it
+would only queue).
+
+(b) **Max sustained requests/s**: a closed loop (``bench.closedloop``) of 32 connections for a
+few seconds after a one-second warm-up: completions per second, provided at most 0.1% failed.
+The proxy's CPU use over the window says whether the proxy (about 100% of its core) or the
+load generator was the limit.
+
+CPU placement: with two or more CPUs the proxy runs alone on one; the load generator and the
+engine share the others (``cpu_plan``), so every arm's client side is the same and the proxy
+competes with nothing; the proxies not being measured are paused (SIGSTOP) meanwhile.
+Goals: p99 added latency ≤ 2 ms at 500 requests/s; sustained requests/s at least 5 times
+LiteLLM's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import secrets
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from switchyard.bench import litellm_env
+from switchyard.bench.closedloop import Saturation, run_closed_loop
+from switchyard.bench.loadgen import Target, run_open_loop
+from switchyard.bench.policies import TENANT, TIER, overhead_policy
+from switchyard.bench.procs import (
+    Proc,
+    StartError,
+    cpu_seconds,
+    create_key,
+    free_port,
+    start_gateway,
+    start_instant_engine,
+    state_env,
+    wait_http,
+)
+from switchyard.bench.profile import ProfileSummary, record_profile
+from switchyard.bench.results import Result
+from switchyard.bench.scenarios.base import Outcome, ScenarioContext, cpu_plan
+from switchyard.bench.scenarios.overhead_figures import (
+    CONCURRENCY,
+    GOAL_RATE,
+    MAX_ERROR_RATE,
+    MODES,
+    write,
+)
+from switchyard.bench.spec import RequestSpec
+from switchyard.bench.stats import percentiles
+from switchyard.bench.synthetic import RequestTemplate, poisson
+
+MODEL = "bench"
+SERVED = "instant"
+RATES = (25.0, 100.0, 250.0, 500.0)
+QUICK_RATES = (500.0,)
+#: Repeats of each arm's step at the goal rate (p99 jitters between runs on a small machine).
+REPEATS = 3
+#: A step whose send lateness p99 is above this ran on a stalled machine and is run again.
+STALL_S = 0.05
+
+
+@dataclass
+class Arm:
+    """One way to reach the engine."""
+
+    name: str
+    target: Target | None
+    proc: Proc | None = None
+    unavailable: str | None = None  # why it is not measured
+    saturation: dict[str, Saturation] = field(default_factory=dict)
+    cpu_share: dict[str, float | None] = field(default_factory=dict)
+    loadgen_cpu_share: dict[str, float | None] = field(default_factory=dict)
+
+
+def _template(stream: bool) -> RequestTemplate:
+    return RequestTemplate(tenant=TENANT, request_class="stream" if stream else "non-stream", model=MODEL,
+                           prompt_tokens=(16, 16), output_tokens=(1, 1), stream=stream)
+
+
+def _one_request(stream: bool, seed: int) -> RequestSpec:
+    """The request the closed loop repeats."""
+    return poisson(1000.0, 1.0, [_template(stream)], seed).specs[0]
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (from ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+class Overhead:
+    """The overhead scenario's run (state shared by its steps)."""
+
+    def __init__(self, ctx: ScenarioContext) -> None:
+        self.ctx = ctx
+        opts = ctx.options
+        self.quick = opts.quick
+        self.rates = QUICK_RATES if opts.quick else RATES
+        self.step_s = opts.duration_s or (1.0 if opts.quick else 5.0)
+        self.warmup_s = 0.5 if opts.quick else 1.0
+        self.saturation_s = opts.duration_s or (1.0 if opts.quick else 5.0)
+        self.plan = cpu_plan()
+        self.arms: list[Arm] = []
+        self.runs: dict[tuple[str, float, str], list[list[Result]]] = {}
+        self.repeats = 1 if opts.quick else REPEATS
+        self.stalls: list[str] = []
+        self.skipped: dict[tuple[str, float, str], str] = {}
+        self.outside: dict[str, list[str]] = {}
+        self.checks: dict[str, int] = {}
+        self.notes: list[str] = []
+        self.profiles: dict[str, ProfileSummary] = {}
+        self.watched: Arm | None = None
+
+    # --- set-up --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        ctx = self.ctx
+        procs = ctx.procs
+        engine_port = free_port()
+        engine = start_instant_engine(procs, "instant-engine", engine_port, cpus=self.plan["engine"])
+        engine_url = f"http://127.0.0.1:{engine_port}"
+        policy = ctx.state_dir / "policies.yaml"
+        policy.write_text(overhead_policy(engine_port, SERVED, MODEL))
+        env = state_env(ctx.state_dir / "switchyard", policy)
+        key = create_key(env, TENANT, TIER)
+        ctx.say("overhead: starting the gateway")
+        gateway = start_gateway(procs, "gateway", env, cpus=self.plan["proxy"])
+        self.arms = [
+            Arm("direct", Target(engine_url, "direct"), engine),
+            Arm("switchyard", Target(gateway.base_url, "switchyard", default_api_key=key), gateway.proc),
+        ]
+        self.arms.append(self._start_litellm(engine_url))
+
+    def _start_litellm(self, engine_url: str) -> Arm:
+        ctx = self.ctx
+        if not ctx.options.litellm:
+            return Arm("litellm", None, unavailable="not measured: --no-litellm")
+        try:
+            ctx.say(f"overhead: installing LiteLLM {litellm_env.LITELLM_VERSION} (first time only; "
+                    f"{litellm_env.env_dir()})")
+            env = litellm_env.ensure_litellm(log_file=ctx.procs.log_dir / "litellm-install.log")
+            port = free_port()
+            master = f"sk-bench-{secrets.token_hex(8)}"
+            config = ctx.state_dir / "litellm.yaml"
+            config.write_text(litellm_env.proxy_config(MODEL, engine_url, SERVED, master))
+            ctx.say("overhead: starting the LiteLLM proxy")
+            proc = ctx.procs.start("litellm", litellm_env.proxy_command(env, config, port),
+                                   env=litellm_env.proxy_env(), whole_env=True, cpus=self.plan["proxy"],
+                                   cwd=ctx.state_dir)
+            wait_http(f"http://127.0.0.1:{port}/health/liveliness", proc, 240)
+        except (litellm_env.LiteLLMUnavailable, StartError) as exc:
+            return Arm("litellm", None, unavailable=f"not measured: {exc}")
+        self._check_outside("litellm", proc)
+        return Arm("litellm", Target(f"http://127.0.0.1:{port}", "litellm", default_api_key=master), proc)
+
+    def _check_outside(self, name: str, proc: Proc | None) -> None:
+        if proc is None or not proc.alive():
+            return
+        peers = [p for pid in _descendants(proc.pid) for p in litellm_env.outside_connections(pid)]
+        self.outside.setdefault(name, [])
+        self.outside[name] = sorted(set(self.outside[name]) | set(peers))
+        self.checks[name] = self.checks.get(name, 0) + 1
+
+    # --- measuring -----------------------------------------------------------------------------
+
+    def focus(self, arm: Arm | None) -> None:
+        """Pause every proxy but ``arm``'s (SIGSTOP), so an idle one cannot take CPU from the one measured.
+
+        ``None`` resumes them all.
+        """
+        self.watched = arm if arm is not None and arm.name == "litellm" else None
+        for other in self.arms:
+            if other.name == "direct" or other.proc is None or not other.proc.alive():
+                continue
+            paused = arm is not None and other is not arm
+            other.proc.popen.send_signal(signal.SIGSTOP if paused else signal.SIGCONT)
+
+    async def saturate(self, arm: Arm, mode: str) -> None:
+        assert arm.target is not None
+        self.focus(arm)
+        stream = mode == "stream"
+        one = _one_request(stream, self.ctx.options.seed)
+        proxy = arm.proc if arm.name != "direct" else None
+        before = cpu_seconds(proxy.pid) if proxy else None
+        own_before = time.process_time()
+        wall = time.monotonic()
+        sat = await run_closed_loop(one, arm.target, concurrency=CONCURRENCY, duration_s=self.saturation_s,
+                                    warmup_s=self.warmup_s, timeout_s=10.0)
+        elapsed = time.monotonic() - wall
+        after = cpu_seconds(proxy.pid) if proxy else None
+        arm.saturation[mode] = sat
+        arm.cpu_share[mode] = (after - before) / elapsed if before is not None and after is not None else None
+        arm.loadgen_cpu_share[mode] = (time.process_time() - own_before) / elapsed
+        self.ctx.say(f"overhead: {arm.name} {mode}: max sustained {sat.throughput_rps:.0f} requests/s "
+                     f"({CONCURRENCY} connections)")
+
+    def sustained(self, arm: Arm, mode: str) -> float | None:
+        sat = arm.saturation.get(mode)
+        if sat is None or sat.error_rate is None or sat.error_rate > MAX_ERROR_RATE:
+            return None
+        return sat.throughput_rps
+
+    async def open_loop(self, arm: Arm, mode: str, rate: float, rep: int) -> None:
+        """One step: ``arm`` at ``rate`` for ``step_s`` (repeated once if the machine stalled)."""
+        assert arm.target is not None
+        key = (arm.name, rate, mode)
+        limit = self.sustained(arm, mode)
+        if arm.name != "direct" and (limit is None or limit < rate):
+            shown = f"{limit:.0f}" if limit is not None else "unknown"
+            self.skipped[key] = f"not run: above its max sustained rate ({shown} requests/s)"
+            return
+        stream = mode == "stream"
+        workload = poisson(rate, self.warmup_s + self.step_s, [_template(stream)],
+                           self.ctx.options.seed + 1000 * rep + int(rate))
+        self.focus(arm)
+        for attempt in range(2):
+            gc.collect()
+            results = await run_open_loop(workload, arm.target, progress=self.ctx.options.progress,
+                                          timeout_s=10.0, request_id_prefix=None)
+            kept = [_shifted(r, self.warmup_s) for r in results if r.scheduled_s >= self.warmup_s]
+            late = percentiles([r.lateness_s for r in kept], (99,))["p99"]
+            if late is None or late <= STALL_S or attempt:
+                break
+            self.stalls.append(f"{arm.name} {mode} at {rate:g} requests/s (repeat {rep + 1}): send lateness p99 "
+                               f"{late * 1000:.0f} ms, the step was run again")
+        self.runs.setdefault(key, []).append(kept)
+
+    async def watch(self) -> None:
+        """Check the LiteLLM proxy's sockets twice a second while it is measured (never during other arms)."""
+        while True:
+            await asyncio.sleep(0.5)
+            if self.watched is not None:
+                self._check_outside(self.watched.name, self.watched.proc)
+
+    async def measure(self) -> None:
+        watcher = asyncio.create_task(self.watch())
+        try:
+            await self._measure()
+        finally:
+            watcher.cancel()
+
+    async def _measure(self) -> None:
+        for mode in MODES:
+            for arm in self.arms:
+                if arm.target is not None:
+                    await self.saturate(arm, mode)
+                    if arm.name == "litellm":
+                        self._check_outside("litellm", arm.proc)
+            for rate in self.rates:
+                reps = self.repeats if rate == GOAL_RATE else 1
+                self.ctx.say(f"overhead: {mode} at {rate:.0f} requests/s" + (f", {reps} times" if reps > 1 else ""))
+                for rep in range(reps):  # arms interleaved, so drift hits them alike
+                    for arm in self.arms:
+                        if arm.target is not None:
+                            await self.open_loop(arm, mode, rate, rep)
+                            if arm.name in ("litellm", "switchyard"):
+                                self._check_outside(arm.name, arm.proc)
+        self.focus(None)
+
+    async def profile(self) -> None:
+        """A py-spy profile of the gateway under closed-loop saturation (its figures are not used)."""
+        arm = self.arms[1]
+        if arm.proc is None or arm.target is None:
+            return
+        self.focus(arm)
+        for mode in MODES:
+            stream = mode == "stream"
+            one = _one_request(stream, self.ctx.options.seed)
+            seconds = max(3.0, self.saturation_s)
+            self.ctx.say(f"overhead: profiling the gateway ({mode}, {seconds:.0f} s, py-spy)")
+            load = asyncio.create_task(run_closed_loop(one, arm.target, concurrency=CONCURRENCY,
+                                                       duration_s=2 * seconds + 2, warmup_s=0.5))
+            await asyncio.sleep(0.5)
+            summary = await record_profile(arm.proc.pid, self.ctx.out_dir / f"gateway-profile-{mode}", seconds)
+            await load
+            self.profiles[mode] = summary
+        self.focus(None)
+
+
+def _shifted(result: Result, by: float) -> Result:
+    """``result`` with its times moved ``by`` seconds earlier (the warm-up cut off)."""
+    result.scheduled_s -= by
+    result.sent_s -= by
+    result.done_s -= by
+    if result.first_token_s is not None:
+        result.first_token_s -= by
+    return result
+
+
+def run(ctx: ScenarioContext) -> Outcome:
+    """Run the overhead scenario and write its report into ``ctx.out_dir``."""
+    run_ = Overhead(ctx)
+    previous = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    try:
+        run_.start()
+        if run_.plan["loadgen"]:
+            os.sched_setaffinity(0, run_.plan["loadgen"])
+        asyncio.run(run_.measure())
+        if ctx.options.profile:
+            asyncio.run(run_.profile())
+    finally:
+        if previous is not None:
+            os.sched_setaffinity(0, previous)
+    return write(ctx, run_)

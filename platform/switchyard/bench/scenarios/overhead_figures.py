@@ -1,0 +1,212 @@
+"""The overhead scenario's figures: its rows, goals and tables, and its report (see ``overhead``)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from switchyard.bench import litellm_env
+from switchyard.bench.report import build_report, write_report
+from switchyard.bench.results import Result
+from switchyard.bench.scenarios.base import Outcome, ScenarioContext, describe_plan
+from switchyard.bench.stats import percentiles
+from switchyard.bench.tables import goal, ms, num, pct, ratio, table, text
+
+if TYPE_CHECKING:
+    from switchyard.bench.scenarios.overhead import Overhead
+
+GOAL_RATE = 500.0
+GOAL_ADDED_P99_S = 0.002
+GOAL_RATIO = 5.0
+CONCURRENCY = 32
+MAX_ERROR_RATE = 0.001
+MODES = ("non-stream", "stream")
+
+
+def service_latency(result: Result, stream: bool) -> float | None:
+    """Seconds from send to the first content chunk (stream) or to the end of the body."""
+    if not result.ok:
+        return None
+    if stream:
+        return result.service_ttft_s
+    return result.done_s - result.sent_s
+
+
+def latency_percentiles(results: Sequence[Result], mode: str) -> dict[str, float | None]:
+    """p50 and p99 of the service latency of ``results``."""
+    return percentiles([v for r in results if (v := service_latency(r, mode == "stream")) is not None], (50, 99))
+
+
+def latency_rows(run: Overhead) -> list[dict[str, Any]]:
+    """One row per mode, rate and arm (added latency against ``direct``)."""
+    rows: list[dict[str, Any]] = []
+    for mode in MODES:
+        for rate in run.rates:
+            base = run.runs.get(("direct", rate, mode), [])
+            for arm in run.arms:
+                key = (arm.name, rate, mode)
+                row: dict[str, Any] = {"mode": mode, "rate": rate, "arm": arm.name}
+                if arm.target is None or key in run.skipped:
+                    row["note"] = arm.unavailable if arm.target is None else run.skipped[key]
+                    rows.append(row)
+                    continue
+                reps = run.runs.get(key, [])
+                pooled = [r for rep in reps for r in rep]
+                lat = latency_percentiles(pooled, mode)
+                ok = sum(r.ok for r in pooled)
+                row.update({
+                    "p50_s": lat["p50"], "p99_s": lat["p99"],
+                    "ok_rate": ok / len(pooled) if pooled else None,
+                    "achieved_rps": ok / (run.step_s * len(reps)) if reps else None,
+                    "lateness_p99_s": percentiles([r.lateness_s for r in pooled], (99,))["p99"],
+                    "requests": len(pooled), "repeats": len(reps),
+                    "note": "baseline" if arm.name == "direct" else "",
+                })
+                if arm.name != "direct":
+                    # Paired by repeat: each repeat's arm ran right after its direct baseline.
+                    diffs = [(latency_percentiles(a, mode), latency_percentiles(b, mode))
+                             for a, b in zip(reps, base, strict=False)]
+                    p50 = [x["p50"] - y["p50"] for x, y in diffs if x["p50"] is not None and y["p50"] is not None]
+                    p99 = [x["p99"] - y["p99"] for x, y in diffs if x["p99"] is not None and y["p99"] is not None]
+                    row["added_p50_s"] = statistics.median(p50) if p50 else None
+                    row["added_p99_s"] = statistics.median(p99) if p99 else None
+                    if len(p99) > 1:
+                        row["added_p99_range"] = f"{min(p99) * 1000:.2f} to {max(p99) * 1000:.2f}"
+                rows.append(row)
+    return rows
+
+
+def saturation_rows(run: Overhead) -> list[dict[str, Any]]:
+    """One row per mode and arm (max sustained requests/s)."""
+    rows: list[dict[str, Any]] = []
+    for mode in MODES:
+        lite = next((a for a in run.arms if a.name == "litellm"), None)
+        lite_rps = run.sustained(lite, mode) if lite is not None else None
+        for arm in run.arms:
+            row: dict[str, Any] = {"mode": mode, "arm": arm.name}
+            sat = arm.saturation.get(mode)
+            if arm.target is None or sat is None:
+                row["note"] = arm.unavailable or "not measured"
+                rows.append(row)
+                continue
+            lat = latency_percentiles(sat.results, mode)
+            rps = run.sustained(arm, mode)
+            share = arm.cpu_share.get(mode)
+            limit = ""
+            if arm.name == "direct":
+                limit = "load generator + engine ceiling"
+            elif share is not None:
+                limit = "proxy-bound" if share >= 0.85 else "load-generator-bound: the proxy had CPU to spare"
+            row.update({
+                "rps": rps, "error_rate": sat.error_rate, "p50_s": lat["p50"], "p99_s": lat["p99"],
+                "proxy_cpu": share, "loadgen_cpu": arm.loadgen_cpu_share.get(mode),
+                "vs_litellm": (rps / lite_rps) if arm.name == "switchyard" and rps is not None and lite_rps
+                else None,
+                "note": limit if rps is not None else f"failed: {100 * (sat.error_rate or 0):.1f}% errors",
+            })
+            rows.append(row)
+    return rows
+
+
+def goals(latency: list[dict[str, Any]], saturation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's two goals, per mode."""
+    goals = []
+    for mode in MODES:
+        row = next((r for r in latency if r["mode"] == mode and r["rate"] == GOAL_RATE
+                    and r["arm"] == "switchyard"), None)
+        value = row.get("added_p99_s") if row else None
+        what = "first chunk" if mode == "stream" else "whole answer"
+        goals.append(goal(f"gateway p99 added latency at {GOAL_RATE:.0f} requests/s ({mode}, {what})",
+                          f"≤ {GOAL_ADDED_P99_S * 1000:g} ms", value,
+                          None if value is None else value <= GOAL_ADDED_P99_S, unit="ms", multiplier=1000,
+                          note="" if row is None or value is not None else (row.get("note") or "")))
+    for mode in MODES:
+        lite = next((r for r in saturation if r["mode"] == mode and r["arm"] == "litellm"), None)
+        sy = next((r for r in saturation if r["mode"] == mode and r["arm"] == "switchyard"), None)
+        value = sy.get("vs_litellm") if sy else None
+        note = ""
+        if value is None:
+            note = (lite or {}).get("note") or "not measured"
+        elif sy and sy.get("note", "").startswith("load-generator-bound"):
+            note = "Switchyard's figure is a lower bound (the load generator was the limit)"
+        goals.append(goal(f"max sustained requests/s vs LiteLLM ({mode})", f"≥ {GOAL_RATIO:g}x", value,
+                          None if value is None else value >= GOAL_RATIO, unit="x", decimals=1, note=note))
+    return goals
+
+
+def _latency_table(rows: Sequence[dict[str, Any]], step_s: float, warmup_s: float, repeats: int) -> dict[str, Any]:
+    return table(
+        "Added latency (open loop, Poisson arrivals)",
+        [text("mode", "mode"), num("rate", "offered req/s", 0), text("arm", "arm"), ms("p50_s", "p50 ms"),
+         ms("p99_s", "p99 ms"), ms("added_p50_s", "added p50 ms"), ms("added_p99_s", "added p99 ms"),
+         text("added_p99_range", "added p99 range ms"), pct("ok_rate", "ok %"), num("achieved_rps", "ok req/s", 0),
+         ms("lateness_p99_s", "send lateness p99 ms"), num("requests", "requests", 0), num("repeats", "repeats", 0),
+         text("note", "note")],
+        rows,
+        f"Latency from send: the whole answer (non-stream) or the first content chunk (stream); p50/p99 pool every "
+        f"repeat. Added = the arm's percentile minus `direct`'s in the same repeat (they run back to back), the median "
+        f"over repeats; the range shows every repeat's p99 difference. {step_s:g} s per step after a {warmup_s:g} s "
+        f"warm-up (left out); {repeats} repeats at {GOAL_RATE:g} requests/s, arms interleaved. Send lateness is the "
+        "load generator's own delay (it shares its CPU with the engine); `direct`'s p99 is the machine's own jitter.")
+
+
+def _saturation_table(rows: Sequence[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    return table(
+        "Max sustained requests/s (closed loop)",
+        [text("mode", "mode"), text("arm", "arm"), num("rps", "max req/s", 0), pct("error_rate", "errors %", 2),
+         ms("p50_s", "p50 ms"), ms("p99_s", "p99 ms"), pct("proxy_cpu", "proxy CPU %", 0),
+         pct("loadgen_cpu", "load generator CPU %", 0), ratio("vs_litellm", "÷ LiteLLM"), text("note", "limit")],
+        rows,
+        f"{CONCURRENCY} connections sending back to back for {seconds:g} s after a warm-up; sustained means at most "
+        f"{MAX_ERROR_RATE * 100:g}% failed. Proxy CPU is the share of one core the proxy process used; near 100% the "
+        "proxy is the limit, lower means the load generator was.")
+
+
+def write(ctx: ScenarioContext, run_: Overhead) -> Outcome:
+    """Write the scenario's report; its outcome for the run's index."""
+    latency, saturation = latency_rows(run_), saturation_rows(run_)
+    goals_ = goals(latency, saturation)
+    tables = [_latency_table(latency, run_.step_s, run_.warmup_s, run_.repeats),
+              _saturation_table(saturation, run_.saturation_s)]
+    notes = [f"CPU placement: {describe_plan(run_.plan)}.",
+             "The engine is `switchyard.bench.instant`: it answers every request at once from pre-encoded bytes "
+             "(a measuring device, not a simulator).",
+             "Open-loop p99 on a shared small machine jitters by milliseconds between runs (DESIGN.md says ±1.5 ms); "
+             "read the range of the repeats before reading a difference of that size.",
+             *run_.stalls]
+    for name, peers in run_.outside.items():
+        checks = run_.checks.get(name, 0)
+        if peers:
+            notes.append(f"{name} opened connections to non-loopback addresses: {', '.join(peers)} "
+                         f"(seen in {checks} checks of its sockets)")
+        else:
+            notes.append(f"{name}: no connection to a non-loopback address in {checks} checks of its sockets "
+                         "(/proc/PID/net/tcp, every process of its tree).")
+    lite = next(a for a in run_.arms if a.name == "litellm")
+    if lite.unavailable:
+        notes.append(f"litellm: {lite.unavailable}")
+    else:
+        notes.append(f"litellm: litellm[proxy]=={litellm_env.LITELLM_VERSION}, one worker, "
+                     f"venv {litellm_env.env_dir()}.")
+    for mode, profile in run_.profiles.items():
+        tables.append(profile.table(f"Gateway profile under saturation ({mode}, py-spy)"))
+        notes.append(f"py-spy profile ({mode}): {profile.describe()}")
+    # The representative run for the standard tables and plots: streaming at the lowest rate,
+    # where every measured arm ran.
+    rate = run_.rates[0]
+    arms = {a.name: run_.runs[(a.name, rate, "stream")][0] for a in run_.arms if (a.name, rate, "stream") in run_.runs}
+    parameters = {"scenario": "overhead", "rates": list(run_.rates), "step_s": run_.step_s,
+                  "warmup_s": run_.warmup_s, "saturation_s": run_.saturation_s, "concurrency": CONCURRENCY,
+                  "cpu_plan": {k: list(v) for k, v in run_.plan.items()}, "quick": ctx.options.quick,
+                  "plots_show": f"stream at {rate:g} requests/s"}
+    report = build_report(arms or {"direct": []}, title="switchyard bench: overhead", parameters=parameters,
+                          seeds={"workload": ctx.options.seed}, window_s=run_.step_s, tables=tables, goals=goals_,
+                          notes=notes, baseline="direct")
+    write_report(report, ctx.out_dir)
+    met = [g for g in goals_ if g["met"] is not None]
+    summary = (f"{sum(bool(g['met']) for g in met)} of {len(goals_)} goals met"
+               + (f", {len(goals_) - len(met)} not measured" if len(met) < len(goals_) else ""))
+    headline = [notes[0], *[n for n in notes if n.startswith(("litellm", "py-spy"))]]
+    return Outcome("overhead", "ok", summary, goals_, tables[:2], "overhead/report.md", notes=headline)
+
