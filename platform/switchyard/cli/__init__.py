@@ -24,7 +24,7 @@ def main(ctx: click.Context, data_dir: Path | None, database_url: str | None, po
 
 
 def _register() -> None:
-    from switchyard.cli import demo_cmd, policy_cmds, run_cmds, store_cmds
+    from switchyard.cli import bench_cmd, demo_cmd, policy_cmds, run_cmds, store_cmds
 
     main.add_command(run_cmds.serve)
     main.add_command(run_cmds.sim)
@@ -33,6 +33,7 @@ def _register() -> None:
     main.add_command(store_cmds.db)
     main.add_command(store_cmds.keys)
     main.add_command(store_cmds.tenants)
+    main.add_command(bench_cmd.bench)
 
 
 _register()

@@ -1,0 +1,198 @@
+"""`switchyard bench` as a user runs it: every landed scenario for a few seconds, real processes.
+
+One quick run of the landed scenarios (plus one that has not landed) writes a complete report:
+the run's index and each scenario's Markdown, JSON and PNG plots, with the same numbers in the
+Markdown as in the JSON and figures that agree with each other. The LiteLLM arm's install is
+skipped with ``--no-litellm`` (it downloads ~100 packages; the full arm runs by hand), and the
+report must say so. No wall-clock time is asserted: only completeness and consistency.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from switchyard.bench.report import TABLE_METRICS, format_value
+from switchyard.bench.scenarios import SCENARIOS
+from switchyard.bench.tables import render_goal_row, render_row
+from tests.integration.conftest import SWITCHYARD
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACE = ROOT.parent / "shared" / "data" / "traces" / "mooncake_conversation.jsonl"
+LANDED = [name for name, s in SCENARIOS.items() if s.landed]
+NOT_LANDED = [name for name, s in SCENARIOS.items() if not s.landed]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _ours(marker: str) -> list[str]:
+    """Running processes whose command line or environment mentions ``marker`` (the run's folder).
+
+    Engines name their policy file on the command line; gateways get it in their environment.
+    """
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            environ = (entry / "environ").read_bytes().decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and (marker in cmdline or marker in environ):
+            found.append(cmdline)
+    return found
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    assert TRACE.exists(), f"the Mooncake trace is missing: {TRACE}"
+    out = tmp_path_factory.mktemp("bench") / "report"
+    args = [SWITCHYARD, "bench", "--quick", "--no-litellm", "--no-progress", "--out", str(out), "--seed", "3",
+            "--trace", str(TRACE), "--scenario", NOT_LANDED[0]]
+    for name in LANDED:
+        args += ["--scenario", name]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=240)
+    return out, done
+
+
+def _json(path: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def test_the_run_succeeds_and_says_where_the_report_is(run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out, done = run
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"report: {out / 'report.md'}" in done.stdout
+    assert not _ours(str(out)), "every process the bench started is stopped"
+
+
+def test_every_landed_scenario_wrote_a_complete_report(run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out, _ = run
+    index = _json(out / "report.json")
+    status = {s["name"]: s["status"] for s in index["scenarios"]}
+    assert status == {**dict.fromkeys(LANDED, "ok"), NOT_LANDED[0]: "not_landed"}
+    for name in LANDED:
+        folder = out / name
+        for file in ("report.md", "report.json", "ttft_cdf.png", "load_over_time.png", "shed_fallback.png"):
+            assert (folder / file).stat().st_size > 0, f"{name}/{file}"
+        for png in folder.glob("*.png"):
+            assert png.read_bytes()[:8] == PNG_MAGIC
+        report = _json(folder / "report.json")
+        assert sorted(report["plots"]) == sorted(p.name for p in folder.glob("*.png"))
+        assert report["goals"] and report["tables"]
+        assert all(s["count"] > 0 for s in report["overall"].values()), name
+    assert (out / "logs").is_dir() and any((out / "logs").iterdir())
+
+
+def test_markdown_and_json_hold_the_same_numbers(run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out, _ = run
+    index_md = (out / "report.md").read_text()
+    index = {s["name"]: s for s in _json(out / "report.json")["scenarios"]}
+    for name in LANDED:
+        md = (out / name / "report.md").read_text()
+        report = _json(out / name / "report.json")
+        for g in report["goals"]:
+            assert render_goal_row(g) in md and render_goal_row(g) in index_md, g["goal"]
+        for data in report["tables"]:
+            for row in data["rows"]:
+                assert render_row(data, row) in md, (name, data["title"], row)
+        for data in index[name]["tables"]:  # the index copies the scenario's headline tables
+            assert data in report["tables"]
+            for row in data["rows"]:
+                assert render_row(data, row) in index_md
+        assert index[name]["goals"] == report["goals"]
+        for key, label, mult, dec in TABLE_METRICS:  # the per-arm summary table
+            cells = [format_value(report["overall"][arm][key], mult, dec) for arm in report["arms"]]
+            assert f"| {label} | {' | '.join(cells)} |" in md, (name, label)
+
+
+def test_every_scenario_that_has_not_landed_is_named(run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out, _ = run
+    md = (out / "report.md").read_text()
+    lines = _json(out / "report.json")["not_landed"]
+    assert len(lines) == len(NOT_LANDED)
+    for name in NOT_LANDED:
+        line = next(x for x in lines if x.startswith(f"{name} ("))
+        assert f"not landed yet (issue {SCENARIOS[name].issue}" in line
+        assert f"- {line}" in md
+
+
+def test_overhead_says_litellm_was_not_measured_and_its_figures_agree(
+        run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out, _ = run
+    report = _json(out / "overhead" / "report.json")
+    md = (out / "overhead" / "report.md").read_text()
+    assert "not measured: --no-litellm" in md
+    lite = [g for g in report["goals"] if "LiteLLM" in g["goal"]]
+    assert lite and all(g["met"] is None and "--no-litellm" in g["note"] for g in lite)
+    latency, saturation = report["tables"][0]["rows"], report["tables"][1]["rows"]
+    for row in latency:
+        if row["arm"] == "litellm":
+            assert row["note"] == "not measured: --no-litellm"
+        elif row.get("requests"):
+            assert row["ok_rate"] > 0.99, row  # an engine that answers instantly does not fail
+            assert row["p50_s"] <= row["p99_s"]
+    for row in saturation:
+        if row["arm"] != "litellm":
+            assert row["rps"] > 0 and row["error_rate"] == 0, row
+    added = next(g for g in report["goals"] if "added latency" in g["goal"] and "non-stream" in g["goal"])
+    sy = next(r for r in latency if r["arm"] == "switchyard" and r["mode"] == "non-stream" and r["rate"] == 500)
+    assert added["value"] == sy["added_p99_s"]
+
+
+def test_prefix_figures_agree_with_the_engines_and_the_bound(
+        run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out, _ = run
+    report = _json(out / "prefix" / "report.json")
+    bound = report["parameters"]["unbounded_bound"]
+    assert 0 < bound < 1
+    rows = {r["arm"]: r for r in report["tables"][0]["rows"]}
+    assert set(rows) == {"prefix-aware", "least-loaded", "round-robin"} == set(report["arms"])
+    for arm, row in rows.items():
+        assert 0 <= row["hit_ratio"] <= 1
+        assert row["of_bound"] == pytest.approx(row["hit_ratio"] / bound)
+        assert row["throughput_rps"] == pytest.approx(report["overall"][arm]["throughput_rps"])
+        assert report["overall"][arm]["count"] == report["workload"]["requests"]
+        assert report["timeseries"][arm]["extra"]["engine queue (waiting)"]
+
+
+def test_failover_figures_agree(run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out, _ = run
+    report = _json(out / "failover" / "report.json")
+    line = report["parameters"]["timeline"]
+    assert line["stop_s"] < line["stopped_s"] <= line["restart_s"] < line["ready_s"]
+    success = report["goals"][0]
+    assert success["value"] == pytest.approx(report["overall"]["switchyard"]["ok_rate"])
+    phases = report["tables"][1]["rows"]
+    us = report["groups"]["class"]["us-east"]["arms"]["switchyard"]["count"]
+    assert sum(p["requests"] for p in phases) == us
+    assert phases[1]["requests"] > 0  # requests were sent during the outage
+
+
+def test_ctrl_c_stops_everything_the_bench_started(tmp_path: Path) -> None:
+    out = tmp_path / "interrupted"
+    args = [SWITCHYARD, "bench", "--scenario", "failover", "--quick", "--no-progress", "--out", str(out)]
+    proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 120
+        for line in proc.stderr:  # wait until the engines and the gateway run and the load is on
+            if "requests over" in line or time.monotonic() > deadline:
+                break
+        assert _ours(str(out)), "the engines run"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not _ours(str(out))
+    assert "**Interrupted**" in (out / "report.md").read_text()
