@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import time
@@ -25,7 +26,6 @@ from switchyard.bench.tables import render_goal_row, render_row
 from tests.integration.conftest import SWITCHYARD
 
 ROOT = Path(__file__).resolve().parents[2]
-TRACE = ROOT.parent / "shared" / "data" / "traces" / "mooncake_conversation.jsonl"
 LANDED = [name for name, s in SCENARIOS.items() if s.landed]
 NOT_LANDED = [name for name, s in SCENARIOS.items() if not s.landed]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -51,12 +51,39 @@ def _ours(marker: str) -> list[str]:
     return found
 
 
+def write_conversation_trace(path: Path, requests: int = 1200, seed: int = 3) -> Path:
+    """A Mooncake-format trace made here (the public traces live outside the repository):
+    conversations that share a system prompt per group and grow by a block or two each turn,
+    arriving about 3.3 requests/s like the public conversation trace."""
+    rng = random.Random(seed)
+    next_id = 1000
+    groups = [list(range(g * 4, g * 4 + rng.randint(1, 3))) for g in range(6)]
+    live: list[list[int]] = []
+    lines, t = [], 0.0
+    for _ in range(requests):
+        t += rng.expovariate(3.3) * 1000
+        if not live or rng.random() < 0.3:
+            live.append(list(rng.choice(groups)))
+            if len(live) > 40:
+                live.pop(0)
+        conversation = rng.choice(live)
+        for _ in range(rng.randint(1, 2)):
+            conversation.append(next_id)
+            next_id += 1
+        ids = conversation[:24]
+        lines.append(json.dumps({"timestamp": int(t), "input_length": 512 * len(ids) - rng.randint(0, 400),
+                                 "output_length": rng.randint(20, 200), "hash_ids": ids}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    assert TRACE.exists(), f"the Mooncake trace is missing: {TRACE}"
-    out = tmp_path_factory.mktemp("bench") / "report"
+    tmp = tmp_path_factory.mktemp("bench")
+    trace = write_conversation_trace(tmp / "conversation.jsonl")
+    out = tmp / "report"
     args = [SWITCHYARD, "bench", "--quick", "--no-litellm", "--no-progress", "--out", str(out), "--seed", "3",
-            "--trace", str(TRACE), "--scenario", NOT_LANDED[0]]
+            "--trace", str(trace), "--scenario", NOT_LANDED[0]]
     for name in LANDED:
         args += ["--scenario", name]
     done = subprocess.run(args, capture_output=True, text=True, timeout=240)

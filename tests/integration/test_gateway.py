@@ -6,6 +6,7 @@ Every test here runs twice: with the gateway on SQLite and on PostgreSQL.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import re
 import time
@@ -184,9 +185,20 @@ def test_malformed_bodies_are_400(gateway: Gateway, raw: bytes, param: str | Non
 
 
 def test_body_too_large_is_413(gateway: Gateway) -> None:
-    big = {"model": "small", "messages": [{"role": "user", "content": "x" * 1_200_000}]}
-    status, _, body = http_json("POST", f"{gateway.base_url}/v1/chat/completions", big,
-                                headers={"Authorization": f"Bearer {gateway.keys['pro']}"})
+    """The gateway refuses a body over the limit from its Content-Length, before reading it (so
+    the client is told without sending it; a client still writing may see the connection close)."""
+    host, port = gateway.base_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        conn.putrequest("POST", "/v1/chat/completions")
+        conn.putheader("Authorization", f"Bearer {gateway.keys['pro']}")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(1_200_000))
+        conn.endheaders()
+        response = conn.getresponse()
+        status, body = response.status, json.loads(response.read())
+    finally:
+        conn.close()
     assert status == 413
     assert_openai_error(body, 413, "request_too_large")
 
