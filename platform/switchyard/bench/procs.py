@@ -100,8 +100,9 @@ def machine_cpu_seconds() -> float | None:
 class CpuMeter:
     """CPU used over a span by the whole machine and by this bench (itself and what it started).
 
-    The difference is what *other* processes used: on a shared machine, a figure measured while
-    something else was busy is not the system's own.
+    The difference is what *other* processes used (and, on a virtual machine, the time the
+    hypervisor gave to other guests: ``/proc/stat``'s steal counts as busy): on a shared machine,
+    a figure measured while something else was busy is not the system's own.
     """
 
     def __init__(self, procs: Processes) -> None:
