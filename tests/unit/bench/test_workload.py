@@ -28,7 +28,6 @@ from switchyard.sim.tokens import count_tokens, tokenize
 DATA = Path(__file__).parent / "data"
 MOONCAKE = DATA / "mooncake_small.jsonl"
 AZURE = DATA / "azure_small.csv"
-REAL_TRACES = Path(__file__).resolve().parents[4] / "shared" / "data" / "traces"
 
 MIX = [
     RequestTemplate(tenant="acme", request_class="critical", model="large", weight=1,
@@ -264,7 +263,7 @@ def test_azure_missing_column(tmp_path: Path) -> None:
         azure(path)
 
 
-# --- merging and the real traces -------------------------------------------------------------
+# --- merging -------------------------------------------------------------
 
 
 def test_merge_interleaves_and_renumbers() -> None:
@@ -275,15 +274,3 @@ def test_merge_interleaves_and_renumbers() -> None:
     assert [s.index for s in m.specs] == list(range(len(m)))
     assert list(_arrivals(m)) == sorted(_arrivals(m))
     assert m.duration_s == max(a.duration_s, b.duration_s)
-
-
-def test_real_traces_smoke() -> None:
-    """One read of the real public traces, which live outside the repository."""
-    if not REAL_TRACES.is_dir():
-        pytest.skip(f"the public traces are not at {REAL_TRACES} (they live outside the repository)")
-    w = mooncake(REAL_TRACES / "mooncake_conversation.jsonl", duration_s=60, token_scale=0.25, max_model_len=32768)
-    assert len(w) > 50
-    for s in w.specs[:5]:
-        assert count_tokens(s.prompt.text()) == s.prompt_tokens
-    a = azure(REAL_TRACES / "azure2023_code.csv", limit=100)
-    assert len(a) == 100 and a.specs[0].arrival_s == 0.0
