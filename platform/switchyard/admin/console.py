@@ -9,28 +9,18 @@ from litestar import Router, get
 from litestar.plugins.htmx import HTMXRequest, HTMXTemplate
 from litestar.response import Template
 
+from switchyard.admin.api import endpoint_row
 from switchyard.gateway.runtime import GatewayRuntime
 
 
 def _overview_context(runtime: GatewayRuntime) -> dict[str, Any]:
     snapshot = runtime.policy.snapshot
-    states = runtime.endpoints.snapshot()
     now = time.monotonic()
-
-    def endpoint(url: str) -> dict[str, Any]:
-        state = states.get(url)
-        if state is None:
-            return {"url": url, "in_flight": 0, "signals": None, "healthy": True, "note": "not seen yet"}
-        fresh = state.signals is not None and now - state.scraped_at <= runtime.endpoints.signal_max_age
-        return {"url": url, "in_flight": state.outstanding, "healthy": state.healthy(now),
-                "signals": state.signals if fresh else None,
-                "note": state.failure if not state.healthy(now) else state.scrape_error or ""}
-
     regions = []
     for region in snapshot.document.regions:
         pools = [
             {"name": p.name, "served_model": p.served_model, "kv_cache_tokens": p.kv_cache_tokens,
-             "endpoints": [endpoint(u) for u in p.endpoints],
+             "endpoints": [endpoint_row(runtime, p, u, now) for u in p.endpoints],
              "models": [m.name for m in snapshot.models.values() if p.name in m.pools]}
             for p in snapshot.pools.values() if p.region == region
         ]

@@ -117,7 +117,3 @@ class EndpointRegistry:
         state = self.state(url)
         state.down_until = (time.monotonic() if now is None else now) + cooldown_s
         state.failure = reason
-
-    def snapshot(self) -> dict[str, EndpointState]:
-        """The states, for display (do not mutate)."""
-        return dict(self._states)
