@@ -95,6 +95,35 @@ def fallback_plan(snapshot: PolicySnapshot, model: Model) -> list[Stage]:
     return stages
 
 
+def usable_stages(plan: Sequence[Stage], needed_tokens: int) -> tuple[list[Stage], list[str]]:
+    """The stages of ``plan`` worth trying for a request of ``needed_tokens`` (prompt + output budget).
+
+    A fallback stage whose model's context window cannot hold the request is left out (with a
+    note saying why); the first stage always stays, so that its engine answers a too-long
+    request with its own 400.
+    """
+    stages = list(plan[:1])
+    skipped = []
+    for stage in plan[1:]:
+        if stage.model.context_window < needed_tokens:
+            skipped.append(f"fallback {stage.label}: context window {stage.model.context_window} "
+                           f"< {needed_tokens} tokens")
+        else:
+            stages.append(stage)
+    return stages, skipped
+
+
+def engine_priority(snapshot: PolicySnapshot, class_name: str, asked: object) -> int:
+    """vLLM ``priority`` of a request: its class's, or the client's own if that is lower (a larger number).
+
+    A client may lower its request's priority, never raise it above its tier's class.
+    """
+    base = snapshot.engine_priority[class_name]
+    if isinstance(asked, int) and not isinstance(asked, bool) and asked > base:
+        return asked
+    return base
+
+
 def pick_endpoint(options: Sequence[Candidate], view: Callable[[str], EndpointView],
                   affinity: Mapping[str, float], rotation: int,
                   exclude: frozenset[str] | set[str] = frozenset(),

@@ -21,7 +21,7 @@ from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from switchyard.decide.features import RequestFeatures, chat_features, completion_features
-from switchyard.decide.pick import EndpointChoice, Stage, fallback_plan, pick_endpoint
+from switchyard.decide.pick import EndpointChoice, Stage, engine_priority, fallback_plan, pick_endpoint, usable_stages
 from switchyard.decide.prefix import block_hashes, prompt_text
 from switchyard.decide.resolve import ModelDecision, Refused, resolve_model
 from switchyard.engines.upstream import (
@@ -199,11 +199,9 @@ class Proxy:
         needed = req.features.prompt_tokens + (req.features.max_tokens or 0)
         hashes: list[bytes] | None = None
         strategy = runtime.settings.picker
-        for index, stage in enumerate(fallback_plan(snapshot, decision.model)):
-            if index and stage.model.context_window < needed:
-                attempts.failures.append(f"fallback {stage.label}: context window "
-                                         f"{stage.model.context_window} < {needed} tokens")
-                continue
+        stages, skipped = usable_stages(fallback_plan(snapshot, decision.model), needed)
+        attempts.failures += skipped
+        for stage in stages:
             options = stage.candidates()
             if hashes is None and len(options) > 1 and strategy == "prefix-aware":
                 hashes = block_hashes(prompt_text(req.body))
@@ -296,17 +294,6 @@ class Proxy:
     def _first_byte_observer(self, model: str, pool: str, started: float) -> Callable[[], None]:
         histogram = self.runtime.metrics.first_byte.labels(model, pool)
         return lambda: histogram.observe(time.perf_counter() - started)
-
-
-def engine_priority(snapshot: PolicySnapshot, class_name: str, asked: object) -> int:
-    """vLLM ``priority`` of a request: its class's, or the client's own if that is lower (a larger number).
-
-    A client may lower its request's priority, never raise it above its tier's class.
-    """
-    base = snapshot.engine_priority[class_name]
-    if isinstance(asked, int) and not isinstance(asked, bool) and asked > base:
-        return asked
-    return base
 
 
 @dataclass(slots=True)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from switchyard.decide.pick import HERD_MARGIN, EndpointView, candidates, fallback_plan, pick_endpoint
+from switchyard.decide.pick import HERD_MARGIN, EndpointView, candidates, engine_priority, fallback_plan, pick_endpoint
 from switchyard.decide.prefix import BLOCK_CHARS, PrefixIndex, block_hashes, prompt_text
-from switchyard.gateway.proxy import engine_priority
 from switchyard.policy import PolicySnapshot, compile_policy
 from tests.unit.policy.base import base, to_yaml
 
