@@ -108,6 +108,11 @@ class EngineCore:
         """Requests waiting to be scheduled (new or preempted)."""
         return len(self._waiting)
 
+    @property
+    def num_pending(self) -> int:
+        """Requests that reached the server but not yet the scheduler."""
+        return len(self._pending)
+
     def has_work(self) -> bool:
         """Whether there is anything to step for (including requests not yet arrived)."""
         return bool(self.running or self._waiting or self._pending)
