@@ -27,15 +27,17 @@ def test_ci_runs_the_readme_test_command() -> None:
 
 def test_platform_is_a_source_root_not_a_package() -> None:
     assert not (ROOT / "platform" / "__init__.py").exists(), "it would shadow the stdlib module 'platform'"
-    for package in ("policy", "decide", "gateway", "engines", "store", "admin", "sim"):
+    for package in ("policy", "decide", "gateway", "engines", "store", "admin", "sim", "bench", "whatif"):
         init = ROOT / "platform" / "switchyard" / package / "__init__.py"
         assert init.read_text().lstrip().startswith('"""'), f"{package} needs a docstring saying what it owns"
 
 
 def test_dependency_direction() -> None:
     """policy imports no other switchyard package; decide only policy; sim only itself; bench only
-    itself and sim (it drives the gateway as a process, never from inside)."""
-    allowed = {"policy": {"policy"}, "decide": {"decide", "policy"}, "sim": {"sim"}, "bench": {"bench", "sim"}}
+    itself and sim (it drives the gateway as a process, never from inside); whatif (the pre-publish
+    replay) the decisions, the simulator and bench's workloads, never the gateway or the store."""
+    allowed = {"policy": {"policy"}, "decide": {"decide", "policy"}, "sim": {"sim"}, "bench": {"bench", "sim"},
+               "whatif": {"whatif", "decide", "policy", "sim", "bench"}}
     for package, ok in allowed.items():
         for path in (ROOT / "platform" / "switchyard" / package).rglob("*.py"):
             for imported in re.findall(r"^\s*(?:from|import) switchyard\.(\w+)", path.read_text(), flags=re.M):

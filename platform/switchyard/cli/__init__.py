@@ -24,12 +24,13 @@ def main(ctx: click.Context, data_dir: Path | None, database_url: str | None, po
 
 
 def _register() -> None:
-    from switchyard.cli import bench_cmd, demo_cmd, policy_cmds, run_cmds, store_cmds
+    from switchyard.cli import bench_cmd, demo_cmd, policy_cmds, replay_cmd, run_cmds, store_cmds
 
     main.add_command(run_cmds.serve)
     main.add_command(run_cmds.sim)
     main.add_command(demo_cmd.demo)
     main.add_command(policy_cmds.policy)
+    policy_cmds.policy.add_command(replay_cmd.replay)
     main.add_command(store_cmds.db)
     main.add_command(store_cmds.keys)
     main.add_command(store_cmds.tenants)

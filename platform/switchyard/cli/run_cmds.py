@@ -53,26 +53,20 @@ def engines_for_policy(snapshot: PolicySnapshot, regions: tuple[str, ...] = (), 
     A pool's ``sim_profile`` is a profile name or the path of a profile file; a relative path is
     taken from ``base_dir`` (the policy file's folder), not from the working directory.
     """
-    from switchyard.sim import EngineConfig
-    from switchyard.sim.profiles import looks_like_profile_path
+    from switchyard.whatif.fleet import pool_engine_config
 
     configs: list[EngineConfig] = []
     for pool in snapshot.pools.values():
         if (regions and pool.region not in regions) or (pools and pool.name not in pools):
             continue
-        context = max((m.context_window for m in snapshot.models.values() if pool.name in m.pools), default=None)
-        profile = pool.sim_profile
-        if base_dir is not None and looks_like_profile_path(profile) and not Path(profile).is_absolute():
-            profile = str(base_dir / profile)
         for url in pool.endpoints:
             parts = urlsplit(url)
             if parts.hostname not in LOOPBACK or parts.port is None:
                 raise click.ClickException(
                     f"pool {pool.name}: {url} is not a loopback address with a port; the simulator "
                     "only serves 127.0.0.1/localhost endpoints")
-            configs.append(EngineConfig(served_model=pool.served_model, port=parts.port, host=parts.hostname,
-                                        profile=profile, kv_cache_tokens=pool.kv_cache_tokens,
-                                        max_model_len=context, time_scale=time_scale, seed=seed))
+            configs.append(pool_engine_config(snapshot, pool, port=parts.port, host=parts.hostname,
+                                              time_scale=time_scale, seed=seed, base_dir=base_dir))
     if not configs:
         raise click.ClickException("no pool matches the given --region/--pool filters")
     return configs

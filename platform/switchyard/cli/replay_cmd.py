@@ -1,0 +1,157 @@
+"""``switchyard policy replay``: what a candidate policy would change, before it is published."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import cast
+
+import click
+from sqlalchemy import make_url
+from sqlalchemy.exc import OperationalError
+
+from switchyard.bench.spec import Labels, Workload, WorkloadError
+from switchyard.bench.traces import azure, mooncake
+from switchyard.cli.context import cli_context
+from switchyard.decide.pick import STRATEGIES, Strategy
+from switchyard.decide.policy_tests import compile_checked
+from switchyard.policy import PolicyError, PolicySnapshot, read_policy_file
+from switchyard.settings import Settings
+from switchyard.store import db as store_db
+from switchyard.store.models import PolicyVersion
+from switchyard.store.policy_versions import active_version
+from switchyard.whatif import compare_arms, render_report, replay_policy
+from switchyard.whatif.fleet import FleetError
+
+_VERSION = re.compile(r"^v?(\d+)$")
+
+
+def _stored(settings: Settings, number: int | None) -> PolicySnapshot | None:
+    """Version ``number`` (the active one when None) from the database; None when there is none."""
+    url = make_url(settings.resolved_database_url)
+    if url.get_backend_name() == "sqlite" and url.database and not Path(url.database).exists():
+        return None  # no embedded database yet: nothing stored (and none is created by looking)
+    engine = store_db.create_db_engine(settings.resolved_database_url)
+    try:
+        if not store_db.is_current(engine):
+            return None
+        with store_db.session_scope(engine) as session:
+            row = active_version(session) if number is None else session.get(PolicyVersion, number)
+            if row is None:
+                return None
+            return compile_checked(row.yaml_text, f"policy version {row.number}", row.number)
+    except OperationalError as exc:
+        raise click.ClickException(f"cannot reach the database: {exc.orig}") from None
+    finally:
+        engine.dispose()
+
+
+def load_policy(ref: str, settings: Settings) -> tuple[PolicySnapshot, Path | None]:
+    """A policy named on the command line, and the folder its relative profile paths start from.
+
+    ``active``: the active version in the database, else the policy file. ``vN`` or ``N``: that
+    stored version. Anything else: a policy file.
+
+    Raises:
+        click.ClickException: The policy does not exist or is invalid (with its YAML location).
+    """
+    try:
+        if ref == "active":
+            stored = _stored(settings, None)
+            if stored is not None:
+                return stored, settings.policy_file.resolve().parent
+            path = settings.policy_file
+        elif match := _VERSION.match(ref):
+            stored = _stored(settings, int(match.group(1)))
+            if stored is None:
+                raise click.ClickException(f"there is no policy version {match.group(1)} in the database")
+            return stored, settings.policy_file.resolve().parent
+        else:
+            path = Path(ref)
+        return compile_checked(read_policy_file(path), str(path)), path.resolve().parent
+    except PolicyError as error:
+        raise click.ClickException(f"invalid policy {ref}:\n{error}") from None
+
+
+def _labels(tiers: tuple[str, ...], model: str) -> list[tuple[Labels, float]]:
+    """Weighted labels from ``--tier NAME[=WEIGHT]`` options (the tenant label is the tier)."""
+    out = []
+    for item in tiers:
+        name, _, weight = item.partition("=")
+        try:
+            w = float(weight) if weight else 1.0
+        except ValueError:
+            raise click.BadParameter(f"{item!r}: the weight after '=' must be a number", param_hint="--tier") from None
+        out.append((Labels(tenant=name, request_class=name, model=model), w))
+    return out
+
+
+def _workload(trace: Path, labels: list[tuple[Labels, float]], rate_multiplier: float, duration: float | None,
+              limit: int | None, seed: int) -> Workload:
+    kind = "azure" if trace.suffix.lower() == ".csv" else "mooncake"
+    build = azure if kind == "azure" else mooncake
+    try:
+        return build(trace, rate_multiplier=rate_multiplier, duration_s=duration, limit=limit, seed=seed,
+                     labels=labels)
+    except WorkloadError as error:
+        raise click.ClickException(str(error)) from None
+
+
+def _default_model(snapshot: PolicySnapshot) -> str:
+    """What requests ask for when ``--model`` is not given: the first route, else the first model."""
+    doc = snapshot.document
+    return doc.routes[0].name if doc.routes else doc.models[0].name
+
+
+@click.command()
+@click.argument("candidate")
+@click.option("--against", default="active", show_default=True,
+              help="The policy to compare with: 'active', a version (v7), or a file.")
+@click.option("--trace", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
+              help="The requests: a Mooncake trace (.jsonl) or an Azure LLM inference trace (.csv).")
+@click.option("--tier", "tiers", multiple=True, metavar="NAME[=WEIGHT]",
+              help="Tier the trace's requests are sent as; repeat for a weighted mix [default: the first tier].")
+@click.option("--model", default=None, help="The model the requests ask for [default: the first route, "
+                                            "else the first model, of the policy compared with].")
+@click.option("--rate-multiplier", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="Replay the trace this many times faster.")
+@click.option("--duration", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Only the requests of the first this-many seconds (after the multiplier).")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Only the first this-many requests.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompts and the tier mix.")
+@click.option("--picker", type=click.Choice(STRATEGIES), default=None,
+              help="Endpoint picking [default: the gateway's setting, SWITCHYARD_PICKER].")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Also write report.md and report.json here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of Markdown.")
+def replay(candidate: str, against: str, trace: Path, tiers: tuple[str, ...], model: str | None,
+           rate_multiplier: float, duration: float | None, limit: int | None, seed: int, picker: str | None,
+           out_dir: Path | None, as_json: bool) -> None:
+    """Replay a trace against the active policy (or --against) and CANDIDATE, in simulated time,
+    and report what would change: placement, cost per 1,000 requests, refusals per tier, TTFT per
+    class and the prefix-cache hit ratio.
+
+    CANDIDATE is a policy file, or a stored version (v7). Both policies' engines are simulated
+    from their pools (sim_profile, kv_cache_tokens); nothing is sent anywhere.
+    """
+    settings = cli_context().settings()
+    base, base_dir = load_policy(against, settings)
+    cand, cand_dir = load_policy(candidate, settings)
+    labels = _labels(tiers or (base.document.tiers[0].name,), model or _default_model(base))
+    workload = _workload(trace, labels, rate_multiplier, duration, limit, seed)
+    if not workload.specs:
+        raise click.ClickException(f"{trace}: no requests to replay (check --duration and --limit)")
+    strategy = cast(Strategy, picker or settings.picker)  # click.Choice checked it
+    try:
+        arms = [replay_policy(snapshot, workload, name=name, base_dir=folder, strategy=strategy, seed=seed)
+                for name, snapshot, folder in (("active", base, base_dir), ("candidate", cand, cand_dir))]
+    except FleetError as error:
+        raise click.ClickException(f"cannot simulate the policy's engines: {error}") from None
+    report = compare_arms(arms[0], arms[1], workload.describe())
+    markdown = render_report(report)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "report.md").write_text(markdown, encoding="utf-8")
+        (out_dir / "report.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    click.echo(json.dumps(report, indent=1) if as_json else markdown)

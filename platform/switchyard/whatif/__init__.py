@@ -1,0 +1,21 @@
+"""What a policy would do, before it serves: the pre-publish replay (``switchyard policy replay``).
+
+Owns: replaying a workload (a trace, or a recorded mix of requests) against two policies (the
+active one and a candidate) in simulated time, and the report of what changes between them:
+where requests go, what they cost, which are refused, how fast they start, how much prompt is
+served from cache.
+
+How: every request goes through the gateway's own decisions (``decide``: resolve the model,
+plan the fallback stages, pick an endpoint with the same scorer and prefix index) and then into
+the simulator's engine core (``sim.core.EngineCore``, one per endpoint, built from the pool's
+hardware profile and KV capacity) driven by a discrete-event clock, so a replay runs as fast as
+the engine model can be computed, not in wall-clock time.
+
+Must not touch: the gateway, the store or the network. It imports ``decide``, ``policy``,
+``sim`` and the workload builders of ``bench``.
+"""
+
+from switchyard.whatif.replay import ArmResult, ReplayOutcome, replay_policy
+from switchyard.whatif.report import compare_arms, render_report
+
+__all__ = ["ArmResult", "ReplayOutcome", "compare_arms", "render_report", "replay_policy"]

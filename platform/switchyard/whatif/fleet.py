@@ -1,0 +1,114 @@
+"""The simulated engines of a policy: one engine core per endpoint, on one simulated clock.
+
+Each pool's endpoints get the engine ``switchyard sim --policy`` would start for them: the
+pool's ``sim_profile`` (a profile name, or a profile file relative to the policy's folder), its
+``kv_cache_tokens``, and as context window the largest of the models it serves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from switchyard.decide.pick import EndpointView
+from switchyard.policy.schema import Pool
+from switchyard.policy.snapshot import PolicySnapshot
+from switchyard.sim.config import EngineConfig, ResolvedConfig, resolve
+from switchyard.sim.core import EngineCore
+from switchyard.sim.profiles import looks_like_profile_path
+from switchyard.sim.request import SimRequest
+
+
+def pool_profile(pool: Pool, base_dir: Path | None) -> str:
+    """The hardware profile a pool is simulated with (a relative file path is taken from ``base_dir``)."""
+    profile = pool.sim_profile
+    if base_dir is not None and looks_like_profile_path(profile) and not Path(profile).is_absolute():
+        profile = str(base_dir / profile)
+    return profile
+
+
+def pool_context(snapshot: PolicySnapshot, pool: Pool) -> int | None:
+    """The context window a pool's engines need: the largest of the models it serves."""
+    return max((m.context_window for m in snapshot.models.values() if pool.name in m.pools), default=None)
+
+
+def pool_engine_config(snapshot: PolicySnapshot, pool: Pool, *, port: int = 0, host: str = "127.0.0.1",
+                       time_scale: float = 1.0, seed: int = 0, base_dir: Path | None = None) -> EngineConfig:
+    """The simulated engine of one endpoint of ``pool``."""
+    return EngineConfig(served_model=pool.served_model, port=port, host=host,
+                        profile=pool_profile(pool, base_dir), kv_cache_tokens=pool.kv_cache_tokens,
+                        max_model_len=pool_context(snapshot, pool), time_scale=time_scale, seed=seed)
+
+
+class FleetError(ValueError):
+    """A pool of the policy cannot be simulated (unknown profile, context larger than the KV cache)."""
+
+
+@dataclass(slots=True)
+class SimEndpoint:
+    """One endpoint's engine core and the configuration it was built from."""
+
+    url: str
+    pool: Pool
+    config: ResolvedConfig
+    core: EngineCore
+
+    def view(self) -> EndpointView:
+        """What the gateway's picker would know of this engine: requests in it and those queued."""
+        core = self.core
+        queued = core.num_waiting + core.num_pending
+        return EndpointView(True, float(len(core.running) + queued), float(queued))
+
+    def submit(self, request: SimRequest) -> None:
+        """Hand a request that reached this engine at ``request.arrival`` to its core."""
+        self.core.add_request(request)
+
+
+class Fleet:
+    """Every endpoint of a policy as a simulated engine, advanced together in simulated time."""
+
+    def __init__(self, snapshot: PolicySnapshot, base_dir: Path | None = None, seed: int = 0) -> None:
+        """Build one engine core per endpoint URL of the policy's pools.
+
+        Raises:
+            FleetError: A pool cannot be simulated (the message names it).
+        """
+        self.endpoints: dict[str, SimEndpoint] = {}
+        for pool in snapshot.pools.values():
+            try:
+                config = resolve(pool_engine_config(snapshot, pool, seed=seed, base_dir=base_dir))
+            except (ValueError, KeyError, OSError) as error:
+                raise FleetError(f"pool {pool.name}: {error}") from error
+            for url in pool.endpoints:
+                core = EngineCore(config.profile, kv_cache_tokens=config.kv_cache_tokens,
+                                  max_num_seqs=config.max_num_seqs,
+                                  max_num_batched_tokens=config.max_num_batched_tokens,
+                                  max_model_len=config.max_model_len)
+                self.endpoints[url] = SimEndpoint(url, pool, config, core)
+
+    def view(self, url: str) -> EndpointView:
+        """The picker's view of ``url``."""
+        return self.endpoints[url].view()
+
+    def advance(self, t: float) -> None:
+        """Run every engine up to simulated time ``t`` (an engine mid-step finishes that step)."""
+        for endpoint in self.endpoints.values():
+            core = endpoint.core
+            while core.has_work() and core.now < t:
+                core.advance(t)
+            core.advance_to(t)
+
+    def drain(self) -> float:
+        """Run every engine until it has nothing left; the simulated time the last one finished."""
+        end = 0.0
+        for endpoint in self.endpoints.values():
+            core = endpoint.core
+            while core.has_work():
+                core.advance(core.now + 3600.0)
+            end = max(end, core.now)
+        return end
+
+    def cores(self) -> Iterable[EngineCore]:
+        """Every engine core."""
+        return (e.core for e in self.endpoints.values())
