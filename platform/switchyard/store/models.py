@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Column, DateTime, Index, Text, TypeDecorator, text
+from sqlalchemy import JSON, Column, DateTime, Index, Text, TypeDecorator, text
 from sqlmodel import Field, SQLModel
 
 
@@ -122,3 +122,28 @@ class PolicyVersion(PolicyVersionBase, table=True):
     parent: int | None = Field(default=None, foreign_key="policy_version.number")
     active: bool = Field(default=False)
     created_at: datetime = _ts()
+
+
+# --- audit log -----------------------------------------------------------------------------
+
+class AuditEventBase(SQLModel):
+    actor: str = Field(max_length=128)  # who: "cli:alice", "api", "file:/etc/switchyard/policies.yaml"
+    origin: str = Field(max_length=128)  # through what: "cli", "api 10.0.0.7", "file", "console"
+    action: str = Field(max_length=64)  # "policy.publish", "policy.rollback", "policy.import"
+    target: str = Field(max_length=128)  # "policy:v7"
+
+
+class AuditEventPublic(AuditEventBase):
+    id: int
+    at: datetime
+    detail: dict[str, Any]
+
+
+class AuditEvent(AuditEventBase, table=True):
+    """One entry of the audit log. Append-only: the database refuses UPDATE and DELETE on it."""
+
+    __tablename__ = "audit_event"
+
+    id: int | None = Field(default=None, primary_key=True)
+    at: datetime = _ts()
+    detail: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
