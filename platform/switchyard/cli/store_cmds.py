@@ -35,7 +35,7 @@ def _engine(settings: Settings) -> Engine:
 
 
 @contextmanager
-def _session() -> Iterator[Session]:
+def open_session() -> Iterator[Session]:
     engine = _engine(cli_context().settings())
     try:
         with store_db.session_scope(engine) as session:
@@ -111,7 +111,7 @@ def tenants() -> None:
 @click.option("--tier", required=True, help="A tier of the active policy.")
 def tenants_create(name: str, tier: str) -> None:
     """Create tenant NAME in a tier."""
-    with _session() as session:
+    with open_session() as session:
         _check_tier(session, tier)
         tenant = create_tenant(session, TenantCreate(name=name, tier=tier))
     click.echo(f"created tenant {tenant.name} (tier {tenant.tier})")
@@ -122,7 +122,7 @@ def tenants_create(name: str, tier: str) -> None:
 @click.argument("tier")
 def tenants_set_tier(name: str, tier: str) -> None:
     """Move tenant NAME to TIER."""
-    with _session() as session:
+    with open_session() as session:
         _check_tier(session, tier)
         tenant = set_tier(session, name, tier)
     click.echo(f"tenant {tenant.name} is now in tier {tenant.tier}")
@@ -132,7 +132,7 @@ def tenants_set_tier(name: str, tier: str) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def tenants_list(as_json: bool) -> None:
     """List tenants."""
-    with _session() as session:
+    with open_session() as session:
         rows = list_tenants(session)
     if as_json:
         click.echo(json.dumps([r.model_dump(mode="json") for r in rows], indent=2))
@@ -154,7 +154,7 @@ def keys() -> None:
 @click.option("--name", default=None, help="A label for the key.")
 def keys_create(tenant: str, tier: str | None, name: str | None) -> None:
     """Create a key; prints the secret once on stdout, details on stderr."""
-    with _session() as session:
+    with open_session() as session:
         try:
             existing = get_tenant(session, tenant)
         except StoreError:
@@ -179,7 +179,7 @@ def keys_create(tenant: str, tier: str | None, name: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def keys_list(tenant: str | None, as_json: bool) -> None:
     """List keys (never their secrets)."""
-    with _session() as session:
+    with open_session() as session:
         rows = list_keys(session, tenant)
     if as_json:
         click.echo(json.dumps([r.model_dump(mode="json") for r in rows], indent=2))
@@ -193,6 +193,6 @@ def keys_list(tenant: str | None, as_json: bool) -> None:
 @click.argument("key_id", type=int)
 def keys_revoke(key_id: int) -> None:
     """Revoke key KEY_ID for good."""
-    with _session() as session:
+    with open_session() as session:
         record = revoke_key(session, key_id)
     click.echo(f"revoked key {record.id} ({record.prefix}…) of tenant {record.tenant}")
