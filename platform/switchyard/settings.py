@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -44,6 +44,14 @@ class Settings(BaseSettings):
     picker: Literal["prefix-aware", "least-loaded", "round-robin"] = Field(
         default="prefix-aware",
         description="Endpoint picking: Switchyard's load- and prefix-aware scoring, or a baseline for benchmarks.",
+    )
+    policy_poll_interval_s: float = Field(
+        default=0.5, gt=0, description="How often the active policy version (and in file mode the file) is "
+        "checked, besides PostgreSQL's LISTEN/NOTIFY and the file watch.",
+    )
+    admin_token: SecretStr | None = Field(
+        default=None, description="Bearer token for the admin API's writes (publish, rollback); unset: no "
+        "writes through the API.",
     )
     endpoint_cooldown_s: float = Field(
         default=5.0, ge=0, description="How long an engine that refused a connection is left out."

@@ -46,7 +46,9 @@ def test_file_versions_and_last_good_policy(engines: Engines, tmp_path: Path, da
         status, _, body = http_json("GET", f"{gw.base_url}/readyz")
         assert status == 200
         assert body["checks"]["policy"]["version"] == "v2"
-        (error,) = body["checks"]["policy"]["rejected_file_errors"]
+        rejected = body["checks"]["policy"]["rejected"]
+        assert rejected["source"] == "file"
+        (error,) = rejected["errors"]
         assert "tiers[free].priority: unknown priority class 'shedable'" in error
         assert f"({policy}:" in error
         page = http_json("GET", f"{gw.base_url}/admin/")[2]
@@ -80,6 +82,6 @@ def test_db_source_bootstraps_then_ignores_the_file(engines: Engines, tmp_path: 
     try:
         body = http_json("GET", f"{gw.base_url}/readyz")[2]
         assert body["checks"]["policy"]["version"] == "v1"
-        assert "rejected_file_errors" not in body["checks"]["policy"], "in db mode the file is not the truth"
+        assert "rejected" not in body["checks"]["policy"], "in db mode the file is not the truth"
     finally:
         assert stop(gw.proc)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from litestar import Litestar
-from litestar.contrib.jinja import JinjaTemplateEngine
+from litestar.plugins.jinja import JinjaTemplateEngine
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
 from litestar.static_files import create_static_files_router

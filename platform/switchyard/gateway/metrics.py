@@ -38,8 +38,15 @@ class GatewayMetrics:
         self.policy_info = Gauge(
             "switchyard_policy_info", "The active policy: 1 for its version and hash.",
             ["version", "sha256"], registry=self.registry)
+        self.policy_version = Gauge(
+            "switchyard_policy_active_version", "The number of the policy version this process serves "
+            "(0 for an unversioned document).", registry=self.registry)
+        self.reload_failures = Counter(
+            "switchyard_policy_reload_failures", "Policy documents rejected by a reload, by where they came "
+            "from (file, database); the last good version kept serving.", ["source"], registry=self.registry)
 
-    def set_policy(self, version: str, sha256: str) -> None:
-        """Show ``version`` as the active policy."""
+    def set_policy(self, label: str, sha256: str, number: int | None) -> None:
+        """Show the policy ``label`` (version ``number``) as the active one."""
         self.policy_info.clear()
-        self.policy_info.labels(version=version, sha256=sha256[:12]).set(1)
+        self.policy_info.labels(version=label, sha256=sha256[:12]).set(1)
+        self.policy_version.set(number or 0)

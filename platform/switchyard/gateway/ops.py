@@ -25,9 +25,12 @@ async def readyz(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     runtime: GatewayRuntime = request.app.state.runtime
     checks: dict[str, Any] = {}
     snapshot = runtime.policy.snapshot
-    checks["policy"] = {"ok": True, "version": snapshot.label, "sha256": snapshot.sha256}
-    if runtime.policy.last_error is not None:
-        checks["policy"]["rejected_file_errors"] = [str(i) for i in runtime.policy.last_error.issues]
+    checks["policy"] = {"ok": True, "version": snapshot.label, "sha256": snapshot.sha256,
+                        "source": runtime.settings.policy_source, **runtime.reloader.describe()}
+    holder = runtime.policy
+    if holder.last_error is not None:
+        checks["policy"]["rejected"] = {"source": holder.error_source,
+                                        "errors": [str(i) for i in holder.last_error.issues]}
     try:
         with anyio.fail_after(2):
             await anyio.to_thread.run_sync(ping, runtime.engine, abandon_on_cancel=True)

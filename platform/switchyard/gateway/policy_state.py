@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from sqlalchemy import Engine
 
@@ -18,7 +19,7 @@ from switchyard.decide.policy_tests import compile_checked
 from switchyard.policy import PolicyError, PolicySnapshot, read_policy_file
 from switchyard.settings import Settings
 from switchyard.store.db import session_scope
-from switchyard.store.policy_versions import active_version, record_version
+from switchyard.store.policy_versions import MAX_AUTHOR, active_version, record_version
 
 log = logging.getLogger("switchyard.policy")
 
@@ -28,7 +29,9 @@ class PolicyHolder:
     """One reference to the active snapshot; a reload swaps it, requests keep what they read."""
 
     snapshot: PolicySnapshot
+    #: The last document rejected since the last good one was read, and where it came from.
     last_error: PolicyError | None = None
+    error_source: str = "file"
 
 
 def _stored(engine: Engine) -> PolicySnapshot | None:
@@ -39,15 +42,25 @@ def _stored(engine: Engine) -> PolicySnapshot | None:
         return compile_checked(row.yaml_text, f"policy version {row.number}", row.number)
 
 
-def _from_file(settings: Settings, engine: Engine, message: str) -> PolicySnapshot:
-    path = settings.policy_file
-    snapshot = compile_checked(read_policy_file(path), str(path))
+def file_author(path: Path) -> str:
+    """The author of a version imported from ``path``: ``file:<path>``, cut from the left to fit."""
+    author = f"file:{path}"
+    return author if len(author) <= MAX_AUTHOR else "file:…" + author[-(MAX_AUTHOR - 6):]
+
+
+def record_file(engine: Engine, path: Path, snapshot: PolicySnapshot, message: str) -> PolicySnapshot:
+    """Record a validated document read from ``path`` as a version (unless it is the active one's content)."""
     with session_scope(engine) as session:
         version, created = record_version(session, text=snapshot.text, sha256=snapshot.sha256,
-                                          source="file", author=f"file:{path}", message=message)
+                                          source="file", author=file_author(path), message=message)
     if created:
         log.info("policy %s recorded as version %d", path, version.number)
     return snapshot.with_version(version.number)
+
+
+def _from_file(settings: Settings, engine: Engine, message: str) -> PolicySnapshot:
+    path = settings.policy_file
+    return record_file(engine, path, compile_checked(read_policy_file(path), str(path)), message)
 
 
 def load_startup_policy(settings: Settings, engine: Engine) -> PolicyHolder:

@@ -23,6 +23,7 @@ from switchyard.engines.upstream import UpstreamTimeouts, create_client_session
 from switchyard.gateway.auth import KeyAuthenticator
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.policy_state import PolicyHolder, load_startup_policy
+from switchyard.gateway.reload import PolicyReloader, following
 from switchyard.settings import Settings
 from switchyard.store import db
 from switchyard.store.keys import KeyIdentity, identify
@@ -43,6 +44,7 @@ class GatewayRuntime:
         self._engine: Engine | None = None
         self._policy: PolicyHolder | None = None
         self._http: aiohttp.ClientSession | None = None
+        self._reloader: PolicyReloader | None = None
         self.auth = KeyAuthenticator(self._lookup_key, settings.key_cache_ttl_s)
         self.rotation = 0
 
@@ -59,6 +61,20 @@ class GatewayRuntime:
         if self._policy is None:
             raise RuntimeError("the gateway is not started")
         return self._policy
+
+    @property
+    def reloader(self) -> PolicyReloader:
+        """What keeps the policy current (only inside the lifespan)."""
+        if self._reloader is None:
+            raise RuntimeError("the gateway is not started")
+        return self._reloader
+
+    async def policy_changed(self) -> bool:
+        """Switch to the database's active version now (after a publish through this process).
+
+        The other processes follow by NOTIFY or their poll; this one need not wait for either.
+        """
+        return await self.reloader.check_database("api")
 
     @property
     def http(self) -> aiohttp.ClientSession:
@@ -114,7 +130,8 @@ class GatewayRuntime:
         """Open the database, load the policy, open the upstream pool; close them at the end."""
         await anyio.to_thread.run_sync(self.prepare)
         snapshot = self.policy.snapshot
-        self.metrics.set_policy(snapshot.label, snapshot.sha256)
+        self.metrics.set_policy(snapshot.label, snapshot.sha256, snapshot.version)
+        self._reloader = PolicyReloader(self.settings, self.engine, self.policy, self.metrics)
         self._http = create_client_session(
             UpstreamTimeouts(self.settings.upstream_connect_timeout_s, self.settings.upstream_read_timeout_s),
             self.settings.upstream_max_connections,
@@ -130,7 +147,8 @@ class GatewayRuntime:
                                  self.settings.endpoint_cooldown_s)
         scraping = asyncio.create_task(scraper.run(), name="switchyard-scrape")
         try:
-            yield
+            async with following(self._reloader):
+                yield
         finally:
             scraping.cancel()
             with contextlib.suppress(asyncio.CancelledError):
