@@ -1,4 +1,5 @@
-"""The admin JSON API: what the gateway knows about its engines, for operators and scripts."""
+"""The admin JSON API: what the gateway knows about its engines, and the policy's lifecycle
+(:mod:`switchyard.admin.policy_api`), for operators and scripts."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 from litestar import Request, Router, get
 
+from switchyard.admin import policy_api
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy.schema import Pool
 
@@ -49,4 +51,4 @@ async def endpoints(request: Request[Any, Any, Any]) -> dict[str, Any]:
     return {"policy": snapshot.label, "endpoints": rows}
 
 
-admin_api_router = Router(path="/admin/api", route_handlers=[endpoints], tags=["admin"])
+admin_api_router = Router(path="/admin/api", route_handlers=[endpoints, *policy_api.ROUTES], tags=["admin"])

@@ -1,0 +1,304 @@
+"""The admin JSON API of the policy: versions, diff, validation, publish, rollback and the audit log.
+
+Reads are open, like the rest of ``/admin/api``. Writes (publish, rollback) need the admin token
+until the console's sessions and roles land: ``Authorization: Bearer <SWITCHYARD_ADMIN_TOKEN>``;
+with no token configured, writes are refused.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
+
+import anyio.to_thread
+import msgspec
+from litestar import Request, Response, get, post
+from litestar.connection import ASGIConnection
+from litestar.handlers import BaseRouteHandler
+from litestar.params import FromPath, QueryParameter
+from sqlmodel import Session
+
+from switchyard.decide.policy_tests import compile_checked
+from switchyard.gateway.errors import ApiError, BadRequest, Forbidden, NotFound, Unauthorized
+from switchyard.gateway.runtime import GatewayRuntime
+from switchyard.policy import PolicyError, policy_sha256, read_policy_file
+from switchyard.policy.diff import diff_documents
+from switchyard.store import errors as store_errors
+from switchyard.store.audit import list_events
+from switchyard.store.db import session_scope
+from switchyard.store.models import PolicyVersion, PolicyVersionPublic
+from switchyard.store.policy_versions import active_version, get_version, list_versions, publish, rollback
+
+#: The environment variable of the admin token setting (``Settings.admin_token``), for messages.
+ADMIN_TOKEN_ENV = "SWITCHYARD_ADMIN_TOKEN"  # noqa: S105  (the name of a variable, not a secret)
+
+T = TypeVar("T")
+B = TypeVar("B", bound=msgspec.Struct)
+Limit = Annotated[int, QueryParameter(ge=1, le=500, description="How many, newest first.")]
+
+
+class Conflict(ApiError):
+    """The request clashes with how this gateway is run (a write while the file is the truth)."""
+
+    status_code = 409
+    type = "invalid_request_error"
+    code = "conflict"
+
+
+class ValidateRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """A document to check."""
+
+    yaml: str
+
+
+class PublishRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """A document to publish."""
+
+    yaml: str
+    message: str = ""
+    author: str | None = None
+
+
+class RollbackRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """A version whose content becomes active again."""
+
+    version: int
+    message: str | None = None
+    author: str | None = None
+
+
+def admin_token_guard(connection: ASGIConnection[Any, Any, Any, Any], _handler: BaseRouteHandler) -> None:
+    """Let a write through only with ``Authorization: Bearer <token>`` matching the admin token."""
+    runtime: GatewayRuntime = connection.app.state.runtime
+    token = runtime.settings.admin_token
+    expected = token.get_secret_value() if token is not None else ""
+    if not expected:
+        raise Forbidden(f"admin writes are disabled: set {ADMIN_TOKEN_ENV}", code="admin_writes_disabled")
+    scheme, _, given = connection.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected.encode()):
+        raise Unauthorized(f"this write needs the admin token: Authorization: Bearer <{ADMIN_TOKEN_ENV}>",
+                           code="invalid_admin_token", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _runtime(request: Request[Any, Any, Any]) -> GatewayRuntime:
+    runtime: GatewayRuntime = request.app.state.runtime
+    return runtime
+
+
+async def _in_db(runtime: GatewayRuntime, work: Callable[[Session], T]) -> T:
+    """Run ``work`` in one transaction on a worker thread (the database calls block)."""
+    def run() -> T:
+        with session_scope(runtime.engine) as session:
+            return work(session)
+
+    try:
+        return await anyio.to_thread.run_sync(run)
+    except store_errors.NotFound as exc:
+        raise NotFound(str(exc)) from None
+    except store_errors.StoreError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def _meta(row: PolicyVersion | PolicyVersionPublic) -> dict[str, Any]:
+    return PolicyVersionPublic.model_validate(row).model_dump(mode="json")
+
+
+def _rejected(error: PolicyError) -> Response[dict[str, Any]]:
+    """422 with every issue (path, line, message): the document was not accepted."""
+    count = len(error.issues)
+    message = f"the policy was rejected ({count} issue{'s' if count != 1 else ''}); nothing was written"
+    return Response({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                               "code": "invalid_policy"},
+                     "issues": [i.as_dict() for i in error.issues]}, status_code=422)
+
+
+def _refuse_in_file_mode(runtime: GatewayRuntime) -> None:
+    settings = runtime.settings
+    if settings.policy_source == "file":
+        raise Conflict(f"policy_source is file: {settings.policy_file} is the truth, so the policy changes only "
+                       "through that file", code="policy_source_is_file")
+
+
+def _origin(request: Request[Any, Any, Any]) -> str:
+    return f"api {request.client.host}" if request.client is not None else "api"
+
+
+async def _changed(runtime: GatewayRuntime) -> None:
+    # This process switches over before answering; the other replicas hear of the version
+    # through the store (NOTIFY on PostgreSQL, and their poll).
+    await runtime.policy_changed()
+
+
+def _version_ref(session: Session, ref: str) -> tuple[str, str]:
+    """The label and text of ``active`` or a version number (``7`` or ``v7``)."""
+    if ref == "active":
+        row = active_version(session)
+        if row is None:
+            raise store_errors.NotFound("no policy version has been recorded yet")
+    else:
+        digits = ref.removeprefix("v")
+        if not digits.isdigit():
+            raise store_errors.StoreError(f"{ref!r} is not a version: give a number (7 or v7) or 'active'")
+        row = get_version(session, int(digits))
+    return f"v{row.number}", row.yaml_text
+
+
+@get("/policy", operation_id="adminPolicy")
+async def policy_overview(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    """The active version (metadata and text), what this process serves, and drift from the file."""
+    runtime = _runtime(request)
+    settings = runtime.settings
+
+    def read(session: Session) -> dict[str, Any]:
+        row = active_version(session)
+        if row is None:
+            raise store_errors.NotFound("no policy version has been recorded yet")
+        file: dict[str, Any] | None = None
+        if settings.policy_source == "file":
+            file = {"path": str(settings.policy_file), "sha256": None, "error": None}
+            try:
+                file["sha256"] = policy_sha256(read_policy_file(settings.policy_file))
+            except PolicyError as error:
+                file["error"] = str(error)
+        return {"active": _meta(row), "text": row.yaml_text, "file": file}
+
+    found = await _in_db(runtime, read)
+    snapshot = runtime.policy.snapshot
+    file = found["file"]
+    return {
+        "policy_source": settings.policy_source,
+        "version": found["active"],
+        "text": found["text"],
+        "serving": {"version": snapshot.label, "sha256": snapshot.sha256},
+        "file": file,
+        "matches_file": None if file is None else file["sha256"] == found["active"]["sha256"],
+    }
+
+
+@get("/policy/versions", operation_id="adminPolicyVersions")
+async def versions(request: Request[Any, Any, Any], limit: Limit = 50) -> dict[str, Any]:
+    """Versions, newest first."""
+    rows = await _in_db(_runtime(request), lambda s: list_versions(s, limit))
+    return {"versions": [_meta(r) for r in rows]}
+
+
+@get("/policy/versions/{number:int}", operation_id="adminPolicyVersion")
+async def version(request: Request[Any, Any, Any], number: FromPath[int]) -> dict[str, Any]:
+    """One version: metadata and its YAML text."""
+    def read(session: Session) -> dict[str, Any]:
+        row = get_version(session, number)
+        return {**_meta(row), "text": row.yaml_text}
+
+    return await _in_db(_runtime(request), read)
+
+
+@get("/policy/diff", operation_id="adminPolicyDiff")
+async def diff(request: Request[Any, Any, Any], from_: Annotated[str, QueryParameter(name="from")],
+               to: Annotated[str, QueryParameter(name="to")] = "active") -> dict[str, Any]:
+    """What changes from version ``from`` to version ``to`` (numbers, or ``active``)."""
+    def compare(session: Session) -> dict[str, Any]:
+        (old_label, old_text), (new_label, new_text) = _version_ref(session, from_), _version_ref(session, to)
+        return {"from": old_label, "to": new_label,
+                **diff_documents(old_text, new_text, old_label, new_label).as_dict()}
+
+    return await _in_db(_runtime(request), compare)
+
+
+async def _body(request: Request[Any, Any, Any], kind: type[B]) -> B:
+    """The JSON body as ``kind``, or a 400 that says what is wrong with it."""
+    try:
+        return msgspec.json.decode(await request.body(), type=kind)
+    except msgspec.DecodeError as exc:  # malformed JSON, or the wrong fields (ValidationError)
+        raise BadRequest(f"invalid request body: {exc}") from None
+
+
+async def _document(request: Request[Any, Any, Any]) -> str:
+    """The YAML a request carries: the body itself, or ``{"yaml": ...}`` as JSON."""
+    if request.content_type[0] == "application/json":
+        return (await _body(request, ValidateRequest)).yaml
+    try:
+        return (await request.body()).decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadRequest("the policy document is not UTF-8 text") from None
+
+
+@post("/policy/validate", operation_id="adminPolicyValidate", status_code=200)
+async def validate(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    """Check a document (schema, references, policy tests) without writing anything.
+
+    The body is the YAML itself or ``{"yaml": ...}``. A valid document comes back with what
+    publishing it would change from the active version.
+    """
+    text = await _document(request)
+
+    def check(session: Session) -> dict[str, Any]:
+        snapshot = compile_checked(text, "<request>")
+        row = active_version(session)
+        changes = None
+        if row is not None:
+            changes = list(diff_documents(row.yaml_text, text, f"v{row.number}", "<request>").changes)
+        return {"valid": True, "issues": [], "sha256": snapshot.sha256, "changes_from_active": changes}
+
+    try:
+        return await _in_db(_runtime(request), check)
+    except PolicyError as error:
+        return {"valid": False, "issues": [i.as_dict() for i in error.issues]}
+
+
+@post("/policy/versions", operation_id="adminPolicyPublish", guards=[admin_token_guard])
+async def publish_version(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+    """Validate a document and make it the active version (201; 200 when it is the active content).
+
+    The body: ``{"yaml": "<the document>", "message": "why", "author": "who"}``. An invalid
+    document is answered 422 with every issue (path, line, message), and nothing is written.
+    """
+    runtime = _runtime(request)
+    _refuse_in_file_mode(runtime)
+    data = await _body(request, PublishRequest)
+    origin = _origin(request)
+
+    def write(session: Session) -> tuple[PolicyVersionPublic, bool]:
+        return publish(session, data.yaml, source="api", author=data.author or "api", message=data.message,
+                       origin=origin, document="<request>")
+
+    try:
+        row, created = await _in_db(runtime, write)
+    except PolicyError as error:
+        return _rejected(error)
+    if created:
+        await _changed(runtime)
+    return Response({"created": created, "version": _meta(row)}, status_code=201 if created else 200)
+
+
+@post("/policy/rollback", operation_id="adminPolicyRollback", guards=[admin_token_guard])
+async def rollback_version(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+    """Make an earlier version's content active again, as a new version (201; 200 when it already is).
+
+    The body: ``{"version": 5, "message": "why", "author": "who"}``.
+    """
+    runtime = _runtime(request)
+    _refuse_in_file_mode(runtime)
+    data = await _body(request, RollbackRequest)
+    origin = _origin(request)
+
+    def write(session: Session) -> tuple[PolicyVersionPublic, bool]:
+        return rollback(session, data.version, author=data.author or "api", message=data.message, origin=origin)
+
+    try:
+        row, created = await _in_db(runtime, write)
+    except PolicyError as error:
+        return _rejected(error)
+    if created:
+        await _changed(runtime)
+    return Response({"created": created, "version": _meta(row)}, status_code=201 if created else 200)
+
+
+@get("/policy/audit", operation_id="adminPolicyAudit")
+async def audit(request: Request[Any, Any, Any], limit: Limit = 50) -> dict[str, Any]:
+    """The policy's entries in the audit log, newest first."""
+    rows = await _in_db(_runtime(request), lambda s: list_events(s, limit, action="policy."))
+    return {"events": [r.model_dump(mode="json") for r in rows]}
+
+
+ROUTES = [policy_overview, versions, version, diff, validate, publish_version, rollback_version, audit]
