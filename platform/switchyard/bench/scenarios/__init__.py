@@ -2,7 +2,9 @@
 
 Landed: ``overhead`` (the gateway's added latency and throughput against calling the engine
 directly and against LiteLLM), ``prefix`` (prefix-aware routing against least-loaded and
-round-robin on a trace replay), ``failover`` (a region stopped and restarted under steady load).
+round-robin on a trace replay), ``failover`` (a region stopped and restarted under steady load),
+``reload`` (publishes and rollbacks under load: propagation to another replica, failed and
+mis-versioned requests).
 
 Not landed: scenarios whose feature does not exist yet. They are listed with the issue that
 brings the feature, and every report names them instead of showing a figure.
@@ -13,7 +15,7 @@ Must not touch: the gateway's or the simulator's internals. Scenarios start real
 
 from __future__ import annotations
 
-from switchyard.bench.scenarios import failover, overhead, prefix
+from switchyard.bench.scenarios import failover, overhead, prefix, reload
 from switchyard.bench.scenarios.base import BenchOptions, Outcome, Scenario, ScenarioContext
 
 SCENARIOS: dict[str, Scenario] = {
@@ -28,8 +30,7 @@ SCENARIOS: dict[str, Scenario] = {
                  missing="exact and semantic response caches"),
         Scenario("batch", "the Batch API filling idle capacity without hurting interactive traffic", issue=10,
                  missing="the Batch API and its idle-capacity lane"),
-        Scenario("reload", "policy lifecycle: a hot reload under load", issue=3,
-                 missing="policy hot reload and version history"),
+        Scenario("reload", "policy lifecycle: publishes and rollbacks under load on two replicas", reload.run),
     )
 }
 #: What ``switchyard bench`` runs when no ``--scenario`` is given.
