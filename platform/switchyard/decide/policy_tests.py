@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from switchyard.decide.dryrun import DryRun, dry_run
 from switchyard.decide.features import RequestFeatures
-from switchyard.decide.resolve import Refused, resolve_model
 from switchyard.decide.tokens import estimate_chat_tokens
 from switchyard.policy.errors import PolicyError, PolicyIssue, issues_at
 from switchyard.policy.load import parse_yaml
-from switchyard.policy.schema import PolicyTest
+from switchyard.policy.schema import PolicyTest, PolicyTestExpect
 from switchyard.policy.snapshot import PolicySnapshot, compile_policy
 
 
@@ -35,7 +35,7 @@ def features_of_test(test: PolicyTest) -> RequestFeatures:
     texts += [""] * max(0, req.messages - len(texts))
     return RequestFeatures(
         model=req.model,
-        prompt_tokens=estimate_chat_tokens(texts),
+        prompt_tokens=req.prompt_tokens if req.prompt_tokens is not None else estimate_chat_tokens(texts),
         messages=req.messages,
         last_user_text=req.prompt,
         system_text=req.system or "",
@@ -46,21 +46,27 @@ def features_of_test(test: PolicyTest) -> RequestFeatures:
         headers={k.lower(): v for k, v in req.headers.items()},
     )
 
+
+def _expected(expect: PolicyTestExpect) -> list[tuple[str, object]]:
+    return [(name, value) for name in ("status", "model", "pool", "region")
+            if (value := getattr(expect, name)) is not None]
+
+
+def _got(run: DryRun) -> str:
+    if run.status != 200:
+        return f"status {run.status} ({run.code})"
+    return f"status 200, model {run.model}, pool {run.pool}, region {run.region}"
+
+
 def run_policy_tests(snapshot: PolicySnapshot) -> list[PolicyTestResult]:
-    """Every test of the snapshot's document, in order."""
+    """Every test of the snapshot's document, in order, through the gateway's decisions (:func:`dry_run`)."""
     results = []
     for index, test in enumerate(snapshot.document.tests):
-        expect = test.expect
-        expected = f"model {expect.model}" if expect.model else f"status {expect.status}"
-        try:
-            decision = resolve_model(snapshot, test.request.tier, features_of_test(test))
-            got = f"model {decision.model.name}"
-        except Refused as refusal:
-            got = f"status {refusal.status} ({refusal.code})"
-            passed = expect.status == refusal.status
-        else:
-            passed = expect.model == decision.model.name
-        results.append(PolicyTestResult(index, test.name or f"tests[{index}]", passed, expected, got))
+        wanted = _expected(test.expect)
+        run = dry_run(snapshot, test.request.tier, features_of_test(test))
+        passed = all(getattr(run, name) == value for name, value in wanted)
+        expected = ", ".join(f"{name} {value}" for name, value in wanted)
+        results.append(PolicyTestResult(index, test.name or f"tests[{index}]", passed, expected, _got(run)))
     return results
 
 

@@ -170,8 +170,14 @@ def _cache(doc: PolicyDocument) -> Iterator[Finding]:
 def _tests(doc: PolicyDocument) -> Iterator[Finding]:
     models = {m.name for m in doc.models}
     tiers = {t.name for t in doc.tiers}
+    pools = {p.name for p in doc.pools}
+    regions = set(doc.regions)
     for i, test in enumerate(doc.tests):
         if test.request.tier not in tiers:
             yield ("tests", i, "request", "tier"), _unknown("tier", test.request.tier, tiers)
         if test.expect.model is not None and test.expect.model not in models:
             yield ("tests", i, "expect", "model"), _unknown("model", test.expect.model, models)
+        if test.expect.pool is not None and test.expect.pool not in pools:
+            yield ("tests", i, "expect", "pool"), _unknown("pool", test.expect.pool, pools)
+        if test.expect.region is not None and test.expect.region not in regions:
+            yield ("tests", i, "expect", "region"), _unknown("region", test.expect.region, regions)

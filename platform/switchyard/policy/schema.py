@@ -323,6 +323,9 @@ class PolicyTestRequest(Strict):
     model: ModelName
     tier: Name
     prompt: str = ""
+    prompt_tokens: PositiveInt | None = Field(
+        default=None, description="The prompt's length in tokens, when the text does not matter (overrides "
+        "the estimate from `prompt`).")
     system: str | None = None
     messages: PositiveInt = 1
     max_tokens: PositiveInt | None = None
@@ -333,15 +336,24 @@ class PolicyTestRequest(Strict):
 
 
 class PolicyTestExpect(Strict):
-    """What a policy test expects: a resolved model, or a refusal with an HTTP status."""
+    """What a policy test expects; every field given must hold.
 
+    ``status``: 200 (admitted) or the refusal's HTTP status. ``model``: the resolved model.
+    ``pool`` / ``region``: where the gateway's picker sends the request when every endpoint is
+    idle and healthy (the first stage of the fallback plan).
+    """
+
+    status: Literal[200, 403, 404] | None = None
     model: ModelName | None = None
-    status: Literal[403, 404] | None = None
+    pool: Name | None = None
+    region: Name | None = None
 
     @model_validator(mode="after")
-    def _one(self) -> PolicyTestExpect:
-        if (self.model is None) == (self.status is None):
-            raise ValueError("expect exactly one of model or status")
+    def _some(self) -> PolicyTestExpect:
+        if self.status is None and self.model is None and self.pool is None and self.region is None:
+            raise ValueError("expect at least one of status, model, pool, region")
+        if self.status not in (None, 200) and (self.model or self.pool or self.region):
+            raise ValueError("a refused request has no model, pool or region to expect")
         return self
 
 

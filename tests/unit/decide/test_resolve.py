@@ -100,4 +100,5 @@ def test_token_estimate() -> None:
 
 def test_policy_tests_report_pass_and_fail(snapshot: PolicySnapshot) -> None:
     (result,) = run_policy_tests(snapshot)
-    assert result.passed and result.got == "model small"
+    assert result.passed and result.expected == "model small"
+    assert result.got == "status 200, model small, pool small-us, region us-east"

@@ -151,9 +151,9 @@ CATALOGUE = [
     Case("test expecting unknown model", _set("tests.0.expect.model", "medium"), "tests[hi is small].expect.model",
          "unknown model 'medium'", "medium"),
     Case("test expecting two outcomes", _set("tests.0.expect", {"model": "small", "status": 403}),
-         "tests[hi is small].expect", "expect exactly one of model or status"),
+         "tests[hi is small].expect", "a refused request has no model, pool or region to expect"),
     Case("failing policy test", _set("tests.0.expect.model", "large"), "tests[hi is small].expect",
-         "policy test 'hi is small' failed: expected model large, got model small"),
+         "policy test 'hi is small' failed: expected model large, got status 200, model small"),
 ]
 
 

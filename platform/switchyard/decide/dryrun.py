@@ -1,0 +1,60 @@
+"""What the gateway would decide for a request, without sending it or changing any state.
+
+The policy tests, the console's dry-run and ``switchyard policy test`` ask this; it runs the
+gateway's own decisions (:func:`~switchyard.decide.resolve.resolve_model`, the fallback plan,
+:func:`~switchyard.decide.pick.pick_endpoint`) with every endpoint seen idle and healthy and no
+prefix history, so its answer is the one a quiet fleet would give. Stages of the request path that
+have not landed (admission, queues, caches) add their answers here as they land.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from switchyard.decide.features import RequestFeatures
+from switchyard.decide.pick import EndpointView, Strategy, fallback_plan, pick_endpoint, usable_stages
+from switchyard.decide.resolve import Refused, resolve_model
+from switchyard.policy.snapshot import PolicySnapshot
+
+_IDLE = EndpointView()
+
+
+@dataclass(frozen=True, slots=True)
+class DryRun:
+    """The decisions for one request.
+
+    Attributes:
+        status: 200 when it would be admitted, else the status of the refusal.
+        code: The refusal's error code.
+        model: The resolved model (None when refused).
+        pool, region, endpoint: Where an idle fleet would send it (None when refused).
+        trace: Each stage's reason, in order.
+    """
+
+    status: int
+    code: str | None = None
+    model: str | None = None
+    pool: str | None = None
+    region: str | None = None
+    endpoint: str | None = None
+    trace: tuple[str, ...] = ()
+
+
+def dry_run(snapshot: PolicySnapshot, tier: str, features: RequestFeatures,
+            strategy: Strategy = "prefix-aware") -> DryRun:
+    """Every decision the gateway would take for ``features`` from a tenant of ``tier``."""
+    try:
+        decision = resolve_model(snapshot, tier, features)
+    except Refused as refusal:
+        return DryRun(refusal.status, refusal.code, trace=(refusal.message,))
+    trace = list(decision.trace)
+    stages, skipped = usable_stages(fallback_plan(snapshot, decision.model), features.prompt_tokens
+                                    + (features.max_tokens or 0))
+    trace += skipped
+    for stage in stages:
+        choice = pick_endpoint(stage.candidates(), lambda _url: _IDLE, {}, 0, frozenset(), strategy)
+        if choice is not None:
+            trace.append(choice.trace)
+            return DryRun(200, None, decision.model.name, choice.pool.name, choice.pool.region, choice.url,
+                          tuple(trace))
+    return DryRun(503, "no_endpoint", decision.model.name, trace=(*trace, "no endpoint in any stage"))

@@ -1,0 +1,70 @@
+"""The dry-run evaluator and the policy tests that ask it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from switchyard.decide.dryrun import dry_run
+from switchyard.decide.features import RequestFeatures
+from switchyard.decide.policy_tests import compile_checked, run_policy_tests
+from switchyard.policy import PolicyError, compile_policy
+from tests.unit.policy.base import base, to_yaml
+
+
+def with_tests(*tests: dict[str, Any]) -> str:
+    doc = base()
+    doc["tests"] = list(tests)
+    return to_yaml(doc)
+
+
+def test_a_dry_run_follows_every_stage_of_the_gateways_decisions() -> None:
+    snapshot = compile_policy(to_yaml(base()))
+    run = dry_run(snapshot, "pro", RequestFeatures(model="auto", prompt_tokens=500, max_tokens=100))
+    assert (run.status, run.model, run.pool, run.region) == (200, "large", "large-us", "us-east")
+    assert run.trace[0] == "route auto: no rule matched → default large"
+    assert run.trace[-1].startswith("endpoint http://127.0.0.1:9004 of pool large-us")
+    refused = dry_run(snapshot, "free", RequestFeatures(model="large", prompt_tokens=5))
+    assert (refused.status, refused.code, refused.model, refused.pool) == (403, "model_not_allowed", None, None)
+    # A fallback stage whose window cannot hold the request is left out, and the trace says so.
+    long = dry_run(snapshot, "pro", RequestFeatures(model="large", prompt_tokens=9000, max_tokens=10))
+    assert long.pool == "large-us" and any("fallback small: context window 8192 < 9010" in t for t in long.trace)
+
+
+def test_tests_can_expect_admission_pool_and_region() -> None:
+    text = with_tests(
+        {"name": "short goes small, in us-east", "request": {"model": "auto", "tier": "free", "prompt": "hi"},
+         "expect": {"status": 200, "model": "small", "pool": "small-us", "region": "us-east"}},
+        {"name": "long by length alone", "request": {"model": "auto", "tier": "pro", "prompt_tokens": 5000},
+         "expect": {"model": "large", "region": "us-east"}},
+        {"name": "free may not call large", "request": {"model": "large", "tier": "free"},
+         "expect": {"status": 403}},
+    )
+    results = run_policy_tests(compile_policy(text))
+    assert [r.passed for r in results] == [True, True, True]
+    assert results[1].expected == "model large, region us-east"
+
+
+def test_a_failing_expectation_blocks_the_document_and_says_why() -> None:
+    text = with_tests({"name": "wrong region", "request": {"model": "small", "tier": "pro", "prompt": "hi"},
+                       "expect": {"region": "eu-west"}})
+    with pytest.raises(PolicyError) as caught:
+        compile_checked(text, "p.yaml")
+    (issue,) = caught.value.issues
+    assert issue.path == "tests[wrong region].expect"
+    assert "expected region eu-west, got status 200, model small, pool small-us, region us-east" in issue.message
+
+
+@pytest.mark.parametrize(("expect", "message"), [
+    ({}, "expect at least one of status, model, pool, region"),
+    ({"status": 403, "model": "small"}, "a refused request has no model, pool or region to expect"),
+    ({"status": 429}, "Input should be 200, 403 or 404"),
+    ({"pool": "small-usa"}, "unknown pool 'small-usa'"),
+    ({"region": "mars"}, "unknown region 'mars'"),
+])
+def test_impossible_expectations_are_schema_errors(expect: dict[str, Any], message: str) -> None:
+    text = with_tests({"request": {"model": "small", "tier": "pro"}, "expect": expect})
+    with pytest.raises(PolicyError) as caught:
+        compile_policy(text)
+    assert any(message in i.message for i in caught.value.issues), caught.value.issues
