@@ -24,7 +24,7 @@ def run(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) 
 def test_policy_validate_accepts_the_demo_policy() -> None:
     result = run("policy", "validate", str(ROOT / "policies.yaml"))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "valid (2 regions, 6 pools, 3 models, 1 routes, 3 tiers; 5 policy tests passed)" in result.stdout
+    assert "valid (2 regions, 6 pools, 3 models, 1 routes, 3 tiers; 6 policy tests passed)" in result.stdout
 
 
 def test_policy_validate_prints_one_line_per_error(tmp_path: Path) -> None:

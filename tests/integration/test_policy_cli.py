@@ -103,7 +103,7 @@ def test_an_invalid_document_is_refused_line_by_line_and_nothing_is_written(cli:
     failing = _write(tmp_path / "failing.yaml", doc)
     (line,) = cli("policy", "publish", str(failing), code=1).stdout.strip().splitlines()
     assert line.startswith("tests[hi is small].expect: policy test 'hi is small' failed: expected model large, got "
-                           "model small (")
+                           "status 200, model small, pool small-us, region us-east (")
     assert json.loads(cli("policy", "history", "--json").stdout) == []
     assert json.loads(cli("policy", "audit", "--json").stdout) == []
 
@@ -169,3 +169,24 @@ def test_file_mode_refuses_publish_and_rollback(tmp_path: Path) -> None:
         assert "policy_source is file" in result.stderr and "SWITCHYARD_POLICY_SOURCE=db" in result.stderr
         assert "Traceback" not in result.stderr
     assert run("policy", "history", "--json").stdout.strip() == "[]"
+
+
+def test_policy_test_runs_each_test_through_the_gateways_decisions(tmp_path: Path) -> None:
+    demo = Path(__file__).resolve().parents[2] / "policies.yaml"
+    passed = subprocess.run([SWITCHYARD, "policy", "test", str(demo)], capture_output=True, text=True, timeout=60)
+    assert passed.returncode == 0, passed.stderr
+    assert passed.stdout.strip().splitlines()[-1] == "6 passed, 0 failed"
+    assert ("PASS long prompts go to medium, in us-east when the fleet is idle: expected status 200, model medium, "
+            "pool medium-us, region us-east") in passed.stdout
+    doc = base()
+    doc["tests"].append({"name": "eu please", "request": {"model": "small", "tier": "pro", "prompt_tokens": 50},
+                         "expect": {"region": "eu-west"}})
+    bad = tmp_path / "p.yaml"
+    bad.write_text(to_yaml(doc))
+    failed = subprocess.run([SWITCHYARD, "policy", "test", str(bad), "--json"], capture_output=True, text=True,
+                            timeout=60)
+    assert failed.returncode == 1
+    report = json.loads(failed.stdout)
+    assert (report["passed"], report["failed"]) == (1, 1)
+    assert report["tests"][1] == {"name": "eu please", "passed": False, "expected": "region eu-west",
+                                  "got": "status 200, model small, pool small-us, region us-east"}

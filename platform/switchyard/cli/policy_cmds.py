@@ -18,8 +18,8 @@ from sqlmodel import Session
 
 from switchyard.cli.context import cli_context
 from switchyard.cli.store_cmds import open_session
-from switchyard.decide.policy_tests import compile_checked
-from switchyard.policy import PolicyDocument, PolicyError, read_policy_file
+from switchyard.decide.policy_tests import compile_checked, run_policy_tests
+from switchyard.policy import PolicyDocument, PolicyError, compile_policy, read_policy_file
 from switchyard.policy.diff import diff_documents
 from switchyard.policy.export import merge_onto
 from switchyard.store.audit import list_events
@@ -63,6 +63,34 @@ def validate(file: Path, as_json: bool) -> None:
         click.echo(f"{file}: valid ({summary['regions']} regions, {summary['pools']} pools, "
                    f"{summary['models']} models, {summary['routes']} routes, {summary['tiers']} tiers; "
                    f"{summary['tests_passed']} policy tests passed)")
+
+
+@policy.command("test")
+@click.argument("file", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def test_cmd(file: Path, as_json: bool) -> None:
+    """Run FILE's policy tests through the gateway's decisions; exit 1 if one fails.
+
+    Each test's request goes through the same code the gateway runs (model resolution, fallback
+    plan, endpoint picking on an idle fleet); nothing is sent anywhere.
+    """
+    try:
+        snapshot = compile_policy(read_policy_file(file), str(file))
+    except PolicyError as error:
+        _rejected(error)
+    results = run_policy_tests(snapshot)
+    failed = [r for r in results if not r.passed]
+    if as_json:
+        click.echo(json.dumps({"passed": len(results) - len(failed), "failed": len(failed),
+                               "tests": [{"name": r.name, "passed": r.passed, "expected": r.expected, "got": r.got}
+                                         for r in results]}, indent=2))
+    else:
+        for r in results:
+            click.echo(f"{'PASS' if r.passed else 'FAIL'} {r.name}: expected {r.expected}"
+                       + ("" if r.passed else f"; got {r.got}"))
+        click.echo(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+    if failed:
+        sys.exit(1)
 
 
 @policy.command()

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from litestar import Litestar
-from litestar.plugins.jinja import JinjaTemplateEngine
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
+from litestar.plugins.jinja import JinjaTemplateEngine
 from litestar.static_files import create_static_files_router
 from litestar.template import TemplateConfig
 
