@@ -1,16 +1,23 @@
-"""Console pages: an overview of the active policy and the engines this gateway sends to."""
+"""Console pages: an overview of the active policy, its recent versions and the engines this gateway sends to."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+import anyio.to_thread
 from litestar import Router, get
 from litestar.plugins.htmx import HTMXRequest, HTMXTemplate
 from litestar.response import Template
 
 from switchyard.admin.api import endpoint_row
 from switchyard.gateway.runtime import GatewayRuntime
+from switchyard.policy import PolicyError, policy_sha256, read_policy_file
+from switchyard.store.db import session_scope
+from switchyard.store.policy_versions import list_versions
+
+#: Versions the overview lists.
+HISTORY = 10
 
 
 def _overview_context(runtime: GatewayRuntime) -> dict[str, Any]:
@@ -28,9 +35,24 @@ def _overview_context(runtime: GatewayRuntime) -> dict[str, Any]:
     return {
         "snapshot": snapshot,
         "policy_error": runtime.policy.last_error,
+        "policy_error_source": runtime.policy.error_source,
         "regions": regions,
         "settings": runtime.settings,
     }
+
+
+def _history(runtime: GatewayRuntime) -> dict[str, Any]:
+    """The last versions, and in file mode whether the file holds what is running."""
+    settings = runtime.settings
+    with session_scope(runtime.engine) as session:
+        versions = list_versions(session, HISTORY)
+    file_matches: bool | None = None
+    if settings.policy_source == "file":
+        try:
+            file_matches = policy_sha256(read_policy_file(settings.policy_file)) == runtime.policy.snapshot.sha256
+        except PolicyError:
+            file_matches = False
+    return {"versions": versions, "file_matches": file_matches}
 
 
 @get("/", name="admin:overview", operation_id="adminOverview", include_in_schema=False)
@@ -40,6 +62,7 @@ async def overview(request: HTMXRequest) -> Template:
     context = _overview_context(runtime)
     if request.htmx:
         return HTMXTemplate(template_name="admin/partials/_engines.html.j2", context=context)
+    context |= await anyio.to_thread.run_sync(_history, runtime)
     return Template(template_name="admin/overview.html.j2", context=context)
 
 

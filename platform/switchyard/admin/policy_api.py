@@ -173,7 +173,16 @@ async def policy_overview(request: Request[Any, Any, Any]) -> dict[str, Any]:
         "serving": {"version": snapshot.label, "sha256": snapshot.sha256},
         "file": file,
         "matches_file": None if file is None else file["sha256"] == found["active"]["sha256"],
+        "rejected": _rejected_state(runtime),
     }
+
+
+def _rejected_state(runtime: GatewayRuntime) -> dict[str, Any] | None:
+    """The document this process last rejected (where from, every issue), if one is outstanding."""
+    holder = runtime.policy
+    if holder.last_error is None:
+        return None
+    return {"source": holder.error_source, "issues": [i.as_dict() for i in holder.last_error.issues]}
 
 
 @get("/policy/versions", operation_id="adminPolicyVersions")
