@@ -205,6 +205,20 @@ def test_failover_figures_agree(run: tuple[Path, subprocess.CompletedProcess[str
     assert phases[1]["requests"] > 0  # requests were sent during the outage
 
 
+def test_reload_figures_agree(run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out, _ = run
+    report = _json(out / "reload" / "report.json")
+    publishes = report["parameters"]["publishes"]
+    to_b, at_a, calls = report["tables"][0]["rows"]
+    assert to_b["n"] == at_a["n"] == calls["n"] == publishes > 0
+    for row in (to_b, at_a, calls):
+        assert 0 <= row["p50_s"] <= row["p90_s"] <= row["p99_s"] <= row["max_s"]
+    propagation, failed, misversioned = report["goals"]
+    assert propagation["value"] == to_b["max_s"]
+    total = sum(report["overall"][arm]["count"] for arm in report["arms"])
+    assert failed["note"].startswith(f"of {total}") and failed["value"] == 0 and misversioned["value"] == 0
+
+
 def test_ctrl_c_stops_everything_the_bench_started(tmp_path: Path) -> None:
     out = tmp_path / "interrupted"
     args = [SWITCHYARD, "bench", "--scenario", "failover", "--quick", "--no-progress", "--out", str(out)]
