@@ -156,6 +156,15 @@ def split_fallback(target: str) -> tuple[str, str | None]:
     return model, region or None
 
 
+def _check_tokenizer_path(path: str) -> str:
+    if "://" in path:
+        raise ValueError(f"tokenizer {path!r} must be a local file path (tokenizers are never downloaded)")
+    return path
+
+
+TokenizerPath = Annotated[str, StringConstraints(min_length=1), AfterValidator(_check_tokenizer_path)]
+
+
 class Model(Strict):
     """What clients put in ``model``: a concrete model served by one or more pools."""
 
@@ -170,6 +179,11 @@ class Model(Strict):
     )
     price: Price
     fallback: list[FallbackTarget] = Field(default_factory=list)
+    tokenizer: TokenizerPath | None = Field(
+        default=None,
+        description="Path of the served model's tokenizer.json, relative to the policy file's folder; prompts "
+        "are then counted with it instead of estimated. A local file: it is never downloaded.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Model:

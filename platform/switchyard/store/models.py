@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from typing import Any
 
-from sqlalchemy import JSON, Column, DateTime, Index, Text, TypeDecorator, text
+from sqlalchemy import JSON, BigInteger, Column, DateTime, Index, Text, TypeDecorator, UniqueConstraint, text
 from sqlmodel import Field, SQLModel
 
 
@@ -38,6 +38,12 @@ def _ts(nullable: bool = False) -> Any:
                  sa_column=Column(UTCDateTime(), nullable=nullable))
 
 
+def _limits() -> Any:
+    # Overrides of the policy's limits, shaped as a tier's ``limits`` (policy.schema.Limits);
+    # NULL (not JSON null) when there is none.
+    return Field(default=None, sa_column=Column(JSON(none_as_null=True), nullable=True))
+
+
 # --- tenants -------------------------------------------------------------------------------
 
 class TenantBase(SQLModel):
@@ -57,6 +63,7 @@ class TenantPublic(TenantBase):
 class Tenant(TenantBase, table=True):
     id: int | None = Field(default=None, primary_key=True)
     created_at: datetime = _ts()
+    limits: dict[str, Any] | None = _limits()  # replaces the tier's limits field by field
 
 
 # --- API keys ------------------------------------------------------------------------------
@@ -90,6 +97,7 @@ class ApiKey(ApiKeyBase, table=True):
     key_hash: str = Field(max_length=64, unique=True, index=True)
     created_at: datetime = _ts()
     revoked_at: datetime | None = _ts(nullable=True)
+    limits: dict[str, Any] | None = _limits()  # limits of this key, on top of its tenant's
 
 
 # --- policy versions -----------------------------------------------------------------------
@@ -147,3 +155,41 @@ class AuditEvent(AuditEventBase, table=True):
     id: int | None = Field(default=None, primary_key=True)
     at: datetime = _ts()
     detail: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+
+
+# --- usage ledger --------------------------------------------------------------------------
+
+class UsageCounts(SQLModel):
+    requests: int = Field(default=0, sa_type=BigInteger)
+    prompt_tokens: int = Field(default=0, sa_type=BigInteger)
+    completion_tokens: int = Field(default=0, sa_type=BigInteger)
+    cached_tokens: int = Field(default=0, sa_type=BigInteger)  # of prompt_tokens, served from the prefix cache
+    spend: float = Field(default=0.0)  # in the policy's currency
+
+
+class UsageDailyPublic(UsageCounts):
+    tenant: str
+    key_id: int
+    model: str
+    day: date
+
+
+class UsageReport(SQLModel):
+    rows: list[UsageDailyPublic]
+    totals: UsageCounts
+
+
+class UsageDaily(UsageCounts, table=True):
+    """What one key of one tenant used of one model on one UTC day. Rows only ever grow."""
+
+    __tablename__ = "usage_daily"
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "key_id", "model", "day", name="uq_usage_daily_tenant_key_model_day"),
+        Index("ix_usage_daily_day", "day"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    tenant_id: int = Field(foreign_key="tenant.id")
+    key_id: int = Field(foreign_key="api_key.id")
+    model: str = Field(max_length=128)  # the concrete model that served the requests
+    day: date  # UTC
