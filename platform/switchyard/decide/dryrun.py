@@ -3,14 +3,16 @@
 The policy tests, the console's dry-run and ``switchyard policy test`` ask this; it runs the
 gateway's own decisions (:func:`~switchyard.decide.resolve.resolve_model`, the fallback plan,
 :func:`~switchyard.decide.pick.pick_endpoint`) with every endpoint seen idle and healthy and no
-prefix history, so its answer is the one a quiet fleet would give. Stages of the request path that
-have not landed (admission, queues, caches) add their answers here as they land.
+prefix history, so its answer is the one a quiet fleet would give, and with fresh limit buckets
+(only a request larger than a limit is refused by it). Stages of the request path that have not
+landed (queues, caches) add their answers here as they land.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from switchyard.decide.admit import estimate, limit_charges
 from switchyard.decide.features import RequestFeatures
 from switchyard.decide.pick import EndpointView, Strategy, fallback_plan, pick_endpoint, usable_stages
 from switchyard.decide.resolve import Refused, resolve_model
@@ -28,6 +30,7 @@ class DryRun:
         code: The refusal's error code.
         model: The resolved model (None when refused).
         pool, region, endpoint: Where an idle fleet would send it (None when refused).
+        limit: The limit that refuses it (429).
         trace: Each stage's reason, in order.
     """
 
@@ -37,6 +40,7 @@ class DryRun:
     pool: str | None = None
     region: str | None = None
     endpoint: str | None = None
+    limit: str | None = None
     trace: tuple[str, ...] = ()
 
 
@@ -48,6 +52,12 @@ def dry_run(snapshot: PolicySnapshot, tier: str, features: RequestFeatures,
     except Refused as refusal:
         return DryRun(refusal.status, refusal.code, trace=(refusal.message,))
     trace = list(decision.trace)
+    est = estimate(decision.model, features.prompt_tokens, features.max_tokens)
+    for charge in limit_charges(snapshot, tier, decision.model, est, tenant="dry-run", key="dry-run"):
+        if charge.amount > charge.capacity:  # fresh buckets admit anything else
+            return DryRun(429, "request_too_large", decision.model.name, limit=charge.limit,
+                          trace=(*trace, f"{charge.limit} ({charge.scope}): {charge.amount:.6g} {charge.unit} "
+                                         f"> limit {charge.capacity:.6g}"))
     stages, skipped = usable_stages(fallback_plan(snapshot, decision.model), features.prompt_tokens
                                     + (features.max_tokens or 0))
     trace += skipped
@@ -56,5 +66,5 @@ def dry_run(snapshot: PolicySnapshot, tier: str, features: RequestFeatures,
         if choice is not None:
             trace.append(choice.trace)
             return DryRun(200, None, decision.model.name, choice.pool.name, choice.pool.region, choice.url,
-                          tuple(trace))
+                          trace=tuple(trace))
     return DryRun(503, "no_endpoint", decision.model.name, trace=(*trace, "no endpoint in any stage"))

@@ -48,13 +48,13 @@ def features_of_test(test: PolicyTest) -> RequestFeatures:
 
 
 def _expected(expect: PolicyTestExpect) -> list[tuple[str, object]]:
-    return [(name, value) for name in ("status", "model", "pool", "region")
+    return [(name, value) for name in ("status", "limit", "model", "pool", "region")
             if (value := getattr(expect, name)) is not None]
 
 
 def _got(run: DryRun) -> str:
     if run.status != 200:
-        return f"status {run.status} ({run.code})"
+        return f"status {run.status} ({run.code}" + (f", limit {run.limit})" if run.limit else ")")
     return f"status 200, model {run.model}, pool {run.pool}, region {run.region}"
 
 

@@ -352,12 +352,15 @@ class PolicyTestRequest(Strict):
 class PolicyTestExpect(Strict):
     """What a policy test expects; every field given must hold.
 
-    ``status``: 200 (admitted) or the refusal's HTTP status. ``model``: the resolved model.
+    ``status``: 200 (admitted) or the refusal's HTTP status (429 with ``limit``: the request alone
+    is larger than that limit of its tier, as fresh buckets see it). ``model``: the resolved model.
     ``pool`` / ``region``: where the gateway's picker sends the request when every endpoint is
     idle and healthy (the first stage of the fallback plan).
     """
 
-    status: Literal[200, 403, 404] | None = None
+    status: Literal[200, 403, 404, 429] | None = None
+    limit: Literal["tokens_per_minute", "requests_per_minute", "tokens_per_day", "spend_per_month"] | None = Field(
+        default=None, description="With status 429: the limit that refuses it (a request larger than the limit).")
     model: ModelName | None = None
     pool: Name | None = None
     region: Name | None = None
@@ -368,6 +371,8 @@ class PolicyTestExpect(Strict):
             raise ValueError("expect at least one of status, model, pool, region")
         if self.status not in (None, 200) and (self.model or self.pool or self.region):
             raise ValueError("a refused request has no model, pool or region to expect")
+        if self.limit is not None and self.status != 429:
+            raise ValueError("expect a limit only with status 429")
         return self
 
 

@@ -21,14 +21,17 @@ def with_tests(*tests: dict[str, Any]) -> str:
 
 def test_a_dry_run_follows_every_stage_of_the_gateways_decisions() -> None:
     snapshot = compile_policy(to_yaml(base()))
-    run = dry_run(snapshot, "pro", RequestFeatures(model="auto", prompt_tokens=500, max_tokens=100))
+    run = dry_run(snapshot, "pro", RequestFeatures(model="auto", prompt_tokens=300, max_tokens=100))
     assert (run.status, run.model, run.pool, run.region) == (200, "large", "large-us", "us-east")
     assert run.trace[0] == "route auto: no rule matched → default large"
     assert run.trace[-1].startswith("endpoint http://127.0.0.1:9004 of pool large-us")
     refused = dry_run(snapshot, "free", RequestFeatures(model="large", prompt_tokens=5))
     assert (refused.status, refused.code, refused.model, refused.pool) == (403, "model_not_allowed", None, None)
     # A fallback stage whose window cannot hold the request is left out, and the trace says so.
-    long = dry_run(snapshot, "pro", RequestFeatures(model="large", prompt_tokens=9000, max_tokens=10))
+    doc = base()
+    del doc["tiers"][1]["model_limits"]  # (pro's 500 tokens a minute on large would refuse it first)
+    long = dry_run(compile_policy(to_yaml(doc)), "pro", RequestFeatures(model="large", prompt_tokens=9000,
+                                                                        max_tokens=10))
     assert long.pool == "large-us" and any("fallback small: context window 8192 < 9010" in t for t in long.trace)
 
 
@@ -36,7 +39,8 @@ def test_tests_can_expect_admission_pool_and_region() -> None:
     text = with_tests(
         {"name": "short goes small, in us-east", "request": {"model": "auto", "tier": "free", "prompt": "hi"},
          "expect": {"status": 200, "model": "small", "pool": "small-us", "region": "us-east"}},
-        {"name": "long by length alone", "request": {"model": "auto", "tier": "pro", "prompt_tokens": 5000},
+        {"name": "long by length alone", "request": {"model": "auto", "tier": "pro", "prompt_tokens": 300,
+                                                     "max_tokens": 100},
          "expect": {"model": "large", "region": "us-east"}},
         {"name": "free may not call large", "request": {"model": "large", "tier": "free"},
          "expect": {"status": 403}},
@@ -59,7 +63,7 @@ def test_a_failing_expectation_blocks_the_document_and_says_why() -> None:
 @pytest.mark.parametrize(("expect", "message"), [
     ({}, "expect at least one of status, model, pool, region"),
     ({"status": 403, "model": "small"}, "a refused request has no model, pool or region to expect"),
-    ({"status": 429}, "Input should be 200, 403 or 404"),
+    ({"status": 500}, "Input should be 200, 403, 404 or 429"),
     ({"pool": "small-usa"}, "unknown pool 'small-usa'"),
     ({"region": "mars"}, "unknown region 'mars'"),
 ])
@@ -68,3 +72,21 @@ def test_impossible_expectations_are_schema_errors(expect: dict[str, Any], messa
     with pytest.raises(PolicyError) as caught:
         compile_policy(text)
     assert any(message in i.message for i in caught.value.issues), caught.value.issues
+
+
+def test_tests_can_expect_a_request_larger_than_a_limit_to_be_refused() -> None:
+    text = with_tests(
+        {"name": "too big for free", "request": {"model": "small", "tier": "free", "prompt_tokens": 900,
+                                                 "max_tokens": 200},
+         "expect": {"status": 429, "limit": "tokens_per_minute"}},
+        {"name": "fits", "request": {"model": "small", "tier": "free", "prompt_tokens": 500, "max_tokens": 200},
+         "expect": {"status": 200}},
+    )
+    assert [r.passed for r in run_policy_tests(compile_policy(text))] == [True, True]
+    snapshot = compile_policy(text)
+    run = dry_run(snapshot, "free", RequestFeatures(model="small", prompt_tokens=900, max_tokens=200))
+    assert (run.status, run.code, run.limit) == (429, "request_too_large", "tokens_per_minute")
+    assert run.trace[-1] == "tokens_per_minute (tier free): 1100 tokens > limit 1000"
+    with pytest.raises(PolicyError, match="expect a limit only with status 429"):
+        compile_policy(with_tests({"request": {"model": "small", "tier": "free"},
+                                   "expect": {"status": 403, "limit": "tokens_per_minute"}}))
