@@ -21,6 +21,10 @@ class Settings(BaseSettings):
         default=None, description="SQLAlchemy URL; default: a SQLite file in data_dir."
     )
     redis_url: str | None = Field(default=None, description="Unset: in-process state.")
+    redis_key_prefix: str = Field(
+        default="sy:", min_length=1, max_length=64,
+        description="Prepended to every Redis key: deployments sharing one Redis keep apart.",
+    )
     policy_file: Path = Field(default=Path("policies.yaml"))
     policy_source: Literal["file", "db"] = "file"
     host: str = "127.0.0.1"
@@ -52,6 +56,9 @@ class Settings(BaseSettings):
     admin_token: SecretStr | None = Field(
         default=None, description="Bearer token for the admin API's writes (publish, rollback); unset: no "
         "writes through the API.",
+    )
+    usage_flush_interval_s: float = Field(
+        default=2.0, gt=0, description="How often the usage ledger's counts are written to the database.",
     )
     endpoint_cooldown_s: float = Field(
         default=5.0, ge=0, description="How long an engine that refused a connection is left out."

@@ -46,6 +46,11 @@ def _content_text(content: Any) -> tuple[str, bool]:
     return "\n".join(texts), image
 
 
+def message_texts(messages: list[Any]) -> list[str]:
+    """The text of each message (images and other parts left out)."""
+    return [_content_text(m.get("content"))[0] if isinstance(m, dict) else "" for m in messages]
+
+
 def chat_features(body: Mapping[str, Any], headers: Mapping[str, str]) -> RequestFeatures:
     """Features of a validated ``/v1/chat/completions`` body."""
     messages = body["messages"]

@@ -111,6 +111,45 @@ def sse_error_event(message: str, type_: str, code: str) -> bytes:
     return b"data: " + payload + b"\n\n"
 
 
+class StreamUsage:
+    """What an OpenAI-style SSE stream says it used, read as the bytes go by (no event is parsed
+    until the end).
+
+    Exact when the stream carries a ``usage`` object (``stream_options.include_usage``); else
+    the generated tokens are counted as the events carrying non-empty text (vLLM sends one
+    token per event), which is also all there is when the client leaves mid-stream.
+    """
+
+    __slots__ = ("_tail", "text_events")
+
+    #: How much of the stream's end is kept to find the usage event in.
+    TAIL = 16_384
+
+    def __init__(self) -> None:
+        self.text_events = 0
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> None:
+        """Account for one chunk of the stream."""
+        self.text_events += (chunk.count(b'"content":"') - chunk.count(b'"content":""')
+                             + chunk.count(b'"text":"') - chunk.count(b'"text":""'))
+        self._tail = (self._tail + chunk)[-self.TAIL:]
+
+    def usage(self) -> dict[str, Any] | None:
+        """The stream's ``usage`` object, if one went by (the last one)."""
+        for event in reversed(self._tail.split(b"\n\n")):
+            if b'"usage":{' not in event or not event.startswith(b"data: {"):
+                continue
+            try:
+                data = msgspec.json.decode(event[6:])
+            except msgspec.DecodeError:
+                continue
+            usage = data.get("usage") if isinstance(data, dict) else None
+            if isinstance(usage, dict):
+                return usage
+        return None
+
+
 class StreamRelay:
     """Passes an engine's SSE stream to the client chunk by chunk, never buffering the answer.
 
@@ -119,7 +158,7 @@ class StreamRelay:
     closed, so the engine sees the disconnect and aborts the request).
     """
 
-    __slots__ = ("_completed", "_finished", "_on_finish", "_on_first_byte", "_response")
+    __slots__ = ("_completed", "_finished", "_on_finish", "_on_first_byte", "_response", "usage")
 
     def __init__(self, response: aiohttp.ClientResponse, on_first_byte: Callable[[], None],
                  on_finish: Callable[[bool], None]) -> None:
@@ -128,6 +167,7 @@ class StreamRelay:
         self._on_finish = on_finish
         self._completed = False
         self._finished = False
+        self.usage = StreamUsage()
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The stream's bytes as they arrive."""
@@ -137,6 +177,7 @@ class StreamRelay:
                 if first:
                     self._on_first_byte()
                     first = False
+                self.usage.feed(chunk)
                 yield chunk
             self._completed = True
         except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError) as exc:

@@ -62,6 +62,21 @@ class PayloadTooLarge(ApiError):
     code = "request_too_large"
 
 
+class RateLimited(ApiError):
+    """429: a token budget or rate limit has no room (``type`` says which unit, as OpenAI's do)."""
+
+    status_code = 429
+    type = "tokens"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, limit: str, code: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message, code=code, headers=headers)
+        self.limit = limit
+        self.type = "requests" if limit.startswith("requests") else "insufficient_quota" if limit.startswith(
+            "spend") else "tokens"
+
+
 class Overloaded(ApiError):
     status_code = 503
     type = "overloaded_error"

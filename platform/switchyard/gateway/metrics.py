@@ -38,12 +38,19 @@ class GatewayMetrics:
         self.policy_info = Gauge(
             "switchyard_policy_info", "The active policy: 1 for its version and hash.",
             ["version", "sha256"], registry=self.registry)
+        self.admission_store_errors = Counter(
+            "switchyard_admission_store_errors", "Requests admitted without their limits because the limit "
+            "store (Redis) could not be reached.", registry=self.registry)
         self.policy_version = Gauge(
             "switchyard_policy_active_version", "The number of the policy version this process serves "
             "(0 for an unversioned document).", registry=self.registry)
         self.reload_failures = Counter(
             "switchyard_policy_reload_failures", "Policy documents rejected by a reload, by where they came "
             "from (file, database); the last good version kept serving.", ["source"], registry=self.registry)
+
+    def count_admission_error(self) -> None:
+        """One request admitted without limits because the limit store failed."""
+        self.admission_store_errors.inc()
 
     def set_policy(self, label: str, sha256: str, number: int | None) -> None:
         """Show the policy ``label`` (version ``number``) as the active one."""

@@ -10,12 +10,14 @@ kept (and logged) for operators to see.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from sqlalchemy import Engine
 
 from switchyard.decide.policy_tests import compile_checked
+from switchyard.decide.tokens import TokenCounter
 from switchyard.policy import PolicyError, PolicySnapshot, read_policy_file
 from switchyard.settings import Settings
 from switchyard.store.db import session_scope
@@ -26,9 +28,15 @@ log = logging.getLogger("switchyard.policy")
 
 @dataclass(slots=True)
 class PolicyHolder:
-    """One reference to the active snapshot; a reload swaps it, requests keep what they read."""
+    """One reference to the active snapshot; a reload swaps it, requests keep what they read.
+
+    ``counters`` (each model's prompt-token counter) is swapped together with the snapshot, in
+    one step of the event loop, so a request that reads both without awaiting in between gets a
+    matching pair.
+    """
 
     snapshot: PolicySnapshot
+    counters: Mapping[str, TokenCounter] = field(default_factory=dict)
     #: The last document rejected since the last good one was read, and where it came from.
     last_error: PolicyError | None = None
     error_source: str = "file"

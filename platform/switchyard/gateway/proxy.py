@@ -20,10 +20,12 @@ from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
-from switchyard.decide.features import RequestFeatures, chat_features, completion_features
+from switchyard.decide.admit import estimate, limit_charges, spend_of
+from switchyard.decide.features import RequestFeatures, chat_features, completion_features, message_texts
 from switchyard.decide.pick import EndpointChoice, Stage, engine_priority, fallback_plan, pick_endpoint, usable_stages
 from switchyard.decide.prefix import block_hashes, prompt_text
 from switchyard.decide.resolve import ModelDecision, Refused, resolve_model
+from switchyard.decide.tokens import TokenCounter
 from switchyard.engines.upstream import (
     EngineError,
     StreamRelay,
@@ -32,6 +34,7 @@ from switchyard.engines.upstream import (
     read_body,
     read_engine_error,
 )
+from switchyard.gateway.admission import Lease
 from switchyard.gateway.body import check_chat, check_completion, decode_json_object
 from switchyard.gateway.errors import (
     ApiError,
@@ -42,10 +45,12 @@ from switchyard.gateway.errors import (
     NotFound,
     Overloaded,
     PayloadTooLarge,
+    RateLimited,
 )
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy import PolicySnapshot
-from switchyard.policy.schema import Pool
+from switchyard.policy.schema import Model, Pool
+from switchyard.store.keys import KeyIdentity
 
 Kind = Literal["chat", "completion"]
 _PATHS: dict[Kind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
@@ -181,21 +186,42 @@ class Proxy:
         else:
             check_completion(body)
             features = completion_features(body, request.headers)
-        snapshot = runtime.policy.snapshot  # read once; this request keeps it to the end
+        holder = runtime.policy
+        snapshot, counters = holder.snapshot, holder.counters  # read once; this request keeps them to the end
         try:
             decision = resolve_model(snapshot, identity.tier, features)
         except Refused as refusal:
             runtime.metrics.requests.labels("-", "-", str(refusal.status)).inc()
             raise refusal_error(refusal) from None
+        counter = counters.get(decision.model.name)
+        prompt_tokens = (count_prompt(counter, kind, body) if counter is not None and counter.exact
+                         else features.prompt_tokens)
+        charges = limit_charges(snapshot, identity.tier, decision.model,
+                                estimate(decision.model, prompt_tokens, features.max_tokens),
+                                tenant=str(identity.tenant_id), key=str(identity.key_id),
+                                tenant_limits=identity.tenant_limits, key_limits=identity.key_limits)
+        try:
+            lease = await runtime.admitter.admit(charges)
+        except RateLimited:
+            runtime.metrics.requests.labels(decision.model.name, "-", "429").inc()
+            raise
         priority = engine_priority(snapshot, snapshot.tiers[identity.tier].priority, body.get("priority"))
-        request_state = _Request(kind, body, raw, bool(body.get("stream")), priority, features, rid, started)
-        return await self._dispatch(request_state, snapshot, decision)
+        request_state = _Request(kind, body, raw, bool(body.get("stream")), priority, features, rid, started,
+                                 identity, prompt_tokens, lease)
+        try:
+            return await self._dispatch(request_state, snapshot, decision)
+        except BaseException:
+            # It never ran (no usage to charge); a no-op once settled. In a task of its own: this
+            # one may be cancelled (the client left) and must not be interrupted mid-settle.
+            if lease.reservation is not None and not lease.settled:
+                runtime.spawn(lease.settle(0, 0.0))
+            raise
 
     async def _dispatch(self, req: _Request, snapshot: PolicySnapshot, decision: ModelDecision) -> Response[Any]:
         """Try the plan's stages in order until an engine answers (see ``decide.pick``)."""
         runtime = self.runtime
         attempts = Attempts(runtime.settings.max_attempts)
-        headers = {"x-request-id": req.rid}
+        headers = {"x-request-id": req.rid, **req.lease.headers}
         needed = req.features.prompt_tokens + (req.features.max_tokens or 0)
         hashes: list[bytes] | None = None
         strategy = runtime.settings.picker
@@ -277,7 +303,13 @@ class Proxy:
         metrics.attempts.labels(pool, "ok").inc()
         first_byte = self._first_byte_observer(model, pool, req.started)
         if req.stream:
-            relay = StreamRelay(response, first_byte, lambda _completed: done(200))
+            relay: StreamRelay
+
+            def finished(_completed: bool) -> None:
+                done(200)
+                runtime.spawn(self._account(req, stage.model, relay.usage.usage(), relay.usage.text_events))
+
+            relay = StreamRelay(response, first_byte, finished)
             return Stream(relay.chunks(), media_type="text/event-stream",
                           headers={**headers, "Cache-Control": "no-cache"},
                           background=BackgroundTask(relay.afinish))
@@ -289,11 +321,60 @@ class Proxy:
             return None
         first_byte()
         done(200)
+        await self._account(req, stage.model, body_usage(data), 0)
         return Response(content=data, status_code=200, media_type="application/json", headers=dict(headers))
+
+    async def _account(self, req: _Request, model: Model, usage: dict[str, Any] | None, text_events: int) -> None:
+        """Settle the request's reservation with what it used and add it to the usage ledger.
+
+        The engine's ``usage`` when it sent one; else (a stream without ``include_usage``, or one
+        its client left) the prompt as counted at admission and one token per text event.
+        """
+        prompt, completion, cached = req.prompt_tokens, text_events, 0
+        if usage is not None:
+            prompt = _int(usage.get("prompt_tokens"), prompt)
+            completion = _int(usage.get("completion_tokens"), completion)
+            details = usage.get("prompt_tokens_details")
+            cached = _int(details.get("cached_tokens"), 0) if isinstance(details, dict) else 0
+        spend = spend_of(model, prompt, completion, cached)
+        identity = req.identity
+        self.runtime.usage.record(identity.tenant_id, identity.key_id, model.name, prompt, completion, cached, spend)
+        await req.lease.settle(prompt + completion, spend)
 
     def _first_byte_observer(self, model: str, pool: str, started: float) -> Callable[[], None]:
         histogram = self.runtime.metrics.first_byte.labels(model, pool)
         return lambda: histogram.observe(time.perf_counter() - started)
+
+
+def _int(value: object, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else default
+
+
+def body_usage(data: bytes) -> dict[str, Any] | None:
+    """The ``usage`` object of a non-streamed answer (None when it has none or is not JSON)."""
+    try:
+        usage = msgspec.json.decode(data, type=_UsageOnly).usage
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return usage if isinstance(usage, dict) else None
+
+
+class _UsageOnly(msgspec.Struct):
+    """Decodes only the ``usage`` field of an answer (the rest is skipped, not built)."""
+
+    usage: Any = None
+
+
+def count_prompt(counter: TokenCounter, kind: Kind, body: dict[str, Any]) -> int:
+    """The prompt's tokens under the model's own tokenizer."""
+    if kind == "chat":
+        return counter.count_chat(message_texts(body["messages"]))
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        return counter.count_text(prompt)
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return len(prompt)
+    return sum(counter.count_text(p) if isinstance(p, str) else len(p) for p in prompt)
 
 
 @dataclass(slots=True)
@@ -308,6 +389,9 @@ class _Request:
     features: RequestFeatures
     rid: str
     started: float
+    identity: KeyIdentity
+    prompt_tokens: int
+    lease: Lease
     _payloads: dict[tuple[str, bool], bytes] = field(default_factory=dict)
 
     def payload_for(self, pool: Pool) -> bytes:

@@ -27,7 +27,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from sqlalchemy import Engine, make_url
 from sqlmodel import col, select
 
 from switchyard.decide.policy_tests import compile_checked
+from switchyard.decide.tokens import TokenCounter, TokenizerCache, load_token_counters
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.policy_state import PolicyHolder, record_file
 from switchyard.policy import PolicyError, PolicySnapshot, policy_sha256, read_policy_file
@@ -83,8 +84,10 @@ def libpq_url(sqlalchemy_url: str) -> str | None:
 class PolicyReloader:
     """Keeps one process's :class:`PolicyHolder` on the active version (see the module doc)."""
 
-    def __init__(self, settings: Settings, engine: Engine, holder: PolicyHolder, metrics: GatewayMetrics) -> None:
+    def __init__(self, settings: Settings, engine: Engine, holder: PolicyHolder, metrics: GatewayMetrics,
+                 tokenizers: TokenizerCache) -> None:
         self.settings = settings
+        self.tokenizers = tokenizers
         self.engine = engine
         self.holder = holder
         self.metrics = metrics
@@ -99,8 +102,17 @@ class PolicyReloader:
 
     # --- activation ----------------------------------------------------------------------------
 
-    def _swap(self, snapshot: PolicySnapshot, via: str) -> None:
-        self.holder.snapshot = snapshot
+    def counters_for(self, snapshot: PolicySnapshot) -> Mapping[str, TokenCounter]:
+        """Each model's prompt-token counter (its tokenizer's, else the estimate).
+
+        Raises:
+            PolicyError: a model's tokenizer file cannot be loaded (the document is rejected).
+        """
+        return load_token_counters(snapshot, self.settings.policy_file.resolve().parent, self.tokenizers,
+                                   snapshot.label)
+
+    def _swap(self, snapshot: PolicySnapshot, via: str, counters: Mapping[str, TokenCounter]) -> None:
+        self.holder.snapshot, self.holder.counters = snapshot, counters
         self.metrics.set_policy(snapshot.label, snapshot.sha256, snapshot.version)
         self.activations.append(Activation(snapshot.version, snapshot.sha256, time.time(), via))
         del self.activations[:-100]
@@ -126,10 +138,11 @@ class PolicyReloader:
             number, _sha, text = await anyio.to_thread.run_sync(self._load_version, row[0])
             try:
                 snapshot = compile_checked(text, f"policy version {number}", number)
+                counters = await anyio.to_thread.run_sync(self.counters_for, snapshot)
             except PolicyError as error:
                 self._failed(error, "database")
                 return False
-            self._swap(snapshot, via)
+            self._swap(snapshot, via, counters)
             if self.settings.policy_source == "db":
                 self.holder.last_error = None
             return True
@@ -160,6 +173,7 @@ class PolicyReloader:
                 if self._file_sha is not None and self._file_sha == policy_sha256(text):
                     return False  # touched, not changed
                 snapshot = await anyio.to_thread.run_sync(compile_checked, text, str(path))
+                counters = await anyio.to_thread.run_sync(self.counters_for, snapshot)
             except PolicyError as error:
                 self._file_sha = None
                 self._failed(error, "file")
@@ -170,7 +184,7 @@ class PolicyReloader:
                 return False
             recorded = await anyio.to_thread.run_sync(record_file, self.engine, path, snapshot,
                                                       "the policy file changed")
-            self._swap(recorded, "file")
+            self._swap(recorded, "file", counters)
             return True
 
     # --- the loops -----------------------------------------------------------------------------

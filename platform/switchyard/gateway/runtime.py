@@ -7,7 +7,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -17,9 +17,11 @@ from sqlalchemy import Engine
 
 from switchyard.decide.pick import EndpointView
 from switchyard.decide.prefix import PrefixIndex
+from switchyard.decide.tokens import TokenizerCache, load_token_counters
 from switchyard.engines.endpoints import EndpointRegistry
 from switchyard.engines.scrape import MetricsScraper
 from switchyard.engines.upstream import UpstreamTimeouts, create_client_session
+from switchyard.gateway.admission import Admitter
 from switchyard.gateway.auth import KeyAuthenticator
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.policy_state import PolicyHolder, load_startup_policy
@@ -27,6 +29,8 @@ from switchyard.gateway.reload import PolicyReloader, following
 from switchyard.settings import Settings
 from switchyard.store import db
 from switchyard.store.keys import KeyIdentity, identify
+from switchyard.store.limits import create_limit_store
+from switchyard.store.usage import UsageRecorder
 
 log = logging.getLogger("switchyard.gateway")
 
@@ -45,6 +49,12 @@ class GatewayRuntime:
         self._policy: PolicyHolder | None = None
         self._http: aiohttp.ClientSession | None = None
         self._reloader: PolicyReloader | None = None
+        self._usage: UsageRecorder | None = None
+        self.tokenizers = TokenizerCache()
+        # Shared across replicas through Redis when it is configured, else this process's own.
+        self.admitter = Admitter(create_limit_store(settings.redis_url, key_prefix=f"{settings.redis_key_prefix}lim:"),
+                                 self.metrics.count_admission_error)
+        self._background: set[asyncio.Task[None]] = set()
         self.auth = KeyAuthenticator(self._lookup_key, settings.key_cache_ttl_s)
         self.rotation = 0
 
@@ -75,6 +85,19 @@ class GatewayRuntime:
         The other processes follow by NOTIFY or their poll; this one need not wait for either.
         """
         return await self.reloader.check_database("api")
+
+    @property
+    def usage(self) -> UsageRecorder:
+        """The usage ledger's writer (only inside the lifespan)."""
+        if self._usage is None:
+            raise RuntimeError("the gateway is not started")
+        return self._usage
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` in the background, kept referenced until it ends (settling a finished stream)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     @property
     def http(self) -> aiohttp.ClientSession:
@@ -120,6 +143,8 @@ class GatewayRuntime:
                 log.info("upgrading the database schema to %s", db.head_revision())
                 db.upgrade(engine)
             holder = load_startup_policy(self.settings, engine)
+            holder.counters = load_token_counters(holder.snapshot, self.settings.policy_file.resolve().parent,
+                                                  self.tokenizers, holder.snapshot.label)
         except BaseException:
             engine.dispose()
             raise
@@ -131,7 +156,8 @@ class GatewayRuntime:
         await anyio.to_thread.run_sync(self.prepare)
         snapshot = self.policy.snapshot
         self.metrics.set_policy(snapshot.label, snapshot.sha256, snapshot.version)
-        self._reloader = PolicyReloader(self.settings, self.engine, self.policy, self.metrics)
+        self._reloader = PolicyReloader(self.settings, self.engine, self.policy, self.metrics, self.tokenizers)
+        self._usage = UsageRecorder(self.engine)
         self._http = create_client_session(
             UpstreamTimeouts(self.settings.upstream_connect_timeout_s, self.settings.upstream_read_timeout_s),
             self.settings.upstream_max_connections,
@@ -146,6 +172,7 @@ class GatewayRuntime:
         scraper = MetricsScraper(self.endpoints, self._http, self.engine_urls, self.settings.scrape_interval_s,
                                  self.settings.endpoint_cooldown_s)
         scraping = asyncio.create_task(scraper.run(), name="switchyard-scrape")
+        ledger = asyncio.create_task(self._usage.run(self.settings.usage_flush_interval_s), name="switchyard-usage")
         try:
             async with following(self._reloader):
                 yield
@@ -153,6 +180,13 @@ class GatewayRuntime:
             scraping.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await scraping
+            if self._background:  # streams that ended during shutdown settle before the store closes
+                await asyncio.wait(self._background, timeout=5)
+            ledger.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ledger
+            await self._usage.aclose()  # nothing recorded is lost on a clean shutdown
+            await self.admitter.store.aclose()
             await self._http.close()
             self._http = None
             self.engine.dispose()

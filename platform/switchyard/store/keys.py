@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
 from sqlmodel import Session, col, select
 
+from switchyard.policy.schema import Limits
 from switchyard.store.errors import Conflict, NotFound
 from switchyard.store.models import ApiKey, ApiKeyPublic, Tenant, utcnow
 from switchyard.store.tenants import get_tenant
@@ -34,6 +36,9 @@ class KeyIdentity:
     tenant_id: int
     tenant: str
     tier: str
+    #: The tenant's and the key's limit overrides (``None``: none set).
+    tenant_limits: Limits | None = None
+    key_limits: Limits | None = None
 
 
 def _public(key: ApiKey, tenant: Tenant) -> ApiKeyPublic:
@@ -92,4 +97,10 @@ def identify(session: Session, key_hash: str) -> KeyIdentity | None:
     key, tenant = row
     if key.revoked_at is not None:
         return None
-    return KeyIdentity(key_id=key.id or 0, tenant_id=tenant.id or 0, tenant=tenant.name, tier=tenant.tier)
+    return KeyIdentity(key_id=key.id or 0, tenant_id=tenant.id or 0, tenant=tenant.name, tier=tenant.tier,
+                       tenant_limits=_limits(tenant.limits), key_limits=_limits(key.limits))
+
+
+def _limits(stored: dict[str, Any] | None) -> Limits | None:
+    """A stored override as the policy's Limits (only the fields it sets count as set)."""
+    return Limits.model_validate(stored) if stored is not None else None

@@ -7,8 +7,10 @@ import json
 import msgspec
 
 from switchyard.decide.features import chat_features
+from switchyard.gateway.admission import Lease
 from switchyard.gateway.proxy import _Request
 from switchyard.policy.schema import Pool
+from switchyard.store.keys import KeyIdentity
 
 
 def pool(served: str, priority_scheduling: bool) -> Pool:
@@ -18,7 +20,8 @@ def pool(served: str, priority_scheduling: bool) -> Pool:
 
 def request(body: dict[str, object], priority: int) -> _Request:
     raw = msgspec.json.encode(body)
-    return _Request("chat", body, raw, False, priority, chat_features(body, {}), "rid", 0.0)
+    return _Request("chat", body, raw, False, priority, chat_features(body, {}), "rid", 0.0,
+                    KeyIdentity(1, 1, "tenant", "pro"), 0, Lease(None, None, []))
 
 
 def test_priority_goes_only_to_priority_scheduling_pools() -> None:
