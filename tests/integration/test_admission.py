@@ -4,6 +4,7 @@ and a budget shared by two gateway processes on real Redis."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -178,3 +179,41 @@ def test_two_gateways_on_redis_never_admit_more_than_the_budget(engines: Engines
         print(f"200 racing through two gateways: {admitted} admitted, {used} tokens used of a budget of {budget}")
     finally:
         assert stop(a.proc) and stop(b.proc)
+
+
+def test_overrides_the_ledger_and_the_metrics(limited: tuple[Gateway, Path]) -> None:
+    gw, _policy = limited
+    key = gw.keys["free"]
+    assert chat(gw, key, 10)[1]["x-ratelimit-limit-tokens"] == "2000"
+    # A tenant override (the CLI; the admin API does the same) replaces the tier's limit ...
+    out = gw.cli("tenants", "set-limits", "free-co", '{"tokens_per_minute": 7000, "requests_per_minute": null}')
+    assert out.stdout.strip() == 'tenant free-co: limits {"tokens_per_minute": 7000, "requests_per_minute": null}'
+    time.sleep(0.5)  # the gateway trusts a key lookup for SWITCHYARD_KEY_CACHE_TTL_S (0.3 s here)
+    status, headers, _ = chat(gw, key, 10)
+    assert status == 200 and headers["x-ratelimit-limit-tokens"] == "7000"
+    assert "x-ratelimit-limit-requests" not in headers  # lifted by the override's null
+    # ... and a key's own limits come on top.
+    (listed,) = json.loads(gw.cli("keys", "list", "--tenant", "free-co", "--json").stdout)
+    gw.cli("keys", "set-limits", str(listed["id"]), '{"requests_per_minute": 3}')
+    time.sleep(0.5)
+    statuses = [chat(gw, key, 5)[0] for _ in range(4)]
+    assert statuses == [200, 200, 200, 429]
+    bad = gw.cli("tenants", "set-limits", "free-co", '{"tokens_per_minute": -1}', check=False)
+    assert bad.returncode != 0 and "tokens_per_minute: Input should be greater than 0" in bad.stderr
+
+    # The ledger (admin API and CLI) and the metrics count what was served.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        report = http_json("GET", f"{gw.base_url}/admin/api/usage?tenant=free-co")[2]
+        if report["totals"]["requests"] >= 5:
+            break
+        time.sleep(0.1)
+    assert report["totals"]["requests"] == 5 and report["totals"]["completion_tokens"] == 10 + 10 + 3 * 5
+    assert {r["model"] for r in report["rows"]} == {"small"}
+    usage = json.loads(gw.cli("usage", "--tenant", "free-co", "--json").stdout)
+    assert usage["totals"] == report["totals"]
+    metrics = http_json("GET", f"{gw.base_url}/metrics")[2]
+    assert 'switchyard_tokens_total{kind="completion",model="small"}' in metrics
+    assert "switchyard_spend_total" in metrics
+    events = http_json("GET", f"{gw.base_url}/admin/api/audit")[2]["events"]
+    assert {"tenant.limits", "key.limits"} <= {e["action"] for e in events}

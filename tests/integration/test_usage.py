@@ -221,8 +221,9 @@ def test_days_are_utc_days_and_the_report_filters(engine: Engine, ids: dict[str,
 
 def test_limit_overrides_are_validated_against_the_policy_schema(engine: Engine, ids: dict[str, int]) -> None:
     with db.session_scope(engine) as s:
-        checked = set_limits(s, tenant="acme", limits={"tokens_per_minute": 5000, "tokens_per_day": None})
-        set_limits(s, key_id=ids["a1"], limits={"requests_per_minute": 10})
+        checked = set_limits(s, tenant="acme", limits={"tokens_per_minute": 5000, "tokens_per_day": None},
+                             actor="test", origin="test")
+        set_limits(s, key_id=ids["a1"], limits={"requests_per_minute": 10}, actor="test", origin="test")
     assert checked is not None and checked.model_fields_set == {"tokens_per_minute", "tokens_per_day"}
 
     def stored() -> tuple[Any, Any]:
@@ -240,17 +241,17 @@ def test_limit_overrides_are_validated_against_the_policy_schema(engine: Engine,
     ):
         with pytest.raises(StoreError, match=r"invalid limits for tenant 'acme': .*" + message.split("(")[0]), \
                 db.session_scope(engine) as s:
-            set_limits(s, tenant="acme", limits=bad)  # type: ignore[arg-type]
+            set_limits(s, tenant="acme", limits=bad, actor="test", origin="test")  # type: ignore[arg-type]
     assert stored() == before
 
     with db.session_scope(engine) as s:
-        assert set_limits(s, tenant="acme", limits=None) is None
+        assert set_limits(s, tenant="acme", limits=None, actor="test", origin="test") is None
         with pytest.raises(NotFound):
-            set_limits(s, key_id=9999, limits={})
+            set_limits(s, key_id=9999, limits={}, actor="test", origin="test")
         with pytest.raises(NotFound):
-            set_limits(s, tenant="nobody", limits={})
+            set_limits(s, tenant="nobody", limits={}, actor="test", origin="test")
         with pytest.raises(ValueError, match="exactly one"):
-            set_limits(s, tenant="acme", key_id=ids["a1"], limits=None)
+            set_limits(s, tenant="acme", key_id=ids["a1"], limits=None, actor="test", origin="test")
     with engine.connect() as conn:
         assert conn.execute(text("SELECT limits IS NULL FROM tenant WHERE name = 'acme'")).scalar_one()
 
@@ -270,7 +271,7 @@ def test_migration_0003_adds_and_removes_the_ledger_and_overrides(database_url: 
         assert "limits" in {c["name"] for c in inspect(engine).get_columns("api_key")}
         with db.session_scope(engine) as s:
             assert get_tenant(s, "acme").limits is None
-            set_limits(s, tenant="acme", limits={"tokens_per_day": 10})
+            set_limits(s, tenant="acme", limits={"tokens_per_day": 10}, actor="test", origin="test")
         recorder = UsageRecorder(engine)
         recorder.record(1, 1, "small", 1, 1, 0, 0.0, at=NOON)
         recorder.flush()

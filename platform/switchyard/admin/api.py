@@ -8,7 +8,7 @@ from typing import Any
 
 from litestar import Request, Router, get
 
-from switchyard.admin import policy_api
+from switchyard.admin import policy_api, usage_api
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy.schema import Pool
 
@@ -51,4 +51,5 @@ async def endpoints(request: Request[Any, Any, Any]) -> dict[str, Any]:
     return {"policy": snapshot.label, "endpoints": rows}
 
 
-admin_api_router = Router(path="/admin/api", route_handlers=[endpoints, *policy_api.ROUTES], tags=["admin"])
+admin_api_router = Router(path="/admin/api", route_handlers=[endpoints, *policy_api.ROUTES, *usage_api.ROUTES],
+                          tags=["admin"])

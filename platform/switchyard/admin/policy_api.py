@@ -7,34 +7,24 @@ with no token configured, writes are refused.
 
 from __future__ import annotations
 
-import hmac
-from collections.abc import Callable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
-import anyio.to_thread
 import msgspec
 from litestar import Request, Response, get, post
-from litestar.connection import ASGIConnection
-from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, QueryParameter
 from sqlmodel import Session
 
+from switchyard.admin.common import admin_token_guard, in_db, json_body, origin_of, runtime_of
 from switchyard.decide.policy_tests import compile_checked
-from switchyard.gateway.errors import ApiError, BadRequest, Forbidden, NotFound, Unauthorized
+from switchyard.gateway.errors import ApiError, BadRequest
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy import PolicyError, policy_sha256, read_policy_file
 from switchyard.policy.diff import diff_documents
 from switchyard.store import errors as store_errors
 from switchyard.store.audit import list_events
-from switchyard.store.db import session_scope
 from switchyard.store.models import PolicyVersion, PolicyVersionPublic
 from switchyard.store.policy_versions import active_version, get_version, list_versions, publish, rollback
 
-#: The environment variable of the admin token setting (``Settings.admin_token``), for messages.
-ADMIN_TOKEN_ENV = "SWITCHYARD_ADMIN_TOKEN"  # noqa: S105  (the name of a variable, not a secret)
-
-T = TypeVar("T")
-B = TypeVar("B", bound=msgspec.Struct)
 Limit = Annotated[int, QueryParameter(ge=1, le=500, description="How many, newest first.")]
 
 
@@ -68,38 +58,6 @@ class RollbackRequest(msgspec.Struct, forbid_unknown_fields=True):
     author: str | None = None
 
 
-def admin_token_guard(connection: ASGIConnection[Any, Any, Any, Any], _handler: BaseRouteHandler) -> None:
-    """Let a write through only with ``Authorization: Bearer <token>`` matching the admin token."""
-    runtime: GatewayRuntime = connection.app.state.runtime
-    token = runtime.settings.admin_token
-    expected = token.get_secret_value() if token is not None else ""
-    if not expected:
-        raise Forbidden(f"admin writes are disabled: set {ADMIN_TOKEN_ENV}", code="admin_writes_disabled")
-    scheme, _, given = connection.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected.encode()):
-        raise Unauthorized(f"this write needs the admin token: Authorization: Bearer <{ADMIN_TOKEN_ENV}>",
-                           code="invalid_admin_token", headers={"WWW-Authenticate": "Bearer"})
-
-
-def _runtime(request: Request[Any, Any, Any]) -> GatewayRuntime:
-    runtime: GatewayRuntime = request.app.state.runtime
-    return runtime
-
-
-async def _in_db(runtime: GatewayRuntime, work: Callable[[Session], T]) -> T:
-    """Run ``work`` in one transaction on a worker thread (the database calls block)."""
-    def run() -> T:
-        with session_scope(runtime.engine) as session:
-            return work(session)
-
-    try:
-        return await anyio.to_thread.run_sync(run)
-    except store_errors.NotFound as exc:
-        raise NotFound(str(exc)) from None
-    except store_errors.StoreError as exc:
-        raise BadRequest(str(exc)) from None
-
-
 def _meta(row: PolicyVersion | PolicyVersionPublic) -> dict[str, Any]:
     return PolicyVersionPublic.model_validate(row).model_dump(mode="json")
 
@@ -118,10 +76,6 @@ def _refuse_in_file_mode(runtime: GatewayRuntime) -> None:
     if settings.policy_source == "file":
         raise Conflict(f"policy_source is file: {settings.policy_file} is the truth, so the policy changes only "
                        "through that file", code="policy_source_is_file")
-
-
-def _origin(request: Request[Any, Any, Any]) -> str:
-    return f"api {request.client.host}" if request.client is not None else "api"
 
 
 async def _changed(runtime: GatewayRuntime) -> None:
@@ -147,7 +101,7 @@ def _version_ref(session: Session, ref: str) -> tuple[str, str]:
 @get("/policy", operation_id="adminPolicy")
 async def policy_overview(request: Request[Any, Any, Any]) -> dict[str, Any]:
     """The active version (metadata and text), what this process serves, and drift from the file."""
-    runtime = _runtime(request)
+    runtime = runtime_of(request)
     settings = runtime.settings
 
     def read(session: Session) -> dict[str, Any]:
@@ -163,7 +117,7 @@ async def policy_overview(request: Request[Any, Any, Any]) -> dict[str, Any]:
                 file["error"] = str(error)
         return {"active": _meta(row), "text": row.yaml_text, "file": file}
 
-    found = await _in_db(runtime, read)
+    found = await in_db(runtime, read)
     snapshot = runtime.policy.snapshot
     file = found["file"]
     return {
@@ -188,7 +142,7 @@ def _rejected_state(runtime: GatewayRuntime) -> dict[str, Any] | None:
 @get("/policy/versions", operation_id="adminPolicyVersions")
 async def versions(request: Request[Any, Any, Any], limit: Limit = 50) -> dict[str, Any]:
     """Versions, newest first."""
-    rows = await _in_db(_runtime(request), lambda s: list_versions(s, limit))
+    rows = await in_db(runtime_of(request), lambda s: list_versions(s, limit))
     return {"versions": [_meta(r) for r in rows]}
 
 
@@ -199,7 +153,7 @@ async def version(request: Request[Any, Any, Any], number: FromPath[int]) -> dic
         row = get_version(session, number)
         return {**_meta(row), "text": row.yaml_text}
 
-    return await _in_db(_runtime(request), read)
+    return await in_db(runtime_of(request), read)
 
 
 @get("/policy/diff", operation_id="adminPolicyDiff")
@@ -211,21 +165,13 @@ async def diff(request: Request[Any, Any, Any], from_: Annotated[str, QueryParam
         return {"from": old_label, "to": new_label,
                 **diff_documents(old_text, new_text, old_label, new_label).as_dict()}
 
-    return await _in_db(_runtime(request), compare)
-
-
-async def _body(request: Request[Any, Any, Any], kind: type[B]) -> B:
-    """The JSON body as ``kind``, or a 400 that says what is wrong with it."""
-    try:
-        return msgspec.json.decode(await request.body(), type=kind)
-    except msgspec.DecodeError as exc:  # malformed JSON, or the wrong fields (ValidationError)
-        raise BadRequest(f"invalid request body: {exc}") from None
+    return await in_db(runtime_of(request), compare)
 
 
 async def _document(request: Request[Any, Any, Any]) -> str:
     """The YAML a request carries: the body itself, or ``{"yaml": ...}`` as JSON."""
     if request.content_type[0] == "application/json":
-        return (await _body(request, ValidateRequest)).yaml
+        return (await json_body(request, ValidateRequest)).yaml
     try:
         return (await request.body()).decode("utf-8")
     except UnicodeDecodeError:
@@ -250,7 +196,7 @@ async def validate(request: Request[Any, Any, Any]) -> dict[str, Any]:
         return {"valid": True, "issues": [], "sha256": snapshot.sha256, "changes_from_active": changes}
 
     try:
-        return await _in_db(_runtime(request), check)
+        return await in_db(runtime_of(request), check)
     except PolicyError as error:
         return {"valid": False, "issues": [i.as_dict() for i in error.issues]}
 
@@ -262,17 +208,17 @@ async def publish_version(request: Request[Any, Any, Any]) -> Response[dict[str,
     The body: ``{"yaml": "<the document>", "message": "why", "author": "who"}``. An invalid
     document is answered 422 with every issue (path, line, message), and nothing is written.
     """
-    runtime = _runtime(request)
+    runtime = runtime_of(request)
     _refuse_in_file_mode(runtime)
-    data = await _body(request, PublishRequest)
-    origin = _origin(request)
+    data = await json_body(request, PublishRequest)
+    origin = origin_of(request)
 
     def write(session: Session) -> tuple[PolicyVersionPublic, bool]:
         return publish(session, data.yaml, source="api", author=data.author or "api", message=data.message,
                        origin=origin, document="<request>")
 
     try:
-        row, created = await _in_db(runtime, write)
+        row, created = await in_db(runtime, write)
     except PolicyError as error:
         return _rejected(error)
     if created:
@@ -286,16 +232,16 @@ async def rollback_version(request: Request[Any, Any, Any]) -> Response[dict[str
 
     The body: ``{"version": 5, "message": "why", "author": "who"}``.
     """
-    runtime = _runtime(request)
+    runtime = runtime_of(request)
     _refuse_in_file_mode(runtime)
-    data = await _body(request, RollbackRequest)
-    origin = _origin(request)
+    data = await json_body(request, RollbackRequest)
+    origin = origin_of(request)
 
     def write(session: Session) -> tuple[PolicyVersionPublic, bool]:
         return rollback(session, data.version, author=data.author or "api", message=data.message, origin=origin)
 
     try:
-        row, created = await _in_db(runtime, write)
+        row, created = await in_db(runtime, write)
     except PolicyError as error:
         return _rejected(error)
     if created:
@@ -306,7 +252,7 @@ async def rollback_version(request: Request[Any, Any, Any]) -> Response[dict[str
 @get("/policy/audit", operation_id="adminPolicyAudit")
 async def audit(request: Request[Any, Any, Any], limit: Limit = 50) -> dict[str, Any]:
     """The policy's entries in the audit log, newest first."""
-    rows = await _in_db(_runtime(request), lambda s: list_events(s, limit, action="policy."))
+    rows = await in_db(runtime_of(request), lambda s: list_events(s, limit, action="policy."))
     return {"events": [r.model_dump(mode="json") for r in rows]}
 
 

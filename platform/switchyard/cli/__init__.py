@@ -1,4 +1,4 @@
-"""The ``switchyard`` command: serve, demo, sim, policy, db, keys, tenants."""
+"""The ``switchyard`` command: serve, demo, sim, bench, policy, db, keys, tenants, usage."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def _register() -> None:
     main.add_command(store_cmds.db)
     main.add_command(store_cmds.keys)
     main.add_command(store_cmds.tenants)
+    main.add_command(store_cmds.usage_cmd)
     main.add_command(bench_cmd.bench)
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import getpass
+import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,3 +38,18 @@ def cli_context() -> CliContext:
     """The current command's :class:`CliContext`."""
     obj = click.get_current_context().find_object(CliContext)
     return obj if obj is not None else CliContext()
+
+
+def cli_author(author: str | None) -> str:
+    """Who a change from the command line is by: the given author, else ``cli:<OS user>``."""
+    if author:
+        return author
+    try:
+        return f"cli:{getpass.getuser()}"
+    except (OSError, KeyError):  # no login name and no passwd entry (some containers)
+        return f"cli:uid-{os.getuid()}"
+
+
+def cli_origin() -> str:
+    """Where a change from the command line comes from, for the audit log."""
+    return f"cli {socket.gethostname()}"

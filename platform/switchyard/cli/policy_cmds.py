@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import getpass
 import json
 import os
 import re
 import shutil
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -16,7 +14,7 @@ from typing import NoReturn
 import click
 from sqlmodel import Session
 
-from switchyard.cli.context import cli_context
+from switchyard.cli.context import cli_author, cli_context, cli_origin
 from switchyard.cli.store_cmds import open_session
 from switchyard.decide.policy_tests import compile_checked, run_policy_tests
 from switchyard.policy import PolicyDocument, PolicyError, compile_policy, read_policy_file
@@ -104,20 +102,6 @@ def schema() -> None:
 
 # --- versions ----------------------------------------------------------------------------------
 
-def _author(author: str | None) -> str:
-    """The given author, else ``cli:<OS user>``."""
-    if author:
-        return author
-    try:
-        return f"cli:{getpass.getuser()}"
-    except (OSError, KeyError):  # no login name and no passwd entry (some containers)
-        return f"cli:uid-{os.getuid()}"
-
-
-def _origin() -> str:
-    return f"cli {socket.gethostname()}"
-
-
 def _refuse_in_file_mode(what: str) -> None:
     settings = cli_context().settings()
     if settings.policy_source == "file":
@@ -141,8 +125,8 @@ def publish_cmd(file: Path, message: str, author: str | None) -> None:
     try:
         text = read_policy_file(file)
         with open_session() as session:
-            version, created = publish(session, text, source="cli", author=_author(author), message=message,
-                                       origin=_origin(), document=str(file))
+            version, created = publish(session, text, source="cli", author=cli_author(author), message=message,
+                                       origin=cli_origin(), document=str(file))
     except PolicyError as error:
         _rejected(error)
     if created:
@@ -161,8 +145,8 @@ def rollback_cmd(number: int, message: str | None, author: str | None) -> None:
     _refuse_in_file_mode("rolling back")
     try:
         with open_session() as session:
-            version, created = rollback(session, number, author=_author(author), message=message,
-                                        origin=_origin())
+            version, created = rollback(session, number, author=cli_author(author), message=message,
+                                        origin=cli_origin())
     except PolicyError as error:
         click.echo(f"v{number} no longer passes validation; nothing was written:", err=True)
         _rejected(error)

@@ -1,19 +1,22 @@
-"""``switchyard db|keys|tenants``: the database, API keys and tenants."""
+"""``switchyard db|keys|tenants|usage``: the database, API keys, tenants and their limits, the usage ledger."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
 
 import click
 from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 from sqlmodel import Session
 
-from switchyard.cli.context import cli_context
+from switchyard.cli.context import cli_author, cli_context, cli_origin
 from switchyard.decide.policy_tests import compile_checked
 from switchyard.policy import PolicyError, PolicySnapshot, read_policy_file
+from switchyard.policy.schema import Limits
 from switchyard.settings import Settings
 from switchyard.store import db as store_db
 from switchyard.store.errors import StoreError
@@ -21,6 +24,7 @@ from switchyard.store.keys import create_key, list_keys, revoke_key
 from switchyard.store.models import TenantCreate
 from switchyard.store.policy_versions import active_version
 from switchyard.store.tenants import create_tenant, get_tenant, list_tenants, set_tier
+from switchyard.store.usage import set_limits, usage
 
 
 def _engine(settings: Settings) -> Engine:
@@ -141,6 +145,20 @@ def tenants_list(as_json: bool) -> None:
         click.echo(f"{r.name:<24} {r.tier:<16} created {r.created_at:%Y-%m-%d %H:%M}")
 
 
+@tenants.command("set-limits")
+@click.argument("name")
+@click.argument("limits", required=False)
+@click.option("--clear", is_flag=True, help="Remove the override: the tier's limits apply again.")
+@click.option("--author", default=None, help="Who changes it, for the audit log [default: cli:<OS user>].")
+def tenants_set_limits(name: str, limits: str | None, clear: bool, author: str | None) -> None:
+    """Override tenant NAME's limits: LIMITS is a JSON object shaped like a tier's `limits`
+    (e.g. '{"tokens_per_minute": 50000, "tokens_per_day": null}'; null lifts that limit)."""
+    with open_session() as session:
+        checked = set_limits(session, tenant=name, limits=_limits_arg(limits, clear), actor=cli_author(author),
+                             origin=cli_origin())
+    click.echo(f"tenant {name}: {_shown(checked)}")
+
+
 # --- keys ------------------------------------------------------------------------------------
 
 @click.group()
@@ -196,3 +214,61 @@ def keys_revoke(key_id: int) -> None:
     with open_session() as session:
         record = revoke_key(session, key_id)
     click.echo(f"revoked key {record.id} ({record.prefix}…) of tenant {record.tenant}")
+
+
+@keys.command("set-limits")
+@click.argument("key_id", type=int)
+@click.argument("limits", required=False)
+@click.option("--clear", is_flag=True, help="Remove the key's own limits.")
+@click.option("--author", default=None, help="Who changes it, for the audit log [default: cli:<OS user>].")
+def keys_set_limits(key_id: int, limits: str | None, clear: bool, author: str | None) -> None:
+    """Give key KEY_ID limits of its own (JSON like a tier's `limits`), charged on top of its tenant's."""
+    with open_session() as session:
+        checked = set_limits(session, key_id=key_id, limits=_limits_arg(limits, clear), actor=cli_author(author),
+                             origin=cli_origin())
+    click.echo(f"key {key_id}: {_shown(checked)}")
+
+
+def _limits_arg(limits: str | None, clear: bool) -> dict[str, Any] | None:
+    if clear == (limits is not None):
+        raise click.UsageError("give LIMITS as a JSON object, or --clear")
+    if limits is None:
+        return None
+    try:
+        value = json.loads(limits)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="LIMITS") from None
+    if not isinstance(value, dict):
+        raise click.BadParameter("must be a JSON object such as {\"tokens_per_minute\": 5000}", param_hint="LIMITS")
+    return value
+
+
+def _shown(checked: Limits | None) -> str:
+    return "no override" if checked is None else "limits " + json.dumps(checked.model_dump(exclude_unset=True))
+
+
+# --- usage -----------------------------------------------------------------------------------
+
+@click.command("usage")
+@click.option("--tenant", default=None, help="Only this tenant.")
+@click.option("--model", default=None, help="Only this model.")
+@click.option("--since", type=click.DateTime(["%Y-%m-%d"]), default=None, help="First UTC day (YYYY-MM-DD).")
+@click.option("--until", type=click.DateTime(["%Y-%m-%d"]), default=None, help="Last UTC day (YYYY-MM-DD).")
+@click.option("--json", "as_json", is_flag=True)
+def usage_cmd(tenant: str | None, model: str | None, since: datetime | None, until: datetime | None,
+              as_json: bool) -> None:
+    """The usage ledger: requests, tokens and spend per UTC day, tenant, key and model."""
+    with open_session() as session:
+        report = usage(session, tenant=tenant, model=model, since=since.date() if since else None,
+                       until=until.date() if until else None)
+    if as_json:
+        click.echo(json.dumps(report.model_dump(mode="json"), indent=2))
+        return
+    click.echo(f"{'day':<10}  {'tenant':<20} {'key':>5}  {'model':<16} {'requests':>9} {'prompt':>10} "
+               f"{'completion':>10} {'cached':>9} {'spend':>10}")
+    for r in report.rows:
+        click.echo(f"{r.day:%Y-%m-%d}  {r.tenant:<20} {r.key_id:>5}  {r.model:<16} {r.requests:>9} "
+                   f"{r.prompt_tokens:>10} {r.completion_tokens:>10} {r.cached_tokens:>9} {r.spend:>10.4f}")
+    t = report.totals
+    click.echo(f"{'total':<10}  {'':<20} {'':>5}  {'':<16} {t.requests:>9} {t.prompt_tokens:>10} "
+               f"{t.completion_tokens:>10} {t.cached_tokens:>9} {t.spend:>10.4f}")

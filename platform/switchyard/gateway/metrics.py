@@ -38,6 +38,13 @@ class GatewayMetrics:
         self.policy_info = Gauge(
             "switchyard_policy_info", "The active policy: 1 for its version and hash.",
             ["version", "sha256"], registry=self.registry)
+        self.tokens = Counter(
+            "switchyard_tokens", "Tokens used by answered requests, by the model that served them and kind "
+            "(prompt, completion, cached: the prompt tokens the engine found in its prefix cache).",
+            ["model", "kind"], registry=self.registry)
+        self.spend = Counter(
+            "switchyard_spend", "What answered requests cost at their model's prices (the policy's currency).",
+            ["model"], registry=self.registry)
         self.admission_store_errors = Counter(
             "switchyard_admission_store_errors", "Requests admitted without their limits because the limit "
             "store (Redis) could not be reached.", registry=self.registry)

@@ -338,7 +338,14 @@ class Proxy:
             cached = _int(details.get("cached_tokens"), 0) if isinstance(details, dict) else 0
         spend = spend_of(model, prompt, completion, cached)
         identity = req.identity
-        self.runtime.usage.record(identity.tenant_id, identity.key_id, model.name, prompt, completion, cached, spend)
+        runtime = self.runtime
+        runtime.usage.record(identity.tenant_id, identity.key_id, model.name, prompt, completion, cached, spend)
+        tokens = runtime.metrics.tokens
+        tokens.labels(model.name, "prompt").inc(prompt)
+        tokens.labels(model.name, "completion").inc(completion)
+        if cached:
+            tokens.labels(model.name, "cached").inc(cached)
+        runtime.metrics.spend.labels(model.name).inc(spend)
         await req.lease.settle(prompt + completion, spend)
 
     def _first_byte_observer(self, model: str, pool: str, started: float) -> Callable[[], None]:

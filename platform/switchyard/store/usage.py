@@ -24,6 +24,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import Session, col, select
 
 from switchyard.policy.schema import Limits
+from switchyard.store.audit import append_event
 from switchyard.store.errors import NotFound, StoreError
 from switchyard.store.models import ApiKey, Tenant, UsageCounts, UsageDaily, UsageDailyPublic, UsageReport
 from switchyard.store.tenants import get_tenant
@@ -230,7 +231,7 @@ def usage(session: Session, tenant: str | None = None, model: str | None = None,
 
 
 def set_limits(session: Session, *, tenant: str | None = None, key_id: int | None = None,
-               limits: Mapping[str, Any] | None) -> Limits | None:
+               limits: Mapping[str, Any] | None, actor: str, origin: str) -> Limits | None:
     """Set (or, with ``None``, clear) the limit override of one tenant or one key.
 
     ``limits`` has the shape of a tier's ``limits`` in the policy. A tenant's override replaces
@@ -242,6 +243,8 @@ def set_limits(session: Session, *, tenant: str | None = None, key_id: int | Non
         tenant: The tenant, by name (give this or ``key_id``).
         key_id: The API key, by id.
         limits: The override, or ``None`` for none.
+        actor: Who changes it (for the audit log, in the same transaction).
+        origin: Through what (``cli``, ``api 10.0.0.7``).
 
     Returns:
         The override as validated.
@@ -264,6 +267,9 @@ def set_limits(session: Session, *, tenant: str | None = None, key_id: int | Non
     row.limits = None if checked is None else checked.model_dump(exclude_unset=True)
     session.add(row)
     session.flush()
+    target = f"tenant:{tenant}" if tenant is not None else f"key:{key_id}"
+    append_event(session, actor=actor, origin=origin, action=f"{target.split(':')[0]}.limits", target=target,
+                 detail={"limits": row.limits})
     return checked
 
 

@@ -1,0 +1,70 @@
+"""What the admin API's handlers share: the runtime, database calls off the event loop, the
+request body, where a change came from, and the admin token guard on writes."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import anyio.to_thread
+import msgspec
+from litestar import Request
+from litestar.connection import ASGIConnection
+from litestar.handlers import BaseRouteHandler
+from sqlmodel import Session
+
+from switchyard.gateway.errors import BadRequest, Forbidden, NotFound, Unauthorized
+from switchyard.gateway.runtime import GatewayRuntime
+from switchyard.store import errors as store_errors
+from switchyard.store.db import session_scope
+
+#: The environment variable of the admin token setting (``Settings.admin_token``), for messages.
+ADMIN_TOKEN_ENV = "SWITCHYARD_ADMIN_TOKEN"  # noqa: S105  (the name of a variable, not a secret)
+
+T = TypeVar("T")
+B = TypeVar("B", bound=msgspec.Struct)
+
+
+def admin_token_guard(connection: ASGIConnection[Any, Any, Any, Any], _handler: BaseRouteHandler) -> None:
+    """Let a write through only with ``Authorization: Bearer <token>`` matching the admin token."""
+    runtime: GatewayRuntime = connection.app.state.runtime
+    token = runtime.settings.admin_token
+    expected = token.get_secret_value() if token is not None else ""
+    if not expected:
+        raise Forbidden(f"admin writes are disabled: set {ADMIN_TOKEN_ENV}", code="admin_writes_disabled")
+    scheme, _, given = connection.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected.encode()):
+        raise Unauthorized(f"this write needs the admin token: Authorization: Bearer <{ADMIN_TOKEN_ENV}>",
+                           code="invalid_admin_token", headers={"WWW-Authenticate": "Bearer"})
+
+
+def runtime_of(request: Request[Any, Any, Any]) -> GatewayRuntime:
+    runtime: GatewayRuntime = request.app.state.runtime
+    return runtime
+
+
+async def in_db(runtime: GatewayRuntime, work: Callable[[Session], T]) -> T:
+    """Run ``work`` in one transaction on a worker thread (the database calls block)."""
+    def run() -> T:
+        with session_scope(runtime.engine) as session:
+            return work(session)
+
+    try:
+        return await anyio.to_thread.run_sync(run)
+    except store_errors.NotFound as exc:
+        raise NotFound(str(exc)) from None
+    except store_errors.StoreError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def origin_of(request: Request[Any, Any, Any]) -> str:
+    return f"api {request.client.host}" if request.client is not None else "api"
+
+
+async def json_body(request: Request[Any, Any, Any], kind: type[B]) -> B:
+    """The JSON body as ``kind``, or a 400 that says what is wrong with it."""
+    try:
+        return msgspec.json.decode(await request.body(), type=kind)
+    except msgspec.DecodeError as exc:  # malformed JSON, or the wrong fields (ValidationError)
+        raise BadRequest(f"invalid request body: {exc}") from None

@@ -1,0 +1,71 @@
+"""The admin JSON API for usage, limit overrides and the audit log: ``/admin/api/usage``,
+``…/tenants/{name}/limits``, ``…/keys/{id}/limits``, ``…/audit``.
+
+Reads are open like the rest of the admin API's reads; changing an override needs the admin
+token (the same guard as a policy publish) and is written to the audit log in the same
+transaction. A changed override reaches requests within ``SWITCHYARD_KEY_CACHE_TTL_S`` (the
+gateway's key lookups are cached that long), on every replica.
+"""
+
+from __future__ import annotations
+
+from datetime import date
+from typing import Any
+
+import msgspec
+from litestar import Request, get, put
+from litestar.params import FromPath, FromQuery
+
+from switchyard.admin.common import admin_token_guard, in_db, json_body, origin_of, runtime_of
+from switchyard.admin.policy_api import Limit
+from switchyard.store.audit import list_events
+from switchyard.store.usage import set_limits, usage
+
+
+class LimitsBody(msgspec.Struct, forbid_unknown_fields=True):
+    """An override: the shape of a tier's ``limits`` (a null lifts that limit), or null for none."""
+
+    limits: dict[str, Any] | None
+    author: str | None = None
+
+
+@get("/usage", operation_id="adminUsage")
+async def usage_report(request: Request[Any, Any, Any], tenant: FromQuery[str | None] = None,
+                       model: FromQuery[str | None] = None, since: FromQuery[date | None] = None,
+                       until: FromQuery[date | None] = None) -> dict[str, Any]:
+    """The usage ledger: rows per UTC day, tenant, key and model, and their totals."""
+    report = await in_db(runtime_of(request), lambda s: usage(s, tenant=tenant, model=model, since=since,
+                                                              until=until))
+    return report.model_dump(mode="json")
+
+
+async def _set(request: Request[Any, Any, Any], *, tenant: str | None = None,
+               key_id: int | None = None) -> dict[str, Any]:
+    data = await json_body(request, LimitsBody)
+    origin = origin_of(request)
+    checked = await in_db(runtime_of(request), lambda s: set_limits(
+        s, tenant=tenant, key_id=key_id, limits=data.limits, actor=data.author or "api", origin=origin))
+    return {"limits": None if checked is None else checked.model_dump(exclude_unset=True)}
+
+
+@put("/tenants/{name:str}/limits", operation_id="adminTenantLimits", guards=[admin_token_guard])
+async def tenant_limits(request: Request[Any, Any, Any], name: FromPath[str]) -> dict[str, Any]:
+    """Set (or clear, with ``{"limits": null}``) a tenant's override of its tier's limits."""
+    return await _set(request, tenant=name)
+
+
+@put("/keys/{key_id:int}/limits", operation_id="adminKeyLimits", guards=[admin_token_guard])
+async def key_limits(request: Request[Any, Any, Any], key_id: FromPath[int]) -> dict[str, Any]:
+    """Set (or clear) an API key's own limits, charged on top of its tenant's."""
+    return await _set(request, key_id=key_id)
+
+
+@get("/audit", operation_id="adminAudit")
+async def audit_log(request: Request[Any, Any, Any], limit: Limit = 50,
+                    action: FromQuery[str | None] = None) -> dict[str, Any]:
+    """The whole audit log (policy changes, limit overrides, ...), newest first; ``action`` filters by prefix."""
+    rows = await in_db(runtime_of(request), lambda s: list_events(s, limit, action=action))
+    return {"events": [r.model_dump(mode="json") for r in rows]}
+
+
+ROUTES = [usage_report, tenant_limits, key_limits, audit_log]
