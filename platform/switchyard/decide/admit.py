@@ -134,6 +134,14 @@ def limit_charges(snapshot: PolicySnapshot, tier_name: str, model: Model, est: E
     return charges
 
 
+def refusal_code(unit: Unit, never: bool) -> str:
+    """The OpenAI error code of a 429 from a limit of ``unit``: the request alone is larger than
+    the limit, a spend budget is used up, or a rate limit has no room right now."""
+    if never:
+        return "request_too_large"
+    return "insufficient_quota" if unit == "spend" else "rate_limit_exceeded"
+
+
 def actual_amounts(charges: list[LimitCharge], tokens: int, spend: float) -> dict[str, float]:
     """What a finished request really used, per bucket key (requests count one each)."""
     return {c.key: float(tokens) if c.unit == "tokens" else 1.0 if c.unit == "requests" else spend for c in charges}

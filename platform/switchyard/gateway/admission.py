@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from switchyard.decide.admit import LimitCharge, actual_amounts
+from switchyard.decide.admit import LimitCharge, actual_amounts, refusal_code
 from switchyard.gateway.errors import RateLimited
 from switchyard.store.limits import Bucket, BucketState, Charge, LimitStore
 
@@ -121,11 +121,11 @@ class Admitter:
         if answer.never:
             raise RateLimited(f"This request alone needs {amount}, more than the {what} limit of "
                               f"{charge.capacity:.6g}; ask for fewer tokens (max_tokens) or a higher limit.",
-                              code="request_too_large", limit=charge.limit, headers=headers)
+                              code=refusal_code(charge.unit, True), limit=charge.limit, headers=headers)
         wait = answer.retry_after_s
         headers["Retry-After"] = str(max(1, math.ceil(wait))) if wait is not None else "60"
         raise RateLimited(f"Rate limit reached for {what}: limit {charge.capacity:.6g}, remaining "
                           f"{state.remaining:.6g}, requested {amount}. "
                           + (f"Please try again in {duration(wait)}." if wait is not None else ""),
-                          code="insufficient_quota" if charge.unit == "spend" else "rate_limit_exceeded",
+                          code=refusal_code(charge.unit, False),
                           limit=charge.limit, headers=headers)

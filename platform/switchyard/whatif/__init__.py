@@ -6,13 +6,15 @@ where requests go, what they cost, which are refused, how fast they start, how m
 served from cache.
 
 How: every request goes through the gateway's own decisions (``decide``: resolve the model,
-plan the fallback stages, pick an endpoint with the same scorer and prefix index) and then into
+admit it against the tier's limits, plan the fallback stages, pick an endpoint with the same
+scorer and prefix index) and then into
 the simulator's engine core (``sim.core.EngineCore``, one per endpoint, built from the pool's
 hardware profile and KV capacity) driven by a discrete-event clock, so a replay runs as fast as
 the engine model can be computed, not in wall-clock time.
 
-Must not touch: the gateway, the store or the network. It imports ``decide``, ``policy``,
-``sim`` and the workload builders of ``bench``.
+Must not touch: the gateway, the database or the network. It imports ``decide``, ``policy``,
+``sim``, the workload builders of ``bench`` and the in-process limit store (``store.limits``,
+driven on the simulated clock).
 """
 
 from switchyard.whatif.replay import ArmResult, ReplayOutcome, replay_policy

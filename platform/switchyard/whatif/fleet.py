@@ -91,13 +91,16 @@ class Fleet:
         """The picker's view of ``url``."""
         return self.endpoints[url].view()
 
-    def advance(self, t: float) -> None:
-        """Run every engine up to simulated time ``t`` (an engine mid-step finishes that step)."""
+    def advance(self, t: float) -> list[SimRequest]:
+        """Run every engine up to simulated time ``t`` (an engine mid-step finishes that step);
+        the requests that finished meanwhile."""
+        finished: list[SimRequest] = []
         for endpoint in self.endpoints.values():
             core = endpoint.core
             while core.has_work() and core.now < t:
-                core.advance(t)
+                finished += [r for r in core.advance(t) if r.finished_at is not None]
             core.advance_to(t)
+        return finished
 
     def drain(self) -> float:
         """Run every engine until it has nothing left; the simulated time the last one finished."""

@@ -2,11 +2,14 @@
 
 For each request, in arrival order, at its arrival time on the simulated clock:
 
-1. every engine runs up to that moment;
+1. every engine runs up to that moment, and the requests that finished settle their limit
+   reservations with what they used;
 2. the gateway's decisions run on it as they would in ``gateway.proxy``: the model is resolved
-   (a refusal is the gateway's 403/404), the fallback plan is cut to the stages whose context
-   window can hold it (``usable_stages``), and an endpoint is picked with the gateway's scorer,
-   its prefix index and the engines' current load;
+   (a refusal is the gateway's 403/404); admission reserves its estimate against the tier's limits
+   in an in-process limit store on the simulated clock (a refusal is the gateway's 429; each tier
+   is one tenant, since a trace names no tenants); the fallback plan is cut to the stages whose
+   context window can hold it (``usable_stages``), and an endpoint is picked with the gateway's
+   scorer, its prefix index and the engines' current load;
 3. the request enters that endpoint's engine core with the priority its tier's class gets there.
    A prompt plus output budget larger than the engine's context window is the engine's 400.
 
@@ -14,20 +17,21 @@ When the last request has arrived, the engines run until they are empty. Every r
 has what a client would have seen: status, model, pool, region, TTFT, end-to-end time, prompt
 tokens served from the prefix cache, and its cost at the served model's prices.
 
-Stages of the request path that have not landed (admission with token budgets, queue deadlines
-and shedding, the response cache) are not modelled yet; :data:`NOT_MODELLED` names them and the
-report says so rather than predicting zero.
+Stages of the request path that have not landed (queue deadlines and shedding, the response
+cache) are not modelled yet; :data:`NOT_MODELLED` names them and the report says so rather than
+predicting zero.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from switchyard.bench.spec import RequestSpec, Workload
+from switchyard.decide.admit import LimitCharge, actual_amounts, estimate, limit_charges, refusal_code, spend_of
 from switchyard.decide.features import RequestFeatures, chat_features, completion_features
 from switchyard.decide.pick import (
     EndpointChoice,
@@ -45,17 +49,21 @@ from switchyard.policy.snapshot import PolicySnapshot
 from switchyard.sim.chat import render_chat
 from switchyard.sim.request import SimRequest
 from switchyard.sim.tokens import SPECIAL_TOKENS, tokenize
+from switchyard.store.limits.memory import MemoryLimitStore
+from switchyard.store.limits.model import Bucket, Charge
 from switchyard.whatif.fleet import Fleet
 
 #: Request-path stages the replay cannot evaluate yet, with the issue that brings each.
 NOT_MODELLED: tuple[str, ...] = (
-    "admission (token budgets and token-rate limits, issue 4): 429s cannot be predicted yet",
     "flow control (queue deadlines, shedding, issue 5): 503s from shedding cannot be predicted yet",
     "response cache (issue 8): only the engines' prefix cache is counted",
 )
 #: How often (in arrivals) finished requests are collected, so their prompts do not pile up.
 _SWEEP_EVERY = 256
 _BOS = SPECIAL_TOKENS["<|begin_of_text|>"]
+#: Reservations outlive any simulated request (the replay settles every one).
+_TTL_S = 1e9
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -154,6 +162,18 @@ class _Running:
     outcome: ReplayOutcome
     request: SimRequest | None = None
     model: Model | None = None
+    reservation: str | None = None
+    charges: list[LimitCharge] = field(default_factory=list)
+
+
+def _now(work: Coroutine[Any, Any, T]) -> T:
+    """The result of a coroutine that never suspends (the in-process limit store's methods)."""
+    try:
+        work.send(None)
+    except StopIteration as done:
+        return cast(T, done.value)
+    work.close()
+    raise RuntimeError("the in-process limit store suspended; the replay cannot drive it")
 
 
 @dataclass(slots=True)
@@ -165,8 +185,20 @@ class _Arm:
     strategy: Strategy
     seed: int
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)
+    limits: MemoryLimitStore = field(default_factory=MemoryLimitStore)
     rotation: int = 0
     running: list[_Running] = field(default_factory=list)
+    unsettled: dict[SimRequest, _Running] = field(default_factory=dict)
+
+    def settle(self, finished: list[SimRequest], now: float) -> None:
+        """Settle the reservations of requests that finished (what they used flows back)."""
+        for request in finished:
+            entry = self.unsettled.pop(request, None)
+            if entry is None or entry.reservation is None or entry.model is None:
+                continue
+            used = len(request.prompt) + len(request.output)
+            spend = spend_of(entry.model, len(request.prompt), len(request.output), request.num_cached_tokens)
+            _now(self.limits.reconcile(entry.reservation, actual_amounts(entry.charges, used, spend), now))
 
     def route(self, spec: RequestSpec) -> None:
         """Decide where ``spec`` goes and submit it there (or record its refusal)."""
@@ -183,9 +215,23 @@ class _Arm:
             self.running.append(_Running(outcome))
             return
         assert tier is not None  # resolve_model refuses an unknown tier
+        charges = limit_charges(snapshot, tier.name, decision.model,
+                                estimate(decision.model, features.prompt_tokens, features.max_tokens),
+                                tenant=tier.name, key=tier.name)
+        reservation = None
+        if charges:
+            answer = _now(self.limits.reserve([Charge(Bucket(c.key, c.capacity, c.capacity / c.period_s, c.limit,
+                                                             c.unit), c.amount) for c in charges], _TTL_S, t))
+            if not answer.admitted:
+                assert answer.refused_by is not None
+                outcome.status, outcome.code = 429, refusal_code(answer.refused_by.unit, answer.never)
+                self.running.append(_Running(outcome))
+                return
+            reservation = answer.reservation
         picked = self._pick(body, features, decision, t)
         if picked is None:
             outcome.status, outcome.code = 503, "no_endpoint"
+            self._release(reservation, charges, t)
             self.running.append(_Running(outcome))
             return
         stage, choice = picked
@@ -196,6 +242,7 @@ class _Arm:
         outcome.prompt_tokens = len(ids)
         if len(ids) + spec.max_tokens > endpoint.config.max_model_len:
             outcome.status, outcome.code = 400, "context_length_exceeded"
+            self._release(reservation, charges, t)
             self.running.append(_Running(outcome))
             return
         priority = engine_priority(snapshot, tier.priority, body.get("priority"))
@@ -203,7 +250,14 @@ class _Arm:
                              priority=priority if choice.pool.priority_scheduling else 0, arrival=t,
                              seed=self.seed + spec.index, budget=spec.max_tokens)
         endpoint.submit(request)
-        self.running.append(_Running(outcome, request, stage.model))
+        entry = _Running(outcome, request, stage.model, reservation, charges)
+        self.running.append(entry)
+        self.unsettled[request] = entry
+
+    def _release(self, reservation: str | None, charges: list[LimitCharge], now: float) -> None:
+        """A request that never ran gives its whole reservation back."""
+        if reservation is not None:
+            _now(self.limits.reconcile(reservation, actual_amounts(charges, 0, 0.0), now))
 
     def _pick(self, body: dict[str, Any], features: RequestFeatures, decision: ModelDecision,
               now: float) -> tuple[Stage, EndpointChoice] | None:
@@ -270,7 +324,7 @@ def replay_policy(snapshot: PolicySnapshot, workload: Workload | Sequence[Reques
     arm = _Arm(snapshot, Fleet(snapshot, base_dir, seed), strategy, seed)
     outcomes: list[ReplayOutcome] = []
     for i, spec in enumerate(specs):
-        arm.fleet.advance(spec.arrival_s)
+        arm.settle(arm.fleet.advance(spec.arrival_s), spec.arrival_s)
         arm.route(spec)
         if i % _SWEEP_EVERY == _SWEEP_EVERY - 1:
             outcomes += arm.sweep()

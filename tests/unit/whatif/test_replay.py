@@ -17,8 +17,14 @@ from switchyard.whatif.replay import NOT_MODELLED, cost_of
 from tests.unit.policy.base import base, to_yaml
 
 
-def snap(doc: dict[str, Any] | None = None) -> PolicySnapshot:
-    return compile_policy(to_yaml(doc or base()))
+def snap(doc: dict[str, Any] | None = None, *, limits: bool = False) -> PolicySnapshot:
+    """The test policy; without its tiers' limits unless ``limits`` (most tests are about routing)."""
+    doc = doc or base()
+    if not limits:
+        for tier in doc["tiers"]:
+            tier.pop("limits", None)
+            tier.pop("model_limits", None)
+    return compile_policy(to_yaml(doc))
 
 
 def workload(rate: float = 4.0, duration: float = 20.0, seed: int = 1, **template: Any) -> Workload:
@@ -144,7 +150,7 @@ def test_the_report_renders_what_the_data_says() -> None:
     text = render_report(report)
     assert f"**{len(wl)} of {len(wl)} requests change placement**" in text
     assert "refused 403 (model_not_allowed)" in text
-    assert report["not_modelled"] == list(NOT_MODELLED) and "issue 4" in text
+    assert report["not_modelled"] == list(NOT_MODELLED) and "issue 5" in text
     with pytest.raises(ValueError, match="different requests"):
         compare_arms(a, replay_policy(snap(), wl.specs[:3]), wl.describe())
 
@@ -154,3 +160,20 @@ def test_a_pool_that_cannot_be_simulated_is_named() -> None:
     doc["pools"][2]["sim_profile"] = "no-such-profile"
     with pytest.raises(FleetError, match="pool large-us"):
         Fleet(snap(doc))
+
+
+def test_admission_is_replayed_on_the_simulated_clock() -> None:
+    # free: 1000 tokens a minute. Six requests of ~250 tokens in the first ten seconds: the bucket
+    # (refilling 1000/60 a second) admits four, then refuses until it has refilled.
+    specs = [one(i, i * 2.0, "hello " * 40, tier="free", model="small", max_tokens=200) for i in range(6)]
+    specs.append(one(6, 70.0, "hello " * 40, tier="free", model="small", max_tokens=200))
+    arm = replay_policy(snap(limits=True), specs)
+    assert [o.status for o in arm.outcomes] == [200, 200, 200, 200, 429, 429, 200]
+    assert arm.outcomes[4].code == "rate_limit_exceeded"
+    doc = base()
+    doc["tiers"][0]["limits"]["tokens_per_minute"] = 5000
+    report = compare_arms(arm, replay_policy(snap(doc, limits=True), specs), {})
+    (row,) = report["refusals"]
+    assert (row["tier"], row["active_429"], row["candidate_429"]) == ("free", 2, 0)
+    too_big = replay_policy(snap(limits=True), [one(0, 0.0, "hi", tier="free", model="small", max_tokens=2000)])
+    assert (too_big.outcomes[0].status, too_big.outcomes[0].code) == (429, "request_too_large")
