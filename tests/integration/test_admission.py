@@ -14,12 +14,15 @@ from typing import Any
 import openai
 import pytest
 from sqlalchemy import text
+from tokenizers import Tokenizer
 
 from switchyard.decide.admit import estimate
 from switchyard.decide.features import chat_features
+from switchyard.decide.tokens import TokenCounter
 from switchyard.policy import compile_policy
 from switchyard.store import db
 from tests.integration.conftest import Engines, Gateway, http_json, start_gateway, stop
+from tests.unit.decide.test_tokens import make_tokenizer
 
 REDIS = "redis://127.0.0.1:6379/0"
 HI = [{"role": "user", "content": "hi"}]
@@ -217,3 +220,28 @@ def test_overrides_the_ledger_and_the_metrics(limited: tuple[Gateway, Path]) -> 
     assert "switchyard_spend_total" in metrics
     events = http_json("GET", f"{gw.base_url}/admin/api/audit")[2]["events"]
     assert {"tenant.limits", "key.limits"} <= {e["action"] for e in events}
+
+
+def test_a_models_own_tokenizer_counts_the_prompt_it_reserves(engines: Engines, tmp_path: Path) -> None:
+    tokenizer = make_tokenizer(tmp_path / "tok" / "tokenizer.json")
+    policy = limited_policy(engines, "{tokens_per_minute: 2000}")
+    policy.write_text(policy.read_text().replace(
+        "- {name: small, pools: [small-us, small-eu], context_window: 8192,",
+        f"- {{name: small, pools: [small-us, small-eu], context_window: 8192, tokenizer: {tokenizer},", 1))
+    gw = start_gateway(Engines(policy, engines.ports, engines.dead_port), f"sqlite:///{tmp_path / 'sy.db'}",
+                       tmp_path, "sqlite")
+    try:
+        key = gw.new_key("counted", "free")
+        prompt = "Every limit is counted in tokens, never in requests! " * 20
+        status, headers, _ = http_json("POST", f"{gw.base_url}/v1/chat/completions",
+                                       {"model": "small", "max_tokens": 10,
+                                        "messages": [{"role": "user", "content": prompt}]},
+                                       {"Authorization": f"Bearer {key}"})
+        assert status == 200
+        exact = TokenCounter(Tokenizer.from_file(str(tokenizer))).count_chat([prompt])
+        estimated = chat_features({"model": "small", "messages": [{"role": "user", "content": prompt}]},
+                                  {}).prompt_tokens
+        assert exact != estimated  # the test would not tell the two apart otherwise
+        assert int(headers["x-ratelimit-remaining-tokens"]) == 2000 - (exact + 10)
+    finally:
+        assert stop(gw.proc)

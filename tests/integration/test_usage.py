@@ -10,6 +10,8 @@ from datetime import UTC, date, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from sqlalchemy import Engine, event, inspect, text
 from sqlalchemy.exc import DBAPIError
 
@@ -287,3 +289,36 @@ def test_migration_0003_adds_and_removes_the_ledger_and_overrides(database_url: 
         assert db.is_current(engine)
     finally:
         engine.dispose()
+
+
+_RECORD = st.tuples(st.sampled_from(["a1", "a2", "b1"]), st.sampled_from(["small", "large"]),
+                    st.integers(0, 10_000), st.integers(0, 2_000), st.integers(0, 100), st.integers(0, 1_000))
+_OPS = st.lists(st.one_of(st.just("flush"), _RECORD), max_size=40)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_OPS)
+def test_the_ledger_always_equals_the_sum_of_what_was_recorded(engine: Engine, ids: dict[str, int],
+                                                              ops: list[Any]) -> None:
+    """Whatever the interleaving of records and flushes, the stored totals grow by exactly the sum recorded."""
+    def totals() -> tuple[int, int, int, int, int]:
+        with db.session_scope(engine) as s:
+            t = usage(s).totals
+        return t.requests, t.prompt_tokens, t.completion_tokens, t.cached_tokens, round(t.spend * 1000)
+
+    before = totals()
+    recorder = UsageRecorder(engine)
+    expected = [0, 0, 0, 0, 0]
+    for op in ops:
+        if op == "flush":
+            recorder.flush()
+            continue
+        key, model, prompt, completion, cached, spend_milli = op
+        tenant = "acme" if key.startswith("a") else "beta"
+        recorder.record(ids[tenant], ids[key], model, prompt, completion, min(cached, prompt), spend_milli / 1000)
+        for i, v in enumerate((1, prompt, completion, min(cached, prompt), spend_milli)):
+            expected[i] += v
+    recorder.flush()
+    assert recorder.pending_rows == 0
+    after = totals()
+    assert tuple(a - b for a, b in zip(after, before, strict=True)) == tuple(expected)
