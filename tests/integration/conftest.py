@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import Engine
 
+from switchyard.store import db
 from tests.helpers import free_port
 
 BIN = Path(sys.executable).parent
@@ -82,6 +84,15 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 15) -> bool:
         proc.wait()
         return False
     return proc.returncode in (0, -signal.SIGTERM)
+
+
+@pytest.fixture
+def engine(database_url: str) -> Iterator[Engine]:
+    """A database engine on a fresh database (SQLite and PostgreSQL), migrated to head."""
+    engine = db.create_db_engine(database_url)
+    db.upgrade(engine)
+    yield engine
+    engine.dispose()
 
 
 @dataclass

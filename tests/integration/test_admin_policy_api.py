@@ -12,7 +12,7 @@ from litestar.testing import TestClient
 from switchyard.gateway.app import create_app
 from switchyard.policy import policy_sha256
 from switchyard.settings import Settings
-from tests.unit.policy.base import base, to_yaml
+from tests.unit.policy.base import base, free_tokens_per_day, to_yaml
 
 API = "/admin/api/policy"
 TOKEN = "s3cret-admin-token"
@@ -20,13 +20,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 V1 = to_yaml(base())
 
 
-def _v2() -> str:
-    doc = base()
-    doc["tiers"][0]["limits"]["tokens_per_day"] = 5000
-    return to_yaml(doc)
-
-
-V2 = _v2()
+V2 = free_tokens_per_day(5000)  # v1 says 10000
 
 
 def _client(tmp_path: Path, database_url: str, source: str, token: str | None = TOKEN) -> TestClient[Any]:

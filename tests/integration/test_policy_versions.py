@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import psycopg
 import pytest
@@ -22,26 +22,12 @@ from switchyard.store.policy_versions import (
     record_version,
     rollback,
 )
-from tests.unit.policy.base import base, to_yaml
+from tests.unit.policy.base import base, free_tokens_per_day, to_yaml
 
 V1 = to_yaml(base())
 
 
-def _v2() -> str:
-    doc = base()
-    doc["tiers"][0]["limits"]["tokens_per_day"] = 5000
-    return to_yaml(doc)
-
-
-V2 = _v2()
-
-
-@pytest.fixture
-def engine(database_url: str) -> Iterator[Engine]:
-    engine = db.create_db_engine(database_url)
-    db.upgrade(engine)
-    yield engine
-    engine.dispose()
+V2 = free_tokens_per_day(5000)  # v1 says 10000
 
 
 def _counts(engine: Engine) -> tuple[int, int]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -18,14 +17,6 @@ from switchyard.store.keys import KEY_PREFIX, create_key, hash_key, identify, li
 from switchyard.store.models import PolicyVersion, TenantCreate
 from switchyard.store.policy_versions import active_version, list_versions, record_version
 from switchyard.store.tenants import create_tenant, list_tenants, set_tier
-
-
-@pytest.fixture
-def engine(database_url: str) -> Iterator[Engine]:
-    engine = db.create_db_engine(database_url)
-    db.upgrade(engine)
-    yield engine
-    engine.dispose()
 
 
 def test_migrations_match_the_models_and_go_both_ways(database_url: str) -> None:

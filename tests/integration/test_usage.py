@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Iterator
 from datetime import UTC, date, datetime, timedelta, timezone
 from typing import Any
 
@@ -24,14 +23,6 @@ from switchyard.store.usage import UsageRecorder, set_limits, usage
 
 DAY = date(2026, 12, 1)
 NOON = datetime(2026, 12, 1, 12, tzinfo=UTC)
-
-
-@pytest.fixture
-def engine(database_url: str) -> Iterator[Engine]:
-    engine = db.create_db_engine(database_url)
-    db.upgrade(engine)
-    yield engine
-    engine.dispose()
 
 
 @pytest.fixture

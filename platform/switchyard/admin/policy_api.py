@@ -7,6 +7,7 @@ with no token configured, writes are refused.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgspec
@@ -78,10 +79,21 @@ def _refuse_in_file_mode(runtime: GatewayRuntime) -> None:
                        "through that file", code="policy_source_is_file")
 
 
-async def _changed(runtime: GatewayRuntime) -> None:
-    # This process switches over before answering; the other replicas hear of the version
-    # through the store (NOTIFY on PostgreSQL, and their poll).
-    await runtime.policy_changed()
+async def _write_version(runtime: GatewayRuntime,
+                         write: Callable[[Session], tuple[PolicyVersionPublic, bool]]) -> Response[dict[str, Any]]:
+    """Publish (or roll back) through ``write``: 201 with the new version, 200 when its content was
+    already active, 422 with every issue when it is invalid (nothing written).
+
+    This process switches over before answering; the other replicas hear of the version through
+    the store (NOTIFY on PostgreSQL, and their poll).
+    """
+    try:
+        row, created = await in_db(runtime, write)
+    except PolicyError as error:
+        return _rejected(error)
+    if created:
+        await runtime.policy_changed()
+    return Response({"created": created, "version": _meta(row)}, status_code=201 if created else 200)
 
 
 def _version_ref(session: Session, ref: str) -> tuple[str, str]:
@@ -217,13 +229,7 @@ async def publish_version(request: Request[Any, Any, Any]) -> Response[dict[str,
         return publish(session, data.yaml, source="api", author=data.author or "api", message=data.message,
                        origin=origin, document="<request>")
 
-    try:
-        row, created = await in_db(runtime, write)
-    except PolicyError as error:
-        return _rejected(error)
-    if created:
-        await _changed(runtime)
-    return Response({"created": created, "version": _meta(row)}, status_code=201 if created else 200)
+    return await _write_version(runtime, write)
 
 
 @post("/policy/rollback", operation_id="adminPolicyRollback", guards=[admin_token_guard])
@@ -240,13 +246,7 @@ async def rollback_version(request: Request[Any, Any, Any]) -> Response[dict[str
     def write(session: Session) -> tuple[PolicyVersionPublic, bool]:
         return rollback(session, data.version, author=data.author or "api", message=data.message, origin=origin)
 
-    try:
-        row, created = await in_db(runtime, write)
-    except PolicyError as error:
-        return _rejected(error)
-    if created:
-        await _changed(runtime)
-    return Response({"created": created, "version": _meta(row)}, status_code=201 if created else 200)
+    return await _write_version(runtime, write)
 
 
 @get("/policy/audit", operation_id="adminPolicyAudit")

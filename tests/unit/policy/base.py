@@ -64,3 +64,10 @@ def to_yaml(doc: Any) -> str:
     out = io.StringIO()
     yaml.dump(doc, out)
     return out.getvalue()
+
+
+def free_tokens_per_day(n: int) -> str:
+    """:data:`BASE` as YAML with the free tier's ``tokens_per_day`` set to ``n`` (a one-line policy change)."""
+    doc = base()
+    doc["tiers"][0]["limits"]["tokens_per_day"] = n
+    return to_yaml(doc)
