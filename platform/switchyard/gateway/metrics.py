@@ -45,6 +45,7 @@ class GatewayMetrics:
         self.spend = Counter(
             "switchyard_spend", "What answered requests cost at their model's prices (the policy's currency).",
             ["model"], registry=self.registry)
+        self._usage_children: dict[str, tuple[Counter, Counter, Counter, Counter]] = {}
         self.admission_store_errors = Counter(
             "switchyard_admission_store_errors", "Requests admitted without their limits because the limit "
             "store (Redis) could not be reached.", registry=self.registry)
@@ -54,6 +55,15 @@ class GatewayMetrics:
         self.reload_failures = Counter(
             "switchyard_policy_reload_failures", "Policy documents rejected by a reload, by where they came "
             "from (file, database); the last good version kept serving.", ["source"], registry=self.registry)
+
+    def usage_counters(self, model: str) -> tuple[Counter, Counter, Counter, Counter]:
+        """The prompt, completion, cached-token and spend counters of ``model`` (looked up once per model)."""
+        found = self._usage_children.get(model)
+        if found is None:
+            found = self._usage_children[model] = (
+                self.tokens.labels(model, "prompt"), self.tokens.labels(model, "completion"),
+                self.tokens.labels(model, "cached"), self.spend.labels(model))
+        return found
 
     def count_admission_error(self) -> None:
         """One request admitted without limits because the limit store failed."""

@@ -340,13 +340,14 @@ class Proxy:
         identity = req.identity
         runtime = self.runtime
         runtime.usage.record(identity.tenant_id, identity.key_id, model.name, prompt, completion, cached, spend)
-        tokens = runtime.metrics.tokens
-        tokens.labels(model.name, "prompt").inc(prompt)
-        tokens.labels(model.name, "completion").inc(completion)
+        prompt_total, completion_total, cached_total, spend_total = runtime.metrics.usage_counters(model.name)
+        prompt_total.inc(prompt)
+        completion_total.inc(completion)
         if cached:
-            tokens.labels(model.name, "cached").inc(cached)
-        runtime.metrics.spend.labels(model.name).inc(spend)
-        await req.lease.settle(prompt + completion, spend)
+            cached_total.inc(cached)
+        spend_total.inc(spend)
+        if req.lease.reservation is not None:
+            await req.lease.settle(prompt + completion, spend)
 
     def _first_byte_observer(self, model: str, pool: str, started: float) -> Callable[[], None]:
         histogram = self.runtime.metrics.first_byte.labels(model, pool)
