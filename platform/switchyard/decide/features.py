@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from switchyard.decide.tokens import estimate_chat_tokens, estimate_text_tokens
+from switchyard.decide.tokens import TokenCounter, estimate_chat_tokens, estimate_text_tokens
 
 # Regular expressions of routing rules only ever see this much of a message: a policy's regex
 # runs on client text, and bounding the input bounds the cost of a badly written pattern.
@@ -98,3 +98,15 @@ def completion_features(body: Mapping[str, Any], headers: Mapping[str, str]) -> 
         max_tokens=body.get("max_tokens"),
         headers=headers,
     )
+
+
+def count_prompt(counter: TokenCounter, kind: str, body: Mapping[str, Any]) -> int:
+    """The prompt's tokens under the model's own tokenizer (``kind``: ``chat`` or ``completion``)."""
+    if kind == "chat":
+        return counter.count_chat(message_texts(body["messages"]))
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        return counter.count_text(prompt)
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return len(prompt)
+    return sum(counter.count_text(p) if isinstance(p, str) else len(p) for p in prompt)

@@ -111,6 +111,33 @@ def sse_error_event(message: str, type_: str, code: str) -> bytes:
     return b"data: " + payload + b"\n\n"
 
 
+def _count(value: object, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else default
+
+
+def body_usage(data: bytes) -> dict[str, Any] | None:
+    """The ``usage`` object of a non-streamed answer (None when it has none or is not JSON)."""
+    try:
+        usage = msgspec.json.decode(data, type=_UsageOnly).usage
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return usage if isinstance(usage, dict) else None
+
+
+class _UsageOnly(msgspec.Struct):
+    """Decodes only the ``usage`` field of an answer (the rest is skipped, not built)."""
+
+    usage: Any = None
+
+
+def usage_counts(usage: Mapping[str, Any], prompt: int, completion: int) -> tuple[int, int, int]:
+    """Prompt, completion and cached prompt tokens of an engine's ``usage`` object (the given
+    prompt and completion where it lacks them)."""
+    details = usage.get("prompt_tokens_details")
+    return (_count(usage.get("prompt_tokens"), prompt), _count(usage.get("completion_tokens"), completion),
+            _count(details.get("cached_tokens"), 0) if isinstance(details, dict) else 0)
+
+
 class StreamUsage:
     """What an OpenAI-style SSE stream says it used, read as the bytes go by (no event is parsed
     until the end).

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from switchyard.decide.admit import LimitCharge, actual_amounts, refusal_code
 from switchyard.gateway.errors import RateLimited
-from switchyard.store.limits import Bucket, BucketState, Charge, LimitStore
+from switchyard.store.limits import BucketState, LimitStore, charges_of
 
 log = logging.getLogger("switchyard.admission")
 
@@ -37,10 +37,6 @@ def duration(seconds: float) -> str:
     if hours:
         return f"{hours}h{minutes}m{secs}s"
     return f"{minutes}m{secs}s" if minutes else f"{secs}s"
-
-
-def _bucket(charge: LimitCharge) -> Bucket:
-    return Bucket(charge.key, charge.capacity, charge.capacity / charge.period_s, charge.limit, charge.unit)
 
 
 def ratelimit_headers(states: Sequence[BucketState]) -> dict[str, str]:
@@ -104,7 +100,7 @@ class Admitter:
         if not charges:
             return Lease(None, None, charges)
         try:
-            answer = await self.store.reserve([Charge(_bucket(c), c.amount) for c in charges], RESERVATION_TTL_S)
+            answer = await self.store.reserve(charges_of(charges), RESERVATION_TTL_S)
         except Exception as exc:  # fail open, counted: see the class doc
             self._errors()
             log.warning("limit store unreachable, admitting without limits: %s", exc)

@@ -21,18 +21,19 @@ from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from switchyard.decide.admit import estimate, limit_charges, spend_of
-from switchyard.decide.features import RequestFeatures, chat_features, completion_features, message_texts
+from switchyard.decide.features import RequestFeatures, chat_features, completion_features, count_prompt
 from switchyard.decide.pick import EndpointChoice, Stage, engine_priority, fallback_plan, pick_endpoint, usable_stages
 from switchyard.decide.prefix import block_hashes, prompt_text
 from switchyard.decide.resolve import ModelDecision, Refused, resolve_model
-from switchyard.decide.tokens import TokenCounter
 from switchyard.engines.upstream import (
     EngineError,
     StreamRelay,
     UpstreamFailure,
+    body_usage,
     post,
     read_body,
     read_engine_error,
+    usage_counts,
 )
 from switchyard.gateway.admission import Lease
 from switchyard.gateway.body import check_chat, check_completion, decode_json_object
@@ -332,10 +333,7 @@ class Proxy:
         """
         prompt, completion, cached = req.prompt_tokens, text_events, 0
         if usage is not None:
-            prompt = _int(usage.get("prompt_tokens"), prompt)
-            completion = _int(usage.get("completion_tokens"), completion)
-            details = usage.get("prompt_tokens_details")
-            cached = _int(details.get("cached_tokens"), 0) if isinstance(details, dict) else 0
+            prompt, completion, cached = usage_counts(usage, prompt, completion)
         spend = spend_of(model, prompt, completion, cached)
         identity = req.identity
         runtime = self.runtime
@@ -352,37 +350,6 @@ class Proxy:
     def _first_byte_observer(self, model: str, pool: str, started: float) -> Callable[[], None]:
         histogram = self.runtime.metrics.first_byte.labels(model, pool)
         return lambda: histogram.observe(time.perf_counter() - started)
-
-
-def _int(value: object, default: int) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else default
-
-
-def body_usage(data: bytes) -> dict[str, Any] | None:
-    """The ``usage`` object of a non-streamed answer (None when it has none or is not JSON)."""
-    try:
-        usage = msgspec.json.decode(data, type=_UsageOnly).usage
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
-    return usage if isinstance(usage, dict) else None
-
-
-class _UsageOnly(msgspec.Struct):
-    """Decodes only the ``usage`` field of an answer (the rest is skipped, not built)."""
-
-    usage: Any = None
-
-
-def count_prompt(counter: TokenCounter, kind: Kind, body: dict[str, Any]) -> int:
-    """The prompt's tokens under the model's own tokenizer."""
-    if kind == "chat":
-        return counter.count_chat(message_texts(body["messages"]))
-    prompt = body["prompt"]
-    if isinstance(prompt, str):
-        return counter.count_text(prompt)
-    if prompt and all(isinstance(p, int) for p in prompt):
-        return len(prompt)
-    return sum(counter.count_text(p) if isinstance(p, str) else len(p) for p in prompt)
 
 
 @dataclass(slots=True)

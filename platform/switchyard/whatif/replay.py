@@ -49,8 +49,7 @@ from switchyard.policy.snapshot import PolicySnapshot
 from switchyard.sim.chat import render_chat
 from switchyard.sim.request import SimRequest
 from switchyard.sim.tokens import SPECIAL_TOKENS, tokenize
-from switchyard.store.limits.memory import MemoryLimitStore
-from switchyard.store.limits.model import Bucket, Charge
+from switchyard.store.limits import MemoryLimitStore, charges_of
 from switchyard.whatif.fleet import Fleet
 
 #: Request-path stages the replay cannot evaluate yet, with the issue that brings each.
@@ -220,8 +219,7 @@ class _Arm:
                                 tenant=tier.name, key=tier.name)
         reservation = None
         if charges:
-            answer = _now(self.limits.reserve([Charge(Bucket(c.key, c.capacity, c.capacity / c.period_s, c.limit,
-                                                             c.unit), c.amount) for c in charges], _TTL_S, t))
+            answer = _now(self.limits.reserve(charges_of(charges), _TTL_S, t))
             if not answer.admitted:
                 assert answer.refused_by is not None
                 outcome.status, outcome.code = 429, refusal_code(answer.refused_by.unit, answer.never)

@@ -42,8 +42,11 @@ answers to the same calls. :func:`create_limit_store` picks one from the setting
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from redis.asyncio import BlockingConnectionPool, Redis
 
+from switchyard.decide.admit import LimitCharge
 from switchyard.store.limits.memory import MemoryLimitStore
 from switchyard.store.limits.model import Admission, Bucket, BucketState, Charge, LimitStore, Unit
 from switchyard.store.limits.redis_store import DEFAULT_KEY_PREFIX, RedisLimitStore
@@ -58,6 +61,7 @@ __all__ = [
     "MemoryLimitStore",
     "RedisLimitStore",
     "Unit",
+    "charges_of",
     "create_limit_store",
 ]
 
@@ -65,6 +69,12 @@ __all__ = [
 #: instead of failing, as redis-py's default pool would.
 REDIS_POOL_SIZE = 64
 REDIS_POOL_TIMEOUT_S = 5.0
+
+
+def charges_of(limits: Sequence[LimitCharge]) -> list[Charge]:
+    """The store's charges for the limits ``decide.admit`` says a request is charged against
+    (each limit refills its whole capacity over its period)."""
+    return [Charge(Bucket(c.key, c.capacity, c.capacity / c.period_s, c.limit, c.unit), c.amount) for c in limits]
 
 
 def create_limit_store(redis_url: str | None, *, key_prefix: str = DEFAULT_KEY_PREFIX) -> LimitStore:
