@@ -134,10 +134,13 @@ def _names(value: Any) -> list[str] | None:
     """The item names of a list whose items are all mappings with a distinct string ``name``."""
     if value is _MISSING:
         return []
-    if not isinstance(value, list):
-        return None
+    return item_names(value) if isinstance(value, list) else None
+
+
+def item_names(items: list[Any]) -> list[str] | None:
+    """Each item's ``name`` when every item is a mapping with a distinct string ``name``, else None."""
     names: list[str] = []
-    for item in value:
+    for item in items:
         name = item.get("name") if isinstance(item, dict) else None
         if not isinstance(name, str) or name in names:
             return None

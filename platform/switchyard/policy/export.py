@@ -19,7 +19,7 @@ from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.util import load_yaml_guess_indent
 
-from switchyard.policy.diff import canonical, plain_data
+from switchyard.policy.diff import canonical, item_names, plain_data
 from switchyard.policy.errors import PolicyError, PolicyIssue
 from switchyard.policy.load import parse_yaml
 
@@ -111,7 +111,7 @@ def _merge_mapping(old: CommentedMap, new: CommentedMap) -> CommentedMap:
 
 
 def _merge_sequence(old: CommentedSeq, new: CommentedSeq) -> CommentedSeq:
-    old_names, new_names = _item_names(old), _item_names(new)
+    old_names, new_names = item_names(old), item_names(new)
     if old_names is None or new_names is None:
         for index, value in enumerate(new):
             if index < len(old):
@@ -136,12 +136,3 @@ def _merge_sequence(old: CommentedSeq, new: CommentedSeq) -> CommentedSeq:
     old.ca.items.update(comments)
     return old
 
-
-def _item_names(seq: CommentedSeq) -> list[str] | None:
-    names: list[str] = []
-    for item in seq:
-        name = item.get("name") if isinstance(item, CommentedMap) else None
-        if not isinstance(name, str) or name in names:
-            return None
-        names.append(name)
-    return names
