@@ -3,9 +3,9 @@
 The policy tests, the console's dry-run and ``switchyard policy test`` ask this; it runs the
 gateway's own decisions (:func:`~switchyard.decide.resolve.resolve_model`, the fallback plan,
 :func:`~switchyard.decide.pick.pick_endpoint`) with every endpoint seen idle and healthy and no
-prefix history, so its answer is the one a quiet fleet would give, and with fresh limit buckets
-(only a request larger than a limit is refused by it). Stages of the request path that have not
-landed (queues, caches) add their answers here as they land.
+prefix history, so its answer is the one a quiet fleet would give (no queue, nothing shed or
+downgraded), and with fresh limit buckets (only a request larger than a limit is refused by it).
+Stages of the request path that have not landed (caches) add their answers here as they land.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from switchyard.decide.admit import estimate, limit_charges
 from switchyard.decide.features import RequestFeatures
+from switchyard.decide.flow import PRIORITY_HEADER, BadPriority, classify
 from switchyard.decide.pick import EndpointView, Strategy, fallback_plan, pick_endpoint, usable_stages
 from switchyard.decide.resolve import Refused, resolve_model
 from switchyard.policy.snapshot import PolicySnapshot
@@ -29,6 +30,7 @@ class DryRun:
         status: 200 when it would be admitted, else the status of the refusal.
         code: The refusal's error code.
         model: The resolved model (None when refused).
+        priority: The priority class it is served in (None when refused before classifying).
         pool, region, endpoint: Where an idle fleet would send it (None when refused).
         limit: The limit that refuses it (429).
         trace: Each stage's reason, in order.
@@ -41,21 +43,32 @@ class DryRun:
     region: str | None = None
     endpoint: str | None = None
     limit: str | None = None
+    priority: str | None = None
     trace: tuple[str, ...] = ()
 
 
 def dry_run(snapshot: PolicySnapshot, tier: str, features: RequestFeatures,
-            strategy: Strategy = "prefix-aware") -> DryRun:
-    """Every decision the gateway would take for ``features`` from a tenant of ``tier``."""
+            strategy: Strategy = "prefix-aware", priority: object = None) -> DryRun:
+    """Every decision the gateway would take for ``features`` from a tenant of ``tier``.
+
+    ``priority`` is the body's ``priority`` (a class name or vLLM number); the header that lowers
+    the class is read from ``features.headers``.
+    """
     try:
         decision = resolve_model(snapshot, tier, features)
     except Refused as refusal:
         return DryRun(refusal.status, refusal.code, trace=(refusal.message,))
     trace = list(decision.trace)
+    try:
+        cls = classify(snapshot, tier, features.headers.get(PRIORITY_HEADER), priority)
+    except BadPriority as bad:
+        return DryRun(400, "invalid_priority", decision.model.name, trace=(*trace, bad.message))
+    trace.append(cls.trace)
+    klass = cls.name
     est = estimate(decision.model, features.prompt_tokens, features.max_tokens)
     for charge in limit_charges(snapshot, tier, decision.model, est, tenant="dry-run", key="dry-run"):
         if charge.amount > charge.capacity:  # fresh buckets admit anything else
-            return DryRun(429, "request_too_large", decision.model.name, limit=charge.limit,
+            return DryRun(429, "request_too_large", decision.model.name, limit=charge.limit, priority=klass,
                           trace=(*trace, f"{charge.limit} ({charge.scope}): {charge.amount:.6g} {charge.unit} "
                                          f"> limit {charge.capacity:.6g}"))
     stages, skipped = usable_stages(fallback_plan(snapshot, decision.model), features.prompt_tokens
@@ -66,5 +79,6 @@ def dry_run(snapshot: PolicySnapshot, tier: str, features: RequestFeatures,
         if choice is not None:
             trace.append(choice.trace)
             return DryRun(200, None, decision.model.name, choice.pool.name, choice.pool.region, choice.url,
-                          trace=tuple(trace))
-    return DryRun(503, "no_endpoint", decision.model.name, trace=(*trace, "no endpoint in any stage"))
+                          priority=klass, trace=tuple(trace))
+    return DryRun(503, "no_endpoint", decision.model.name, priority=klass,
+                  trace=(*trace, "no endpoint in any stage"))

@@ -113,17 +113,6 @@ def usable_stages(plan: Sequence[Stage], needed_tokens: int) -> tuple[list[Stage
     return stages, skipped
 
 
-def engine_priority(snapshot: PolicySnapshot, class_name: str, asked: object) -> int:
-    """vLLM ``priority`` of a request: its class's, or the client's own if that is lower (a larger number).
-
-    A client may lower its request's priority, never raise it above its tier's class.
-    """
-    base = snapshot.engine_priority[class_name]
-    if isinstance(asked, int) and not isinstance(asked, bool) and asked > base:
-        return asked
-    return base
-
-
 def pick_endpoint(options: Sequence[Candidate], view: Callable[[str], EndpointView],
                   affinity: Mapping[str, float], rotation: int,
                   exclude: frozenset[str] | set[str] = frozenset(),

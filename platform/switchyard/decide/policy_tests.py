@@ -48,14 +48,15 @@ def features_of_test(test: PolicyTest) -> RequestFeatures:
 
 
 def _expected(expect: PolicyTestExpect) -> list[tuple[str, object]]:
-    return [(name, value) for name in ("status", "limit", "model", "pool", "region")
+    return [(name, value) for name in ("status", "limit", "model", "pool", "region", "priority")
             if (value := getattr(expect, name)) is not None]
 
 
-def _got(run: DryRun) -> str:
+def _got(run: DryRun, with_priority: bool) -> str:
     if run.status != 200:
         return f"status {run.status} ({run.code}" + (f", limit {run.limit})" if run.limit else ")")
-    return f"status 200, model {run.model}, pool {run.pool}, region {run.region}"
+    got = f"status 200, model {run.model}, pool {run.pool}, region {run.region}"
+    return got + f", priority {run.priority}" if with_priority else got
 
 
 def run_policy_tests(snapshot: PolicySnapshot) -> list[PolicyTestResult]:
@@ -63,10 +64,11 @@ def run_policy_tests(snapshot: PolicySnapshot) -> list[PolicyTestResult]:
     results = []
     for index, test in enumerate(snapshot.document.tests):
         wanted = _expected(test.expect)
-        run = dry_run(snapshot, test.request.tier, features_of_test(test))
+        run = dry_run(snapshot, test.request.tier, features_of_test(test), priority=test.request.priority)
         passed = all(getattr(run, name) == value for name, value in wanted)
         expected = ", ".join(f"{name} {value}" for name, value in wanted)
-        results.append(PolicyTestResult(index, test.name or f"tests[{index}]", passed, expected, _got(run)))
+        got = _got(run, test.expect.priority is not None)
+        results.append(PolicyTestResult(index, test.name or f"tests[{index}]", passed, expected, got))
     return results
 
 

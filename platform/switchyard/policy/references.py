@@ -81,6 +81,16 @@ def _models(doc: PolicyDocument) -> Iterator[Finding]:
                 yield loc, _unknown("region", region, regions)
             elif not any(pools[p].region == region for p in models[name].pools if p in pools):
                 yield loc, f"model {name!r} has no pool in region {region!r}"
+        if model.on_saturation is not None:
+            target = model.on_saturation.downgrade_to
+            if target not in models:
+                yield ("models", i, "on_saturation", "downgrade_to"), _unknown("model", target, set(models))
+            elif target == model.name:
+                yield ("models", i, "on_saturation", "downgrade_to"), "a model cannot downgrade to itself"
+            for j, cls in enumerate(model.on_saturation.classes or []):
+                if cls not in doc.priorities:
+                    yield (("models", i, "on_saturation", "classes", j),
+                           _unknown("priority class", cls, set(doc.priorities)))
 
 
 def _fallback_cycles(doc: PolicyDocument) -> Iterator[Finding]:
@@ -181,3 +191,6 @@ def _tests(doc: PolicyDocument) -> Iterator[Finding]:
             yield ("tests", i, "expect", "pool"), _unknown("pool", test.expect.pool, pools)
         if test.expect.region is not None and test.expect.region not in regions:
             yield ("tests", i, "expect", "region"), _unknown("region", test.expect.region, regions)
+        for where, cls in (("request", test.request.priority), ("expect", test.expect.priority)):
+            if cls is not None and cls not in doc.priorities:
+                yield ("tests", i, where, "priority"), _unknown("priority class", cls, set(doc.priorities))

@@ -119,6 +119,11 @@ class Pool(Strict):
         description="The replicas run vLLM with `--scheduling-policy priority`: requests carry a `priority` "
         "from their class. Other pools get no `priority` field (vLLM rejects it there).",
     )
+    max_num_seqs: PositiveInt | None = Field(
+        default=None,
+        description="vLLM's --max-num-seqs of the replicas, when known: a replica running this many requests "
+        "counts as saturated (see the utilisation formula in the README).",
+    )
 
     @model_validator(mode="after")
     def _unique_endpoints(self) -> Pool:
@@ -165,6 +170,14 @@ def _check_tokenizer_path(path: str) -> str:
 TokenizerPath = Annotated[str, StringConstraints(min_length=1), AfterValidator(_check_tokenizer_path)]
 
 
+class OnSaturation(Strict):
+    """What to do when every pool of a model is saturated: serve chosen classes with a cheaper model."""
+
+    downgrade_to: ModelName = Field(description="The model that serves the request instead.")
+    classes: list[Name] | None = Field(
+        default=None, min_length=1, description="Priority classes that may be downgraded (default: all).")
+
+
 class Model(Strict):
     """What clients put in ``model``: a concrete model served by one or more pools."""
 
@@ -184,6 +197,9 @@ class Model(Strict):
         description="Path of the served model's tokenizer.json, relative to the policy file's folder; prompts "
         "are then counted with it instead of estimated. A local file: it is never downloaded.",
     )
+    on_saturation: OnSaturation | None = Field(
+        default=None, description="Degrade before refusing: when the model's pools are saturated, requests "
+        "of the chosen classes are served by `downgrade_to` instead of queueing or being shed.")
 
     @model_validator(mode="after")
     def _consistent(self) -> Model:
@@ -249,23 +265,59 @@ class Route(Strict):
     default: ModelName
 
 
+#: How long a batch-lane request may wait when its class sets no max_queue_ms.
+BATCH_MAX_QUEUE_MS = 600_000
+#: The utilisation under which batch-lane work is dispatched when its class sets no max_utilisation.
+BATCH_MAX_UTILISATION = 0.8
+
+
 class PriorityClass(Strict):
-    """A priority class: how long its requests may queue and when they are shed."""
+    """A priority class: how long its requests may queue and when they are shed.
+
+    Interactive classes are served best first; within a class tenants share by start-time fair
+    queuing in tokens. Batch-lane classes wait in a queue of their own that is served only while
+    the pool's interactive queue is empty and its utilisation is under ``max_utilisation``.
+    """
 
     lane: Literal["interactive", "batch"] = "interactive"
-    max_queue_ms: PositiveInt | None = None
-    shed_above_utilisation: float | None = Field(default=None, gt=0, le=1)
+    max_queue_ms: PositiveInt | None = Field(
+        default=None, description="How long a request may wait in the gateway's queue (required for the "
+        f"interactive lane; batch lane default {BATCH_MAX_QUEUE_MS}).")
+    shed_above_utilisation: float | None = Field(
+        default=None, gt=0, le=1,
+        description="Refuse (503) requests of this class at once while their pools' utilisation is above this.")
+    max_utilisation: float | None = Field(
+        default=None, gt=0, le=1,
+        description=f"Batch lane only: dispatch while the pool's utilisation is below this "
+        f"(default {BATCH_MAX_UTILISATION}).")
     engine_priority: int | None = Field(
         default=None, ge=-1_000_000, le=1_000_000,
         description="vLLM request `priority` for this class (lower is served first). Default: the class's "
-        "position in `priorities` times 10 (0 for the first class, 10 for the second, ...).",
+        "position in `priorities` times 10 (0 for the first class, 10 for the second, ...), plus 1000 for a "
+        "batch-lane class, so that the engine preempts batch work first.",
     )
 
     @model_validator(mode="after")
     def _deadline(self) -> PriorityClass:
         if self.lane == "interactive" and self.max_queue_ms is None:
             raise ValueError("an interactive class needs max_queue_ms (its queue deadline)")
+        if self.lane == "interactive" and self.max_utilisation is not None:
+            raise ValueError("max_utilisation applies to the batch lane only (an interactive class uses "
+                             "shed_above_utilisation)")
         return self
+
+    @property
+    def queue_deadline_s(self) -> float:
+        """How long a request of the class may wait in the gateway's queue, in seconds."""
+        ms = self.max_queue_ms if self.max_queue_ms is not None else BATCH_MAX_QUEUE_MS
+        return ms / 1000.0
+
+    @property
+    def dispatch_ceiling(self) -> float:
+        """The utilisation under which the class's requests are dispatched."""
+        if self.lane == "batch":
+            return self.max_utilisation if self.max_utilisation is not None else BATCH_MAX_UTILISATION
+        return 1.0
 
 
 class Limits(Strict):
@@ -347,6 +399,8 @@ class PolicyTestRequest(Strict):
     json_mode: bool = False
     images: bool = False
     headers: dict[str, str] = Field(default_factory=dict)
+    priority: Name | None = Field(default=None, description="A priority class the request asks for (it may "
+                                  "only lower its tier's class).")
 
 
 class PolicyTestExpect(Strict):
@@ -364,13 +418,15 @@ class PolicyTestExpect(Strict):
     model: ModelName | None = None
     pool: Name | None = None
     region: Name | None = None
+    priority: Name | None = Field(default=None, description="The priority class the request is served in.")
 
     @model_validator(mode="after")
     def _some(self) -> PolicyTestExpect:
-        if self.status is None and self.model is None and self.pool is None and self.region is None:
-            raise ValueError("expect at least one of status, model, pool, region")
-        if self.status not in (None, 200) and (self.model or self.pool or self.region):
-            raise ValueError("a refused request has no model, pool or region to expect")
+        if (self.status is None and self.model is None and self.pool is None and self.region is None
+                and self.priority is None):
+            raise ValueError("expect at least one of status, model, pool, region, priority")
+        if self.status not in (None, 200) and (self.model or self.pool or self.region or self.priority):
+            raise ValueError("a refused request has no model, pool, region or priority to expect")
         if self.limit is not None and self.status != 429:
             raise ValueError("expect a limit only with status 429")
         return self

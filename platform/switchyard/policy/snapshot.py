@@ -14,6 +14,9 @@ from typing import Any
 from switchyard.policy.load import parse_policy
 from switchyard.policy.schema import Model, PolicyDocument, Pool, PriorityClass, Route, Tier
 
+#: Added to a batch-lane class's default vLLM priority, so that the engine preempts batch work first.
+BATCH_ENGINE_PRIORITY = 1000
+
 
 def policy_sha256(text: str) -> str:
     """The content hash that identifies a policy document's text."""
@@ -36,6 +39,8 @@ class PolicySnapshot:
     model_pools: MappingProxyType[str, tuple[Pool, ...]]
     tier_allows: MappingProxyType[str, frozenset[str]] = field(repr=False)
     engine_priority: MappingProxyType[str, int] = field(repr=False)
+    #: Position of each priority class in ``priorities`` (0 is the best class).
+    class_rank: MappingProxyType[str, int] = field(repr=False)
 
     @property
     def label(self) -> str:
@@ -72,9 +77,11 @@ def build_snapshot(doc: PolicyDocument, text: str, version: int | None = None) -
         model_pools=frozen({m.name: tuple(pools[p] for p in m.pools) for m in doc.models}),
         tier_allows=frozen({t.name: frozenset(t.models) for t in doc.tiers}),
         engine_priority=frozen({
-            name: cls.engine_priority if cls.engine_priority is not None else 10 * i
+            name: cls.engine_priority if cls.engine_priority is not None
+            else 10 * i + (BATCH_ENGINE_PRIORITY if cls.lane == "batch" else 0)
             for i, (name, cls) in enumerate(doc.priorities.items())
         }),
+        class_rank=frozen({name: i for i, name in enumerate(doc.priorities)}),
     )
 
 

@@ -38,7 +38,8 @@ def pool_engine_config(snapshot: PolicySnapshot, pool: Pool, *, port: int = 0, h
     """The simulated engine of one endpoint of ``pool``."""
     return EngineConfig(served_model=pool.served_model, port=port, host=host,
                         profile=pool_profile(pool, base_dir), kv_cache_tokens=pool.kv_cache_tokens,
-                        max_model_len=pool_context(snapshot, pool), time_scale=time_scale, seed=seed)
+                        max_model_len=pool_context(snapshot, pool), max_num_seqs=pool.max_num_seqs,
+                        time_scale=time_scale, seed=seed)
 
 
 class FleetError(ValueError):

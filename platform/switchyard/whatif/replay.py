@@ -33,11 +33,11 @@ from typing import Any, TypeVar, cast
 from switchyard.bench.spec import RequestSpec, Workload
 from switchyard.decide.admit import LimitCharge, actual_amounts, estimate, limit_charges, refusal_code, spend_of
 from switchyard.decide.features import RequestFeatures, chat_features, completion_features
+from switchyard.decide.flow import BadPriority, classify
 from switchyard.decide.pick import (
     EndpointChoice,
     Stage,
     Strategy,
-    engine_priority,
     fallback_plan,
     pick_endpoint,
     usable_stages,
@@ -243,7 +243,13 @@ class _Arm:
             self._release(reservation, charges, t)
             self.running.append(_Running(outcome))
             return
-        priority = engine_priority(snapshot, tier.priority, body.get("priority"))
+        try:
+            priority = classify(snapshot, tier.name, None, body.get("priority")).engine_priority
+        except BadPriority:
+            outcome.status, outcome.code = 400, "invalid_priority"
+            self._release(reservation, charges, t)
+            self.running.append(_Running(outcome))
+            return
         request = SimRequest(request_id=str(spec.index), prompt=ids, max_output=spec.max_tokens,
                              priority=priority if choice.pool.priority_scheduling else 0, arrival=t,
                              seed=self.seed + spec.index, budget=spec.max_tokens)

@@ -61,8 +61,8 @@ def test_a_failing_expectation_blocks_the_document_and_says_why() -> None:
 
 
 @pytest.mark.parametrize(("expect", "message"), [
-    ({}, "expect at least one of status, model, pool, region"),
-    ({"status": 403, "model": "small"}, "a refused request has no model, pool or region to expect"),
+    ({}, "expect at least one of status, model, pool, region, priority"),
+    ({"status": 403, "model": "small"}, "a refused request has no model, pool, region or priority to expect"),
     ({"status": 500}, "Input should be 200, 403, 404 or 429"),
     ({"pool": "small-usa"}, "unknown pool 'small-usa'"),
     ({"region": "mars"}, "unknown region 'mars'"),
@@ -90,3 +90,22 @@ def test_tests_can_expect_a_request_larger_than_a_limit_to_be_refused() -> None:
     with pytest.raises(PolicyError, match="expect a limit only with status 429"):
         compile_policy(with_tests({"request": {"model": "small", "tier": "free"},
                                    "expect": {"status": 403, "limit": "tokens_per_minute"}}))
+
+
+def test_tests_can_expect_the_priority_class() -> None:
+    text = with_tests(
+        {"name": "free is sheddable", "request": {"model": "small", "tier": "free"},
+         "expect": {"priority": "sheddable"}},
+        {"name": "pro may lower itself", "request": {"model": "small", "tier": "pro", "priority": "batch"},
+         "expect": {"priority": "batch", "pool": "small-us"}},
+        {"name": "free cannot raise itself", "request": {"model": "small", "tier": "free", "priority": "critical"},
+         "expect": {"priority": "critical"}},
+        {"name": "by header", "request": {"model": "small", "tier": "pro",
+                                          "headers": {"X-Switchyard-Priority": "sheddable"}},
+         "expect": {"priority": "sheddable"}},
+    )
+    results = run_policy_tests(compile_policy(text))
+    assert [r.passed for r in results] == [True, True, False, True]
+    assert results[2].got == "status 200, model small, pool small-us, region us-east, priority sheddable"
+    run = dry_run(compile_policy(text), "free", RequestFeatures(model="small", prompt_tokens=5), priority="critical")
+    assert "a request may only lower its class" in run.trace[1]

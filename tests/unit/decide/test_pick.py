@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from switchyard.decide.pick import HERD_MARGIN, EndpointView, candidates, engine_priority, fallback_plan, pick_endpoint
+from switchyard.decide.pick import HERD_MARGIN, EndpointView, candidates, fallback_plan, pick_endpoint
 from switchyard.decide.prefix import BLOCK_CHARS, PrefixIndex, block_hashes, prompt_text
 from switchyard.policy import PolicySnapshot, compile_policy
 from tests.unit.policy.base import base, to_yaml
@@ -123,17 +123,6 @@ def test_fallback_plan_follows_the_chain(snapshot: PolicySnapshot) -> None:
     large = fallback_plan(snapshot, snapshot.models["large"])
     assert [(s.label, s.model.name) for s in large] == [("large", "large"), ("small", "small")]
     assert [c.url for c in large[1].candidates()] == [U1, U2, U3]
-
-
-def test_engine_priority_comes_from_the_class_and_can_only_be_lowered() -> None:
-    doc = base()
-    doc["priorities"]["batch"]["engine_priority"] = 100
-    snapshot = compile_policy(to_yaml(doc))
-    assert dict(snapshot.engine_priority) == {"critical": 0, "sheddable": 10, "batch": 100}
-    assert engine_priority(snapshot, "sheddable", None) == 10
-    assert engine_priority(snapshot, "sheddable", -5) == 10  # cannot raise itself
-    assert engine_priority(snapshot, "sheddable", 50) == 50  # may lower itself
-    assert engine_priority(snapshot, "critical", True) == 0
 
 
 def test_baseline_strategies(snapshot: PolicySnapshot) -> None:
