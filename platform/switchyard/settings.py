@@ -42,6 +42,11 @@ class Settings(BaseSettings):
     scrape_interval_s: float = Field(
         default=1.0, gt=0, description="How often each engine's /metrics is read for load signals."
     )
+    flow_control: bool = Field(
+        default=True,
+        description="Priority queues, deadlines, shedding, downgrades and engine priorities. Off: every "
+        "request goes straight to the engines in arrival order (the baseline `switchyard bench` compares with).",
+    )
     max_attempts: int = Field(
         default=3, ge=1, le=10, description="Most engines one request is sent to (first try plus fallbacks)."
     )

@@ -37,7 +37,7 @@ schema: 1
 regions: [us-east, eu-west]
 pools:
   - {{name: pri, region: us-east, served_model: sim-pri, endpoints: [{url("pri")}], kv_cache_tokens: 100000,
-      priority_scheduling: true}}
+      priority_scheduling: true, max_num_seqs: 1}}
   - {{name: two, region: eu-west, served_model: sim-two, endpoints: [{url("two-a")}, {url("two-b")}],
       kv_cache_tokens: 100000}}
   - {{name: flaky, region: us-east, served_model: sim-live, endpoints: [{url("dead-1")}, {url("live")}],
@@ -53,8 +53,8 @@ models:
   - {{name: errs, pools: [errs], context_window: 8192, price: {{input_per_mtok: 1, output_per_mtok: 1}},
       fallback: [live]}}
 priorities:
-  critical: {{max_queue_ms: 1000}}
-  sheddable: {{max_queue_ms: 100}}
+  critical: {{max_queue_ms: 30000}}
+  sheddable: {{max_queue_ms: 30000}}
 tiers:
   - {{name: gold, priority: critical, models: ["*"]}}
   - {{name: free, priority: sheddable, models: ["*"]}}
@@ -147,8 +147,11 @@ def test_load_signals_are_scraped_from_the_engines(routed: tuple[Gateway, dict[s
     gw, ports = routed
     pri = f"http://127.0.0.1:{ports['pri']}"
     seen_waiting = 0.0
+    # Sent to the engine directly, as another gateway would: this gateway knows of them only by scraping
+    # (it never sends more than the pool's max_num_seqs itself).
+    direct = openai.OpenAI(base_url=pri + "/v1", api_key="-", max_retries=0, timeout=60)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(client(gw, "gold").completions.create, model="pri", prompt="x", max_tokens=200)
+        futures = [pool.submit(direct.completions.create, model="sim-pri", prompt="x", max_tokens=200)
                    for _ in range(3)]
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not all(f.done() for f in futures):

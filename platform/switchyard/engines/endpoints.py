@@ -8,7 +8,8 @@ Three sources feed an endpoint's state:
 - passive health: an endpoint that refused a connection is left out for a cool-down.
 
 The load estimate combines the first two so that a burst between two scrapes is not all sent to
-one endpoint (see :meth:`EndpointState.load`).
+one endpoint (see :meth:`EndpointState.load`); so does the utilisation that flow control queues and
+sheds by (see :meth:`EndpointState.utilisation`).
 """
 
 from __future__ import annotations
@@ -31,12 +32,18 @@ class EngineSignals:
 class EndpointState:
     """Everything the gateway knows about one engine URL."""
 
-    __slots__ = ("down_until", "failure", "outstanding", "outstanding_at_scrape", "scrape_error", "scraped_at",
-                 "signals", "url")
+    __slots__ = ("completed_since_scrape", "dispatched_since_scrape", "down_until", "failure", "outstanding",
+                 "outstanding_at_scrape", "reserved", "reserved_at_scrape", "scrape_error", "scraped_at", "signals",
+                 "url")
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.outstanding = 0
+        #: Tokens (prompt + expected output) of this process's in-flight requests here.
+        self.reserved = 0
+        self.reserved_at_scrape = 0
+        self.dispatched_since_scrape = 0
+        self.completed_since_scrape = 0
         self.signals: EngineSignals | None = None
         self.scraped_at = 0.0
         self.outstanding_at_scrape = 0
@@ -56,6 +63,42 @@ class EndpointState:
             return float(self.outstanding)
         scraped = signals.running + signals.waiting + (self.outstanding - self.outstanding_at_scrape)
         return max(float(self.outstanding), scraped)
+
+    def utilisation(self, now: float, max_age: float, kv_cache_tokens: int, max_num_seqs: int | None) -> float:
+        """How full the engine is, in [0, 1) while it has room and 1 or more when saturated.
+
+        With ``C`` the replica's KV-cache tokens, ``R`` the tokens this process has reserved there
+        (prompt + expected output of its in-flight requests), ``N`` its in-flight requests, ``S``
+        the pool's ``max_num_seqs`` (when declared), and from a fresh scrape ``k`` (KV-cache usage),
+        ``n`` running and ``w`` waiting requests, and ``R0``, ``N0`` the same own counts at that
+        scrape, ``d`` / ``c`` the requests this process dispatched / finished there since::
+
+            u = max( R / C,                         own reservations
+                     k + (R - R0) / C,              the engine's KV usage + what was sent since
+                     N / S,  (n + w + N - N0) / S,  sequence slots (only when S is declared)
+                     1 + b / max(n, 1) if b > 0 )   the engine has a queue: saturated
+            b = w + d - c  (when w > 0 at the scrape; each finished request lets a waiting one in)
+
+        Without a fresh scrape only the own terms count. Reservations count the whole output
+        budget, so ``R / C`` reaches 1 before the engine's KV cache is really full: the gateway
+        queues a little early rather than letting the engine preempt.
+        """
+        capacity = float(max(1, kv_cache_tokens))
+        u = self.reserved / capacity
+        if max_num_seqs:
+            u = max(u, self.outstanding / max_num_seqs)
+        signals = self.signals
+        if signals is None or now - self.scraped_at > max_age:
+            return u
+        u = max(u, signals.kv_usage + (self.reserved - self.reserved_at_scrape) / capacity)
+        if max_num_seqs:
+            u = max(u, (signals.running + signals.waiting + self.outstanding - self.outstanding_at_scrape)
+                    / max_num_seqs)
+        if signals.waiting > 0:
+            backlog = signals.waiting + self.dispatched_since_scrape - self.completed_since_scrape
+            if backlog > 0:
+                u = max(u, 1.0 + backlog / max(signals.running, 1.0))
+        return u
 
     def queued(self, now: float, max_age: float) -> float:
         """Requests waiting inside the engine at the last fresh scrape (0 when unknown)."""
@@ -91,14 +134,19 @@ class EndpointRegistry:
         state = self._states.get(url)
         return state.outstanding if state is not None else 0
 
-    def acquire(self, url: str) -> None:
-        """Count a request dispatched to ``url``."""
-        self.state(url).outstanding += 1
+    def acquire(self, url: str, tokens: int = 0) -> None:
+        """Count a request of ``tokens`` (prompt + expected output) dispatched to ``url``."""
+        state = self.state(url)
+        state.outstanding += 1
+        state.reserved += tokens
+        state.dispatched_since_scrape += 1
 
-    def release(self, url: str) -> None:
-        """Count a request at ``url`` as finished."""
+    def release(self, url: str, tokens: int = 0) -> None:
+        """Count a request of ``tokens`` at ``url`` as finished."""
         state = self.state(url)
         state.outstanding = max(0, state.outstanding - 1)
+        state.reserved = max(0, state.reserved - tokens)
+        state.completed_since_scrape += 1
 
     def record_scrape(self, url: str, signals: EngineSignals, now: float | None = None) -> None:
         """Store a successful scrape."""
@@ -106,6 +154,8 @@ class EndpointRegistry:
         state.signals = signals
         state.scraped_at = time.monotonic() if now is None else now
         state.outstanding_at_scrape = state.outstanding
+        state.reserved_at_scrape = state.reserved
+        state.dispatched_since_scrape = state.completed_since_scrape = 0
         state.scrape_error = None
 
     def record_scrape_error(self, url: str, error: str) -> None:

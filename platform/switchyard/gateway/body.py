@@ -51,10 +51,8 @@ def _common(body: dict[str, Any]) -> None:
                              param="stream_options")
     for key in ("max_tokens", "n"):
         _positive_int(body, key)
-    priority = body.get("priority")
-    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
-        raise BadRequest(f"'priority' must be an integer (lower is served first), got {priority!r}.",
-                         param="priority")
+    # 'priority' (an integer in vLLM's sense, or a priority class's name) is checked where the
+    # request's class is decided (decide.flow.classify).
 
 
 def check_chat(body: dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+_QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 1.5, 2.5, 5, 10, 30, 60, 300, 600)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 
 
@@ -55,6 +56,29 @@ class GatewayMetrics:
         self.reload_failures = Counter(
             "switchyard_policy_reload_failures", "Policy documents rejected by a reload, by where they came "
             "from (file, database); the last good version kept serving.", ["source"], registry=self.registry)
+
+        self.queue_depth = Gauge(
+            "switchyard_queue_depth", "Requests waiting in the gateway's queues, by pool, lane and class (a "
+            "request waits in the queue of every pool of its model).", ["pool", "lane", "class"],
+            registry=self.registry)
+        self.queue_wait = Histogram(
+            "switchyard_queue_wait_seconds", "How long dispatched requests waited in the gateway's queue, by the "
+            "pool that granted them, lane and class.", ["pool", "lane", "class"], buckets=_QUEUE_BUCKETS,
+            registry=self.registry)
+        self.shed = Counter(
+            "switchyard_shed", "Requests refused with 503 by flow control, by class and reason (utilisation: "
+            "above the class's shedding threshold; deadline: waited its class's max_queue_ms; predicted_wait: "
+            "its predicted wait exceeded the deadline on arrival).", ["class", "reason"], registry=self.registry)
+        self.downgrades = Counter(
+            "switchyard_downgrades", "Requests served by a cheaper model because the requested one's pools were "
+            "saturated, by class, reason and the model asked for.", ["class", "reason", "model"],
+            registry=self.registry)
+        self.queue_left = Counter(
+            "switchyard_queue_abandoned", "Requests whose client went away while they waited in the queue, by "
+            "class.", ["class"], registry=self.registry)
+        self.utilisation = Gauge(
+            "switchyard_pool_utilisation", "Utilisation of each pool's least-loaded endpoint as flow control "
+            "sees it (1 = saturated), updated when the pool's queue moves.", ["pool"], registry=self.registry)
 
     def usage_counters(self, model: str) -> tuple[Counter, Counter, Counter, Counter]:
         """The prompt, completion, cached-token and spend counters of ``model`` (looked up once per model)."""

@@ -1,7 +1,8 @@
 """The request path of ``/v1/chat/completions`` and ``/v1/completions``.
 
-authenticate → parse → resolve the model (``decide``) → pick an endpoint (``decide``) → call
-the engine → stream or return its answer. Every step that can refuse raises an ``ApiError``.
+authenticate → parse → resolve the model and the priority class (``decide``) → admit (limits) →
+schedule (flow control: go, downgrade, queue or shed) → pick an endpoint (``decide``) → call the
+engine → stream or return its answer. Every step that can refuse raises an ``ApiError``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from litestar.response import Stream
 
 from switchyard.decide.admit import estimate, limit_charges, spend_of
 from switchyard.decide.features import RequestFeatures, chat_features, completion_features, count_prompt
-from switchyard.decide.pick import EndpointChoice, Stage, engine_priority, fallback_plan, pick_endpoint, usable_stages
+from switchyard.decide.flow import PRIORITY_HEADER, BadPriority, ClassDecision, Ticket, classify
+from switchyard.decide.pick import EndpointChoice, Stage, fallback_plan, pick_endpoint, usable_stages
 from switchyard.decide.prefix import block_hashes, prompt_text
 from switchyard.decide.resolve import ModelDecision, Refused, resolve_model
 from switchyard.engines.upstream import (
@@ -48,6 +50,7 @@ from switchyard.gateway.errors import (
     PayloadTooLarge,
     RateLimited,
 )
+from switchyard.gateway.flow import Scheduled
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy import PolicySnapshot
 from switchyard.policy.schema import Model, Pool
@@ -82,15 +85,17 @@ class RequestIds:
 
 
 def route_header(decision: ModelDecision, stage: Stage, choice: EndpointChoice, snapshot: PolicySnapshot,
-                 attempt: int) -> str:
+                 attempt: int, cls: str, scheduled: Scheduled) -> str:
     """The ``x-switchyard-route`` value: what served the request, under which policy."""
     parts = [f"model={stage.model.name}"]
     if decision.route:
         parts.append(f"route={decision.route}")
         parts.append(f"rule={decision.rule}")
-    if stage.model is not decision.model:
-        parts.append(f"fallback_from={decision.model.name}")
-    parts += [f"pool={choice.pool.name}", f"region={choice.pool.region}",
+    if scheduled.downgraded_from is not None:
+        parts.append(f"downgraded_from={scheduled.downgraded_from.name}")
+    if stage.model is not scheduled.model:
+        parts.append(f"fallback_from={scheduled.model.name}")
+    parts += [f"class={cls}", f"pool={choice.pool.name}", f"region={choice.pool.region}",
               f"endpoint={choice.url}", f"policy={snapshot.label}"]
     if attempt > 1:
         parts.append(f"attempt={attempt}")
@@ -194,11 +199,16 @@ class Proxy:
         except Refused as refusal:
             runtime.metrics.requests.labels("-", "-", str(refusal.status)).inc()
             raise refusal_error(refusal) from None
+        try:
+            cls = classify(snapshot, identity.tier, request.headers.get(PRIORITY_HEADER), body.get("priority"))
+        except BadPriority as bad:
+            runtime.metrics.requests.labels(decision.model.name, "-", "400").inc()
+            raise BadRequest(bad.message, code="invalid_priority", param=bad.param) from None
         counter = counters.get(decision.model.name)
         prompt_tokens = (count_prompt(counter, kind, body) if counter is not None and counter.exact
                          else features.prompt_tokens)
-        charges = limit_charges(snapshot, identity.tier, decision.model,
-                                estimate(decision.model, prompt_tokens, features.max_tokens),
+        est = estimate(decision.model, prompt_tokens, features.max_tokens)
+        charges = limit_charges(snapshot, identity.tier, decision.model, est,
                                 tenant=str(identity.tenant_id), key=str(identity.key_id),
                                 tenant_limits=identity.tenant_limits, key_limits=identity.key_limits)
         try:
@@ -206,27 +216,43 @@ class Proxy:
         except RateLimited:
             runtime.metrics.requests.labels(decision.model.name, "-", "429").inc()
             raise
-        priority = engine_priority(snapshot, snapshot.tiers[identity.tier].priority, body.get("priority"))
-        request_state = _Request(kind, body, raw, bool(body.get("stream")), priority, features, rid, started,
-                                 identity, prompt_tokens, lease)
+        flow = runtime.flow
+        request_state = _Request(kind, body, raw, bool(body.get("stream")),
+                                 cls.engine_priority if flow.enabled else None, features, rid, started,
+                                 identity, prompt_tokens, lease, cls, est.tokens)
         try:
-            return await self._dispatch(request_state, snapshot, decision)
+            try:
+                scheduled = await flow.schedule(snapshot, decision.model, cls, est.tokens, str(identity.tenant_id),
+                                                features.prompt_tokens + (features.max_tokens or 0),
+                                                functools.partial(_disconnected, request))
+            except ApiError as refused:
+                runtime.metrics.requests.labels(decision.model.name, "-", str(refused.status_code)).inc()
+                refused.headers = {"x-request-id": rid, **lease.headers, **(refused.headers or {})}
+                raise
+            request_state.ticket = scheduled.ticket
+            return await self._dispatch(request_state, snapshot, decision, scheduled)
         except BaseException:
+            flow.dispatched(request_state.ticket)  # granted but never sent: the pool may grant again
             # It never ran (no usage to charge); a no-op once settled. In a task of its own: this
             # one may be cancelled (the client left) and must not be interrupted mid-settle.
             if lease.reservation is not None and not lease.settled:
                 runtime.spawn(lease.settle(0, 0.0))
             raise
 
-    async def _dispatch(self, req: _Request, snapshot: PolicySnapshot, decision: ModelDecision) -> Response[Any]:
+    async def _dispatch(self, req: _Request, snapshot: PolicySnapshot, decision: ModelDecision,
+                        scheduled: Scheduled) -> Response[Any]:
         """Try the plan's stages in order until an engine answers (see ``decide.pick``)."""
         runtime = self.runtime
         attempts = Attempts(runtime.settings.max_attempts)
-        headers = {"x-request-id": req.rid, **req.lease.headers}
+        headers = {"x-request-id": req.rid, **req.lease.headers, "x-switchyard-class": req.cls.trace}
+        if scheduled.waited_s:
+            headers["x-switchyard-queue-ms"] = str(round(scheduled.waited_s * 1000))
+        if scheduled.note is not None:
+            headers["x-switchyard-degraded"] = scheduled.note
         needed = req.features.prompt_tokens + (req.features.max_tokens or 0)
         hashes: list[bytes] | None = None
         strategy = runtime.settings.picker
-        stages, skipped = usable_stages(fallback_plan(snapshot, decision.model), needed)
+        stages, skipped = usable_stages(fallback_plan(snapshot, scheduled.model), needed)
         attempts.failures += skipped
         for stage in stages:
             options = stage.candidates()
@@ -240,7 +266,8 @@ class Proxy:
                 if choice is None:
                     break
                 attempts.tried.add(choice.url)
-                headers["x-switchyard-route"] = route_header(decision, stage, choice, snapshot, attempts.count)
+                headers["x-switchyard-route"] = route_header(decision, stage, choice, snapshot, attempts.count,
+                                                             req.cls.name, scheduled)
                 response = await self._attempt(req, stage, choice, attempts, headers)
                 if response is not None:
                     if hashes:
@@ -249,7 +276,7 @@ class Proxy:
             if attempts.count >= attempts.limit:
                 break
         error = attempts.final_error(headers)
-        runtime.metrics.requests.labels(decision.model.name, "-", str(error.status_code)).inc()
+        runtime.metrics.requests.labels(scheduled.model.name, "-", str(error.status_code)).inc()
         raise error
 
     async def _attempt(self, req: _Request, stage: Stage, choice: EndpointChoice, attempts: Attempts,
@@ -259,7 +286,10 @@ class Proxy:
         model, pool, url = stage.model.name, choice.pool.name, choice.url
         metrics = runtime.metrics
         endpoints = runtime.endpoints
-        endpoints.acquire(url)
+        endpoints.acquire(url, req.cost)
+        if req.ticket is not None:
+            runtime.flow.dispatched(req.ticket)
+            req.ticket = None
         metrics.in_flight.labels(pool).inc()
         released = False
 
@@ -267,7 +297,8 @@ class Proxy:
             nonlocal released
             if not released:
                 released = True
-                endpoints.release(url)
+                endpoints.release(url, req.cost)
+                runtime.flow.released(pool, req.cost)
                 metrics.in_flight.labels(pool).dec()
 
         def done(status: int) -> None:
@@ -352,6 +383,12 @@ class Proxy:
         return lambda: histogram.observe(time.perf_counter() - started)
 
 
+async def _disconnected(request: Request[Any, Any, Any]) -> None:
+    """Return when the client disconnects (the body has been read: the next ASGI message says so)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 @dataclass(slots=True)
 class _Request:
     """A parsed request on its way to an engine, and the bodies encoded for each kind of pool."""
@@ -360,17 +397,25 @@ class _Request:
     body: dict[str, Any]
     raw: bytes
     stream: bool
-    priority: int
+    priority: int | None
     features: RequestFeatures
     rid: str
     started: float
     identity: KeyIdentity
     prompt_tokens: int
     lease: Lease
+    cls: ClassDecision
+    #: Tokens it holds at its endpoint while in flight (prompt + expected output), for utilisation.
+    cost: int
+    #: A queue's grant, until the request counts itself at its endpoint.
+    ticket: Ticket | None = None
     _payloads: dict[tuple[str, bool], bytes] = field(default_factory=dict)
 
     def payload_for(self, pool: Pool) -> bytes:
-        """The body for ``pool``: its served model name, and a ``priority`` only where it is honoured."""
+        """The body for ``pool``: its served model name, and a ``priority`` only where it is honoured.
+
+        (A ``priority`` given as a class name is always replaced or removed: engines want a number.)
+        """
         key = (pool.served_model, pool.priority_scheduling)
         payload = self._payloads.get(key)
         if payload is None:

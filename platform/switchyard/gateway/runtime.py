@@ -23,6 +23,7 @@ from switchyard.engines.scrape import MetricsScraper
 from switchyard.engines.upstream import UpstreamTimeouts, create_client_session
 from switchyard.gateway.admission import Admitter
 from switchyard.gateway.auth import KeyAuthenticator
+from switchyard.gateway.flow import FlowController
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.policy_state import PolicyHolder, load_startup_policy
 from switchyard.gateway.reload import PolicyReloader, following
@@ -44,6 +45,7 @@ class GatewayRuntime:
         # Scrapes older than three intervals are not trusted as load signals.
         self.endpoints = EndpointRegistry(signal_max_age=3 * settings.scrape_interval_s)
         self.prefixes = PrefixIndex()
+        self.flow = FlowController(self.endpoints, self.metrics, settings.flow_control)
         self.started_at = time.time()
         self._engine: Engine | None = None
         self._policy: PolicyHolder | None = None
@@ -173,13 +175,15 @@ class GatewayRuntime:
                                  self.settings.endpoint_cooldown_s)
         scraping = asyncio.create_task(scraper.run(), name="switchyard-scrape")
         ledger = asyncio.create_task(self._usage.run(self.settings.usage_flush_interval_s), name="switchyard-usage")
+        pumping = asyncio.create_task(self.flow.run(), name="switchyard-flow")
         try:
             async with following(self._reloader):
                 yield
         finally:
-            scraping.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await scraping
+            for task in (scraping, pumping):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             if self._background:  # streams that ended during shutdown settle before the store closes
                 await asyncio.wait(self._background, timeout=5)
             ledger.cancel()

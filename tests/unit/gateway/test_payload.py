@@ -7,9 +7,10 @@ import json
 import msgspec
 
 from switchyard.decide.features import chat_features
+from switchyard.decide.flow import ClassDecision
 from switchyard.gateway.admission import Lease
 from switchyard.gateway.proxy import _Request
-from switchyard.policy.schema import Pool
+from switchyard.policy.schema import Pool, PriorityClass
 from switchyard.store.keys import KeyIdentity
 
 
@@ -18,10 +19,13 @@ def pool(served: str, priority_scheduling: bool) -> Pool:
                 kv_cache_tokens=1000, priority_scheduling=priority_scheduling)
 
 
-def request(body: dict[str, object], priority: int) -> _Request:
+STANDARD = ClassDecision("standard", PriorityClass(max_queue_ms=1000), 0, 10, "standard", "class standard")
+
+
+def request(body: dict[str, object], priority: int | None) -> _Request:
     raw = msgspec.json.encode(body)
     return _Request("chat", body, raw, False, priority, chat_features(body, {}), "rid", 0.0,
-                    KeyIdentity(1, 1, "tenant", "pro"), 0, Lease(None, None, []))
+                    KeyIdentity(1, 1, "tenant", "pro"), 0, Lease(None, None, []), STANDARD, 100)
 
 
 def test_priority_goes_only_to_priority_scheduling_pools() -> None:
@@ -41,3 +45,16 @@ def test_the_client_bytes_are_forwarded_untouched_when_nothing_changes() -> None
     assert json.loads(req.payload_for(pool("llama", True)))["priority"] == 0
     # Encoded once per kind of pool.
     assert req.payload_for(pool("llama", True)) is req.payload_for(pool("llama", True))
+
+
+def test_a_class_name_never_reaches_an_engine() -> None:
+    body = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "priority": "standard"}
+    req = request(body, 10)
+    assert json.loads(req.payload_for(pool("llama", True)))["priority"] == 10
+    assert "priority" not in json.loads(req.payload_for(pool("llama", False)))
+
+
+def test_without_flow_control_no_engine_gets_a_priority() -> None:
+    body = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "priority": 5}
+    req = request(body, None)
+    assert "priority" not in json.loads(req.payload_for(pool("llama", True)))

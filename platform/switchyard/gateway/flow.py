@@ -1,0 +1,335 @@
+"""Flow control in the gateway: carries out ``decide.flow``'s queue decisions with futures and timers.
+
+A request that has been admitted asks :meth:`FlowController.schedule` for capacity before it
+picks an endpoint:
+
+1. **Saturated?** Each pool's utilisation is its least-loaded endpoint's
+   (:meth:`~switchyard.engines.endpoints.EndpointState.utilisation`; endpoints in a failure
+   cool-down are left out unless all are). A pool *has room* for a class when it is under the
+   class's ceiling (1.0 interactive, ``max_utilisation`` for the batch lane) and nobody waits
+   before the newcomer.
+2. **Degrade before refusing**: a model with ``on_saturation`` sends requests of the chosen
+   classes to ``downgrade_to`` when its own pools have no room (or are above the class's
+   shedding threshold) and the cheaper model's have.
+3. **Shed** a class with ``shed_above_utilisation`` at once when its pools are above it.
+4. **Go** when a pool has room.
+5. **Queue** otherwise, in the queue of every pool of the model (whichever frees first serves
+   it), unless the predicted wait (tokens the queue discipline serves before it, divided by the
+   tokens the pool finished per second lately) already exceeds the class's deadline. The request
+   leaves with 503 when its deadline passes, or quietly when its client disconnects; either way
+   its reservation is released.
+
+A pool is pumped when a request it served finishes, when a granted request reaches its endpoint,
+and every ``TICK_S`` while anything waits (engine load read by the scraper, cool-downs ending).
+Queues are per gateway process; replicas each queue their own arrivals and share engine load
+through the scraped metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from switchyard.decide.flow import EXPIRED, GRANTED, LEFT, ClassDecision, PoolQueues, Ticket, downgrade_target
+from switchyard.engines.endpoints import EndpointRegistry
+from switchyard.gateway.errors import ApiError, Overloaded
+from switchyard.gateway.metrics import GatewayMetrics
+from switchyard.policy import PolicySnapshot
+from switchyard.policy.schema import Model, Pool
+
+#: How often pools with waiting requests are re-examined without another trigger.
+TICK_S = 0.05
+#: The window over which a pool's drain rate (tokens finished per second) is measured.
+DRAIN_WINDOW_S = 10.0
+#: Finished requests in the window before the drain rate is trusted for predicting waits.
+DRAIN_MIN_SAMPLES = 5
+
+
+class ClientLeft(ApiError):
+    """The client disconnected while its request waited (nobody reads this answer)."""
+
+    status_code = 499
+    type = "client_closed_request"
+    code = "client_closed_request"
+
+
+@dataclass(slots=True)
+class Scheduled:
+    """What flow control decided for a request that may go on.
+
+    Attributes:
+        model: The model to serve it (the resolved one, or its downgrade).
+        downgraded_from: The resolved model when ``model`` is its downgrade.
+        note: Why it was downgraded (for the ``x-switchyard-degraded`` header).
+        waited_s: Time spent in the queue.
+        ticket: The granted ticket, until the request counts itself at its endpoint.
+    """
+
+    model: Model
+    downgraded_from: Model | None = None
+    note: str | None = None
+    waited_s: float = 0.0
+    ticket: Ticket | None = None
+
+
+@dataclass(slots=True)
+class _Waiter:
+    future: asyncio.Future[None]
+    timer: asyncio.TimerHandle
+    pools: tuple[str, ...]
+
+
+class _PoolState:
+    __slots__ = ("drained", "drained_tokens", "pool", "queues")
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.queues = PoolQueues()
+        self.drained: deque[tuple[float, int]] = deque()
+        self.drained_tokens = 0
+
+    def finished(self, now: float, tokens: int) -> None:
+        """Count a finished request of ``tokens`` towards the drain rate."""
+        self.drained.append((now, tokens))
+        self.drained_tokens += tokens
+        self._forget(now)
+
+    def _forget(self, now: float) -> None:
+        drained = self.drained
+        while drained and drained[0][0] < now - DRAIN_WINDOW_S:
+            self.drained_tokens -= drained.popleft()[1]
+
+    def drain_rate(self, now: float) -> float | None:
+        """Tokens of finished requests per second over the last window (None until enough finished)."""
+        self._forget(now)
+        if len(self.drained) < DRAIN_MIN_SAMPLES:
+            return None
+        return self.drained_tokens / max(1.0, now - self.drained[0][0])
+
+
+class FlowController:
+    """Per-pool queues of one gateway process (see the module doc)."""
+
+    def __init__(self, endpoints: EndpointRegistry, metrics: GatewayMetrics, enabled: bool = True) -> None:
+        self.endpoints = endpoints
+        self.metrics = metrics
+        self.enabled = enabled
+        self._pools: dict[str, _PoolState] = {}
+        self._kicked: set[str] = set()
+
+    # --- load ---------------------------------------------------------------------------------
+
+    def utilisation(self, pool: Pool, now: float) -> float:
+        """The pool's utilisation: that of its least-loaded endpoint out of cool-down (all, if none is)."""
+        registry = self.endpoints
+        states = [registry.state(url) for url in pool.endpoints]
+        healthy = [s for s in states if s.healthy(now)] or states
+        age = registry.signal_max_age
+        return min(s.utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs) for s in healthy)
+
+    def _state(self, pool: Pool) -> _PoolState:
+        state = self._pools.get(pool.name)
+        if state is None:
+            state = self._pools[pool.name] = _PoolState(pool)
+        else:
+            state.pool = pool  # the latest policy's view of it
+        return state
+
+    def _room(self, pools: Sequence[Pool], cls: ClassDecision, now: float) -> tuple[bool, float]:
+        """Whether a pool of ``pools`` takes a newcomer of ``cls`` now, and the least utilisation."""
+        room, least = False, math.inf
+        for pool in pools:
+            u = self.utilisation(pool, now)
+            least = min(least, u)
+            if self._state(pool).queues.has_room(cls.cls.lane, u, cls.cls.dispatch_ceiling):
+                room = True
+        return room, least
+
+    # --- the request's side ---------------------------------------------------------------------
+
+    async def schedule(self, snapshot: PolicySnapshot, model: Model, cls: ClassDecision, cost: int, tenant: str,
+                       needed_tokens: int, disconnected: Callable[[], Awaitable[Any]]) -> Scheduled:
+        """Capacity for a request of ``cost`` tokens to ``model``: go now, downgraded, after a wait, or 503.
+
+        ``disconnected`` is awaited while the request waits; when it returns, the client is gone.
+
+        Raises:
+            Overloaded: shed (above the class's threshold, deadline passed, or predicted to pass).
+            ClientLeft: the client went away while the request waited.
+        """
+        if not self.enabled:
+            return Scheduled(model)
+        now = time.monotonic()
+        klass = cls.cls
+        pools = snapshot.model_pools[model.name]
+        room, least = self._room(pools, cls, now)
+        shed_at = klass.shed_above_utilisation
+        above = shed_at is not None and least > shed_at
+        if above or not room:
+            target = downgrade_target(snapshot, model, cls.name, needed_tokens)
+            if target is not None:
+                target_room, target_least = self._room(snapshot.model_pools[target.name], cls, now)
+                if target_room and not (shed_at is not None and target_least > shed_at):
+                    reason = "shed_threshold" if above else "saturated"
+                    self.metrics.downgrades.labels(cls.name, reason, model.name).inc()
+                    why = f"above the {shed_at:g} threshold of class {cls.name}" if above else "saturated"
+                    # A response header: ASCII only.
+                    note = (f"{model.name} -> {target.name}: the pools of {model.name} are {why} "
+                            f"(utilisation {least:.2f})")
+                    return Scheduled(target, model, note)
+        if above:
+            assert shed_at is not None
+            self.metrics.shed.labels(cls.name, "utilisation").inc()
+            raise Overloaded(
+                f"Shed: the pools of model {model.name} are at utilisation {least:.2f}, above the {shed_at:g} "
+                f"threshold of priority class {cls.name}. Retry later or with a higher tier.",
+                code="shed_utilisation", headers={"Retry-After": "1"})
+        if room:
+            return Scheduled(model)
+        return await self._wait(pools, cls, cost, tenant, now, model, disconnected)
+
+    async def _wait(self, pools: Sequence[Pool], cls: ClassDecision, cost: int, tenant: str, now: float,
+                    model: Model, disconnected: Callable[[], Awaitable[Any]]) -> Scheduled:
+        klass = cls.cls
+        deadline_s = klass.queue_deadline_s
+        predictions = []
+        for pool in pools:
+            state = self._state(pool)
+            rate = state.drain_rate(now)
+            if rate is None:
+                break
+            predictions.append(state.queues.lane(klass.lane).tokens_before(tenant, cls.rank) / rate)
+        else:
+            predicted = min(predictions)
+            if predicted > deadline_s:
+                self.metrics.shed.labels(cls.name, "predicted_wait").inc()
+                raise Overloaded(
+                    f"Shed: the predicted wait for model {model.name} ({predicted:.1f} s) exceeds the "
+                    f"{deadline_s * 1000:g} ms queue deadline of priority class {cls.name}.",
+                    code="queue_wait_too_long", headers={"Retry-After": str(max(1, math.ceil(predicted)))})
+        loop = asyncio.get_running_loop()
+        ticket = Ticket(tenant, cls.name, cls.rank, klass.lane, cost, klass.dispatch_ceiling, now, now + deadline_s)
+        names = tuple(p.name for p in pools)
+        waiter = _Waiter(loop.create_future(), loop.call_at(ticket.deadline, self._expire, names), names)
+        ticket.waiter = waiter
+        for pool in pools:
+            self._state(pool).queues.lane(klass.lane).push(ticket)
+        self._gauge(ticket)
+        for name in names:
+            self._kick(name)
+        watcher = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait((waiter.future, watcher), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            if ticket.state == GRANTED:  # cancelled just after its grant: the pool must not wait for it
+                self.dispatched(ticket)
+            raise
+        finally:
+            watcher.cancel()
+            waiter.timer.cancel()
+            if ticket.waiting:  # the client left, or this task was cancelled
+                ticket.leave(LEFT)
+                self.metrics.queue_left.labels(cls.name).inc()
+                self._gauge(ticket)
+        waited = time.monotonic() - now
+        if ticket.state == GRANTED:
+            return Scheduled(model, waited_s=waited, ticket=ticket)
+        if ticket.state == EXPIRED:
+            self.metrics.shed.labels(cls.name, "deadline").inc()
+            raise Overloaded(
+                f"Shed: the request waited {waited * 1000:.0f} ms for model {model.name}, the queue deadline of "
+                f"priority class {cls.name} ({deadline_s * 1000:g} ms); its pools stayed saturated.",
+                code="queue_deadline_exceeded", headers={"Retry-After": str(max(1, math.ceil(deadline_s)))})
+        raise ClientLeft("The client closed the connection while the request waited in the queue.")
+
+    def dispatched(self, ticket: Ticket | None) -> None:
+        """A granted request counted itself at its endpoint (or gave up): its pool may grant again."""
+        if ticket is None or ticket.granted_by is None:
+            return
+        state = self._pools.get(ticket.granted_by)
+        if state is not None and state.queues.dispatched(ticket):
+            self._kick(ticket.granted_by)
+
+    def released(self, pool: str, tokens: int) -> None:
+        """A request of ``tokens`` finished at ``pool``: it counts towards the drain rate and frees room."""
+        if not self.enabled:
+            return
+        state = self._pools.get(pool)
+        if state is None:
+            return
+        state.finished(time.monotonic(), tokens)
+        if state.queues.waiting():
+            self._kick(pool)
+
+    # --- the pools' side ---------------------------------------------------------------------
+
+    def _kick(self, name: str) -> None:
+        if name not in self._kicked:
+            self._kicked.add(name)
+            asyncio.get_running_loop().call_soon(self._pump, name)
+
+    def _pump(self, name: str) -> None:
+        """Grant the pool's next request if it has room."""
+        self._kicked.discard(name)
+        state = self._pools.get(name)
+        if state is None:
+            return
+        now = time.monotonic()
+        self._fail_expired(state, now)
+        u = self.utilisation(state.pool, now)
+        self.metrics.utilisation.labels(name).set(u)
+        ticket = state.queues.next_grant(u)
+        if ticket is None:
+            return
+        state.queues.grant(ticket, name)
+        self.metrics.queue_wait.labels(name, ticket.lane, ticket.class_name).observe(now - ticket.enqueued)
+        self._gauge(ticket)
+        waiter: _Waiter = ticket.waiter
+        if not waiter.future.done():
+            waiter.future.set_result(None)
+
+    def _expire(self, names: tuple[str, ...]) -> None:
+        now = time.monotonic()
+        for name in names:
+            state = self._pools.get(name)
+            if state is not None:
+                self._fail_expired(state, now)
+
+    def _fail_expired(self, state: _PoolState, now: float) -> None:
+        for ticket in state.queues.expire(now):
+            self._gauge(ticket)
+            waiter: _Waiter = ticket.waiter
+            if not waiter.future.done():
+                waiter.future.set_result(None)
+
+    def _gauge(self, ticket: Ticket) -> None:
+        """Show the depth of ``ticket``'s class in every queue it was in."""
+        waiter: _Waiter = ticket.waiter
+        for name in waiter.pools:
+            state = self._pools.get(name)
+            if state is not None:
+                depth = state.queues.lane(ticket.lane).depth(ticket.rank)
+                self.metrics.queue_depth.labels(name, ticket.lane, ticket.class_name).set(depth)
+
+    async def run(self) -> None:
+        """Re-examine pools with waiting requests every ``TICK_S`` (cancel the task to stop)."""
+        while True:
+            await asyncio.sleep(TICK_S)
+            for name, state in list(self._pools.items()):
+                if state.queues.waiting():
+                    self._pump(name)
+
+    def waiting(self) -> int:
+        """Requests waiting in any queue (each counted once per pool it waits for)."""
+        return sum(state.queues.waiting() for state in self._pools.values())
+
+
+async def never() -> None:
+    """A disconnect signal that never fires (for callers that cannot see their client)."""
+    await asyncio.Event().wait()
+

@@ -1,0 +1,299 @@
+"""The gateway's flow controller on a real endpoint registry: go, queue, grant, shed, downgrade, leave."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from switchyard.decide.flow import ClassDecision, classify
+from switchyard.engines.endpoints import EndpointRegistry, EngineSignals
+from switchyard.gateway.errors import Overloaded
+from switchyard.gateway.flow import ClientLeft, FlowController, Scheduled, never
+from switchyard.gateway.metrics import GatewayMetrics
+from switchyard.policy import PolicySnapshot, compile_policy
+from tests.unit.policy.base import base, to_yaml
+
+BIG = "http://127.0.0.1:9101"
+SPARE = "http://127.0.0.1:9102"
+
+
+@pytest.fixture
+def snapshot() -> PolicySnapshot:
+    doc = base()
+    doc["pools"] = [
+        {"name": "big", "region": "us-east", "served_model": "b", "endpoints": [BIG], "kv_cache_tokens": 10000,
+         "max_num_seqs": 2},
+        {"name": "spare", "region": "us-east", "served_model": "s", "endpoints": [SPARE], "kv_cache_tokens": 10000},
+    ]
+    doc["models"] = [
+        {"name": "big", "pools": ["big"], "context_window": 8192, "price": {"input_per_mtok": 1, "output_per_mtok": 1},
+         "on_saturation": {"downgrade_to": "spare", "classes": ["standard"]}},
+        {"name": "spare", "pools": ["spare"], "context_window": 4096,
+         "price": {"input_per_mtok": 1, "output_per_mtok": 1}},
+    ]
+    doc["routes"] = []
+    doc["priorities"] = {
+        "critical": {"max_queue_ms": 2000},
+        "standard": {"max_queue_ms": 1000},
+        "sheddable": {"max_queue_ms": 100, "shed_above_utilisation": 0.4},
+        "low": {"max_queue_ms": 1500},
+        "batch": {"lane": "batch", "max_queue_ms": 2000, "max_utilisation": 0.5},
+    }
+    doc["tiers"] = [{"name": t, "priority": t, "models": ["*"]}
+                    for t in ("critical", "standard", "sheddable", "low", "batch")]
+    doc["cache"] = []
+    doc["tests"] = []
+    return compile_policy(to_yaml(doc))
+
+
+@pytest.fixture
+def flow() -> FlowController:
+    return FlowController(EndpointRegistry(), GatewayMetrics())
+
+
+def cls(snapshot: PolicySnapshot, name: str) -> ClassDecision:
+    return classify(snapshot, name, None, None)
+
+
+def sample(flow: FlowController, name: str, **labels: str) -> float:
+    value = flow.metrics.registry.get_sample_value(name, labels)
+    return value or 0.0
+
+
+async def schedule(flow: FlowController, snapshot: PolicySnapshot, klass: str, tenant: str = "t",
+                   model: str = "big", cost: int = 100, gone: asyncio.Event | None = None) -> Scheduled:
+    async def disconnected() -> None:
+        if gone is None:
+            await never()
+        else:
+            await gone.wait()
+
+    return await flow.schedule(snapshot, snapshot.models[model], cls(snapshot, klass), cost, tenant, 500,
+                               disconnected)
+
+
+def fill(flow: FlowController, n: int = 2, url: str = BIG) -> None:
+    for _ in range(n):
+        flow.endpoints.acquire(url, 100)
+
+
+def finish(flow: FlowController, url: str = BIG, pool: str = "big") -> None:
+    flow.endpoints.release(url, 100)
+    flow.released(pool, 100)
+
+
+async def test_a_request_goes_at_once_while_the_pool_has_room(flow: FlowController,
+                                                             snapshot: PolicySnapshot) -> None:
+    fill(flow, 1)
+    done = await schedule(flow, snapshot, "critical")
+    assert done.model.name == "big" and done.ticket is None and done.waited_s == 0
+
+
+async def test_at_saturation_requests_queue_and_higher_classes_are_granted_first(
+        flow: FlowController, snapshot: PolicySnapshot) -> None:
+    fill(flow)  # max_num_seqs 2: saturated
+    order: list[str] = []
+
+    async def one(klass: str, label: str) -> None:
+        got = await schedule(flow, snapshot, klass)
+        order.append(label)
+        flow.endpoints.acquire(BIG, 100)
+        flow.dispatched(got.ticket)
+
+    low = asyncio.create_task(one("low", "low"))
+    await asyncio.sleep(0.01)
+    critical = asyncio.create_task(one("critical", "critical"))
+    await asyncio.sleep(0.01)
+    assert flow.waiting() == 2
+    assert sample(flow, "switchyard_queue_depth", pool="big", lane="interactive", **{"class": "low"}) == 1
+    finish(flow)
+    await critical
+    assert order == ["critical"]
+    finish(flow)
+    await low
+    assert order == ["critical", "low"]
+    assert sample(flow, "switchyard_queue_depth", pool="big", lane="interactive", **{"class": "low"}) == 0
+    assert sample(flow, "switchyard_queue_wait_seconds_count", pool="big", lane="interactive",
+                  **{"class": "critical"}) == 1
+
+
+async def test_one_freed_slot_is_granted_once(flow: FlowController, snapshot: PolicySnapshot) -> None:
+    fill(flow)
+    waiting = [asyncio.create_task(schedule(flow, snapshot, "critical")) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    finish(flow)
+    await asyncio.sleep(0.05)
+    done = [t for t in waiting if t.done()]
+    assert len(done) == 1  # the grant is in transit until it reaches its endpoint
+    flow.endpoints.acquire(BIG, 100)
+    flow.dispatched(done[0].result().ticket)
+    await asyncio.sleep(0.05)
+    assert sum(t.done() for t in waiting) == 1  # full again: nobody else is granted
+    for t in waiting:
+        t.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    assert flow.waiting() == 0
+
+
+async def test_a_request_past_its_deadline_is_shed_with_503(flow: FlowController, snapshot: PolicySnapshot) -> None:
+    fill(flow)
+    with pytest.raises(Overloaded) as caught:
+        await schedule(flow, snapshot, "critical")
+    err = caught.value
+    assert err.status_code == 503 and err.code == "queue_deadline_exceeded"
+    assert err.headers is not None and err.headers["Retry-After"] == "2"
+    assert "critical" in err.message
+    assert flow.waiting() == 0
+    assert sample(flow, "switchyard_shed_total", reason="deadline", **{"class": "critical"}) == 1
+
+
+async def test_sheddable_requests_are_refused_at_once_above_their_threshold(
+        flow: FlowController, snapshot: PolicySnapshot) -> None:
+    flow.endpoints.acquire(BIG, 100)  # one of two sequence slots: utilisation 0.5 > 0.4
+    with pytest.raises(Overloaded) as caught:
+        await schedule(flow, snapshot, "sheddable")
+    assert caught.value.code == "shed_utilisation"
+    assert caught.value.headers == {"Retry-After": "1"}
+    assert sample(flow, "switchyard_shed_total", reason="utilisation", **{"class": "sheddable"}) == 1
+    # The same load lets a standard request through.
+    assert (await schedule(flow, snapshot, "standard")).model.name == "big"
+
+
+async def test_a_saturated_model_downgrades_the_classes_it_names(flow: FlowController,
+                                                                 snapshot: PolicySnapshot) -> None:
+    fill(flow)
+    done = await schedule(flow, snapshot, "standard")
+    assert done.model.name == "spare" and done.downgraded_from is not None
+    assert done.downgraded_from.name == "big"
+    assert done.note is not None and done.note.startswith("big -> spare: the pools of big are saturated")
+    assert done.note.isascii()
+    assert sample(flow, "switchyard_downgrades_total", reason="saturated", model="big",
+                  **{"class": "standard"}) == 1
+    # Critical is not one of the classes: it waits for big instead.
+    waiting = asyncio.create_task(schedule(flow, snapshot, "critical"))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    finish(flow)
+    assert (await waiting).model.name == "big"
+
+
+async def test_no_downgrade_to_a_saturated_model(flow: FlowController, snapshot: PolicySnapshot) -> None:
+    fill(flow)
+    for _ in range(101):  # spare: 10100 reserved tokens of 10000
+        flow.endpoints.acquire(SPARE, 100)
+    with pytest.raises(Overloaded) as caught:
+        await schedule(flow, snapshot, "standard")
+    assert caught.value.code == "queue_deadline_exceeded"
+
+
+async def test_a_client_that_leaves_leaves_the_queue(flow: FlowController, snapshot: PolicySnapshot) -> None:
+    fill(flow)
+    gone = asyncio.Event()
+    waiting = asyncio.create_task(schedule(flow, snapshot, "critical", gone=gone))
+    await asyncio.sleep(0.01)
+    assert flow.waiting() == 1
+    gone.set()
+    with pytest.raises(ClientLeft):
+        await waiting
+    assert flow.waiting() == 0
+    assert sample(flow, "switchyard_queue_abandoned_total", **{"class": "critical"}) == 1
+    # The slot it would have had goes to the next one.
+    nxt = asyncio.create_task(schedule(flow, snapshot, "critical"))
+    await asyncio.sleep(0.01)
+    finish(flow)
+    assert (await nxt).ticket is not None
+
+
+async def test_a_cancelled_grant_does_not_block_the_pool(flow: FlowController, snapshot: PolicySnapshot) -> None:
+    fill(flow)
+    first = asyncio.create_task(schedule(flow, snapshot, "critical"))
+    second = asyncio.create_task(schedule(flow, snapshot, "critical"))
+    await asyncio.sleep(0.01)
+    finish(flow)
+    granted = await first
+    flow.dispatched(granted.ticket)  # what the proxy does when it gives up before sending
+    await asyncio.sleep(0.05)
+    assert (await second).ticket is not None
+
+
+async def test_the_predicted_wait_refuses_at_once(flow: FlowController, snapshot: PolicySnapshot) -> None:
+    await schedule(flow, snapshot, "critical")  # the pool is known from now on
+    fill(flow)
+    for _ in range(5):  # 5 x 100 tokens finished just now: 500 tokens/s (the window counts at least 1 s)
+        flow.endpoints.acquire(BIG, 100)
+        finish(flow)
+    queued = [asyncio.create_task(schedule(flow, snapshot, "critical", tenant=f"t{i}", cost=600)) for i in range(2)]
+    await asyncio.sleep(0.01)
+    # 1200 tokens ahead of a newcomer at 500 tokens/s: 2.4 s, over critical's 2 s deadline. Its own size
+    # does not count (it waits only until it starts).
+    with pytest.raises(Overloaded) as caught:
+        await schedule(flow, snapshot, "critical", cost=1)
+    assert caught.value.code == "queue_wait_too_long"
+    assert caught.value.headers == {"Retry-After": "3"}
+    assert sample(flow, "switchyard_shed_total", reason="predicted_wait", **{"class": "critical"}) == 1
+    for t in queued:
+        t.cancel()
+    await asyncio.gather(*queued, return_exceptions=True)
+
+
+async def test_batch_waits_for_the_interactive_lane_and_its_ceiling(flow: FlowController,
+                                                                    snapshot: PolicySnapshot) -> None:
+    flow.endpoints.acquire(BIG, 100)  # utilisation 0.5: at the batch ceiling
+    bulk = asyncio.create_task(schedule(flow, snapshot, "batch"))
+    await asyncio.sleep(0.01)
+    assert not bulk.done()
+    # Interactive work still goes while the pool has room.
+    assert (await schedule(flow, snapshot, "critical")).ticket is None
+    flow.endpoints.acquire(BIG, 100)
+    finish(flow)
+    await asyncio.sleep(0.01)
+    assert not bulk.done()  # still one in flight: utilisation 0.5
+    finish(flow)
+    got = await asyncio.wait_for(bulk, 1)
+    assert got.ticket is not None and got.ticket.lane == "batch"
+
+
+async def test_turned_off_it_never_queues_or_sheds(snapshot: PolicySnapshot) -> None:
+    flow = FlowController(EndpointRegistry(), GatewayMetrics(), enabled=False)
+    fill(flow, 10)
+    for klass in ("critical", "standard", "sheddable", "low", "batch"):
+        done = await schedule(flow, snapshot, klass)
+        assert done.model.name == "big" and done.ticket is None
+
+
+def test_utilisation_combines_own_accounting_and_the_engines_signals() -> None:
+    registry = EndpointRegistry(signal_max_age=3.0)
+    state = registry.state(BIG)
+    assert state.utilisation(0.0, 3.0, 1000, None) == 0.0
+    registry.acquire(BIG, 250)
+    assert state.utilisation(0.0, 3.0, 1000, None) == 0.25
+    assert state.utilisation(0.0, 3.0, 1000, 2) == 0.5  # one of two sequence slots
+    # Another gateway's traffic shows in the scrape: KV usage 0.6 plus what was sent since.
+    registry.record_scrape(BIG, EngineSignals(running=3, waiting=0, kv_usage=0.6, prefix_queries=0,
+                                              prefix_hits=0), now=10.0)
+    registry.acquire(BIG, 100)
+    assert state.utilisation(10.0, 3.0, 1000, None) == pytest.approx(0.7)
+    assert state.utilisation(10.0, 3.0, 1000, 4) == pytest.approx(1.0)  # 3 running + 1 sent since, of 4
+    assert state.utilisation(20.0, 3.0, 1000, None) == pytest.approx(0.35)  # stale scrape: own only
+    # A queue inside the engine means saturated, until finished requests have let it in.
+    registry.record_scrape(BIG, EngineSignals(running=4, waiting=2, kv_usage=0.5, prefix_queries=0,
+                                              prefix_hits=0), now=30.0)
+    assert state.utilisation(30.0, 3.0, 1000, None) == pytest.approx(1.5)
+    registry.release(BIG, 100)
+    registry.release(BIG, 250)
+    assert state.utilisation(30.0, 3.0, 1000, None) == pytest.approx(0.15)
+
+
+async def test_degrade_before_shedding(flow: FlowController, snapshot: PolicySnapshot) -> None:
+    doc = snapshot.document.model_dump(by_alias=True, exclude_none=True)
+    doc["models"][0]["on_saturation"]["classes"] = ["standard", "sheddable"]
+    both = compile_policy(to_yaml(doc))
+    flow.endpoints.acquire(BIG, 100)  # utilisation 0.5: above sheddable's 0.4, not saturated
+    done = await schedule(flow, both, "sheddable")
+    assert done.model.name == "spare"
+    assert done.note is not None and "above the 0.4 threshold of class sheddable" in done.note
+    assert sample(flow, "switchyard_downgrades_total", reason="shed_threshold", model="big",
+                  **{"class": "sheddable"}) == 1
+    # Standard is under its ceiling here: it stays on big.
+    assert (await schedule(flow, both, "standard")).model.name == "big"
