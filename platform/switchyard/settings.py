@@ -44,8 +44,8 @@ class Settings(BaseSettings):
     )
     flow_control: bool = Field(
         default=True,
-        description="Priority queues, deadlines, shedding, downgrades and engine priorities. Off: every "
-        "request goes straight to the engines in arrival order (the baseline `switchyard bench` compares with).",
+        description="The gateway's priority queues, deadlines, shedding and downgrades. Off: every request goes "
+        "straight to the engines (which still get a `priority` where the pool has `priority_scheduling`).",
     )
     max_attempts: int = Field(
         default=3, ge=1, le=10, description="Most engines one request is sent to (first try plus fallbacks)."

@@ -279,6 +279,7 @@ def test_interactive_work_overtakes_batch_and_a_deadline_sheds(flow_gw: Gateway)
     assert body["code"] == "queue_deadline_exceeded" and "standard" in body["message"]
     assert err.response.headers["retry-after"] == "3"
     assert err.response.headers["x-request-id"]
+    assert err.response.headers["x-switchyard-class"] == "class standard (tier standard)"
 
 
 def test_a_request_may_lower_its_class_but_not_name_an_unknown_one(flow_gw: Gateway) -> None:

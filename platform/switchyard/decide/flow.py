@@ -331,11 +331,15 @@ class PoolQueues:
     def lane(self, lane: Lane) -> FairQueue:
         return self.batch if lane == "batch" else self.interactive
 
+    def saturated(self, lane: Lane, utilisation: float, ceiling: float) -> bool:
+        """Whether the pool is full for a newcomer of ``lane``: at ``ceiling``, or somebody waits before it."""
+        if utilisation >= ceiling or len(self.interactive):
+            return True
+        return lane == "batch" and len(self.batch) > 0
+
     def has_room(self, lane: Lane, utilisation: float, ceiling: float) -> bool:
-        """Whether a newcomer of ``lane`` may go now: nobody queued before it and the pool under ``ceiling``."""
-        if self.in_transit is not None or utilisation >= ceiling or len(self.interactive):
-            return False
-        return lane == "interactive" or not len(self.batch)
+        """Whether a newcomer of ``lane`` may go now: not :meth:`saturated` and no grant in transit."""
+        return self.in_transit is None and not self.saturated(lane, utilisation, ceiling)
 
     def next_grant(self, utilisation: float) -> Ticket | None:
         """The ticket to serve now that the pool is at ``utilisation``, if any (see the module doc)."""

@@ -140,15 +140,20 @@ class FlowController:
             state.pool = pool  # the latest policy's view of it
         return state
 
-    def _room(self, pools: Sequence[Pool], cls: ClassDecision, now: float) -> tuple[bool, float]:
-        """Whether a pool of ``pools`` takes a newcomer of ``cls`` now, and the least utilisation."""
-        room, least = False, math.inf
+    def _room(self, pools: Sequence[Pool], cls: ClassDecision, now: float) -> tuple[bool, bool, float]:
+        """For a newcomer of ``cls``: may it go now to one of ``pools``, are they all saturated, least utilisation.
+
+        (Neither, when the only obstacle is a grant in transit: the newcomer waits a moment.)
+        """
+        room, saturated, least = False, True, math.inf
+        lane, ceiling = cls.cls.lane, cls.cls.dispatch_ceiling
         for pool in pools:
             u = self.utilisation(pool, now)
             least = min(least, u)
-            if self._state(pool).queues.has_room(cls.cls.lane, u, cls.cls.dispatch_ceiling):
-                room = True
-        return room, least
+            queues = self._state(pool).queues
+            room = room or queues.has_room(lane, u, ceiling)
+            saturated = saturated and queues.saturated(lane, u, ceiling)
+        return room, saturated, least
 
     # --- the request's side ---------------------------------------------------------------------
 
@@ -167,14 +172,14 @@ class FlowController:
         now = time.monotonic()
         klass = cls.cls
         pools = snapshot.model_pools[model.name]
-        room, least = self._room(pools, cls, now)
+        room, saturated, least = self._room(pools, cls, now)
         shed_at = klass.shed_above_utilisation
         above = shed_at is not None and least > shed_at
-        if above or not room:
+        if above or saturated:
             target = downgrade_target(snapshot, model, cls.name, needed_tokens)
             if target is not None:
-                target_room, target_least = self._room(snapshot.model_pools[target.name], cls, now)
-                if target_room and not (shed_at is not None and target_least > shed_at):
+                _, target_saturated, target_least = self._room(snapshot.model_pools[target.name], cls, now)
+                if not target_saturated and not (shed_at is not None and target_least > shed_at):
                     reason = "shed_threshold" if above else "saturated"
                     self.metrics.downgrades.labels(cls.name, reason, model.name).inc()
                     why = f"above the {shed_at:g} threshold of class {cls.name}" if above else "saturated"

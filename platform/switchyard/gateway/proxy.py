@@ -217,9 +217,8 @@ class Proxy:
             runtime.metrics.requests.labels(decision.model.name, "-", "429").inc()
             raise
         flow = runtime.flow
-        request_state = _Request(kind, body, raw, bool(body.get("stream")),
-                                 cls.engine_priority if flow.enabled else None, features, rid, started,
-                                 identity, prompt_tokens, lease, cls, est.tokens)
+        request_state = _Request(kind, body, raw, bool(body.get("stream")), cls.engine_priority, features, rid,
+                                 started, identity, prompt_tokens, lease, cls, est.tokens)
         try:
             try:
                 scheduled = await flow.schedule(snapshot, decision.model, cls, est.tokens, str(identity.tenant_id),
@@ -227,7 +226,8 @@ class Proxy:
                                                 functools.partial(_disconnected, request))
             except ApiError as refused:
                 runtime.metrics.requests.labels(decision.model.name, "-", str(refused.status_code)).inc()
-                refused.headers = {"x-request-id": rid, **lease.headers, **(refused.headers or {})}
+                refused.headers = {"x-request-id": rid, **lease.headers, "x-switchyard-class": cls.trace,
+                                   **(refused.headers or {})}
                 raise
             request_state.ticket = scheduled.ticket
             return await self._dispatch(request_state, snapshot, decision, scheduled)
@@ -397,7 +397,7 @@ class _Request:
     body: dict[str, Any]
     raw: bytes
     stream: bool
-    priority: int | None
+    priority: int
     features: RequestFeatures
     rid: str
     started: float

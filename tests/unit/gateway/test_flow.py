@@ -297,3 +297,17 @@ async def test_degrade_before_shedding(flow: FlowController, snapshot: PolicySna
                   **{"class": "sheddable"}) == 1
     # Standard is under its ceiling here: it stays on big.
     assert (await schedule(flow, both, "standard")).model.name == "big"
+
+
+async def test_a_grant_in_transit_is_not_saturation(flow: FlowController, snapshot: PolicySnapshot) -> None:
+    fill(flow)
+    first = asyncio.create_task(schedule(flow, snapshot, "critical"))
+    await asyncio.sleep(0.01)
+    finish(flow)
+    granted = await first  # in transit: the pool is at 0.5 with nobody waiting
+    newcomer = asyncio.create_task(schedule(flow, snapshot, "standard"))
+    await asyncio.sleep(0.01)
+    assert not newcomer.done()  # it waits a moment instead of being downgraded
+    flow.dispatched(granted.ticket)
+    done = await asyncio.wait_for(newcomer, 1)
+    assert done.model.name == "big" and done.downgraded_from is None

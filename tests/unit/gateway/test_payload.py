@@ -22,7 +22,7 @@ def pool(served: str, priority_scheduling: bool) -> Pool:
 STANDARD = ClassDecision("standard", PriorityClass(max_queue_ms=1000), 0, 10, "standard", "class standard")
 
 
-def request(body: dict[str, object], priority: int | None) -> _Request:
+def request(body: dict[str, object], priority: int) -> _Request:
     raw = msgspec.json.encode(body)
     return _Request("chat", body, raw, False, priority, chat_features(body, {}), "rid", 0.0,
                     KeyIdentity(1, 1, "tenant", "pro"), 0, Lease(None, None, []), STANDARD, 100)
@@ -52,9 +52,3 @@ def test_a_class_name_never_reaches_an_engine() -> None:
     req = request(body, 10)
     assert json.loads(req.payload_for(pool("llama", True)))["priority"] == 10
     assert "priority" not in json.loads(req.payload_for(pool("llama", False)))
-
-
-def test_without_flow_control_no_engine_gets_a_priority() -> None:
-    body = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "priority": 5}
-    req = request(body, None)
-    assert "priority" not in json.loads(req.payload_for(pool("llama", True)))
