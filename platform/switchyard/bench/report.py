@@ -212,8 +212,12 @@ def format_value(value: Any, multiplier: float = 1, decimals: int = 3) -> str:
 
 
 def format_ratio(value: float | None) -> str:
-    """A ratio cell: ``1.23x``, or ``MISSING`` when there is none."""
-    return MISSING if value is None else f"{value:.2f}x"
+    """A ratio cell: ``1.23x`` (``0.0032x`` below 0.01, so that a small ratio does not read 0), or ``MISSING``."""
+    if value is None:
+        return MISSING
+    if 0 < abs(value) < 0.01:
+        return f"{value:.2g}x"
+    return f"{value:.2f}x"
 
 
 def _escape(text: object) -> str:
