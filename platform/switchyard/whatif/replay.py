@@ -54,7 +54,8 @@ from switchyard.whatif.fleet import Fleet
 
 #: Request-path stages the replay cannot evaluate yet, with the issue that brings each.
 NOT_MODELLED: tuple[str, ...] = (
-    "flow control (queue deadlines, shedding, issue 5): 503s from shedding cannot be predicted yet",
+    "flow control (the gateway's queues, deadlines, shedding and downgrades; issue 5): the replay sends every "
+    "admitted request straight to its engine, so it predicts no 503 from shedding and no downgrade",
     "response cache (issue 8): only the engines' prefix cache is counted",
 )
 #: How often (in arrivals) finished requests are collected, so their prompts do not pile up.
