@@ -322,12 +322,16 @@ class FlowController:
                 self.metrics.queue_depth.labels(name, ticket.lane, ticket.class_name).set(depth)
 
     async def run(self) -> None:
-        """Re-examine pools with waiting requests every ``TICK_S`` (cancel the task to stop)."""
+        """Re-examine pools with waiting requests every ``TICK_S``, and show every pool's utilisation
+        (cancel the task to stop)."""
         while True:
             await asyncio.sleep(TICK_S)
+            now = time.monotonic()
             for name, state in list(self._pools.items()):
                 if state.queues.waiting():
                     self._pump(name)
+                else:
+                    self.metrics.utilisation.labels(name).set(self.utilisation(state.pool, now))
 
     def waiting(self) -> int:
         """Requests waiting in any queue (each counted once per pool it waits for)."""

@@ -78,7 +78,8 @@ class GatewayMetrics:
             "class.", ["class"], registry=self.registry)
         self.utilisation = Gauge(
             "switchyard_pool_utilisation", "Utilisation of each pool's least-loaded endpoint as flow control "
-            "sees it (1 = saturated), updated when the pool's queue moves.", ["pool"], registry=self.registry)
+            "sees it (1 = saturated), for pools that served a request since start-up.", ["pool"],
+            registry=self.registry)
 
     def usage_counters(self, model: str) -> tuple[Counter, Counter, Counter, Counter]:
         """The prompt, completion, cached-token and spend counters of ``model`` (looked up once per model)."""

@@ -311,3 +311,12 @@ async def test_a_grant_in_transit_is_not_saturation(flow: FlowController, snapsh
     flow.dispatched(granted.ticket)
     done = await asyncio.wait_for(newcomer, 1)
     assert done.model.name == "big" and done.downgraded_from is None
+
+
+async def test_the_tick_shows_every_known_pools_utilisation(flow: FlowController, snapshot: PolicySnapshot) -> None:
+    await schedule(flow, snapshot, "critical")
+    flow.endpoints.acquire(BIG, 100)
+    ticking = asyncio.create_task(flow.run())
+    await asyncio.sleep(0.12)
+    ticking.cancel()
+    assert sample(flow, "switchyard_pool_utilisation", pool="big") == 0.5
