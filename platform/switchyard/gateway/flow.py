@@ -14,8 +14,10 @@ picks an endpoint:
 3. **Shed** a class with ``shed_above_utilisation`` at once when its pools are above it.
 4. **Go** when a pool has room.
 5. **Queue** otherwise, in the queue of every pool of the model (whichever frees first serves
-   it), unless the predicted wait (tokens the queue discipline serves before it, divided by the
-   tokens the pool finished per second lately) already exceeds the class's deadline. The request
+   it), unless the predicted wait already exceeds the class's deadline. A saturated pool turns
+   over the tokens it holds once per service time (Little's law), so the wait is predicted as
+   ``tokens served before it * mean service time / tokens in flight there`` (this gateway's
+   requests; the service time is a moving average of its finished requests'). The request
    leaves with 503 when its deadline passes, or quietly when its client disconnects; either way
    its reservation is released.
 
@@ -30,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,10 +45,10 @@ from switchyard.policy.schema import Model, Pool
 
 #: How often pools with waiting requests are re-examined without another trigger.
 TICK_S = 0.05
-#: The window over which a pool's drain rate (tokens finished per second) is measured.
-DRAIN_WINDOW_S = 10.0
-#: Finished requests in the window before the drain rate is trusted for predicting waits.
-DRAIN_MIN_SAMPLES = 5
+#: Weight of the newest finished request in a pool's moving average of service time.
+SERVICE_EWMA = 0.2
+#: Finished requests before the service time is trusted for predicting waits.
+SERVICE_MIN_SAMPLES = 5
 
 
 class ClientLeft(ApiError):
@@ -85,31 +86,25 @@ class _Waiter:
 
 
 class _PoolState:
-    __slots__ = ("drained", "drained_tokens", "pool", "queues")
+    __slots__ = ("pool", "queues", "service_s", "services")
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.queues = PoolQueues()
-        self.drained: deque[tuple[float, int]] = deque()
-        self.drained_tokens = 0
+        self.service_s = 0.0
+        self.services = 0
 
-    def finished(self, now: float, tokens: int) -> None:
-        """Count a finished request of ``tokens`` towards the drain rate."""
-        self.drained.append((now, tokens))
-        self.drained_tokens += tokens
-        self._forget(now)
+    def finished(self, service_s: float) -> None:
+        """Count a request that was served for ``service_s`` towards the mean service time."""
+        self.services += 1
+        weight = max(SERVICE_EWMA, 1.0 / self.services)  # a plain mean until the average has enough samples
+        self.service_s += weight * (service_s - self.service_s)
 
-    def _forget(self, now: float) -> None:
-        drained = self.drained
-        while drained and drained[0][0] < now - DRAIN_WINDOW_S:
-            self.drained_tokens -= drained.popleft()[1]
-
-    def drain_rate(self, now: float) -> float | None:
-        """Tokens of finished requests per second over the last window (None until enough finished)."""
-        self._forget(now)
-        if len(self.drained) < DRAIN_MIN_SAMPLES:
+    def drain_rate(self, in_flight_tokens: int) -> float | None:
+        """Tokens per second the pool finishes while it holds ``in_flight_tokens`` (None: not known yet)."""
+        if self.services < SERVICE_MIN_SAMPLES or in_flight_tokens <= 0 or self.service_s <= 0:
             return None
-        return self.drained_tokens / max(1.0, now - self.drained[0][0])
+        return in_flight_tokens / self.service_s
 
 
 class FlowController:
@@ -205,7 +200,7 @@ class FlowController:
         predictions = []
         for pool in pools:
             state = self._state(pool)
-            rate = state.drain_rate(now)
+            rate = state.drain_rate(sum(self.endpoints.state(url).reserved for url in pool.endpoints))
             if rate is None:
                 break
             predictions.append(state.queues.lane(klass.lane).tokens_before(tenant, cls.rank) / rate)
@@ -260,14 +255,15 @@ class FlowController:
         if state is not None and state.queues.dispatched(ticket):
             self._kick(ticket.granted_by)
 
-    def released(self, pool: str, tokens: int) -> None:
-        """A request of ``tokens`` finished at ``pool``: it counts towards the drain rate and frees room."""
+    def released(self, pool: str, service_s: float) -> None:
+        """A request that was at ``pool`` for ``service_s`` finished: it counts towards the service time and
+        frees room."""
         if not self.enabled:
             return
         state = self._pools.get(pool)
         if state is None:
             return
-        state.finished(time.monotonic(), tokens)
+        state.finished(service_s)
         if state.queues.waiting():
             self._kick(pool)
 

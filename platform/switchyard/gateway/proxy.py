@@ -287,6 +287,7 @@ class Proxy:
         metrics = runtime.metrics
         endpoints = runtime.endpoints
         endpoints.acquire(url, req.cost)
+        sent_at = time.perf_counter()
         if req.ticket is not None:
             runtime.flow.dispatched(req.ticket)
             req.ticket = None
@@ -298,7 +299,7 @@ class Proxy:
             if not released:
                 released = True
                 endpoints.release(url, req.cost)
-                runtime.flow.released(pool, req.cost)
+                runtime.flow.released(pool, time.perf_counter() - sent_at)
                 metrics.in_flight.labels(pool).dec()
 
         def done(status: int) -> None:

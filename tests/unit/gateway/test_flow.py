@@ -78,9 +78,9 @@ def fill(flow: FlowController, n: int = 2, url: str = BIG) -> None:
         flow.endpoints.acquire(url, 100)
 
 
-def finish(flow: FlowController, url: str = BIG, pool: str = "big") -> None:
+def finish(flow: FlowController, url: str = BIG, pool: str = "big", service_s: float = 1.0) -> None:
     flow.endpoints.release(url, 100)
-    flow.released(pool, 100)
+    flow.released(pool, service_s)
 
 
 async def test_a_request_goes_at_once_while_the_pool_has_room(flow: FlowController,
@@ -219,22 +219,29 @@ async def test_a_cancelled_grant_does_not_block_the_pool(flow: FlowController, s
 
 async def test_the_predicted_wait_refuses_at_once(flow: FlowController, snapshot: PolicySnapshot) -> None:
     await schedule(flow, snapshot, "critical")  # the pool is known from now on
-    fill(flow)
-    for _ in range(5):  # 5 x 100 tokens finished just now: 500 tokens/s (the window counts at least 1 s)
+    for _ in range(5):  # five requests served for 1 s each: the mean service time is 1 s
         flow.endpoints.acquire(BIG, 100)
         finish(flow)
-    queued = [asyncio.create_task(schedule(flow, snapshot, "critical", tenant=f"t{i}", cost=600)) for i in range(2)]
+    fill(flow)  # 200 tokens in flight, saturated: it finishes 200 tokens per second
+    queued = [asyncio.create_task(schedule(flow, snapshot, "critical", tenant=f"t{i}", cost=250)) for i in range(2)]
     await asyncio.sleep(0.01)
-    # 1200 tokens ahead of a newcomer at 500 tokens/s: 2.4 s, over critical's 2 s deadline. Its own size
+    # 500 tokens before a newcomer at 200 tokens/s: 2.5 s, over critical's 2 s deadline. Its own size
     # does not count (it waits only until it starts).
     with pytest.raises(Overloaded) as caught:
         await schedule(flow, snapshot, "critical", cost=1)
     assert caught.value.code == "queue_wait_too_long"
     assert caught.value.headers == {"Retry-After": "3"}
+    assert "2.5 s" in caught.value.message
     assert sample(flow, "switchyard_shed_total", reason="predicted_wait", **{"class": "critical"}) == 1
-    for t in queued:
+    # One request fewer ahead: 1.25 s, within the deadline; it queues.
+    queued[1].cancel()
+    await asyncio.sleep(0.01)
+    third = asyncio.create_task(schedule(flow, snapshot, "critical", cost=1))
+    await asyncio.sleep(0.01)
+    assert not third.done()
+    for t in (*queued, third):
         t.cancel()
-    await asyncio.gather(*queued, return_exceptions=True)
+    await asyncio.gather(*queued, third, return_exceptions=True)
 
 
 async def test_batch_waits_for_the_interactive_lane_and_its_ceiling(flow: FlowController,
