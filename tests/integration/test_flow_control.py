@@ -309,6 +309,7 @@ def test_a_request_may_lower_its_class_but_not_name_an_unknown_one(flow_gw: Gate
         client(gw, "standard-quiet").completions.create(model="gated", prompt="hi", max_tokens=5,
                                                         extra_headers={"x-switchyard-priority": "urgent"})
     assert isinstance(caught.value.body, dict) and caught.value.body["code"] == "invalid_priority"
+    assert caught.value.body["param"] == "x-switchyard-priority"
 
 
 def test_a_client_that_disconnects_while_queued_leaves_and_releases_its_reservation(flow_gw: Gateway) -> None:

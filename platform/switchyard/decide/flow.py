@@ -68,10 +68,10 @@ class ClassDecision:
     trace: str
 
 
-def _named_class(snapshot: PolicySnapshot, value: str, param: str) -> str:
+def _named_class(snapshot: PolicySnapshot, value: str, where: str, param: str) -> str:
     if value not in snapshot.priorities:
         known = ", ".join(snapshot.priorities)
-        raise BadPriority(f"Unknown priority class {value!r} in {param}; the policy's classes are: {known}.", param)
+        raise BadPriority(f"Unknown priority class {value!r} in {where}; the policy's classes are: {known}.", param)
     return value
 
 
@@ -87,10 +87,10 @@ def classify(snapshot: PolicySnapshot, tier_name: str, header: str | None, asked
     chosen, by, engine = base, None, snapshot.engine_priority[base]
     wanted: list[tuple[str, str, int | None]] = []
     if header is not None:
-        wanted.append((_named_class(snapshot, header.strip(), f"the {PRIORITY_HEADER} header"),
-                       f"the {PRIORITY_HEADER} header", None))
+        where = f"the {PRIORITY_HEADER} header"
+        wanted.append((_named_class(snapshot, header.strip(), where, PRIORITY_HEADER), where, None))
     if isinstance(asked, str):
-        wanted.append((_named_class(snapshot, asked, "priority"), "the body's priority", None))
+        wanted.append((_named_class(snapshot, asked, "priority", "priority"), "the body's priority", None))
     elif isinstance(asked, int) and not isinstance(asked, bool):
         # vLLM's sense: a larger number is served later. The last class at or below it.
         by_number = base

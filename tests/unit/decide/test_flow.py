@@ -72,7 +72,7 @@ def test_a_request_can_never_raise_its_class(snapshot: PolicySnapshot) -> None:
 
 
 @pytest.mark.parametrize(("header", "asked", "param"), [
-    ("urgent", None, "the x-switchyard-priority header"),
+    ("urgent", None, "x-switchyard-priority"),
     (None, "urgent", "priority"),
     (None, 1.5, "priority"),
     (None, True, "priority"),
