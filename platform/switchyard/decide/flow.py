@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -35,7 +34,6 @@ from switchyard.policy.snapshot import PolicySnapshot
 PRIORITY_HEADER = "x-switchyard-priority"
 
 Lane = Literal["interactive", "batch"]
-LANES: tuple[Lane, ...] = ("interactive", "batch")
 
 
 class BadPriority(ValueError):
@@ -306,10 +304,6 @@ class FairQueue:
             ahead += sum(t.cost for tag, _, t in queue.heap if tag <= start and t.waiting)
         return ahead
 
-    def ranks(self) -> Iterator[int]:
-        """The classes this queue has seen."""
-        return iter(self._classes)
-
     def __len__(self) -> int:
         return self.depth()
 
@@ -368,11 +362,6 @@ class PoolQueues:
     def expire(self, now: float) -> list[Ticket]:
         """Both lanes' expired tickets."""
         return self.interactive.expire(now) + self.batch.expire(now)
-
-    def next_deadline(self) -> float | None:
-        """The earliest deadline of a waiting ticket in either lane."""
-        found = [d for d in (self.interactive.next_deadline(), self.batch.next_deadline()) if d is not None]
-        return min(found) if found else None
 
     def waiting(self) -> int:
         """Tickets waiting in either lane."""
