@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine
 
 from switchyard.store import db
@@ -191,6 +192,14 @@ class Gateway:
     def new_key(self, tenant: str, tier: str) -> str:
         """A new API key for ``tenant`` (created in ``tier`` if new), made with the real CLI."""
         return self.cli("keys", "create", "--tenant", tenant, "--tier", tier).stdout.strip()
+
+
+def gateway_counter(gw: Gateway, name: str, **labels: str) -> float:
+    """The sum of a gateway's ``name`` samples whose labels include ``labels``."""
+    with urllib.request.urlopen(gw.base_url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 GATEWAY_SETTINGS = {

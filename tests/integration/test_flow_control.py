@@ -14,17 +14,15 @@ import random
 import socket
 import subprocess
 import time
-import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import msgspec
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import free_port
-from tests.integration.conftest import SWITCHYARD, Engines, Gateway, start_gateway, stop, wait_http
+from tests.integration.conftest import SWITCHYARD, Engines, Gateway, gateway_counter, start_gateway, stop, wait_http
 
 CLASSES = ("critical", "standard", "sheddable")
 
@@ -103,15 +101,13 @@ def client(gw: Gateway, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=gw.base_url + "/v1", api_key=gw.keys[key], max_retries=0, timeout=60)
 
 
-def metrics(gw: Gateway) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    with urllib.request.urlopen(gw.base_url + "/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
-
-
-def metric(gw: Gateway, name: str, **labels: str) -> float:
-    return sum(v for (n, ls), v in metrics(gw).items() if n == name and set(labels.items()) <= ls)
+async def until(check: Callable[[], bool], failure: str) -> None:
+    """Until ``check()`` holds (two seconds at most)."""
+    for _ in range(200):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(failure)
 
 
 @dataclass
@@ -201,9 +197,9 @@ def test_a_burst_at_twice_capacity_degrades_the_least_important_first(flow_gw: G
     noisy_ok = sum(o.status == 200 for o in noisy) / max(1, len(noisy))
     assert quiet_ok >= noisy_ok, (quiet_ok, noisy_ok, summary)
     # The gateway's metrics tell the same story.
-    assert metric(gw, "switchyard_shed_total", **{"class": "sheddable"}) >= len(shed)
-    assert metric(gw, "switchyard_queue_wait_seconds_count", pool="busy", lane="interactive") > 0
-    assert metric(gw, "switchyard_queue_depth", pool="busy") == 0  # everything left the queue
+    assert gateway_counter(gw, "switchyard_shed_total", **{"class": "sheddable"}) >= len(shed)
+    assert gateway_counter(gw, "switchyard_queue_wait_seconds_count", pool="busy", lane="interactive") > 0
+    assert gateway_counter(gw, "switchyard_queue_depth", pool="busy") == 0  # everything left the queue
 
 
 async def blocker(gw: Gateway, max_tokens: int) -> openai.types.Completion:
@@ -213,11 +209,8 @@ async def blocker(gw: Gateway, max_tokens: int) -> openai.types.Completion:
 
 
 async def until_busy(gw: Gateway, pool: str = "gate") -> None:
-    for _ in range(200):
-        if metric(gw, "switchyard_upstream_in_flight", pool=pool) >= 1:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"pool {pool} never got busy")
+    await until(lambda: gateway_counter(gw, "switchyard_upstream_in_flight", pool=pool) >= 1,
+                f"pool {pool} never got busy")
 
 
 def test_a_saturated_model_is_downgraded_for_the_classes_it_names(flow_gw: Gateway) -> None:
@@ -243,7 +236,7 @@ def test_a_saturated_model_is_downgraded_for_the_classes_it_names(flow_gw: Gatew
     route = dict(part.split("=", 1) for part in critical.headers["x-switchyard-route"].split("; "))
     assert route["model"] == "fancy" and route["pool"] == "gate" and "downgraded_from" not in route
     assert int(critical.headers["x-switchyard-queue-ms"]) > 0
-    assert metric(gw, "switchyard_downgrades_total", model="fancy", reason="saturated",
+    assert gateway_counter(gw, "switchyard_downgrades_total", model="fancy", reason="saturated",
                   **{"class": "standard"}) == 1
 
 
@@ -315,7 +308,7 @@ def test_a_request_may_lower_its_class_but_not_name_an_unknown_one(flow_gw: Gate
 def test_a_client_that_disconnects_while_queued_leaves_and_releases_its_reservation(flow_gw: Gateway) -> None:
     gw = flow_gw
     host, port = gw.base_url.removeprefix("http://").split(":")
-    left_before = metric(gw, "switchyard_queue_abandoned_total", **{"class": "standard"})
+    left_before = gateway_counter(gw, "switchyard_queue_abandoned_total", **{"class": "standard"})
 
     async def scenario() -> openai.APIResponse[object]:
         block = asyncio.create_task(blocker(gw, 300))
@@ -326,24 +319,17 @@ def test_a_client_that_disconnects_while_queued_leaves_and_releases_its_reservat
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      + f"Authorization: Bearer {gw.keys['metered']}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
                      + body)
-        for _ in range(200):
-            if metric(gw, "switchyard_queue_depth", pool="gate", **{"class": "standard"}) == 1:
-                break
-            await asyncio.sleep(0.01)
-        else:
-            raise AssertionError("the request never queued")
+        def depth() -> float:
+            return gateway_counter(gw, "switchyard_queue_depth", pool="gate", **{"class": "standard"})
+
+        await until(lambda: depth() == 1, "the request never queued")
         sock.close()
-        for _ in range(200):
-            if metric(gw, "switchyard_queue_depth", pool="gate", **{"class": "standard"}) == 0:
-                break
-            await asyncio.sleep(0.01)
-        else:
-            raise AssertionError("the disconnected request stayed in the queue")
+        await until(lambda: depth() == 0, "the disconnected request stayed in the queue")
         await block
         return await aclient(gw, "metered").completions.with_raw_response.create(
             model="gated", prompt="after", max_tokens=10)
 
     after = asyncio.run(scenario())
-    assert metric(gw, "switchyard_queue_abandoned_total", **{"class": "standard"}) == left_before + 1
+    assert gateway_counter(gw, "switchyard_queue_abandoned_total", **{"class": "standard"}) == left_before + 1
     # Only this request's own reservation is gone from the minute's 20,000 tokens.
     assert int(after.headers["x-ratelimit-remaining-tokens"]) > 19_000

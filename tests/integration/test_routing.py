@@ -23,7 +23,16 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import free_port
-from tests.integration.conftest import SWITCHYARD, Engines, Gateway, http_json, start_gateway, stop, wait_http
+from tests.integration.conftest import (
+    SWITCHYARD,
+    Engines,
+    Gateway,
+    gateway_counter,
+    http_json,
+    start_gateway,
+    stop,
+    wait_http,
+)
 
 LONG = 3_000  # characters: ~750 tokens, many prefix blocks
 
@@ -104,13 +113,6 @@ def engine_counter(port: int, name: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         text = r.read().decode()
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
-
-
-def gateway_counter(gw: Gateway, name: str, **labels: str) -> float:
-    with urllib.request.urlopen(gw.base_url + "/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def endpoints(gw: Gateway) -> dict[str, dict[str, object]]:
