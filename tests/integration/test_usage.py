@@ -262,6 +262,7 @@ def test_migration_0003_adds_and_removes_the_ledger_and_overrides(database_url: 
         assert "usage_daily" in inspect(engine).get_table_names()
         assert "limits" in {c["name"] for c in inspect(engine).get_columns("tenant")}
         assert "limits" in {c["name"] for c in inspect(engine).get_columns("api_key")}
+        db.upgrade(engine)  # the models (used below) are those of the newest schema
         with db.session_scope(engine) as s:
             assert get_tenant(s, "acme").limits is None
             set_limits(s, tenant="acme", limits={"tokens_per_day": 10}, actor="test", origin="test")

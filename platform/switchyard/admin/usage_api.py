@@ -1,10 +1,11 @@
-"""The admin JSON API for usage, limit overrides and the audit log: ``/admin/api/usage``,
-``…/tenants/{name}/limits``, ``…/keys/{id}/limits``, ``…/audit``.
+"""The admin JSON API for usage, limit overrides, home regions and the audit log: ``/admin/api/usage``,
+``…/tenants/{name}/limits``, ``…/keys/{id}/limits``, ``…/tenants/{name}/region``, ``…/keys/{id}/region``,
+``…/audit``.
 
-Reads are open like the rest of the admin API's reads; changing an override needs the admin
-token (the same guard as a policy publish) and is written to the audit log in the same
-transaction. A changed override reaches requests within ``SWITCHYARD_KEY_CACHE_TTL_S`` (the
-gateway's key lookups are cached that long), on every replica.
+Reads are open like the rest of the admin API's reads; changing an override or a home region
+needs the admin token (the same guard as a policy publish) and is written to the audit log in the
+same transaction. A change reaches requests within ``SWITCHYARD_KEY_CACHE_TTL_S`` (the gateway's
+key lookups are cached that long), on every replica.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from litestar.params import FromPath, FromQuery
 from switchyard.admin.common import admin_token_guard, in_db, json_body, origin_of, runtime_of
 from switchyard.admin.policy_api import Limit
 from switchyard.store.audit import list_events
+from switchyard.store.keys import set_key_region
+from switchyard.store.tenants import set_tenant_region
 from switchyard.store.usage import set_limits, usage
 
 
@@ -26,6 +29,13 @@ class LimitsBody(msgspec.Struct, forbid_unknown_fields=True):
     """An override: the shape of a tier's ``limits`` (a null lifts that limit), or null for none."""
 
     limits: dict[str, Any] | None
+    author: str | None = None
+
+
+class RegionBody(msgspec.Struct, forbid_unknown_fields=True):
+    """A home region (a region name, e.g. ``"eu-west"``), or null for none."""
+
+    region: str | None
     author: str | None = None
 
 
@@ -60,6 +70,27 @@ async def key_limits(request: Request[Any, Any, Any], key_id: FromPath[int]) -> 
     return await _set(request, key_id=key_id)
 
 
+@put("/tenants/{name:str}/region", operation_id="adminTenantRegion", guards=[admin_token_guard])
+async def tenant_region(request: Request[Any, Any, Any], name: FromPath[str]) -> dict[str, Any]:
+    """Set (or clear, with ``{"region": null}``) a tenant's home region, used by its keys that have none."""
+    data = await json_body(request, RegionBody)
+    origin = origin_of(request)
+    record = await in_db(runtime_of(request), lambda s: set_tenant_region(
+        s, name, data.region, actor=data.author or "api", origin=origin))
+    return {"region": record.region}
+
+
+@put("/keys/{key_id:int}/region", operation_id="adminKeyRegion", guards=[admin_token_guard])
+async def key_region(request: Request[Any, Any, Any], key_id: FromPath[int]) -> dict[str, Any]:
+    """Set (or clear) an API key's own home region; ``home_region`` is what routing then prefers
+    (the key's own, else its tenant's)."""
+    data = await json_body(request, RegionBody)
+    origin = origin_of(request)
+    record = await in_db(runtime_of(request), lambda s: set_key_region(
+        s, key_id, data.region, actor=data.author or "api", origin=origin))
+    return {"region": record.region, "home_region": record.home_region}
+
+
 @get("/audit", operation_id="adminAudit")
 async def audit_log(request: Request[Any, Any, Any], limit: Limit = 50,
                     action: FromQuery[str | None] = None) -> dict[str, Any]:
@@ -68,4 +99,4 @@ async def audit_log(request: Request[Any, Any, Any], limit: Limit = 50,
     return {"events": [r.model_dump(mode="json") for r in rows]}
 
 
-ROUTES = [usage_report, tenant_limits, key_limits, audit_log]
+ROUTES = [usage_report, tenant_limits, key_limits, tenant_region, key_region, audit_log]

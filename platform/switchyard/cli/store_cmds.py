@@ -1,4 +1,5 @@
-"""``switchyard db|keys|tenants|usage``: the database, API keys, tenants and their limits, the usage ledger."""
+"""``switchyard db|keys|tenants|usage``: the database, API keys, tenants, their limits and home regions, the
+usage ledger."""
 
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ from switchyard.policy.schema import Limits
 from switchyard.settings import Settings
 from switchyard.store import db as store_db
 from switchyard.store.errors import StoreError
-from switchyard.store.keys import create_key, list_keys, revoke_key
+from switchyard.store.keys import create_key, list_keys, revoke_key, set_key_region
 from switchyard.store.models import TenantCreate
 from switchyard.store.policy_versions import active_version
-from switchyard.store.tenants import create_tenant, get_tenant, list_tenants, set_tier
+from switchyard.store.regions import check_region
+from switchyard.store.tenants import create_tenant, get_tenant, list_tenants, set_tenant_region, set_tier
 from switchyard.store.usage import set_limits, usage
 
 
@@ -66,6 +68,44 @@ def _check_tier(session: Session, tier: str) -> None:
     if tier not in snapshot.tiers:
         raise click.ClickException(f"unknown tier {tier!r}; the policy ({snapshot.label}) has: "
                                    + ", ".join(snapshot.tiers))
+
+
+def _warn_unknown_region(session: Session, region: str | None) -> None:
+    """Warn (on stderr) when ``region`` is not one of the policy's regions.
+
+    Only a warning: a home region may be stored ahead of the policy version that adds it; until
+    then routing cannot prefer it.
+    """
+    if region is None:
+        return
+    try:
+        snapshot = _policy(cli_context().settings(), session)
+    except click.ClickException as exc:
+        click.echo(f"warning: cannot check region {region!r} against the policy: {exc.message}", err=True)
+        return
+    regions = snapshot.document.regions
+    if region not in regions:
+        click.echo(f"warning: region {region!r} is not among the regions of the policy ({snapshot.label}): "
+                   f"{', '.join(regions)}; it is stored, but routing cannot prefer it until the policy has it",
+                   err=True)
+
+
+def _region_option(_ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A ``--region``/``REGION`` value, checked for its form before anything is written."""
+    try:
+        return check_region(value)
+    except StoreError as exc:
+        raise click.BadParameter(str(exc), param=param) from None
+
+
+def _region_arg(region: str | None, clear: bool) -> str | None:
+    if clear == (region is not None):
+        raise click.UsageError("give REGION, or --clear")
+    return region
+
+
+def _shown_region(region: str | None) -> str:
+    return "no region" if region is None else f"region {region}"
 
 
 # --- db --------------------------------------------------------------------------------------
@@ -113,12 +153,16 @@ def tenants() -> None:
 @tenants.command("create")
 @click.argument("name")
 @click.option("--tier", required=True, help="A tier of the active policy.")
-def tenants_create(name: str, tier: str) -> None:
+@click.option("--region", default=None, callback=_region_option,
+              help="The home region of the tenant's keys (those without one of their own).")
+def tenants_create(name: str, tier: str, region: str | None) -> None:
     """Create tenant NAME in a tier."""
     with open_session() as session:
         _check_tier(session, tier)
-        tenant = create_tenant(session, TenantCreate(name=name, tier=tier))
-    click.echo(f"created tenant {tenant.name} (tier {tenant.tier})")
+        tenant = create_tenant(session, TenantCreate(name=name, tier=tier, region=region))
+        _warn_unknown_region(session, tenant.region)
+    where = f", region {tenant.region}" if tenant.region is not None else ""
+    click.echo(f"created tenant {tenant.name} (tier {tenant.tier}{where})")
 
 
 @tenants.command("set-tier")
@@ -132,6 +176,20 @@ def tenants_set_tier(name: str, tier: str) -> None:
     click.echo(f"tenant {tenant.name} is now in tier {tenant.tier}")
 
 
+@tenants.command("set-region")
+@click.argument("name")
+@click.argument("region", required=False, callback=_region_option)
+@click.option("--clear", is_flag=True, help="Remove the tenant's home region.")
+@click.option("--author", default=None, help="Who changes it, for the audit log [default: cli:<OS user>].")
+def tenants_set_region(name: str, region: str | None, clear: bool, author: str | None) -> None:
+    """Set tenant NAME's home region: routing prefers REGION for its keys that have none of their own."""
+    with open_session() as session:
+        tenant = set_tenant_region(session, name, _region_arg(region, clear), actor=cli_author(author),
+                                   origin=cli_origin())
+        _warn_unknown_region(session, tenant.region)
+    click.echo(f"tenant {tenant.name}: {_shown_region(tenant.region)}")
+
+
 @tenants.command("list")
 @click.option("--json", "as_json", is_flag=True)
 def tenants_list(as_json: bool) -> None:
@@ -142,7 +200,7 @@ def tenants_list(as_json: bool) -> None:
         click.echo(json.dumps([r.model_dump(mode="json") for r in rows], indent=2))
         return
     for r in rows:
-        click.echo(f"{r.name:<24} {r.tier:<16} created {r.created_at:%Y-%m-%d %H:%M}")
+        click.echo(f"{r.name:<24} {r.tier:<16} {r.region or '-':<16} created {r.created_at:%Y-%m-%d %H:%M}")
 
 
 @tenants.command("set-limits")
@@ -170,7 +228,9 @@ def keys() -> None:
 @click.option("--tenant", required=True, help="The tenant the key speaks for (created if new).")
 @click.option("--tier", default=None, help="The tier of a new tenant.")
 @click.option("--name", default=None, help="A label for the key.")
-def keys_create(tenant: str, tier: str | None, name: str | None) -> None:
+@click.option("--region", default=None, callback=_region_option,
+              help="The key's own home region [default: none; its tenant's applies].")
+def keys_create(tenant: str, tier: str | None, name: str | None, region: str | None) -> None:
     """Create a key; prints the secret once on stdout, details on stderr."""
     with open_session() as session:
         try:
@@ -186,9 +246,11 @@ def keys_create(tenant: str, tier: str | None, name: str | None) -> None:
             raise click.ClickException(
                 f"tenant {tenant!r} is in tier {existing.tier!r}; move it with "
                 f"`switchyard tenants set-tier {tenant} {tier}`")
-        secret, record = create_key(session, tenant, name)
+        secret, record = create_key(session, tenant, name, region)
+        _warn_unknown_region(session, record.region)
     click.echo(secret)
-    click.echo(f"created key {record.id} ({record.prefix}…) for tenant {record.tenant} (tier {record.tier}); "
+    where = f", home region {record.home_region}" if record.home_region is not None else ""
+    click.echo(f"created key {record.id} ({record.prefix}…) for tenant {record.tenant} (tier {record.tier}{where}); "
                "it is shown only this once", err=True)
 
 
@@ -204,7 +266,9 @@ def keys_list(tenant: str | None, as_json: bool) -> None:
         return
     for r in rows:
         state = f"revoked {r.revoked_at:%Y-%m-%d %H:%M}" if r.revoked_at else "active"
-        click.echo(f"{r.id:>5}  {r.prefix}…  {r.tenant:<20} {r.tier:<12} {state:<24} {r.name or ''}")
+        # The home region routing uses; "(tenant)" when it comes from the tenant, not the key.
+        home = "-" if r.home_region is None else r.home_region + ("" if r.region is not None else " (tenant)")
+        click.echo(f"{r.id:>5}  {r.prefix}…  {r.tenant:<20} {r.tier:<12} {home:<24} {state:<24} {r.name or ''}")
 
 
 @keys.command("revoke")
@@ -227,6 +291,22 @@ def keys_set_limits(key_id: int, limits: str | None, clear: bool, author: str | 
         checked = set_limits(session, key_id=key_id, limits=_limits_arg(limits, clear), actor=cli_author(author),
                              origin=cli_origin())
     click.echo(f"key {key_id}: {_shown(checked)}")
+
+
+@keys.command("set-region")
+@click.argument("key_id", type=int)
+@click.argument("region", required=False, callback=_region_option)
+@click.option("--clear", is_flag=True, help="Remove the key's own home region: its tenant's applies again.")
+@click.option("--author", default=None, help="Who changes it, for the audit log [default: cli:<OS user>].")
+def keys_set_region(key_id: int, region: str | None, clear: bool, author: str | None) -> None:
+    """Give key KEY_ID a home region of its own (it takes precedence over its tenant's)."""
+    with open_session() as session:
+        record = set_key_region(session, key_id, _region_arg(region, clear), actor=cli_author(author),
+                                origin=cli_origin())
+        _warn_unknown_region(session, record.region)
+    own = _shown_region(record.region)
+    click.echo(f"key {key_id}: {own}" + ("" if record.region is not None or record.home_region is None
+                                        else f" (its tenant's region {record.home_region} applies)"))
 
 
 def _limits_arg(limits: str | None, clear: bool) -> dict[str, Any] | None:

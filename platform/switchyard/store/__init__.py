@@ -1,6 +1,6 @@
 """Durable state: SQLModel tables, the database engine, migrations, and the services over them.
 
-Owns: tenants and API keys (hashed) with their limit overrides, policy versions, the append-only
+Owns: tenants and API keys (hashed) with their limit overrides and home regions, policy versions, the append-only
 audit log, the daily usage ledger, the token-bucket limit store (``limits``: in process or Redis);
 the engine/session and Alembic upgrades.
 Must not touch: HTTP. A version is published only through the policy gate

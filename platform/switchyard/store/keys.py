@@ -1,4 +1,5 @@
-"""API keys: created once (the only time the secret is seen), stored as a hash, revocable."""
+"""API keys: created once (the only time the secret is seen), stored as a hash, revocable; each may have a
+home region of its own (else its tenant's applies)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from typing import Any
 from sqlmodel import Session, col, select
 
 from switchyard.policy.schema import Limits
+from switchyard.store.audit import append_event
 from switchyard.store.errors import Conflict, NotFound
 from switchyard.store.models import ApiKey, ApiKeyPublic, Tenant, utcnow
+from switchyard.store.regions import check_region
 from switchyard.store.tenants import get_tenant
 
 KEY_PREFIX = "sk-sy-"
@@ -39,19 +42,49 @@ class KeyIdentity:
     #: The tenant's and the key's limit overrides (``None``: none set).
     tenant_limits: Limits | None = None
     key_limits: Limits | None = None
+    #: The home region routing prefers: the key's own, else its tenant's (``None``: neither has one).
+    region: str | None = None
+
+
+def home_region(key: ApiKey, tenant: Tenant) -> str | None:
+    """The region routing prefers for ``key``'s requests: its own, else its tenant's."""
+    return key.region if key.region is not None else tenant.region
 
 
 def _public(key: ApiKey, tenant: Tenant) -> ApiKeyPublic:
-    return ApiKeyPublic(id=key.id or 0, name=key.name, tenant=tenant.name, tier=tenant.tier,
-                        prefix=key.prefix, created_at=key.created_at, revoked_at=key.revoked_at)
+    return ApiKeyPublic(id=key.id or 0, name=key.name, region=key.region, tenant=tenant.name, tier=tenant.tier,
+                        prefix=key.prefix, created_at=key.created_at, revoked_at=key.revoked_at,
+                        home_region=home_region(key, tenant))
 
 
-def create_key(session: Session, tenant_name: str, name: str | None = None) -> tuple[str, ApiKeyPublic]:
-    """Create a key for an existing tenant; returns the secret (show it once) and the record."""
+def _key_and_tenant(session: Session, key_id: int) -> tuple[ApiKey, Tenant]:
+    row = session.exec(
+        select(ApiKey, Tenant).join(Tenant, col(ApiKey.tenant_id) == col(Tenant.id)).where(ApiKey.id == key_id)
+    ).first()
+    if row is None:
+        raise NotFound(f"no key with id {key_id}")
+    return row
+
+
+def create_key(session: Session, tenant_name: str, name: str | None = None,
+               region: str | None = None) -> tuple[str, ApiKeyPublic]:
+    """Create a key for an existing tenant; returns the secret (show it once) and the record.
+
+    Args:
+        session: The session whose transaction carries the new key.
+        tenant_name: The tenant the key speaks for.
+        name: A label for the key.
+        region: The key's own home region (``None``: its tenant's applies).
+
+    Raises:
+        NotFound: No such tenant.
+        StoreError: ``region`` is not a valid region name.
+    """
+    check_region(region)
     tenant = get_tenant(session, tenant_name)
     secret = generate_key()
-    key = ApiKey(tenant_id=tenant.id or 0, name=name, prefix=secret[: len(KEY_PREFIX) + _DISPLAY_CHARS],
-                 key_hash=hash_key(secret))
+    key = ApiKey(tenant_id=tenant.id or 0, name=name, region=region,
+                 prefix=secret[: len(KEY_PREFIX) + _DISPLAY_CHARS], key_hash=hash_key(secret))
     session.add(key)
     session.flush()
     return secret, _public(key, tenant)
@@ -67,17 +100,36 @@ def list_keys(session: Session, tenant_name: str | None = None) -> list[ApiKeyPu
 
 def revoke_key(session: Session, key_id: int) -> ApiKeyPublic:
     """Revoke a key for good."""
-    row = session.exec(
-        select(ApiKey, Tenant).join(Tenant, col(ApiKey.tenant_id) == col(Tenant.id)).where(ApiKey.id == key_id)
-    ).first()
-    if row is None:
-        raise NotFound(f"no key with id {key_id}")
-    key, tenant = row
+    key, tenant = _key_and_tenant(session, key_id)
     if key.revoked_at is not None:
         raise Conflict(f"key {key_id} was already revoked at {key.revoked_at:%Y-%m-%d %H:%M:%S} UTC")
     key.revoked_at = utcnow()
     session.add(key)
     session.flush()
+    return _public(key, tenant)
+
+
+def set_key_region(session: Session, key_id: int, region: str | None, *, actor: str, origin: str) -> ApiKeyPublic:
+    """Set (or, with ``None``, clear: its tenant's then applies) a key's own home region, audited.
+
+    Args:
+        session: The session whose transaction carries the change and its audit event.
+        key_id: The key.
+        region: A region name, or ``None`` for none of its own.
+        actor: Who changes it (for the audit log).
+        origin: Through what (``cli``, ``api 10.0.0.7``).
+
+    Raises:
+        StoreError: ``region`` is not a valid region name; nothing was written.
+        NotFound: No such key.
+    """
+    check_region(region)
+    key, tenant = _key_and_tenant(session, key_id)
+    previous, key.region = key.region, region
+    session.add(key)
+    session.flush()
+    append_event(session, actor=actor, origin=origin, action="key.region", target=f"key:{key_id}",
+                 detail={"region": region, "previous": previous})
     return _public(key, tenant)
 
 
@@ -98,7 +150,8 @@ def identify(session: Session, key_hash: str) -> KeyIdentity | None:
     if key.revoked_at is not None:
         return None
     return KeyIdentity(key_id=key.id or 0, tenant_id=tenant.id or 0, tenant=tenant.name, tier=tenant.tier,
-                       tenant_limits=_limits(tenant.limits), key_limits=_limits(key.limits))
+                       tenant_limits=_limits(tenant.limits), key_limits=_limits(key.limits),
+                       region=home_region(key, tenant))
 
 
 def _limits(stored: dict[str, Any] | None) -> Limits | None:

@@ -8,6 +8,8 @@ from typing import Any
 from sqlalchemy import JSON, BigInteger, Column, DateTime, Index, Text, TypeDecorator, UniqueConstraint, text
 from sqlmodel import Field, SQLModel
 
+from switchyard.store.regions import REGION_MAX_LENGTH, REGION_PATTERN
+
 
 def utcnow() -> datetime:
     """Now, timezone-aware, in UTC."""
@@ -38,6 +40,11 @@ def _ts(nullable: bool = False) -> Any:
                  sa_column=Column(UTCDateTime(), nullable=nullable))
 
 
+def _region() -> Any:
+    # A home region (``store.regions``): where routing prefers to serve; NULL for none.
+    return Field(default=None, max_length=REGION_MAX_LENGTH, schema_extra={"pattern": REGION_PATTERN})
+
+
 def _limits() -> Any:
     # Overrides of the policy's limits, shaped as a tier's ``limits`` (policy.schema.Limits);
     # NULL (not JSON null) when there is none.
@@ -49,6 +56,7 @@ def _limits() -> Any:
 class TenantBase(SQLModel):
     name: str = Field(max_length=64, unique=True, index=True)
     tier: str = Field(max_length=64)
+    region: str | None = _region()  # the home region of the tenant's keys that have none of their own
 
 
 class TenantCreate(TenantBase):
@@ -70,6 +78,7 @@ class Tenant(TenantBase, table=True):
 
 class ApiKeyBase(SQLModel):
     name: str | None = Field(default=None, max_length=128)
+    region: str | None = _region()  # the key's own home region; else its tenant's applies
 
 
 class ApiKeyCreate(ApiKeyBase):
@@ -83,6 +92,8 @@ class ApiKeyPublic(ApiKeyBase):
     prefix: str
     created_at: datetime
     revoked_at: datetime | None
+    #: The region routing prefers for the key's requests: its own ``region``, else its tenant's.
+    home_region: str | None
 
 
 class ApiKey(ApiKeyBase, table=True):
