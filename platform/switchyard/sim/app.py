@@ -1,9 +1,9 @@
 """One simulated engine as a Litestar app: vLLM's HTTP surface plus ``/sim/*`` controls.
 
 Routes: ``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``GET /version``, ``GET|POST /ping``, ``GET /load``,
-``POST /tokenize`` (as vLLM's OpenAI server), and ``GET/POST /sim/faults``, ``GET /sim/state``
-(simulator only). Unknown paths and methods get FastAPI's ``{"detail": …}`` answers, as from
+``POST /v1/chat/completions``, ``POST /v1/embeddings``, ``GET /version``, ``GET|POST /ping``,
+``GET /load``, ``POST /tokenize`` (as vLLM's OpenAI server), and ``GET/POST /sim/faults``,
+``GET /sim/state`` (simulator only). Unknown paths and methods get FastAPI's ``{"detail": …}`` answers, as from
 vLLM. The app's lifespan starts and stops the engine loop.
 """
 
@@ -24,6 +24,7 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from switchyard.sim.config import EngineConfig, ResolvedConfig, resolve
+from switchyard.sim.embeddings import handle_embeddings
 from switchyard.sim.faults import FaultError
 from switchyard.sim.generate import handle_generation, send_json
 from switchyard.sim.metrics import EngineMetrics
@@ -98,6 +99,12 @@ async def chat_completions(scope: Scope, receive: Receive, send: Send) -> None:
     await handle_generation(_scope_engine(scope), True, scope, receive, send)  # type: ignore[arg-type]
 
 
+@asgi("/v1/embeddings", copy_scope=False)
+async def embeddings(scope: Scope, receive: Receive, send: Send) -> None:
+    """``POST /v1/embeddings`` (outside the engine's scheduler; see ``switchyard.sim.embeddings``)."""
+    await handle_embeddings(_scope_engine(scope), scope, receive, send)  # type: ignore[arg-type]
+
+
 @get("/sim/faults", operation_id="getFaults", sync_to_thread=False)
 def get_faults(state: State) -> dict[str, Any]:
     """Current fault settings."""
@@ -158,7 +165,7 @@ def build_app(config: ResolvedConfig) -> Litestar:
             await engine.stop()
 
     return Litestar(
-        route_handlers=[list_models, health, metrics, completions, chat_completions,
+        route_handlers=[list_models, health, metrics, completions, chat_completions, embeddings,
                         version, ping, load, tokenize_endpoint, get_faults, set_faults, get_state],
         state=State({"engine": engine, "metrics": EngineMetrics(engine)}),
         lifespan=[lifespan],
