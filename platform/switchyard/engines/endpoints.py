@@ -27,6 +27,8 @@ class EngineSignals:
     kv_usage: float
     prefix_queries: float
     prefix_hits: float
+    #: The models the engine reports serving (``model_name`` labels; empty when it has none).
+    models: frozenset[str] = frozenset()
 
 
 class EndpointState:
@@ -106,6 +108,13 @@ class EndpointState:
         if signals is None or now - self.scraped_at > max_age:
             return 0.0
         return signals.waiting
+
+    def served_models(self, now: float, max_age: float) -> frozenset[str] | None:
+        """The models the engine reported serving at the last fresh scrape (None: unknown)."""
+        signals = self.signals
+        if signals is None or now - self.scraped_at > max_age or not signals.models:
+            return None
+        return signals.models
 
     def healthy(self, now: float) -> bool:
         """Whether the endpoint is not in a failure cool-down."""

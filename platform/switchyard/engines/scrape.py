@@ -28,6 +28,9 @@ KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 _WANTED = (RUNNING, WAITING, *KV_USAGE, PREFIX_QUERIES, PREFIX_HITS)
+#: The served model's name is read from the running series' ``model_name`` label.
+_RUNNING_LABELS = RUNNING + "{"
+_MODEL_LABEL = 'model_name="'
 
 
 class MetricsFormatError(ValueError):
@@ -65,9 +68,17 @@ def parse_engine_metrics(text: str) -> EngineSignals:
     """
     sums: dict[str, float] = {}
     kv: list[float] = []
+    models: set[str] = set()
     for line in text.splitlines():
         if not line.startswith("vllm:"):
             continue
+        if line.startswith(_RUNNING_LABELS):
+            start = line.find(_MODEL_LABEL)
+            if start >= 0:
+                start += len(_MODEL_LABEL)
+                end = line.find('"', start)
+                if end > start:
+                    models.add(line[start:end])
         parsed = _sample(line)
         if parsed is None:
             continue
@@ -86,6 +97,7 @@ def parse_engine_metrics(text: str) -> EngineSignals:
         kv_usage=max(kv) if kv else 0.0,
         prefix_queries=sums.get(PREFIX_QUERIES, 0.0),
         prefix_hits=sums.get(PREFIX_HITS, 0.0),
+        models=frozenset(models),
     )
 
 

@@ -53,20 +53,24 @@ def reference(text: str) -> EngineSignals:
     """The same signals computed with prometheus_client's parser."""
     sums: dict[str, float] = {}
     kv: list[float] = []
+    models: set[str] = set()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if sample.name == RUNNING and "model_name" in sample.labels:
+                models.add(sample.labels["model_name"])
             if sample.name in KV_USAGE:
                 kv.append(sample.value)
             elif sample.name in (RUNNING, WAITING, PREFIX_QUERIES, PREFIX_HITS):
                 sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
     return EngineSignals(sums.get(RUNNING, 0.0), sums.get(WAITING, 0.0), max(kv, default=0.0),
-                         sums.get(PREFIX_QUERIES, 0.0), sums.get(PREFIX_HITS, 0.0))
+                         sums.get(PREFIX_QUERIES, 0.0), sums.get(PREFIX_HITS, 0.0), frozenset(models))
 
 
 def test_vllm_exposition_agrees_with_prometheus_client() -> None:
     signals = parse_engine_metrics(VLLM_TEXT)
     assert signals == reference(VLLM_TEXT)
-    assert signals == EngineSignals(running=5, waiting=4, kv_usage=0.5, prefix_queries=1024, prefix_hits=256)
+    assert signals == EngineSignals(running=5, waiting=4, kv_usage=0.5, prefix_queries=1024, prefix_hits=256,
+                                    models=frozenset({"tiny"}))
 
 
 def test_unlabelled_series_older_names_and_odd_values() -> None:
