@@ -2,8 +2,9 @@
 
 The policy tests, the console's dry-run and ``switchyard policy test`` ask this; it runs the
 gateway's own decisions (:func:`~switchyard.decide.resolve.resolve_model`, the fallback plan,
-:func:`~switchyard.decide.pick.pick_endpoint`) with every endpoint seen idle and healthy and no
-prefix history, so its answer is the one a quiet fleet would give (no queue, nothing shed or
+:func:`~switchyard.decide.pick.pick_endpoint` with the model's endpoint profile) with every
+endpoint seen idle and healthy, no prefix or session history and ties going to the first
+endpoint, so its answer is the one a quiet fleet would give (no queue, nothing shed or
 downgraded), and with fresh limit buckets (only a request larger than a limit is refused by it).
 Stages of the request path that have not landed (caches) add their answers here as they land.
 """
@@ -15,8 +16,10 @@ from dataclasses import dataclass
 from switchyard.decide.admit import estimate, limit_charges
 from switchyard.decide.features import RequestFeatures
 from switchyard.decide.flow import PRIORITY_HEADER, BadPriority, classify
-from switchyard.decide.pick import EndpointView, Strategy, fallback_plan, pick_endpoint, usable_stages
-from switchyard.decide.resolve import Refused, resolve_model
+from switchyard.decide.pick import Strategy, fallback_plan, pick_endpoint, profile_for, usable_stages
+from switchyard.decide.plugins import EndpointView, PickRequest
+from switchyard.decide.regions import REGION_HEADER, place
+from switchyard.decide.resolve import Refused, resolve_offline
 from switchyard.policy.snapshot import PolicySnapshot
 
 _IDLE = EndpointView()
@@ -48,17 +51,22 @@ class DryRun:
 
 
 def dry_run(snapshot: PolicySnapshot, tier: str, features: RequestFeatures,
-            strategy: Strategy = "prefix-aware", priority: object = None) -> DryRun:
+            strategy: Strategy = "prefix-aware", priority: object = None, key_region: str | None = None,
+            gateway_region: str | None = None) -> DryRun:
     """Every decision the gateway would take for ``features`` from a tenant of ``tier``.
 
-    ``priority`` is the body's ``priority`` (a class name or vLLM number); the header that lowers
-    the class is read from ``features.headers``.
+    ``priority`` is the body's ``priority`` (a class name or vLLM number); the headers that lower
+    the class and name a home region are read from ``features.headers``. ``key_region``: the API
+    key's (or tenant's) home region; ``gateway_region``: the gateway's. Classifiers that call an
+    engine (embeddings) are not run: their rules do not match, and the trace says so.
     """
     try:
-        decision = resolve_model(snapshot, tier, features)
+        decision = resolve_offline(snapshot, tier, features)
+        placement = place(snapshot, tier, decision.model, features.headers.get(REGION_HEADER), key_region,
+                          gateway_region)
     except Refused as refusal:
         return DryRun(refusal.status, refusal.code, trace=(refusal.message,))
-    trace = list(decision.trace)
+    trace = [*decision.trace, placement.trace]
     try:
         cls = classify(snapshot, tier, features.headers.get(PRIORITY_HEADER), priority)
     except BadPriority as bad:
@@ -71,11 +79,13 @@ def dry_run(snapshot: PolicySnapshot, tier: str, features: RequestFeatures,
             return DryRun(429, "request_too_large", decision.model.name, limit=charge.limit, priority=klass,
                           trace=(*trace, f"{charge.limit} ({charge.scope}): {charge.amount:.6g} {charge.unit} "
                                          f"> limit {charge.capacity:.6g}"))
-    stages, skipped = usable_stages(fallback_plan(snapshot, decision.model), features.prompt_tokens
-                                    + (features.max_tokens or 0))
+    stages, skipped = usable_stages(fallback_plan(snapshot, decision.model, placement.allowed),
+                                    features.prompt_tokens + (features.max_tokens or 0))
     trace += skipped
     for stage in stages:
-        choice = pick_endpoint(stage.candidates(), lambda _url: _IDLE, {}, 0, frozenset(), strategy)
+        pick = PickRequest({}, home_region=placement.home, ceiling=cls.cls.dispatch_ceiling)
+        choice = pick_endpoint(profile_for(snapshot, stage.model, strategy), stage.candidates(), lambda _c: _IDLE,
+                               pick)
         if choice is not None:
             trace.append(choice.trace)
             return DryRun(200, None, decision.model.name, choice.pool.name, choice.pool.region, choice.url,

@@ -1,40 +1,64 @@
 """Which endpoint serves a resolved model, and where a request goes when that one fails.
 
-Picking (a pure function of what the gateway knows about each endpoint):
+Picking runs the model's endpoint profile (:mod:`switchyard.policy.routing`, plugins in
+:mod:`switchyard.decide.plugins`), as the Kubernetes inference gateway's endpoint picker does:
 
-1. **Filter**: endpoints in a failure cool-down are out, unless every endpoint of the stage is
-   (then they are tried anyway: better a probe than a refusal); endpoints this request already
-   tried are out.
-2. **Score** in [0, 1]: ``W_PREFIX * affinity + W_LOAD * (min_load + 1) / (load + 1)``, where
-   ``load`` is the estimated requests at the engine (scraped running + waiting, plus what this
-   gateway sent since the scrape) and ``affinity`` the fraction of the prompt's leading blocks
-   the endpoint served before (:mod:`switchyard.decide.prefix`).
-3. **Herding guard**: affinity counts only at an endpoint with nothing waiting inside the engine
-   and a load within ``HERD_MARGIN`` of the least loaded one, so a burst of one prefix spreads
-   instead of piling onto the endpoint that holds it.
-4. **Pick** the highest score; ties go round-robin by a rotation counter.
+1. **Filters** narrow the stage's endpoints (healthy, serves the model, under its saturation
+   limit); endpoints this request already tried are out, and so, before picking starts, are pools
+   outside the regions the tier may use (``tiers[].regions``; see :func:`fallback_plan`).
+2. **Home region**: when the request has one and some home endpoint is healthy and under its
+   class's ceiling, only home endpoints stay; otherwise the request spills to the region with the
+   most capacity left (the sum over its healthy endpoints of ``(ceiling - utilisation) x
+   kv_cache_tokens``), not to a fixed next region.
+3. **Scorers** give each endpoint a score in [0, 1]; the endpoint's score is their weighted mean.
+4. **The picker** chooses (max score with random tie-break, power of two choices, or round-robin).
 
 Fallback stages: the model's own pools first (every replica), then each entry of the model's
-``fallback`` chain in order (``model@region`` = that model's pools in that region).
+``fallback`` chain in order (``model@region`` = that model's pools in that region); pools in
+regions the tier may not use are left out of every stage.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from switchyard.decide.plugins import EndpointView, Option, PickRequest, Profile, compile_profile
+from switchyard.policy.routing import BASELINE_PROFILES, DEFAULT_PROFILE
 from switchyard.policy.schema import Model, Pool
 from switchyard.policy.snapshot import PolicySnapshot
 
-#: ``prefix-aware`` is Switchyard's picker; the other two are the usual baselines, kept so that
-#: ``switchyard bench`` can measure against them on the same engines.
+#: ``prefix-aware`` runs each model's endpoint profile (Switchyard's picking); the other two are the
+#: usual baselines, kept so that ``switchyard bench`` can measure against them on the same engines.
 Strategy = Literal["prefix-aware", "least-loaded", "round-robin"]
 STRATEGIES: tuple[Strategy, ...] = ("prefix-aware", "least-loaded", "round-robin")
 
-W_PREFIX = 0.6
-W_LOAD = 0.4
-HERD_MARGIN = 4.0
+_BUILTIN = compile_profile("default", DEFAULT_PROFILE)
+_BASELINES = {name: compile_profile(name, p) for name, p in BASELINE_PROFILES.items()}
+
+
+#: Compiled profiles of recent policies, by (policy hash, profile name); a few policies are live at once
+#: (requests in flight finish on the snapshot they started with).
+_COMPILED: OrderedDict[tuple[str, str], Profile] = OrderedDict()
+_COMPILED_MAX = 64
+
+
+def profile_for(snapshot: PolicySnapshot, model: Model, strategy: Strategy = "prefix-aware") -> Profile:
+    """The compiled profile that picks ``model``'s endpoints under ``strategy``."""
+    if strategy != "prefix-aware":
+        return _BASELINES[strategy]
+    name = model.endpoint_profile
+    if name is None:
+        return _BUILTIN
+    key = (snapshot.sha256, name)
+    profile = _COMPILED.get(key)
+    if profile is None:
+        profile = _COMPILED[key] = compile_profile(name, snapshot.document.endpoint_profiles[name])
+        while len(_COMPILED) > _COMPILED_MAX:
+            _COMPILED.popitem(last=False)
+    return profile
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,23 +70,26 @@ class Candidate:
 
 
 @dataclass(frozen=True, slots=True)
-class EndpointView:
-    """What the picker knows of one endpoint."""
-
-    healthy: bool = True
-    load: float = 0.0
-    queued: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
 class EndpointChoice:
     """The chosen endpoint and why."""
 
     pool: Pool
     url: str
-    load: float
-    affinity: float
-    trace: str
+    view: EndpointView
+    score: float
+    #: Each scorer's score of the chosen endpoint.
+    parts: tuple[tuple[str, float], ...]
+    picker: str
+    of: int
+    notes: tuple[str, ...]
+
+    @property
+    def trace(self) -> str:
+        """One line for the decision trace."""
+        parts = ", ".join(f"{name} {value:.2f}" for name, value in self.parts)
+        notes = "".join(f"; {n}" for n in self.notes)
+        return (f"endpoint {self.url} of pool {self.pool.name} ({self.pool.region}): score {self.score:.2f}"
+                + (f" ({parts})" if parts else "") + f", {self.picker} of {self.of}{notes}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,18 +105,22 @@ class Stage:
         return [Candidate(pool, url) for pool in self.pools for url in pool.endpoints]
 
 
-def candidates(snapshot: PolicySnapshot, model: Model) -> list[Candidate]:
-    """Every endpoint of every pool of ``model``, in policy order."""
-    return [Candidate(pool, url) for pool in snapshot.model_pools[model.name] for url in pool.endpoints]
+def pools_within(pools: tuple[Pool, ...], regions: frozenset[str] | None) -> tuple[Pool, ...]:
+    """The pools in ``regions`` (all of them when None)."""
+    return pools if regions is None else tuple(p for p in pools if p.region in regions)
 
 
-def fallback_plan(snapshot: PolicySnapshot, model: Model) -> list[Stage]:
-    """The model's own pools, then its fallback chain; stages without pools are left out."""
-    stages = [Stage(model, snapshot.model_pools[model.name], model.name)]
+def fallback_plan(snapshot: PolicySnapshot, model: Model, regions: frozenset[str] | None = None) -> list[Stage]:
+    """The model's own pools, then its fallback chain, each within ``regions`` (None: all).
+
+    Fallback stages left without pools are left out; the first stage stays even when empty (the
+    caller refuses the request: no allowed region serves the model).
+    """
+    stages = [Stage(model, pools_within(snapshot.model_pools[model.name], regions), model.name)]
     for target in model.fallback:
         name, _, region = target.partition("@")
         other = snapshot.models[name]
-        pools = tuple(p for p in snapshot.model_pools[name] if not region or p.region == region)
+        pools = tuple(p for p in pools_within(snapshot.model_pools[name], regions) if not region or p.region == region)
         if pools:
             stages.append(Stage(other, pools, target))
     return stages
@@ -113,44 +144,69 @@ def usable_stages(plan: Sequence[Stage], needed_tokens: int) -> tuple[list[Stage
     return stages, skipped
 
 
-def pick_endpoint(options: Sequence[Candidate], view: Callable[[str], EndpointView],
-                  affinity: Mapping[str, float], rotation: int,
-                  exclude: frozenset[str] | set[str] = frozenset(),
-                  strategy: Strategy = "prefix-aware") -> EndpointChoice | None:
-    """The best of ``options`` not in ``exclude`` (see the module doc); None when none is left.
+def _home(options: list[Option], request: PickRequest, unfiltered: list[Option]) -> tuple[list[Option], str | None]:
+    """The home region's endpoints while one of them has room; else the region with the most room left.
 
-    ``least-loaded`` ignores affinity; ``round-robin`` ignores load and affinity (it still
-    leaves out endpoints in cool-down and those already tried).
+    ``unfiltered``: the candidates before the filters, to say why home was left.
     """
-    views = {o.url: view(o.url) for o in options}
-    healthy = [o for o in options if views[o.url].healthy]
-    pool = [o for o in (healthy or options) if o.url not in exclude]
-    if not pool:
+    home = request.home_region
+    if home is None:
+        return options, None
+    ceiling = request.ceiling
+    at_home = [o for o in options if o.pool.region == home]
+    if any(o.view.healthy and o.view.utilisation < ceiling for o in at_home):
+        return at_home, None
+    room: dict[str, float] = {}
+    for o in options:
+        if o.pool.region != home and o.view.healthy:
+            left = max(0.0, ceiling - o.view.utilisation) * o.pool.kv_cache_tokens
+            room[o.pool.region] = room.get(o.pool.region, 0.0) + left
+    home_all = [o for o in unfiltered if o.pool.region == home]
+    why = ("has no endpoint" if not home_all else
+           "is unhealthy" if not any(o.view.healthy for o in home_all) else "is saturated")
+    best = max(room, key=lambda r: room[r], default=None)
+    if best is None or room[best] <= 0.0:
+        return options, f"home region {home} {why}, and no other region has room"
+    return ([o for o in options if o.pool.region == best],
+            f"home region {home} {why}: spilled to {best} ({room[best]:,.0f} tokens of room)")
+
+
+def pick_endpoint(profile: Profile, options: Sequence[Candidate], view: Callable[[Candidate], EndpointView],
+                  request: PickRequest, exclude: frozenset[str] | set[str] = frozenset()) -> EndpointChoice | None:
+    """The endpoint ``profile`` picks among ``options`` not in ``exclude`` (see the module doc); None when
+    none is left."""
+    # Filters see every endpoint of the stage, tried ones included, so that "all in cool-down" means
+    # the stage's endpoints, not those this request has left: a stage whose healthy endpoints all
+    # failed moves on to the next stage instead of probing the ones in cool-down.
+    current = unfiltered = [Option(c.pool, c.url, view(c)) for c in options]
+    notes: list[str] = []
+    for plugin in profile.filters:
+        if not current:
+            return None
+        kept = plugin.fn(current, request)
+        if kept:
+            if len(kept) < len(current):
+                notes.append(f"{plugin.name}: {len(current) - len(kept)} left out")
+            current = kept
+        elif plugin.soft:
+            notes.append(f"{plugin.name}: none passes, all {len(current)} kept")
+        else:
+            return None
+    if exclude:
+        current = [o for o in current if o.url not in exclude]
+        unfiltered = [o for o in unfiltered if o.url not in exclude]
+    if not current:
         return None
-    n = len(pool)
-    if strategy == "round-robin":
-        option = pool[rotation % n]
-        return EndpointChoice(option.pool, option.url, views[option.url].load, 0.0,
-                              f"endpoint {option.url} of pool {option.pool.name}: round-robin of {n}")
-    if strategy == "least-loaded":
-        affinity = {}
-    min_load = min(views[o.url].load for o in pool)
-    best: Candidate | None = None
-    best_score = best_affinity = -1.0
-    for i in range(n):
-        option = pool[(rotation + i) % n]
-        v = views[option.url]
-        a = affinity.get(option.url, 0.0)
-        if v.queued > 0 or v.load > min_load + HERD_MARGIN:
-            a = 0.0
-        score = W_PREFIX * a + W_LOAD * (min_load + 1.0) / (v.load + 1.0)
-        if score > best_score:
-            best, best_score, best_affinity = option, score, a
-    assert best is not None
-    load = views[best.url].load
-    note = "" if healthy else ", every endpoint in cool-down"
-    if healthy and len(healthy) < len(options):
-        note = f", {len(options) - len(healthy)} in cool-down"
-    return EndpointChoice(best.pool, best.url, load, best_affinity,
-                          f"endpoint {best.url} of pool {best.pool.name}: load {load:g}, "
-                          f"affinity {best_affinity:.2f}, score {best_score:.2f}, best of {n}{note}")
+    if profile.home_region:
+        current, note = _home(current, request, unfiltered)
+        if note:
+            notes.append(note)
+    n = len(current)
+    columns = [(plugin.name, plugin.weight, plugin.fn(current, request)) for plugin in profile.scorers]
+    total = sum(weight for _, weight, _ in columns) or 1.0
+    scores = [sum(weight * values[i] for _, weight, values in columns) / total for i in range(n)]
+    index = profile.picker.fn(current, scores, request)
+    chosen = current[index]
+    return EndpointChoice(chosen.pool, chosen.url, chosen.view, scores[index],
+                          tuple((name, values[index]) for name, _, values in columns), profile.picker.name, n,
+                          tuple(notes))

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from switchyard.decide.admit import estimate
+from switchyard.decide.difficulty import difficulty_score
 from switchyard.decide.features import RequestFeatures
-from switchyard.policy.schema import Model, RuleConditions
+from switchyard.policy.schema import Model, Route, RuleConditions
 from switchyard.policy.snapshot import PolicySnapshot
 
 
@@ -22,6 +24,15 @@ class Refused(Exception):
         self.code = code
         self.message = message
         self.param = param
+
+
+class NeedsScore(Exception):
+    """A rule needs the score of a classifier that calls out (an embedding); the caller computes it
+    (:class:`switchyard.gateway.classifiers.ClassifierRunner`) and resolves again with it."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,23 +70,77 @@ _CONDITIONS: dict[str, Condition] = {
     "tier": lambda v, _f, t: t in v,
     "header": lambda v, f, _t: all(f.headers.get(k.lower()) == want for k, want in v.items()),
 }
-assert set(_CONDITIONS) == set(RuleConditions.model_fields), "every rule condition needs a predicate"
+# ``classifier`` is evaluated last, by _Scores (it may need a score from outside).
+assert set(_CONDITIONS) | {"classifier"} == set(RuleConditions.model_fields), "every rule condition needs a predicate"
 
 
-def rule_matches(when: RuleConditions, features: RequestFeatures, tier: str) -> bool:
-    """Whether every condition that ``when`` sets holds for the request."""
+class _Scores:
+    """Classifier scores of one request: built-in ones computed on first use, others given by the caller."""
+
+    __slots__ = ("features", "given", "notes", "snapshot", "used")
+
+    def __init__(self, snapshot: PolicySnapshot, features: RequestFeatures,
+                 given: Mapping[str, float | None]) -> None:
+        self.snapshot = snapshot
+        self.features = features
+        self.given = given
+        self.used: dict[str, float | None] = {}
+        self.notes: list[str] = []
+
+    def says_yes(self, name: str) -> bool:
+        spec = self.snapshot.document.classifiers[name]
+        if name not in self.used:
+            if name in self.given:
+                self.used[name] = self.given[name]
+            elif spec.type == "features":
+                self.used[name] = difficulty_score(self.features)
+            else:
+                raise NeedsScore(name)
+            score = self.used[name]
+            self.notes.append(f"classifier {name} ({spec.type}): "
+                              + ("unavailable, rule skipped" if score is None
+                                 else f"score {score:.2f} vs threshold {spec.threshold:g}"))
+        score = self.used[name]
+        return score is not None and score >= spec.threshold
+
+
+def rule_matches(when: RuleConditions, features: RequestFeatures, tier: str, scores: _Scores | None = None) -> bool:
+    """Whether every condition that ``when`` sets holds for the request (classifiers last: they cost most)."""
     for name in when.model_fields_set:
         value = getattr(when, name)
-        if value is not None and not _CONDITIONS[name](value, features, tier):
+        if value is not None and name != "classifier" and not _CONDITIONS[name](value, features, tier):
             return False
+    if when.classifier is not None:
+        return scores is not None and scores.says_yes(when.classifier)
     return True
 
 
-def resolve_model(snapshot: PolicySnapshot, tier_name: str, features: RequestFeatures) -> ModelDecision:
+def _cost_note(snapshot: PolicySnapshot, route: Route, chosen: Model, features: RequestFeatures) -> str:
+    """The chosen model's estimated cost against the route's comparison model's."""
+    if route.compare_to is not None:
+        other = snapshot.models[route.compare_to]
+    else:
+        targets = [snapshot.models[r.model] for r in route.rules] + [snapshot.models[route.default]]
+        other = max(targets, key=lambda m: (m.price.input_per_mtok + m.price.output_per_mtok, m.name))
+
+    mine = estimate(chosen, features.prompt_tokens, features.max_tokens).spend
+    theirs = estimate(other, features.prompt_tokens, features.max_tokens).spend
+    if other is chosen:
+        return f"est. cost {mine:.6f} (the comparison model {other.name} itself)"
+    delta = f"{(mine - theirs) / theirs:+.0%}" if theirs > 0 else "n/a"
+    return f"est. cost {mine:.6f} vs {theirs:.6f} on {other.name} ({delta})"
+
+
+def resolve_model(snapshot: PolicySnapshot, tier_name: str, features: RequestFeatures,
+                  scores: Mapping[str, float | None] | None = None) -> ModelDecision:
     """Resolve the requested model or route for a tenant of ``tier_name``.
+
+    ``scores``: classifier scores the caller computed (None: the classifier could not answer, so its
+    rules do not match). Built-in (``features``) classifiers are computed here when a rule needs them.
 
     Raises:
         Refused: 403 when the tier is unknown or may not call the model, 404 for an unknown model.
+        NeedsScore: a rule needs a classifier score that is not in ``scores`` and is not built in.
     """
     tier = snapshot.tiers.get(tier_name)
     if tier is None:
@@ -94,10 +159,26 @@ def resolve_model(snapshot: PolicySnapshot, tier_name: str, features: RequestFea
     if model is not None:
         return ModelDecision(name, model, None, None, (f"model {name} requested directly",))
     assert route is not None
+    state = _Scores(snapshot, features, scores or {})
     for index, rule in enumerate(route.rules):
-        if rule_matches(rule.when, features, tier.name):
+        if rule_matches(rule.when, features, tier.name, state):
             label = rule.name or f"rules[{index}]"
-            return ModelDecision(name, snapshot.models[rule.model], route.name, label,
-                                 (f"route {route.name}: rule {label} matched → {rule.model}",))
-    return ModelDecision(name, snapshot.models[route.default], route.name, "default",
-                         (f"route {route.name}: no rule matched → default {route.default}",))
+            chosen = snapshot.models[rule.model]
+            line = f"route {route.name}: rule {label} matched → {rule.model}"
+            break
+    else:
+        label, chosen = "default", snapshot.models[route.default]
+        line = f"route {route.name}: no rule matched → default {route.default}"
+    trace = (*state.notes, f"{line}; {_cost_note(snapshot, route, chosen, features)}")
+    return ModelDecision(name, chosen, route.name, label, trace)
+
+
+def resolve_offline(snapshot: PolicySnapshot, tier_name: str, features: RequestFeatures) -> ModelDecision:
+    """:func:`resolve_model` without calling out: classifiers that need an engine (embeddings) count as
+    unavailable (their rules do not match, and the trace says so). For dry runs and replays."""
+    scores: dict[str, float | None] = {}
+    while True:
+        try:
+            return resolve_model(snapshot, tier_name, features, scores)
+        except NeedsScore as needs:
+            scores[needs.name] = None

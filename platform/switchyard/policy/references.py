@@ -39,6 +39,7 @@ def check_references(doc: PolicyDocument) -> list[Finding]:
         *_routes(doc),
         *_tiers(doc),
         *_cache(doc),
+        *_routing(doc),
         *_tests(doc),
     ]
 
@@ -66,6 +67,8 @@ def _models(doc: PolicyDocument) -> Iterator[Finding]:
         for j, pool in enumerate(model.pools):
             if pool not in pools:
                 yield ("models", i, "pools", j), _unknown("pool", pool, set(pools))
+            elif pools[pool].task == "embed":
+                yield ("models", i, "pools", j), f"pool {pool!r} serves embeddings (task: embed), not {model.name!r}"
         for j, target in enumerate(model.fallback):
             name, region = split_fallback(target)
             loc: Loc = ("models", i, "fallback", j)
@@ -142,6 +145,12 @@ def _routes(doc: PolicyDocument) -> Iterator[Finding]:
             for k, tier in enumerate(rule.when.tier or []):
                 if tier not in tiers:
                     yield ("routes", i, "rules", j, "when", "tier", k), _unknown("tier", tier, tiers)
+            name = rule.when.classifier
+            if name is not None and name not in doc.classifiers:
+                yield (("routes", i, "rules", j, "when", "classifier"),
+                       _unknown("classifier", name, set(doc.classifiers)))
+        if route.compare_to is not None and route.compare_to not in models:
+            yield ("routes", i, "compare_to"), target(route.compare_to)
 
 
 def _tiers(doc: PolicyDocument) -> Iterator[Finding]:
@@ -155,6 +164,9 @@ def _tiers(doc: PolicyDocument) -> Iterator[Finding]:
                 yield ("tiers", i, "models", j), _unknown("model or route", name, callable_names)
         if len(set(tier.models)) != len(tier.models):
             yield ("tiers", i, "models"), "a model is listed twice"
+        for j, region in enumerate(tier.regions or []):
+            if region not in doc.regions:
+                yield ("tiers", i, "regions", j), _unknown("region", region, set(doc.regions))
         allowed = set(tier.models)
         for name in tier.model_limits:
             if name not in callable_names:
@@ -175,6 +187,22 @@ def _cache(doc: PolicyDocument) -> Iterator[Finding]:
                     yield ("cache", i, "match", field, j), _unknown(kind, name, known)
         if rule.embedding_model is not None and rule.embedding_model not in models:
             yield ("cache", i, "embedding_model"), _unknown("model", rule.embedding_model, models)
+
+
+def _routing(doc: PolicyDocument) -> Iterator[Finding]:
+    pools = {p.name: p for p in doc.pools}
+    for name, spec in doc.classifiers.items():
+        if spec.type != "embedding":
+            continue
+        loc: Loc = ("classifiers", name, "pool")
+        if spec.pool not in pools:
+            yield loc, _unknown("pool", spec.pool, set(pools))
+        elif pools[spec.pool].task != "embed":
+            yield loc, f"pool {spec.pool!r} does not serve embeddings (give it task: embed)"
+    for i, model in enumerate(doc.models):
+        profile = model.endpoint_profile
+        if profile is not None and profile not in doc.endpoint_profiles:
+            yield ("models", i, "endpoint_profile"), _unknown("endpoint profile", profile, set(doc.endpoint_profiles))
 
 
 def _tests(doc: PolicyDocument) -> Iterator[Finding]:

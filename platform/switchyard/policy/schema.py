@@ -25,6 +25,8 @@ from pydantic import (
     model_validator,
 )
 
+from switchyard.policy.routing import ClassifierSpec, EndpointProfile
+
 SCHEMA_VERSION = 1
 
 # Identifiers of regions, pools, tiers and priority classes: short, lower-case, URL- and
@@ -124,6 +126,9 @@ class Pool(Strict):
         description="vLLM's --max-num-seqs of the replicas, when known: a replica running this many requests "
         "counts as saturated (see the utilisation formula in the README).",
     )
+    task: Literal["generate", "embed"] = Field(
+        default="generate", description="`embed`: the replicas serve an embedding model (`/v1/embeddings`), "
+        "for embedding classifiers; models cannot use such a pool.")
 
     @model_validator(mode="after")
     def _unique_endpoints(self) -> Pool:
@@ -200,6 +205,9 @@ class Model(Strict):
     on_saturation: OnSaturation | None = Field(
         default=None, description="Degrade before refusing: when the model's pools are saturated, requests "
         "of the chosen classes are served by `downgrade_to` instead of queueing or being shed.")
+    endpoint_profile: Name | None = Field(
+        default=None, description="The `endpoint_profiles` entry that picks this model's endpoints (default: "
+        "Switchyard's built-in profile).")
 
     @model_validator(mode="after")
     def _consistent(self) -> Model:
@@ -236,6 +244,9 @@ class RuleConditions(Strict):
     header: dict[str, str] | None = Field(
         default=None, min_length=1, description="Request headers that must carry exactly these values."
     )
+    classifier: Name | None = Field(
+        default=None, description="A classifier of the `classifiers` section that must say yes (its score is at "
+        "least its threshold).")
 
     @model_validator(mode="after")
     def _not_empty_or_contradictory(self) -> RuleConditions:
@@ -263,6 +274,9 @@ class Route(Strict):
     name: ModelName
     rules: list[Rule] = Field(default_factory=list)
     default: ModelName
+    compare_to: ModelName | None = Field(
+        default=None, description="The model whose estimated cost the decision trace compares the chosen one "
+        "with (default: the most expensive model the route can choose).")
 
 
 #: How long a batch-lane request may wait when its class sets no max_queue_ms.
@@ -346,6 +360,9 @@ class Tier(Strict):
     )
     limits: Limits = Field(default_factory=Limits)
     model_limits: dict[ModelName, Limits] = Field(default_factory=dict)
+    regions: list[Name] | None = Field(
+        default=None, min_length=1, description="Regions this tier's requests may be served in (data residency; "
+        "default: all). Endpoints elsewhere are filtered out, fallbacks included.")
 
 
 class CacheMatch(Strict):
@@ -412,7 +429,7 @@ class PolicyTestExpect(Strict):
     idle and healthy (the first stage of the fallback plan).
     """
 
-    status: Literal[200, 403, 404, 429] | None = None
+    status: Literal[200, 400, 403, 404, 429] | None = None
     limit: Literal["tokens_per_minute", "requests_per_minute", "tokens_per_day", "spend_per_month"] | None = Field(
         default=None, description="With status 429: the limit that refuses it (a request larger than the limit).")
     model: ModelName | None = None
@@ -451,6 +468,11 @@ class PolicyDocument(Strict):
     priorities: dict[Name, PriorityClass] = Field(min_length=1, description="Classes, best first.")
     tiers: list[Tier] = Field(min_length=1)
     cache: list[CacheRule] = Field(default_factory=list)
+    classifiers: dict[Name, ClassifierSpec] = Field(
+        default_factory=dict, description="Named classifiers that routing rules use (`when: {classifier: NAME}`).")
+    endpoint_profiles: dict[Name, EndpointProfile] = Field(
+        default_factory=dict, description="Endpoint-picking profiles (filters, weighted scorers, a picker) that "
+        "models name in `endpoint_profile`.")
     tests: list[PolicyTest] = Field(default_factory=list)
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)

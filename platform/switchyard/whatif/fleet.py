@@ -11,7 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from switchyard.decide.pick import EndpointView
+from switchyard.decide.pick import Candidate
+from switchyard.decide.plugins import EndpointView
 from switchyard.policy.schema import Pool
 from switchyard.policy.snapshot import PolicySnapshot
 from switchyard.sim.config import EngineConfig, ResolvedConfig, resolve
@@ -56,10 +57,15 @@ class SimEndpoint:
     core: EngineCore
 
     def view(self) -> EndpointView:
-        """What the gateway's picker would know of this engine: requests in it and those queued."""
+        """What the gateway's picker would know of this engine from a scrape taken now: requests in it and
+        those queued, and its utilisation from them (the scraped terms of the gateway's formula)."""
         core = self.core
         queued = core.num_waiting + core.num_pending
-        return EndpointView(True, float(len(core.running) + queued), float(queued))
+        running = len(core.running)
+        utilisation = max(core.kv.usage, (running + queued) / core.max_num_seqs)
+        if queued:
+            utilisation = max(utilisation, 1.0 + queued / max(running, 1))
+        return EndpointView(True, float(running + queued), float(queued), utilisation)
 
     def submit(self, request: SimRequest) -> None:
         """Hand a request that reached this engine at ``request.arrival`` to its core."""
@@ -88,9 +94,9 @@ class Fleet:
                                   max_model_len=config.max_model_len)
                 self.endpoints[url] = SimEndpoint(url, pool, config, core)
 
-    def view(self, url: str) -> EndpointView:
-        """The picker's view of ``url``."""
-        return self.endpoints[url].view()
+    def view(self, candidate: Candidate) -> EndpointView:
+        """The picker's view of an endpoint."""
+        return self.endpoints[candidate.url].view()
 
     def advance(self, t: float) -> list[SimRequest]:
         """Run every engine up to simulated time ``t`` (an engine mid-step finishes that step);

@@ -8,8 +8,9 @@ For each request, in arrival order, at its arrival time on the simulated clock:
    (a refusal is the gateway's 403/404); admission reserves its estimate against the tier's limits
    in an in-process limit store on the simulated clock (a refusal is the gateway's 429; each tier
    is one tenant, since a trace names no tenants); the fallback plan is cut to the stages whose
-   context window can hold it (``usable_stages``), and an endpoint is picked with the gateway's
-   scorer, its prefix index and the engines' current load;
+   context window can hold it (``usable_stages``) and to the tier's regions, and an endpoint is
+   picked with the model's endpoint profile, a prefix index and the engines' current load (sessions
+   and home regions other than the policy's own are not known to a trace);
 3. the request enters that endpoint's engine core with the priority its tier's class gets there.
    A prompt plus output budget larger than the engine's context window is the engine's 400.
 
@@ -24,6 +25,7 @@ predicting zero.
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -40,10 +42,13 @@ from switchyard.decide.pick import (
     Strategy,
     fallback_plan,
     pick_endpoint,
+    profile_for,
     usable_stages,
 )
+from switchyard.decide.plugins import PickRequest
 from switchyard.decide.prefix import PrefixIndex, block_hashes, prompt_text
-from switchyard.decide.resolve import ModelDecision, Refused, resolve_model
+from switchyard.decide.regions import Placement, place
+from switchyard.decide.resolve import ModelDecision, Refused, resolve_offline
 from switchyard.policy.schema import Model
 from switchyard.policy.snapshot import PolicySnapshot
 from switchyard.sim.chat import render_chat
@@ -189,6 +194,11 @@ class _Arm:
     rotation: int = 0
     running: list[_Running] = field(default_factory=list)
     unsettled: dict[SimRequest, _Running] = field(default_factory=dict)
+    #: Breaks ties between equally scored endpoints, reproducibly.
+    rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
 
     def settle(self, finished: list[SimRequest], now: float) -> None:
         """Settle the reservations of requests that finished (what they used flows back)."""
@@ -209,7 +219,8 @@ class _Arm:
         tier = snapshot.tiers.get(spec.tenant)
         outcome = ReplayOutcome(spec.index, t, spec.tenant, tier.priority if tier else "-", spec.model)
         try:
-            decision = resolve_model(snapshot, spec.tenant, features)
+            decision = resolve_offline(snapshot, spec.tenant, features)
+            placement = place(snapshot, spec.tenant, decision.model, None)
         except Refused as refusal:
             outcome.status, outcome.code = refusal.status, refusal.code
             self.running.append(_Running(outcome))
@@ -227,7 +238,14 @@ class _Arm:
                 self.running.append(_Running(outcome))
                 return
             reservation = answer.reservation
-        picked = self._pick(body, features, decision, t)
+        try:
+            cls = classify(snapshot, tier.name, None, body.get("priority"))
+        except BadPriority:
+            outcome.status, outcome.code = 400, "invalid_priority"
+            self._release(reservation, charges, t)
+            self.running.append(_Running(outcome))
+            return
+        picked = self._pick(body, features, decision, placement, cls.cls.dispatch_ceiling, t)
         if picked is None:
             outcome.status, outcome.code = 503, "no_endpoint"
             self._release(reservation, charges, t)
@@ -244,13 +262,7 @@ class _Arm:
             self._release(reservation, charges, t)
             self.running.append(_Running(outcome))
             return
-        try:
-            priority = classify(snapshot, tier.name, None, body.get("priority")).engine_priority
-        except BadPriority:
-            outcome.status, outcome.code = 400, "invalid_priority"
-            self._release(reservation, charges, t)
-            self.running.append(_Running(outcome))
-            return
+        priority = cls.engine_priority
         request = SimRequest(request_id=str(spec.index), prompt=ids, max_output=spec.max_tokens,
                              priority=priority if choice.pool.priority_scheduling else 0, arrival=t,
                              seed=self.seed + spec.index, budget=spec.max_tokens)
@@ -264,21 +276,24 @@ class _Arm:
         if reservation is not None:
             _now(self.limits.reconcile(reservation, actual_amounts(charges, 0, 0.0), now))
 
-    def _pick(self, body: dict[str, Any], features: RequestFeatures, decision: ModelDecision,
-              now: float) -> tuple[Stage, EndpointChoice] | None:
+    def _pick(self, body: dict[str, Any], features: RequestFeatures, decision: ModelDecision, placement: Placement,
+              ceiling: float, now: float) -> tuple[Stage, EndpointChoice] | None:
         """The gateway's first pick along the plan (no engine fails in a replay, so it is also the last)."""
         needed = features.prompt_tokens + (features.max_tokens or 0)
-        stages, _skipped = usable_stages(fallback_plan(self.snapshot, decision.model), needed)
+        stages, _skipped = usable_stages(fallback_plan(self.snapshot, decision.model, placement.allowed), needed)
         hashes: list[bytes] | None = None
         for stage in stages:
             options = stage.candidates()
-            if hashes is None and len(options) > 1 and self.strategy == "prefix-aware":
+            profile = profile_for(self.snapshot, stage.model, self.strategy)
+            if hashes is None and profile.prefix and len(options) > 1:
                 hashes = block_hashes(prompt_text(body))
-            affinity = self.prefixes.affinity(hashes, [o.url for o in options], now) if hashes else {}
+            affinity = (self.prefixes.affinity(hashes, [o.url for o in options], now) if hashes and profile.prefix
+                        else {})
             self.rotation += 1
-            choice = pick_endpoint(options, self.fleet.view, affinity, self.rotation, frozenset(), self.strategy)
+            choice = pick_endpoint(profile, options, self.fleet.view,
+                                   PickRequest(affinity, None, placement.home, ceiling, self.rotation, self.rng))
             if choice is not None:
-                if hashes:
+                if hashes and profile.prefix:
                     self.prefixes.record(hashes, choice.url, now)
                 return stage, choice
         return None

@@ -23,7 +23,7 @@ def test_a_dry_run_follows_every_stage_of_the_gateways_decisions() -> None:
     snapshot = compile_policy(to_yaml(base()))
     run = dry_run(snapshot, "pro", RequestFeatures(model="auto", prompt_tokens=300, max_tokens=100))
     assert (run.status, run.model, run.pool, run.region) == (200, "large", "large-us", "us-east")
-    assert run.trace[0] == "route auto: no rule matched → default large"
+    assert run.trace[0].startswith("route auto: no rule matched → default large; est. cost ")
     assert run.trace[-1].startswith("endpoint http://127.0.0.1:9004 of pool large-us")
     refused = dry_run(snapshot, "free", RequestFeatures(model="large", prompt_tokens=5))
     assert (refused.status, refused.code, refused.model, refused.pool) == (403, "model_not_allowed", None, None)
@@ -63,7 +63,7 @@ def test_a_failing_expectation_blocks_the_document_and_says_why() -> None:
 @pytest.mark.parametrize(("expect", "message"), [
     ({}, "expect at least one of status, model, pool, region, priority"),
     ({"status": 403, "model": "small"}, "a refused request has no model, pool, region or priority to expect"),
-    ({"status": 500}, "Input should be 200, 403, 404 or 429"),
+    ({"status": 500}, "Input should be 200, 400, 403, 404 or 429"),
     ({"pool": "small-usa"}, "unknown pool 'small-usa'"),
     ({"region": "mars"}, "unknown region 'mars'"),
 ])
@@ -108,4 +108,4 @@ def test_tests_can_expect_the_priority_class() -> None:
     assert [r.passed for r in results] == [True, True, False, True]
     assert results[2].got == "status 200, model small, pool small-us, region us-east, priority sheddable"
     run = dry_run(compile_policy(text), "free", RequestFeatures(model="small", prompt_tokens=5), priority="critical")
-    assert "a request may only lower its class" in run.trace[1]
+    assert "a request may only lower its class" in run.trace[2]

@@ -1,0 +1,252 @@
+"""The endpoint picker's plugins (filters, scorers, pickers) and profiles, as pure functions."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from switchyard.decide.pick import Candidate, pick_endpoint, profile_for
+from switchyard.decide.plugins import EndpointView, Option, PickRequest, build, compile_profile
+from switchyard.policy import PolicyError, compile_policy
+from switchyard.policy import routing as spec
+from switchyard.policy.routing import BASELINE_PROFILES, DEFAULT_PROFILE, EndpointProfile
+from switchyard.policy.schema import Pool
+from tests.unit.policy.base import base, to_yaml
+
+US = Pool(name="p-us", region="us-east", served_model="m", endpoints=["http://us1", "http://us2"],
+          kv_cache_tokens=100_000)
+EU = Pool(name="p-eu", region="eu-west", served_model="m", endpoints=["http://eu1"], kv_cache_tokens=400_000)
+CANDIDATES = [Candidate(US, "http://us1"), Candidate(US, "http://us2"), Candidate(EU, "http://eu1")]
+REQ = PickRequest({})
+
+
+def options(*views: EndpointView) -> list[Option]:
+    return [Option(c.pool, c.url, v) for c, v in zip(CANDIDATES, views, strict=True)]
+
+
+def run_filter(item: Any, opts: list[Option], request: PickRequest = REQ) -> list[str]:
+    plugin = build(item)
+    return [o.url for o in plugin.fn(opts, request)]  # type: ignore[arg-type, union-attr]
+
+
+def run_scorer(item: Any, opts: list[Option], request: PickRequest = REQ) -> list[float]:
+    return list(build(item).fn(opts, request))  # type: ignore[arg-type, union-attr]
+
+
+def pick(views: dict[str, EndpointView], request: PickRequest = REQ, profile: EndpointProfile = DEFAULT_PROFILE,
+         exclude: frozenset[str] = frozenset()) -> str | None:
+    choice = pick_endpoint(compile_profile("t", profile), CANDIDATES, lambda c: views.get(c.url, EndpointView()),
+                           request, exclude)
+    return None if choice is None else choice.url
+
+
+# --- filters ------------------------------------------------------------------------------------
+
+def test_healthy_filter_leaves_out_endpoints_in_cool_down() -> None:
+    opts = options(EndpointView(healthy=False), EndpointView(), EndpointView())
+    assert run_filter(spec.HealthyFilter(type="healthy"), opts) == ["http://us2", "http://eu1"]
+
+
+def test_serves_model_filter_trusts_only_a_fresh_report() -> None:
+    opts = options(EndpointView(models=frozenset({"other"})), EndpointView(models=frozenset({"m", "x"})),
+                   EndpointView(models=None))
+    assert run_filter(spec.ServesModelFilter(type="serves-model"), opts) == ["http://us2", "http://eu1"]
+
+
+def test_under_saturation_filter_uses_the_class_ceiling_unless_the_profile_sets_one() -> None:
+    opts = options(EndpointView(utilisation=0.5), EndpointView(utilisation=0.85), EndpointView(utilisation=1.2))
+    under = spec.UnderSaturationFilter(type="under-saturation")
+    assert run_filter(under, opts) == ["http://us1", "http://us2"]
+    assert run_filter(under, opts, PickRequest({}, ceiling=0.8)) == ["http://us1"]
+    fixed = spec.UnderSaturationFilter(type="under-saturation", max_utilisation=0.6)
+    assert run_filter(fixed, opts, PickRequest({}, ceiling=1.0)) == ["http://us1"]
+
+
+def test_soft_filters_keep_everyone_when_none_passes_and_hard_ones_do_not() -> None:
+    down = {c.url: EndpointView(healthy=False) for c in CANDIDATES}
+    assert pick(down) is not None  # a probe beats a refusal
+    wrong = {c.url: EndpointView(models=frozenset({"other"})) for c in CANDIDATES}
+    assert pick(wrong) is None
+    full = {c.url: EndpointView(utilisation=1.5) for c in CANDIDATES}
+    assert pick(full) is not None
+    assert pick({}, exclude=frozenset(c.url for c in CANDIDATES)) is None
+    # Filters judge the whole stage: once its only healthy endpoint was tried, the request moves on
+    # to the next stage instead of probing endpoints in cool-down.
+    cooling = {"http://us2": EndpointView(healthy=False), "http://eu1": EndpointView(healthy=False)}
+    assert pick(cooling, exclude=frozenset({"http://us1"})) is None
+    assert pick(down, exclude=frozenset({"http://us1"})) in ("http://us2", "http://eu1")
+
+
+# --- scorers ------------------------------------------------------------------------------------
+
+def test_load_queue_kv_and_inflight_scorers_are_in_unit_range_and_favour_the_idle() -> None:
+    opts = options(EndpointView(load=0, queued=0, utilisation=0.1, inflight_tokens=0),
+                   EndpointView(load=3, queued=2, utilisation=0.75, inflight_tokens=999),
+                   EndpointView(load=9, queued=5, utilisation=1.4, inflight_tokens=4_000))
+    assert run_scorer(spec.LoadScorer(type="load"), opts) == [1.0, 0.25, 0.1]
+    assert run_scorer(spec.QueueDepthScorer(type="queue-depth"), opts) == pytest.approx([1.0, 1 / 3, 1 / 6])
+    assert run_scorer(spec.KvCacheScorer(type="kv-cache"), opts) == pytest.approx([0.9, 0.25, 0.0])
+    assert run_scorer(spec.InflightTokensScorer(type="inflight-tokens"), opts) == pytest.approx(
+        [1.0, 1 / 1000, 1 / 4001])
+
+
+def test_prefix_affinity_scores_held_blocks_and_yields_when_busy() -> None:
+    scorer = spec.PrefixAffinityScorer(type="prefix-affinity")
+    request = PickRequest({"http://us1": 1.0, "http://us2": 0.5, "http://eu1": 0.25})
+    idle = options(EndpointView(), EndpointView(), EndpointView())
+    assert run_scorer(scorer, idle, request) == [1.0, 0.5, 0.25]
+    assert run_scorer(scorer, idle, PickRequest({})) == [0.0, 0.0, 0.0]
+    # Herding guard: a queue inside the engine, utilisation at the yield level, or a load more than
+    # herd_margin above the least loaded candidate, each zero the affinity.
+    queued = options(EndpointView(queued=1, load=1), EndpointView(), EndpointView())
+    assert run_scorer(scorer, queued, request)[0] == 0.0
+    hot = options(EndpointView(utilisation=0.9), EndpointView(), EndpointView())
+    assert run_scorer(scorer, hot, request)[0] == 0.0
+    piled = options(EndpointView(load=5), EndpointView(load=0), EndpointView(load=1))
+    assert run_scorer(scorer, piled, request) == [0.0, 0.5, 0.25]
+    within = options(EndpointView(load=4), EndpointView(load=0), EndpointView(load=1))
+    assert run_scorer(scorer, within, request)[0] == 1.0
+
+
+def test_session_affinity_holds_while_the_endpoint_is_healthy_and_unsaturated() -> None:
+    scorer = spec.SessionAffinityScorer(type="session-affinity", yield_above_utilisation=0.8)
+    request = PickRequest({}, session_url="http://us2")
+    assert run_scorer(scorer, options(EndpointView(), EndpointView(), EndpointView()), request) == [0, 1, 0]
+    busy = options(EndpointView(), EndpointView(utilisation=0.8), EndpointView())
+    assert run_scorer(scorer, busy, request) == [0, 0, 0]
+    down = options(EndpointView(), EndpointView(healthy=False), EndpointView())
+    assert run_scorer(scorer, down, request) == [0, 0, 0]
+    assert run_scorer(scorer, options(EndpointView(), EndpointView(), EndpointView()), REQ) == [0, 0, 0]
+
+
+# --- pickers ------------------------------------------------------------------------------------
+
+def test_max_score_breaks_ties_at_random_or_by_order_without_a_generator() -> None:
+    picker = build(spec.MaxScorePicker(type="max-score"))
+    opts = options(EndpointView(), EndpointView(), EndpointView())
+    assert picker.fn(opts, [0.2, 0.9, 0.9], REQ) == 1  # type: ignore[call-arg, arg-type]
+    rng = random.Random(7)
+    seen = Counter(picker.fn(opts, [0.9, 0.9, 0.1], PickRequest({}, rng=rng)) for _ in range(200))  # type: ignore[call-arg, arg-type]
+    assert set(seen) == {0, 1} and min(seen.values()) > 60
+
+
+def test_power_of_two_takes_the_better_of_two_random_candidates() -> None:
+    picker = build(spec.PowerOfTwoPicker(type="power-of-two"))
+    opts = options(EndpointView(), EndpointView(), EndpointView())
+    scores = [0.1, 0.5, 0.9]
+    rng = random.Random(1)
+    seen = Counter(picker.fn(opts, scores, PickRequest({}, rng=rng)) for _ in range(300))  # type: ignore[call-arg, arg-type]
+    # The worst candidate never wins a pair; the best wins every pair it is drawn into (2 of 3).
+    assert 0 not in seen and seen[2] > seen[1] > 50
+    assert picker.fn(opts, scores, REQ) == 2  # type: ignore[call-arg, arg-type]
+
+
+def test_round_robin_ignores_scores() -> None:
+    picker = build(spec.RoundRobinPicker(type="round-robin"))
+    opts = options(EndpointView(), EndpointView(), EndpointView())
+    assert [picker.fn(opts, [1, 0, 0], PickRequest({}, rotation=r)) for r in range(4)] == [0, 1, 2, 0]  # type: ignore[call-arg, arg-type]
+
+
+# --- profiles -----------------------------------------------------------------------------------
+
+def test_the_default_profile_weighs_prefix_against_load() -> None:
+    affinity = PickRequest({"http://us1": 1.0})
+    assert pick({}, affinity) == "http://us1"
+    # Affinity yields once us1 is more than herd_margin requests busier than the least loaded.
+    assert pick({"http://us1": EndpointView(load=5)}, affinity) in ("http://us2", "http://eu1")
+    choice = pick_endpoint(compile_profile("t", DEFAULT_PROFILE), CANDIDATES, lambda c: EndpointView(), affinity)
+    assert choice is not None
+    assert choice.trace.startswith("endpoint http://us1 of pool p-us (us-east): score ")
+    assert "prefix-affinity 1.00" in choice.trace and "max-score of 3" in choice.trace
+
+
+def test_home_region_is_preferred_until_it_is_saturated_then_the_roomiest_region_takes_over() -> None:
+    home_us = PickRequest({}, home_region="us-east")
+    home_eu = PickRequest({}, home_region="eu-west")
+    assert pick({}, home_eu) == "http://eu1"
+    assert pick({"http://us1": EndpointView(load=2)}, home_us) == "http://us2"
+    # eu-west saturated: spill to us-east, the only region with room.
+    full_eu = {"http://eu1": EndpointView(utilisation=1.1)}
+    choice = pick_endpoint(compile_profile("t", DEFAULT_PROFILE), CANDIDATES,
+                           lambda c: full_eu.get(c.url, EndpointView()), home_eu)
+    assert choice is not None and choice.pool.region == "us-east"
+    assert "home region eu-west is saturated: spilled to us-east" in choice.trace
+    # us-east saturated on both replicas: eu-west has room.
+    full_us = {"http://us1": EndpointView(utilisation=1.0), "http://us2": EndpointView(healthy=False)}
+    assert pick(full_us, home_us) == "http://eu1"
+
+
+def test_spill_over_goes_by_capacity_left_not_by_list_order() -> None:
+    ap = Pool(name="p-ap", region="ap-south", served_model="m", endpoints=["http://ap1"], kv_cache_tokens=100_000)
+    cands = [*CANDIDATES, Candidate(ap, "http://ap1")]
+    views = {"http://us1": EndpointView(utilisation=1.2), "http://us2": EndpointView(utilisation=1.0),
+             "http://eu1": EndpointView(utilisation=0.9),   # 0.1 x 400k = 40k tokens of room
+             "http://ap1": EndpointView(utilisation=0.5)}   # 0.5 x 100k = 50k tokens of room
+    request = PickRequest({}, home_region="us-east")
+    choice = pick_endpoint(compile_profile("t", DEFAULT_PROFILE), cands, lambda c: views[c.url], request)
+    assert choice is not None and choice.url == "http://ap1"
+    views["http://eu1"] = EndpointView(utilisation=0.8)  # 80k tokens of room now
+    choice = pick_endpoint(compile_profile("t", DEFAULT_PROFILE), cands, lambda c: views[c.url], request)
+    assert choice is not None and choice.url == "http://eu1"
+    # Nowhere has room: every candidate stays and the scorers decide.
+    everywhere = {c.url: EndpointView(utilisation=1.3) for c in cands}
+    choice = pick_endpoint(compile_profile("t", DEFAULT_PROFILE), cands, lambda c: everywhere[c.url], request)
+    assert choice is not None and "no other region has room" in choice.trace
+
+
+def test_session_affinity_keeps_a_conversation_on_its_replica() -> None:
+    session = PickRequest({}, session_url="http://us2")
+    assert pick({}, session) == "http://us2"
+    assert pick({"http://us2": EndpointView(utilisation=0.95)}, session) != "http://us2"
+
+
+def test_baseline_profiles() -> None:
+    least = BASELINE_PROFILES["least-loaded"]
+    loads = {"http://us1": EndpointView(load=5), "http://us2": EndpointView(load=0), "http://eu1": EndpointView(load=1)}
+    assert pick(loads, PickRequest({"http://us1": 1.0}), least) == "http://us2"
+    robin = BASELINE_PROFILES["round-robin"]
+    assert [pick(loads, PickRequest({}, rotation=r), robin) for r in range(3)] == ["http://us1", "http://us2",
+                                                                                   "http://eu1"]
+    down = {**loads, "http://us2": EndpointView(healthy=False)}
+    assert {pick(down, PickRequest({}, rotation=r), robin) for r in range(4)} == {"http://us1", "http://eu1"}
+
+
+def test_a_policy_declares_profiles_and_models_use_them() -> None:
+    doc = base()
+    doc["endpoint_profiles"] = {"spread": {"scorers": [{"type": "kv-cache", "weight": 2}, {"type": "queue-depth"}],
+                                           "picker": {"type": "power-of-two"}}}
+    doc["models"][0]["endpoint_profile"] = "spread"
+    snapshot = compile_policy(to_yaml(doc))
+    profile = profile_for(snapshot, snapshot.models["small"])
+    assert [s.name for s in profile.scorers] == ["kv-cache", "queue-depth"] and profile.picker.name == "power-of-two"
+    assert [f.name for f in profile.filters] == ["healthy", "serves-model", "under-saturation"]
+    assert profile_for(snapshot, snapshot.models["large"]).name == "default"
+    assert profile_for(snapshot, snapshot.models["small"], "round-robin").picker.name == "round-robin"
+
+
+@pytest.mark.parametrize(("profile", "where", "message"), [
+    ({"scorers": [{"type": "gpu-vibes"}]}, "endpoint_profiles.p.scorers[0]", "gpu-vibes"),
+    ({"scorers": [{"type": "load", "weight": 0}]}, "endpoint_profiles.p.scorers[0]", "must be > 0"),
+    ({"scorers": [{"type": "load"}, {"type": "load"}]}, "endpoint_profiles.p", "a scorer is listed twice"),
+    ({"scorers": []}, "endpoint_profiles.p", "needs at least one scorer"),
+    ({"filters": [{"type": "healthy", "extra": 1}], "scorers": [{"type": "load"}]},
+     "endpoint_profiles.p.filters[0]", "unknown field 'extra'"),
+])
+def test_bad_profiles_are_rejected_at_their_location(profile: dict[str, Any], where: str, message: str) -> None:
+    doc = base()
+    doc["endpoint_profiles"] = {"p": profile}
+    with pytest.raises(PolicyError) as err:
+        compile_policy(to_yaml(doc))
+    text = str(err.value)
+    assert message in text and where in text, text
+
+
+def test_a_model_naming_an_unknown_profile_is_rejected() -> None:
+    doc = base()
+    doc["endpoint_profiles"] = {"spread": {"scorers": [{"type": "load"}]}}
+    doc["models"][0]["endpoint_profile"] = "sprad"
+    with pytest.raises(PolicyError, match="unknown endpoint profile 'sprad'; did you mean 'spread'"):
+        compile_policy(to_yaml(doc))
