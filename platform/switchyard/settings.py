@@ -52,7 +52,13 @@ class Settings(BaseSettings):
     )
     picker: Literal["prefix-aware", "least-loaded", "round-robin"] = Field(
         default="prefix-aware",
-        description="Endpoint picking: Switchyard's load- and prefix-aware scoring, or a baseline for benchmarks.",
+        description="Endpoint picking: each model's endpoint profile (Switchyard's load-, prefix- and "
+        "region-aware scoring), or a baseline for benchmarks.",
+    )
+    region: str | None = Field(
+        default=None, pattern=r"^[a-z][a-z0-9_-]{0,62}$",
+        description="The region this gateway runs in: the home region of requests whose header, key and "
+        "tenant name none. Unset: such requests prefer no region.",
     )
     policy_poll_interval_s: float = Field(
         default=0.5, gt=0, description="How often the active policy version (and in file mode the file) is "

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from switchyard.decide.flow import EXPIRED, GRANTED, LEFT, ClassDecision, PoolQueues, Ticket, downgrade_target
+from switchyard.decide.pick import pools_within
 from switchyard.engines.endpoints import EndpointRegistry
 from switchyard.gateway.errors import ApiError, Overloaded
 from switchyard.gateway.metrics import GatewayMetrics
@@ -153,10 +154,13 @@ class FlowController:
     # --- the request's side ---------------------------------------------------------------------
 
     async def schedule(self, snapshot: PolicySnapshot, model: Model, cls: ClassDecision, cost: int, tenant: str,
-                       needed_tokens: int, disconnected: Callable[[], Awaitable[Any]]) -> Scheduled:
+                       needed_tokens: int, disconnected: Callable[[], Awaitable[Any]],
+                       regions: frozenset[str] | None = None) -> Scheduled:
         """Capacity for a request of ``cost`` tokens to ``model``: go now, downgraded, after a wait, or 503.
 
         ``disconnected`` is awaited while the request waits; when it returns, the client is gone.
+        ``regions``: where the request may be served (its tier's regions; None: anywhere); pools
+        elsewhere are not considered. The caller has checked that the model has a pool there.
 
         Raises:
             Overloaded: shed (above the class's threshold, deadline passed, or predicted to pass).
@@ -166,14 +170,15 @@ class FlowController:
             return Scheduled(model)
         now = time.monotonic()
         klass = cls.cls
-        pools = snapshot.model_pools[model.name]
+        pools = pools_within(snapshot.model_pools[model.name], regions)
         room, saturated, least = self._room(pools, cls, now)
         shed_at = klass.shed_above_utilisation
         above = shed_at is not None and least > shed_at
         if above or saturated:
             target = downgrade_target(snapshot, model, cls.name, needed_tokens)
-            if target is not None:
-                _, target_saturated, target_least = self._room(snapshot.model_pools[target.name], cls, now)
+            target_pools = pools_within(snapshot.model_pools[target.name], regions) if target is not None else ()
+            if target is not None and target_pools:
+                _, target_saturated, target_least = self._room(target_pools, cls, now)
                 if not target_saturated and not (shed_at is not None and target_least > shed_at):
                     reason = "shed_threshold" if above else "saturated"
                     self.metrics.downgrades.labels(cls.name, reason, model.name).inc()

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 1.5, 2.5, 5, 10, 30, 60, 300, 600)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+_CLASSIFIER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class GatewayMetrics:
@@ -80,6 +81,13 @@ class GatewayMetrics:
             "switchyard_pool_utilisation", "Utilisation of each pool's least-loaded endpoint as flow control "
             "sees it (1 = saturated), for pools that served a request since start-up.", ["pool"],
             registry=self.registry)
+        self.classifier_outcomes = Counter(
+            "switchyard_classifier", "Classifier calls that reach out (embedding classifiers), by classifier and "
+            "outcome (yes, no: the score against the threshold; error, timeout: no score, the rule did not match).",
+            ["classifier", "outcome"], registry=self.registry)
+        self.classifier_seconds = Histogram(
+            "switchyard_classifier_seconds", "How long a classifier call took (whatever its outcome), by classifier.",
+            ["classifier"], buckets=_CLASSIFIER_BUCKETS, registry=self.registry)
 
     def usage_counters(self, model: str) -> tuple[Counter, Counter, Counter, Counter]:
         """The prompt, completion, cached-token and spend counters of ``model`` (looked up once per model)."""

@@ -24,9 +24,12 @@ from litestar.response import Stream
 from switchyard.decide.admit import estimate, limit_charges, spend_of
 from switchyard.decide.features import RequestFeatures, chat_features, completion_features, count_prompt
 from switchyard.decide.flow import PRIORITY_HEADER, BadPriority, ClassDecision, Ticket, classify
-from switchyard.decide.pick import EndpointChoice, Stage, fallback_plan, pick_endpoint, usable_stages
+from switchyard.decide.pick import EndpointChoice, Stage, fallback_plan, pick_endpoint, profile_for, usable_stages
+from switchyard.decide.plugins import PickRequest
 from switchyard.decide.prefix import block_hashes, prompt_text
-from switchyard.decide.resolve import ModelDecision, Refused, resolve_model
+from switchyard.decide.regions import REGION_HEADER, Placement, place
+from switchyard.decide.resolve import ModelDecision, NeedsScore, Refused, resolve_model
+from switchyard.decide.sessions import session_key
 from switchyard.engines.upstream import (
     EngineError,
     StreamRelay,
@@ -104,7 +107,7 @@ def route_header(decision: ModelDecision, stage: Stage, choice: EndpointChoice, 
 
 def refusal_error(refusal: Refused) -> ApiError:
     """The API error for a policy refusal."""
-    cls = NotFound if refusal.status == 404 else Forbidden
+    cls = {400: BadRequest, 404: NotFound}.get(refusal.status, Forbidden)
     return cls(refusal.message, code=refusal.code, param=refusal.param)
 
 
@@ -195,7 +198,9 @@ class Proxy:
         holder = runtime.policy
         snapshot, counters = holder.snapshot, holder.counters  # read once; this request keeps them to the end
         try:
-            decision = resolve_model(snapshot, identity.tier, features)
+            decision = await self._resolve(snapshot, identity.tier, features)
+            placement = place(snapshot, identity.tier, decision.model, request.headers.get(REGION_HEADER),
+                              identity.region, runtime.settings.region)
         except Refused as refusal:
             runtime.metrics.requests.labels("-", "-", str(refusal.status)).inc()
             raise refusal_error(refusal) from None
@@ -218,12 +223,12 @@ class Proxy:
             raise
         flow = runtime.flow
         request_state = _Request(kind, body, raw, bool(body.get("stream")), cls.engine_priority, features, rid,
-                                 started, identity, prompt_tokens, lease, cls, est.tokens)
+                                 started, identity, prompt_tokens, lease, cls, est.tokens, placement)
         try:
             try:
                 scheduled = await flow.schedule(snapshot, decision.model, cls, est.tokens, str(identity.tenant_id),
                                                 features.prompt_tokens + (features.max_tokens or 0),
-                                                functools.partial(_disconnected, request))
+                                                functools.partial(_disconnected, request), placement.allowed)
             except ApiError as refused:
                 runtime.metrics.requests.labels(decision.model.name, "-", str(refused.status_code)).inc()
                 refused.headers = {"x-request-id": rid, **lease.headers, "x-switchyard-class": cls.trace,
@@ -239,6 +244,15 @@ class Proxy:
                 runtime.spawn(lease.settle(0, 0.0))
             raise
 
+    async def _resolve(self, snapshot: PolicySnapshot, tier: str, features: RequestFeatures) -> ModelDecision:
+        """The model decision, with the scores of classifiers that call out computed as rules need them."""
+        scores: dict[str, float | None] = {}
+        while True:
+            try:
+                return resolve_model(snapshot, tier, features, scores)
+            except NeedsScore as needs:
+                scores[needs.name] = await self.runtime.classifiers.score(snapshot, needs.name, features)
+
     async def _dispatch(self, req: _Request, snapshot: PolicySnapshot, decision: ModelDecision,
                         scheduled: Scheduled) -> Response[Any]:
         """Try the plan's stages in order until an engine answers (see ``decide.pick``)."""
@@ -252,17 +266,25 @@ class Proxy:
         needed = req.features.prompt_tokens + (req.features.max_tokens or 0)
         hashes: list[bytes] | None = None
         strategy = runtime.settings.picker
-        stages, skipped = usable_stages(fallback_plan(snapshot, scheduled.model), needed)
+        placement = req.placement
+        stages, skipped = usable_stages(fallback_plan(snapshot, scheduled.model, placement.allowed), needed)
         attempts.failures += skipped
+        tenant = str(req.identity.tenant_id)
         for stage in stages:
             options = stage.candidates()
-            if hashes is None and len(options) > 1 and strategy == "prefix-aware":
+            profile = profile_for(snapshot, stage.model, strategy)
+            session = session_key(profile, req.features.headers, req.body, tenant, stage.model.name)
+            if hashes is None and profile.prefix and len(options) > 1:
                 hashes = block_hashes(prompt_text(req.body))
             while attempts.count < attempts.limit:
                 now = time.monotonic()
-                affinity = runtime.prefixes.affinity(hashes, [o.url for o in options], now) if hashes else {}
-                choice = pick_endpoint(options, functools.partial(runtime.endpoint_view, now=now), affinity,
-                                       runtime.next_rotation(), attempts.tried, strategy)
+                pick = PickRequest(
+                    runtime.prefixes.affinity(hashes, [o.url for o in options], now) if hashes and profile.prefix
+                    else {},
+                    runtime.sessions.get(session, now) if session is not None else None,
+                    placement.home, req.cls.cls.dispatch_ceiling, runtime.next_rotation(), runtime.rng)
+                choice = pick_endpoint(profile, options, functools.partial(runtime.endpoint_view, now=now), pick,
+                                       attempts.tried)
                 if choice is None:
                     break
                 attempts.tried.add(choice.url)
@@ -270,8 +292,10 @@ class Proxy:
                                                              req.cls.name, scheduled)
                 response = await self._attempt(req, stage, choice, attempts, headers)
                 if response is not None:
-                    if hashes:
+                    if hashes and profile.prefix:
                         runtime.prefixes.record(hashes, choice.url)
+                    if session is not None:
+                        runtime.sessions.record(session, choice.url)
                     return response
             if attempts.count >= attempts.limit:
                 break
@@ -408,6 +432,7 @@ class _Request:
     cls: ClassDecision
     #: Tokens it holds at its endpoint while in flight (prompt + expected output), for utilisation.
     cost: int
+    placement: Placement
     #: A queue's grant, until the request counts itself at its endpoint.
     ticket: Ticket | None = None
     _payloads: dict[tuple[str, bool], bytes] = field(default_factory=dict)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
@@ -15,14 +16,17 @@ import aiohttp
 import anyio.to_thread
 from sqlalchemy import Engine
 
-from switchyard.decide.pick import EndpointView
+from switchyard.decide.pick import Candidate
+from switchyard.decide.plugins import EndpointView
 from switchyard.decide.prefix import PrefixIndex
+from switchyard.decide.sessions import SessionIndex
 from switchyard.decide.tokens import TokenizerCache, load_token_counters
 from switchyard.engines.endpoints import EndpointRegistry
 from switchyard.engines.scrape import MetricsScraper
 from switchyard.engines.upstream import UpstreamTimeouts, create_client_session
 from switchyard.gateway.admission import Admitter
 from switchyard.gateway.auth import KeyAuthenticator
+from switchyard.gateway.classifiers import ClassifierRunner
 from switchyard.gateway.flow import FlowController
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.policy_state import PolicyHolder, load_startup_policy
@@ -45,11 +49,13 @@ class GatewayRuntime:
         # Scrapes older than three intervals are not trusted as load signals.
         self.endpoints = EndpointRegistry(signal_max_age=3 * settings.scrape_interval_s)
         self.prefixes = PrefixIndex()
+        self.sessions = SessionIndex()
         self.flow = FlowController(self.endpoints, self.metrics, settings.flow_control)
         self.started_at = time.time()
         self._engine: Engine | None = None
         self._policy: PolicyHolder | None = None
         self._http: aiohttp.ClientSession | None = None
+        self._classifiers: ClassifierRunner | None = None
         self._reloader: PolicyReloader | None = None
         self._usage: UsageRecorder | None = None
         self.tokenizers = TokenizerCache()
@@ -59,6 +65,8 @@ class GatewayRuntime:
         self._background: set[asyncio.Task[None]] = set()
         self.auth = KeyAuthenticator(self._lookup_key, settings.key_cache_ttl_s)
         self.rotation = 0
+        #: Breaks ties between equally scored endpoints.
+        self.rng = random.Random()
 
     @property
     def engine(self) -> Engine:
@@ -108,16 +116,26 @@ class GatewayRuntime:
             raise RuntimeError("the gateway is not started")
         return self._http
 
+    @property
+    def classifiers(self) -> ClassifierRunner:
+        """The embedding classifiers' runner (only inside the lifespan)."""
+        if self._classifiers is None:
+            raise RuntimeError("the gateway is not started")
+        return self._classifiers
+
     def next_rotation(self) -> int:
-        """A counter that spreads ties between equally loaded endpoints."""
+        """A counter for the round-robin picker."""
         self.rotation += 1
         return self.rotation
 
-    def endpoint_view(self, url: str, now: float) -> EndpointView:
-        """What the picker knows of ``url`` at ``now`` (monotonic)."""
-        state = self.endpoints.state(url)
+    def endpoint_view(self, candidate: Candidate, now: float) -> EndpointView:
+        """What the picker knows of ``candidate`` at ``now`` (monotonic)."""
+        state = self.endpoints.state(candidate.url)
         age = self.endpoints.signal_max_age
-        return EndpointView(state.healthy(now), state.load(now, age), state.queued(now, age))
+        pool = candidate.pool
+        return EndpointView(state.healthy(now), state.load(now, age), state.queued(now, age),
+                            state.utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs), state.reserved,
+                            state.served_models(now, age))
 
     def engine_urls(self) -> list[str]:
         """Every endpoint of the active policy."""
@@ -164,6 +182,7 @@ class GatewayRuntime:
             UpstreamTimeouts(self.settings.upstream_connect_timeout_s, self.settings.upstream_read_timeout_s),
             self.settings.upstream_max_connections,
         )
+        self._classifiers = ClassifierRunner(self._http, self.endpoints, self.metrics)
         # Objects made during start-up live as long as the process: keep them out of the
         # collector's way, and collect young objects less often (DESIGN.md: +13% requests/s).
         gc.collect()
@@ -191,6 +210,8 @@ class GatewayRuntime:
                 await ledger
             await self._usage.aclose()  # nothing recorded is lost on a clean shutdown
             await self.admitter.store.aclose()
+            self._classifiers.close()
+            self._classifiers = None
             await self._http.close()
             self._http = None
             self.engine.dispose()

@@ -8,6 +8,7 @@ import msgspec
 
 from switchyard.decide.features import chat_features
 from switchyard.decide.flow import ClassDecision
+from switchyard.decide.regions import Placement
 from switchyard.gateway.admission import Lease
 from switchyard.gateway.proxy import _Request
 from switchyard.policy.schema import Pool, PriorityClass
@@ -25,7 +26,8 @@ STANDARD = ClassDecision("standard", PriorityClass(max_queue_ms=1000), 0, 10, "s
 def request(body: dict[str, object], priority: int) -> _Request:
     raw = msgspec.json.encode(body)
     return _Request("chat", body, raw, False, priority, chat_features(body, {}), "rid", 0.0,
-                    KeyIdentity(1, 1, "tenant", "pro"), 0, Lease(None, None, []), STANDARD, 100)
+                    KeyIdentity(1, 1, "tenant", "pro"), 0, Lease(None, None, []), STANDARD, 100,
+                    Placement(None, None, "no home region"))
 
 
 def test_priority_goes_only_to_priority_scheduling_pools() -> None:
