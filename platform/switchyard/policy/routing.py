@@ -88,7 +88,7 @@ class PrefixAffinityScorer(_Scorer):
     """
 
     type: Literal["prefix-affinity"]
-    yield_above_utilisation: float = Field(default=0.9, gt=0, le=2)
+    yield_above_utilisation: float = Field(default=1.0, gt=0, le=2)
     herd_margin: float = Field(default=4.0, ge=0)
 
 
@@ -99,7 +99,7 @@ class SessionAffinityScorer(_Scorer):
     type: Literal["session-affinity"]
     header: HeaderName = "x-session-id"
     use_user: bool = True
-    yield_above_utilisation: float = Field(default=0.9, gt=0, le=2)
+    yield_above_utilisation: float = Field(default=1.0, gt=0, le=2)
 
 
 ScorerSpec = Annotated[LoadScorer | QueueDepthScorer | KvCacheScorer | InflightTokensScorer

@@ -103,7 +103,7 @@ def test_prefix_affinity_scores_held_blocks_and_yields_when_busy() -> None:
     # herd_margin above the least loaded candidate, each zero the affinity.
     queued = options(EndpointView(queued=1, load=1), EndpointView(), EndpointView())
     assert run_scorer(scorer, queued, request)[0] == 0.0
-    hot = options(EndpointView(utilisation=0.9), EndpointView(), EndpointView())
+    hot = options(EndpointView(utilisation=1.0), EndpointView(), EndpointView())
     assert run_scorer(scorer, hot, request)[0] == 0.0
     piled = options(EndpointView(load=5), EndpointView(load=0), EndpointView(load=1))
     assert run_scorer(scorer, piled, request) == [0.0, 0.5, 0.25]
@@ -200,7 +200,8 @@ def test_spill_over_goes_by_capacity_left_not_by_list_order() -> None:
 def test_session_affinity_keeps_a_conversation_on_its_replica() -> None:
     session = PickRequest({}, session_url="http://us2")
     assert pick({}, session) == "http://us2"
-    assert pick({"http://us2": EndpointView(utilisation=0.95)}, session) != "http://us2"
+    assert pick({"http://us2": EndpointView(utilisation=0.95)}, session) == "http://us2"
+    assert pick({"http://us2": EndpointView(utilisation=1.0)}, session) != "http://us2"
 
 
 def test_baseline_profiles() -> None:
