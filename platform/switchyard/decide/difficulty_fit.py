@@ -9,7 +9,8 @@ both splits, and prints ``WEIGHTS`` and ``BIAS`` as Python source to paste into 
 
 This module is a tool, not part of the request path: it reads a file and uses numpy, neither of
 which :mod:`switchyard.decide`'s request-path modules do. The benchmark scenario ``auto`` reads
-the set through :func:`load_prompts` too.
+the same file with a loader of its own (``switchyard.bench.labelled``): bench drives the gateway
+over HTTP and may not import ``decide``, and ``decide`` may not import bench.
 """
 
 from __future__ import annotations

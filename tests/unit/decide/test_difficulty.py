@@ -10,6 +10,7 @@ import pytest
 
 from switchyard.decide.difficulty import BIAS, FEATURE_NAMES, WEIGHTS, difficulty_features, difficulty_score
 from switchyard.decide.difficulty_fit import (
+    LabelledPrompt,
     Quality,
     choose_l2,
     feature_matrix,
@@ -18,8 +19,11 @@ from switchyard.decide.difficulty_fit import (
     main,
     weights_source,
 )
+from switchyard.decide.dryrun import dry_run
 from switchyard.decide.features import MAX_MATCH_CHARS, RequestFeatures
 from switchyard.decide.tokens import estimate_chat_tokens
+from switchyard.policy import compile_policy
+from tests.unit.policy.base import base, to_yaml
 
 #: The shipped weights' accuracy on the test split is 0.908 (see difficulty.py); a little under it.
 TEST_ACCURACY_FLOOR = 0.88
@@ -153,3 +157,33 @@ def test_quality_counts_precision_and_recall_for_hard() -> None:
     q = Quality.of([True, True, False, False, True], [True, False, True, False, True])
     assert (q.n, q.accuracy) == (5, 0.6)
     assert q.precision == pytest.approx(2 / 3) and q.recall == pytest.approx(2 / 3)
+
+
+# --- a `features` classifier in a routing rule ---------------------------------------------
+
+HARD = "Prove there are infinitely many primes, then show the gaps between consecutive primes are unbounded."
+EASY = "What is the capital of Australia?"
+
+def _classifier_policy(**spec: object) -> str:
+    doc = base()
+    doc["classifiers"] = {"hard": {"type": "features", **spec}}
+    doc["routes"][0]["rules"] = [{"name": "hard", "when": {"classifier": "hard"}, "model": "large"}]
+    doc["routes"][0]["default"] = "small"
+    doc["tests"] = []
+    del doc["tiers"][1]["model_limits"]  # (pro's 500 tokens a minute on large would refuse the request first)
+    return to_yaml(doc)
+
+
+def test_a_classifier_rule_sends_hard_prompts_to_large_and_easy_ones_to_small() -> None:
+    snapshot = compile_policy(_classifier_policy())
+    prompts = [LabelledPrompt("h", "hard", "test", HARD), LabelledPrompt("e", "easy", "test", EASY)]
+    hard, easy = (dry_run(snapshot, "pro", p.features()) for p in prompts)
+    assert (hard.status, hard.model, easy.status, easy.model) == (200, "large", 200, "small")
+    for decided, p in ((hard, prompts[0]), (easy, prompts[1])):
+        score = difficulty_score(p.features())
+        assert decided.trace[0] == f"classifier hard (features): score {score:.2f} vs threshold 0.5"
+    assert "route auto: no rule matched → default small" in easy.trace[1]
+    # The threshold is the policy's: a higher one than the prompt's score does not match.
+    strict = compile_policy(_classifier_policy(threshold=0.9999999))
+    decided = dry_run(strict, "pro", prompts[0].features())
+    assert decided.model == "small" and decided.trace[0].endswith("vs threshold 1")

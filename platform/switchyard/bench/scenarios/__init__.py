@@ -5,7 +5,9 @@ directly and against LiteLLM), ``prefix`` (prefix-aware routing against least-lo
 round-robin on a trace replay), ``overload`` (flow control against plain FCFS at twice the
 engines' capacity: per-class TTFT SLO attainment, goodput, shed and downgrade rates),
 ``failover`` (a region stopped and restarted under steady load), ``reload`` (publishes and
-rollbacks under load: propagation to another replica, failed and mis-versioned requests).
+rollbacks under load: propagation to another replica, failed and mis-versioned requests), ``auto``
+(a labelled easy/hard prompt set through a gateway on the demo policy: where the ``auto`` route
+sent each, the difficulty classifier's accuracy, cost per 1,000 requests against all on large).
 
 Not landed: scenarios whose feature does not exist yet. They are listed with the issue that
 brings the feature, and every report names them instead of showing a figure.
@@ -16,7 +18,7 @@ Must not touch: the gateway's or the simulator's internals. Scenarios start real
 
 from __future__ import annotations
 
-from switchyard.bench.scenarios import failover, overhead, overload, prefix, reload
+from switchyard.bench.scenarios import auto, failover, overhead, overload, prefix, reload
 from switchyard.bench.scenarios.base import BenchOptions, Outcome, Scenario, ScenarioContext
 
 SCENARIOS: dict[str, Scenario] = {
@@ -32,10 +34,12 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("batch", "the Batch API filling idle capacity without hurting interactive traffic", issue=10,
                  missing="the Batch API and its idle-capacity lane"),
         Scenario("reload", "policy lifecycle: publishes and rollbacks under load on two replicas", reload.run),
+        Scenario("auto", "routing cheap requests to cheap models: the auto route on a labelled prompt set, "
+                 "cost per 1,000 requests vs all-large", auto.run),
     )
 }
 #: What ``switchyard bench`` runs when no ``--scenario`` is given. ``overload`` is left out: its two
 #: arms of 30 s (the FCFS one draining for up to its 15 s client timeout) add nearly two minutes.
-DEFAULT_SCENARIOS = ("overhead", "prefix", "failover")
+DEFAULT_SCENARIOS = ("overhead", "prefix", "failover", "auto")
 
 __all__ = ["DEFAULT_SCENARIOS", "SCENARIOS", "BenchOptions", "Outcome", "Scenario", "ScenarioContext"]

@@ -1,0 +1,114 @@
+"""`switchyard bench --scenario auto --quick`: the shipped ``auto`` rules on the labelled set, through a real gateway.
+
+The gateway's answers must say what its own decisions say: every prompt lands where a dry run of the
+shipped policy sends it (the same decisions, in another process), the figures add up, the report's
+Markdown and JSON agree, and everything the bench started is stopped. No wall-clock time is asserted.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from switchyard.bench.scenarios.auto import QUICK_EVERY
+from switchyard.bench.tables import render_goal_row, render_row
+from switchyard.decide.difficulty_fit import load_prompts
+from switchyard.decide.dryrun import dry_run
+from switchyard.policy import compile_policy
+from switchyard.resources import demo_policy
+from tests.integration.conftest import SWITCHYARD
+from tests.integration.test_bench import PNG_MAGIC, _json, _ours
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    out = tmp_path_factory.mktemp("bench-auto") / "report"
+    args = [SWITCHYARD, "bench", "--quick", "--no-progress", "--out", str(out), "--seed", "3", "--scenario", "auto"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=100)
+    return out, done
+
+
+@pytest.fixture(scope="module")
+def report(run: tuple[Path, subprocess.CompletedProcess[str]]) -> dict[str, Any]:
+    out, done = run
+    assert done.returncode == 0, done.stdout + done.stderr
+    return _json(out / "auto" / "report.json")
+
+
+def test_the_run_writes_a_complete_report_and_stops_everything(
+        run: tuple[Path, subprocess.CompletedProcess[str]], report: dict[str, Any]) -> None:
+    out, done = run
+    assert f"report: {out / 'report.md'}" in done.stdout
+    assert not _ours(str(out)), "every process the bench started is stopped"
+    assert [(s["name"], s["status"]) for s in _json(out / "report.json")["scenarios"]] == [("auto", "ok")]
+    folder = out / "auto"
+    assert all(png.read_bytes()[:8] == PNG_MAGIC for png in folder.glob("*.png"))
+    assert report["plots"] and sorted(report["plots"]) == sorted(p.name for p in folder.glob("*.png"))
+    assert report["overall"]["switchyard"]["count"] == report["figures"]["prompts"]
+
+
+def test_every_prompt_lands_where_the_gateways_own_decisions_send_it(report: dict[str, Any]) -> None:
+    f = report["figures"]
+    prompts = load_prompts()[::QUICK_EVERY]
+    assert f["prompts"] == report["parameters"]["sent"] == len(prompts)
+    assert (f["refused"], f["served_elsewhere"]) == (0, 0)
+    path = demo_policy()
+    snapshot = compile_policy(path.read_text(), str(path))
+    decided = {p.id: dry_run(snapshot, "pro", p.features()) for p in prompts}
+    expected = Counter((p.split, p.label, decided[p.id].model) for p in prompts)
+    for row in f["by_label"]:
+        for model in f["models"]:
+            want = sum(n for (split, label, m), n in expected.items()
+                       if m == model and row["split"] in ("all", split) and row["label"] in ("all", label))
+            assert row[model] == want, (row, model)
+    cheapest, compare = f["cheapest"], f["compare"]
+    misrouted = [p.id for p in prompts if (p.hard and decided[p.id].model == cheapest)
+                 or (not p.hard and decided[p.id].model == compare)]
+    assert [m["id"] for m in f["misrouted"]] == misrouted
+
+
+def test_the_figures_add_up(report: dict[str, Any]) -> None:
+    f = report["figures"]
+    assert (f["compare"], f["cheapest"], f["models"]) == ("large", "small", ["small", "medium", "large"])
+    rows = {(r["split"], r["label"]): r for r in f["by_label"]}
+    for key, row in rows.items():
+        assert sum(row[m] for m in f["models"]) + row["refused"] == row["n"], key
+    assert rows["all", "easy"]["n"] + rows["all", "hard"]["n"] == rows["all", "all"]["n"] == f["prompts"]
+    assert sum(r["easy"] + r["hard"] for r in f["by_rule"]) == f["prompts"]
+    # Cheap requests go to cheap models, hard ones to the large model.
+    assert rows["all", "easy"]["small"] > 0.7 * rows["all", "easy"]["n"]
+    assert rows["all", "hard"]["large"] > 0.8 * rows["all", "hard"]["n"]
+    easy, hard, whole, mix = f["costs"]
+    assert (easy["n"], hard["n"], whole["n"]) == (rows["all", "easy"]["n"], rows["all", "hard"]["n"], f["prompts"])
+    assert whole["auto"] < whole["all"] and easy["auto"] < 0.25 * easy["all"]
+    assert whole["ratio"] == pytest.approx(whole["auto"] / whole["all"]) == f["cost_ratio"]
+    assert easy["auto"] < whole["auto"] < hard["auto"]
+    assert mix["all"] == pytest.approx(0.8 * easy["all"] + 0.2 * hard["all"])
+    assert f["hard_to_cheapest"] == pytest.approx(rows["all", "hard"]["small"] / rows["all", "hard"]["n"])
+    # The engine counts the chat template too: more tokens than the text sent.
+    assert f["prompt_tokens"] > report["overall"]["switchyard"]["count"] * 10
+    quality = {(r["classifier"], r["split"]): r for r in f["classifiers"]}
+    assert set(quality) == {("hard", "test"), ("hard", "train")}
+    assert quality["hard", "train"]["accuracy"] >= 0.85
+    assert quality["hard", "train"]["n"] > quality["hard", "test"]["n"]
+    assert [line.split(" (")[0] for line in f["classifiers_not_shown"]] == ["classifier unsure"]
+    assert [g["met"] for g in report["goals"]] == [True, True, True]
+
+
+def test_markdown_and_json_hold_the_same_numbers(run: tuple[Path, subprocess.CompletedProcess[str]],
+                                                 report: dict[str, Any]) -> None:
+    out, _ = run
+    md = (out / "auto" / "report.md").read_text()
+    index_md = (out / "report.md").read_text()
+    index = _json(out / "report.json")["scenarios"][0]
+    assert index["goals"] == report["goals"]
+    for g in report["goals"]:
+        assert render_goal_row(g) in md and render_goal_row(g) in index_md, g["goal"]
+    for data in report["tables"]:
+        for row in data["rows"]:
+            assert render_row(data, row) in md, (data["title"], row)
+    assert "Cost per 1,000 requests" in md and "hard prompts sent to small" in md
