@@ -75,7 +75,6 @@ class EndpointChoice:
 
     pool: Pool
     url: str
-    view: EndpointView
     score: float
     #: Each scorer's score of the chosen endpoint.
     parts: tuple[tuple[str, float], ...]
@@ -207,6 +206,6 @@ def pick_endpoint(profile: Profile, options: Sequence[Candidate], view: Callable
     scores = [sum(weight * values[i] for _, weight, values in columns) / total for i in range(n)]
     index = profile.picker.fn(current, scores, request)
     chosen = current[index]
-    return EndpointChoice(chosen.pool, chosen.url, chosen.view, scores[index],
+    return EndpointChoice(chosen.pool, chosen.url, scores[index],
                           tuple((name, values[index]) for name, _, values in columns), profile.picker.name, n,
                           tuple(notes))

@@ -77,7 +77,7 @@ assert set(_CONDITIONS) | {"classifier"} == set(RuleConditions.model_fields), "e
 class _Scores:
     """Classifier scores of one request: built-in ones computed on first use, others given by the caller."""
 
-    __slots__ = ("features", "given", "notes", "snapshot", "used")
+    __slots__ = ("difficulty", "features", "given", "notes", "snapshot", "used")
 
     def __init__(self, snapshot: PolicySnapshot, features: RequestFeatures,
                  given: Mapping[str, float | None]) -> None:
@@ -86,6 +86,8 @@ class _Scores:
         self.given = given
         self.used: dict[str, float | None] = {}
         self.notes: list[str] = []
+        #: The built-in difficulty score, computed once however many `features` classifiers read it.
+        self.difficulty: float | None = None
 
     def says_yes(self, name: str) -> bool:
         spec = self.snapshot.document.classifiers[name]
@@ -93,7 +95,9 @@ class _Scores:
             if name in self.given:
                 self.used[name] = self.given[name]
             elif spec.type == "features":
-                self.used[name] = difficulty_score(self.features)
+                if self.difficulty is None:
+                    self.difficulty = difficulty_score(self.features)
+                self.used[name] = self.difficulty
             else:
                 raise NeedsScore(name)
             score = self.used[name]
