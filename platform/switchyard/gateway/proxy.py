@@ -31,7 +31,6 @@ from switchyard.decide.regions import REGION_HEADER, Placement, place
 from switchyard.decide.resolve import ModelDecision, NeedsScore, Refused, resolve_model
 from switchyard.decide.sessions import session_key
 from switchyard.engines.upstream import (
-    EngineError,
     StreamRelay,
     UpstreamFailure,
     body_usage,
@@ -41,16 +40,11 @@ from switchyard.engines.upstream import (
     usage_counts,
 )
 from switchyard.gateway.admission import Lease
+from switchyard.gateway.attempts import RETRYABLE_STATUS, Attempts, engine_error, failure_error, refusal_error
 from switchyard.gateway.body import check_chat, check_completion, decode_json_object
 from switchyard.gateway.errors import (
     ApiError,
-    BadGateway,
     BadRequest,
-    Forbidden,
-    GatewayTimeout,
-    NotFound,
-    Overloaded,
-    PayloadTooLarge,
     RateLimited,
 )
 from switchyard.gateway.flow import Scheduled
@@ -103,74 +97,6 @@ def route_header(decision: ModelDecision, stage: Stage, choice: EndpointChoice, 
     if attempt > 1:
         parts.append(f"attempt={attempt}")
     return "; ".join(parts)
-
-
-def refusal_error(refusal: Refused) -> ApiError:
-    """The API error for a policy refusal."""
-    cls = {400: BadRequest, 404: NotFound}.get(refusal.status, Forbidden)
-    return cls(refusal.message, code=refusal.code, param=refusal.param)
-
-
-def engine_error(err: EngineError, choice: EndpointChoice, headers: dict[str, str]) -> ApiError:
-    """What an engine's non-2xx answer means for the client.
-
-    The engine's 400s are the client's mistakes (context too long, bad parameter) and pass
-    through; a 404 means the policy names a model the engine does not serve (a configuration
-    error, so 502); 429/503 mean the engine is overloaded.
-    """
-    where = f"pool {choice.pool.name} ({choice.url})"
-    code = str(err.code) if isinstance(err.code, str) else None
-    if err.status in (400, 422):
-        return BadRequest(err.message, code=code or "invalid_request", param=err.param, headers=headers)
-    if err.status == 413:
-        return PayloadTooLarge(err.message, headers=headers)
-    if err.status == 404:
-        return BadGateway(f"The engine of {where} does not serve '{choice.pool.served_model}': {err.message}",
-                          code="upstream_model_missing", headers=headers)
-    if err.status in (429, 503):
-        return Overloaded(f"The engine of {where} is overloaded ({err.status}): {err.message}",
-                          headers={**headers, "Retry-After": err.retry_after or "1"})
-    return BadGateway(f"The engine of {where} answered {err.status}: {err.message}", headers=headers)
-
-
-def failure_error(failure: UpstreamFailure, pool: str, headers: dict[str, str]) -> ApiError:
-    """504 when the engine did not answer in time, 502 when it could not be reached or broke off."""
-    cls = GatewayTimeout if failure.timeout else BadGateway
-    return cls(f"Upstream failure in pool {pool}: {failure}", headers=headers)
-
-
-#: Engine answers that say "try elsewhere": the engine is overloaded or broken, or does not serve
-#: the model it should (a misconfigured replica). Other 4xx are the client's mistakes and pass through.
-RETRYABLE_STATUS = frozenset({404, 429, 500, 502, 503, 504})
-
-
-@dataclass(slots=True)
-class Attempts:
-    """One request's way through its fallback plan: what was tried and how each try failed."""
-
-    limit: int
-    tried: set[str] = field(default_factory=set)
-    failures: list[str] = field(default_factory=list)
-    last_error: ApiError | None = None
-
-    @property
-    def count(self) -> int:
-        return len(self.tried)
-
-    def failed(self, url: str, reason: str, error: ApiError) -> None:
-        self.failures.append(f"{url}: {reason}")
-        self.last_error = error
-
-    def final_error(self, headers: dict[str, str]) -> ApiError:
-        """The error to answer with when every attempt failed (or none was possible)."""
-        error = self.last_error
-        if error is None:
-            return Overloaded("No endpoint can serve this request right now.", code="no_endpoint",
-                              headers={**headers, "Retry-After": "1"})
-        if self.count > 1:
-            error.message = f"All {self.count} attempts failed: " + "; ".join(self.failures)
-            error.headers = {**(error.headers or {}), "x-switchyard-attempts": str(self.count)}
-        return error
 
 
 class Proxy:
