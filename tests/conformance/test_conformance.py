@@ -750,10 +750,13 @@ def test_the_gateway_reads_the_same_signals(target: Target, sim: Target) -> None
     def observe(t: Target) -> Any:
         signals = parse_engine_metrics(httpx.get(f"{t.url}/metrics", timeout=30).text)
         assert signals.prefix_queries >= signals.prefix_hits >= 0 and 0 <= signals.kv_usage <= 1
+        # The served model's name, from the model_name label (the serves-model filter reads it).
+        assert signals.models == frozenset({t.model}), signals.models
         return {k: type(v).__name__ for k, v in dataclasses.asdict(signals).items()}
 
-    assert compare(target, sim, observe, "gateway signals") == dict.fromkeys(
-        ("running", "waiting", "kv_usage", "prefix_queries", "prefix_hits"), "float")
+    assert compare(target, sim, observe, "gateway signals") == {
+        **dict.fromkeys(("running", "waiting", "kv_usage", "prefix_queries", "prefix_hits"), "float"),
+        "models": "frozenset"}
 
 
 def test_counters_move_with_a_request(target: Target, sim: Target) -> None:

@@ -28,7 +28,7 @@ def run(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An Azure-format trace of 300 requests over 60 s, and a candidate that widens the cheap rule."""
+    """An Azure-format trace of 300 requests over 60 s, and a candidate that keeps long prompts off large."""
     tmp = tmp_path_factory.mktemp("replay")
     rng = random.Random(5)
     rows, t = ["TIMESTAMP,ContextTokens,GeneratedTokens"], 0.0
@@ -38,7 +38,9 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
         rows.append(f"2023-11-16 18:{15 + seconds // 60:02d}:{seconds % 60:02d}.{int((t % 1) * 1e7):07d},"
                     f"{rng.randint(50, 1200)},{rng.randint(10, 200)}")
     (tmp / "trace.csv").write_text("\n".join(rows) + "\n")
-    (tmp / "cand.yaml").write_text(POLICY.replace("prompt_tokens_lt: 300,", "prompt_tokens_lt: 1000,"))
+    candidate = POLICY.replace("when: {classifier: hard}", "when: {classifier: hard, prompt_tokens_lt: 900}")
+    assert candidate != POLICY, "the demo policy's hard rule changed: update this candidate"
+    (tmp / "cand.yaml").write_text(candidate)
     return tmp
 
 
@@ -56,7 +58,8 @@ def test_a_candidate_is_replayed_against_the_active_policy(files: Path) -> None:
     assert active["statuses"]["429"] == free["active_429"]
     assert active["sha256"] == policy_sha256(POLICY)
     changes = report["changes"]
-    # Prompts of 300..1000 tokens go small instead of medium: cheaper, and they change model.
+    # The trace's synthetic prompts (long runs of technical words) score as hard; those of 900 tokens
+    # or more now go to medium instead of large: cheaper, and they change model.
     assert 0 < changes["model_changed"] < 300
     assert candidate["cost_per_1000"] < active["cost_per_1000"]
     assert {r["tier"] for r in report["refusals"]} == {"free", "pro"}

@@ -4,8 +4,9 @@ Picking runs the model's endpoint profile (:mod:`switchyard.policy.routing`, plu
 :mod:`switchyard.decide.plugins`), as the Kubernetes inference gateway's endpoint picker does:
 
 1. **Filters** narrow the stage's endpoints (healthy, serves the model, under its saturation
-   limit); endpoints this request already tried are out, and so, before picking starts, are pools
-   outside the regions the tier may use (``tiers[].regions``; see :func:`fallback_plan`).
+   limit; a filter that would leave none is ignored); endpoints this request already tried are
+   out, and so, before picking starts, are pools outside the regions the tier may use
+   (``tiers[].regions``; see :func:`fallback_plan`).
 2. **Home region**: when the request has one and some home endpoint is healthy and under its
    class's ceiling, only home endpoints stay; otherwise the request spills to the region with the
    most capacity left (the sum over its healthy endpoints of ``(ceiling - utilisation) x
@@ -179,18 +180,15 @@ def pick_endpoint(profile: Profile, options: Sequence[Candidate], view: Callable
     # failed moves on to the next stage instead of probing the ones in cool-down.
     current = unfiltered = [Option(c.pool, c.url, view(c)) for c in options]
     notes: list[str] = []
+    if not current:
+        return None
     for plugin in profile.filters:
-        if not current:
-            return None
         kept = plugin.fn(current, request)
-        if kept:
-            if len(kept) < len(current):
-                notes.append(f"{plugin.name}: {len(current) - len(kept)} left out")
-            current = kept
-        elif plugin.soft:
+        if not kept:
             notes.append(f"{plugin.name}: none passes, all {len(current)} kept")
-        else:
-            return None
+        elif len(kept) < len(current):
+            notes.append(f"{plugin.name}: {len(current) - len(kept)} left out")
+            current = kept
     if exclude:
         current = [o for o in current if o.url not in exclude]
         unfiltered = [o for o in unfiltered if o.url not in exclude]

@@ -3,9 +3,9 @@
 Every plugin is a pure function of the candidates and what the gateway knows of them (an
 :class:`Option` per endpoint) and of the request (:class:`PickRequest`):
 
-- a **filter** returns the candidates that stay. A *soft* filter (``healthy``,
-  ``under-saturation``) keeps every candidate when it would leave none (better to try a busy or
-  cooling-down replica than to refuse); a hard one (``serves-model``) does not.
+- a **filter** returns the candidates that stay. A filter that would leave none is ignored (the
+  trace says so): better to try a busy or cooling-down replica, or one whose scrape named another
+  model (its own answer then says what is wrong), than to refuse.
 - a **scorer** returns one score in [0, 1] per candidate; the profile's score is the weighted mean.
 - a **picker** returns the index of the chosen candidate.
 
@@ -87,7 +87,6 @@ PickerFn = Callable[[Sequence[Option], Sequence[float], PickRequest], int]
 class FilterPlugin:
     name: str
     fn: FilterFn
-    soft: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +126,7 @@ def build(item: BaseModel) -> Plugin:
 
 @register(spec.HealthyFilter)
 def _healthy(_s: spec.HealthyFilter) -> Plugin:
-    return FilterPlugin("healthy", lambda options, _r: [o for o in options if o.view.healthy], soft=True)
+    return FilterPlugin("healthy", lambda options, _r: [o for o in options if o.view.healthy])
 
 
 @register(spec.ServesModelFilter)
@@ -135,7 +134,7 @@ def _serves_model(_s: spec.ServesModelFilter) -> Plugin:
     def keep(options: Sequence[Option], _r: PickRequest) -> list[Option]:
         return [o for o in options if o.view.models is None or o.pool.served_model in o.view.models]
 
-    return FilterPlugin("serves-model", keep, soft=False)
+    return FilterPlugin("serves-model", keep)
 
 
 @register(spec.UnderSaturationFilter)
@@ -146,7 +145,7 @@ def _under_saturation(s: spec.UnderSaturationFilter) -> Plugin:
         ceiling = limit if limit is not None else request.ceiling
         return [o for o in options if o.view.utilisation < ceiling]
 
-    return FilterPlugin("under-saturation", keep, soft=True)
+    return FilterPlugin("under-saturation", keep)
 
 
 # --- scorers ------------------------------------------------------------------------------------

@@ -24,7 +24,10 @@ class _Spec(BaseModel):
 # --- filters ------------------------------------------------------------------------------------
 
 class HealthyFilter(_Spec):
-    """Leave out endpoints in a failure cool-down (all stay when every one is: a probe beats a refusal)."""
+    """Leave out endpoints in a failure cool-down.
+
+    Like every filter, it is ignored when it would leave no endpoint (a probe beats a refusal).
+    """
 
     type: Literal["healthy"]
 
@@ -37,7 +40,7 @@ class ServesModelFilter(_Spec):
 
 class UnderSaturationFilter(_Spec):
     """Leave out endpoints at or above a utilisation (default: the request's class's dispatch ceiling,
-    1.0 for interactive classes); all stay when every one is above it."""
+    1.0 for interactive classes)."""
 
     type: Literal["under-saturation"]
     max_utilisation: float | None = Field(default=None, gt=0, le=2)

@@ -65,11 +65,13 @@ def test_under_saturation_filter_uses_the_class_ceiling_unless_the_profile_sets_
     assert run_filter(fixed, opts, PickRequest({}, ceiling=1.0)) == ["http://us1"]
 
 
-def test_soft_filters_keep_everyone_when_none_passes_and_hard_ones_do_not() -> None:
+def test_a_filter_that_would_leave_none_is_ignored() -> None:
     down = {c.url: EndpointView(healthy=False) for c in CANDIDATES}
     assert pick(down) is not None  # a probe beats a refusal
+    # Every replica's scrape names another model: try one anyway, its answer says what is wrong.
     wrong = {c.url: EndpointView(models=frozenset({"other"})) for c in CANDIDATES}
-    assert pick(wrong) is None
+    choice = pick_endpoint(compile_profile("t", DEFAULT_PROFILE), CANDIDATES, lambda c: wrong[c.url], REQ)
+    assert choice is not None and "serves-model: none passes, all 3 kept" in choice.trace
     full = {c.url: EndpointView(utilisation=1.5) for c in CANDIDATES}
     assert pick(full) is not None
     assert pick({}, exclude=frozenset(c.url for c in CANDIDATES)) is None
