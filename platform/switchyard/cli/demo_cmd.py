@@ -80,10 +80,12 @@ def _policy_label(base: str, fallback: str) -> str:
         return fallback
 
 
-def _banner(base: str, key: str, tier: str, snapshot: PolicySnapshot, engines: int) -> str:
+def _banner(base: str, key: str, tier: str, snapshot: PolicySnapshot, engines: int, region: str) -> str:
     model = "auto" if "auto" in snapshot.routes else next(iter(snapshot.models))
     return f"""
 Switchyard demo is running ({engines} simulated vLLM engines, policy {_policy_label(base, snapshot.label)}).
+The gateway runs in region {region}: requests are served there and spill over to another region when
+it is saturated (header x-switchyard-region: REGION names another home).
 
   API (OpenAI-compatible)  {base}/v1
   Admin console            {base}/admin/
@@ -153,7 +155,9 @@ def demo(port: int | None, time_scale: float) -> None:
     env = {**os.environ, "SWITCHYARD_DATA_DIR": str(settings.data_dir.resolve()),
            "SWITCHYARD_DATABASE_URL": settings.resolved_database_url,
            "SWITCHYARD_POLICY_FILE": str(policy_file.resolve()), "SWITCHYARD_HOST": settings.host,
-           "SWITCHYARD_PORT": str(settings.port)}
+           "SWITCHYARD_PORT": str(settings.port),
+           # A gateway runs in one region: the home of requests that name none (the policy's first).
+           "SWITCHYARD_REGION": settings.region or snapshot.document.regions[0]}
     cmd = [sys.executable, "-m", "switchyard"]
     children: list[subprocess.Popen[bytes]] = []
     stopping = False
@@ -173,7 +177,7 @@ def demo(port: int | None, time_scale: float) -> None:
         children.append(gateway)
         base = f"http://{settings.host}:{settings.port}"
         _wait_http(f"{base}/readyz", 60, gateway, "the gateway")
-        click.echo(_banner(base, key, tier, snapshot, len(endpoints)))
+        click.echo(_banner(base, key, tier, snapshot, len(endpoints), env["SWITCHYARD_REGION"]))
         while not stopping:
             for child, what in ((sim, "the simulated engines"), (gateway, "the gateway")):
                 if child.poll() is not None:
