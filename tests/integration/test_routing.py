@@ -161,7 +161,8 @@ def test_load_signals_are_scraped_from_the_engines(routed: tuple[Gateway, dict[s
             assert isinstance(scrape, dict)
             if scrape["fresh"] and scrape["waiting"]:
                 seen_waiting = max(seen_waiting, float(scrape["waiting"]))
-                assert scrape["running"] == 1  # --max-num-seqs 1
+                # --max-num-seqs 1 (0 when the scrape falls between one request finishing and the next starting)
+                assert scrape["running"] <= 1
             time.sleep(0.05)
         for f in futures:
             f.result()
