@@ -14,12 +14,13 @@ from typing import Any
 
 import pytest
 
+from switchyard.bench.labelled import load_prompts
 from switchyard.bench.scenarios.auto import QUICK_EVERY
 from switchyard.bench.tables import render_goal_row, render_row
-from switchyard.decide.difficulty_fit import load_prompts
 from switchyard.decide.dryrun import dry_run
 from switchyard.policy import compile_policy
 from switchyard.resources import demo_policy
+from switchyard.whatif.difficulty_fit import features_of
 from tests.integration.conftest import SWITCHYARD
 from tests.integration.test_bench import PNG_MAGIC, _json, _ours
 
@@ -58,7 +59,7 @@ def test_every_prompt_lands_where_the_gateways_own_decisions_send_it(report: dic
     assert (f["refused"], f["served_elsewhere"]) == (0, 0)
     path = demo_policy()
     snapshot = compile_policy(path.read_text(), str(path))
-    decided = {p.id: dry_run(snapshot, "pro", p.features()) for p in prompts}
+    decided = {p.id: dry_run(snapshot, "pro", features_of(p)) for p in prompts}
     expected = Counter((p.split, p.label, decided[p.id].model) for p in prompts)
     for row in f["by_label"]:
         for model in f["models"]:

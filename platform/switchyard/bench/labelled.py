@@ -5,9 +5,7 @@ how many messages the conversation has, whether it carries tools or asks for JSO
 answer length, a label (``easy``, or ``hard`` when it needs a strong model) and a split (``train``:
 what the difficulty classifier's weights were fitted on; ``test``: never used in fitting).
 
-``switchyard.decide.difficulty_fit`` (the offline fitting tool) reads the same file with a loader of
-its own: bench may not import ``decide`` (it drives the gateway over HTTP), and ``decide`` may not
-import bench.
+The offline fitting tool (``switchyard.whatif.difficulty_fit``) reads the set through this module too.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ about 10 µs for a short message and 30 µs for 2 kB on a busy two-core machine,
 by :data:`~switchyard.decide.features.MAX_MATCH_CHARS` and :data:`WORD_WINDOW`.
 
 The weights below are fitted offline on the labelled prompt set shipped with the benchmarks
-(``switchyard/bench/data/auto_prompts.jsonl``) by :mod:`switchyard.decide.difficulty_fit`;
+(``switchyard/bench/data/auto_prompts.jsonl``) by :mod:`switchyard.whatif.difficulty_fit`;
 refit and paste its output here when the features or the set change.
 """
 
@@ -145,7 +145,7 @@ def difficulty_features(features: RequestFeatures) -> tuple[float, ...]:
     )
 
 
-# Fitted by `python -m switchyard.decide.difficulty_fit` on the 247 prompts of the shipped set's train
+# Fitted by `python -m switchyard.whatif.difficulty_fit` on the 247 prompts of the shipped set's train
 # split (113 hard): L2-regularised logistic regression, strength 1 chosen by 5-fold cross-validation on
 # the train split alone (as were the features, EDGES and LENGTH_CAP). Accuracy at threshold 0.5: train
 # 0.968, test 0.908 (109 prompts never used in fitting or choosing; for "hard", precision 0.915 and

@@ -12,6 +12,9 @@ the simulator's engine core (``sim.core.EngineCore``, one per endpoint, built fr
 hardware profile and KV capacity) driven by a discrete-event clock, so a replay runs as fast as
 the engine model can be computed, not in wall-clock time.
 
+Also the offline fit of the built-in difficulty classifier's weights (``whatif.difficulty_fit``):
+like the replay, it runs the decisions' own code on bench's data.
+
 Must not touch: the gateway, the database or the network. It imports ``decide``, ``policy``,
 ``sim``, the workload builders of ``bench`` and the in-process limit store (``store.limits``,
 driven on the simulated clock).

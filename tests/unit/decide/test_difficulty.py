@@ -8,21 +8,20 @@ from pathlib import Path
 
 import pytest
 
+from switchyard.bench.labelled import LabelledPrompt, Quality, load_prompts
 from switchyard.decide.difficulty import BIAS, FEATURE_NAMES, WEIGHTS, difficulty_features, difficulty_score
-from switchyard.decide.difficulty_fit import (
-    LabelledPrompt,
-    Quality,
-    choose_l2,
-    feature_matrix,
-    fit,
-    load_prompts,
-    main,
-    weights_source,
-)
 from switchyard.decide.dryrun import dry_run
 from switchyard.decide.features import MAX_MATCH_CHARS, RequestFeatures
 from switchyard.decide.tokens import estimate_chat_tokens
 from switchyard.policy import compile_policy
+from switchyard.whatif.difficulty_fit import (
+    choose_l2,
+    feature_matrix,
+    features_of,
+    fit,
+    main,
+    weights_source,
+)
 from tests.unit.policy.base import base, to_yaml
 
 #: The shipped weights' accuracy on the test split is 0.908 (see difficulty.py); a little under it.
@@ -61,7 +60,7 @@ def test_scores_are_probabilities_whatever_the_input() -> None:
                                                  system_text="x" * 20_000)):
             assert 0.0 <= difficulty_score(features) <= 1.0
             assert len(difficulty_features(features)) == len(FEATURE_NAMES) == len(WEIGHTS)
-    assert all(0.0 <= difficulty_score(p.features()) <= 1.0 for p in load_prompts())
+    assert all(0.0 <= difficulty_score(features_of(p)) <= 1.0 for p in load_prompts())
 
 
 def test_easy_requests_score_below_hard_ones() -> None:
@@ -96,7 +95,7 @@ def test_keywords_outside_the_word_window_are_not_split() -> None:
 
 def test_the_shipped_weights_hold_their_accuracy_on_the_test_split() -> None:
     test = [p for p in load_prompts() if p.split == "test"]
-    quality = Quality.of([difficulty_score(p.features()) >= 0.5 for p in test], [p.hard for p in test])
+    quality = Quality.of([difficulty_score(features_of(p)) >= 0.5 for p in test], [p.hard for p in test])
     assert quality.n >= 80
     assert quality.accuracy >= TEST_ACCURACY_FLOOR
     assert quality.precision >= 0.8 and quality.recall >= 0.8
@@ -150,7 +149,7 @@ def test_a_bad_line_of_a_labelled_set_is_named(tmp_path: Path) -> None:
         load_prompts(path)
     path.write_text(json.dumps(good) + "\n")
     (only,) = load_prompts(path)
-    assert only.features().last_user_text == "hi" and not only.hard
+    assert features_of(only).last_user_text == "hi" and not only.hard
 
 
 def test_quality_counts_precision_and_recall_for_hard() -> None:
@@ -177,13 +176,13 @@ def _classifier_policy(**spec: object) -> str:
 def test_a_classifier_rule_sends_hard_prompts_to_large_and_easy_ones_to_small() -> None:
     snapshot = compile_policy(_classifier_policy())
     prompts = [LabelledPrompt("h", "hard", "test", HARD), LabelledPrompt("e", "easy", "test", EASY)]
-    hard, easy = (dry_run(snapshot, "pro", p.features()) for p in prompts)
+    hard, easy = (dry_run(snapshot, "pro", features_of(p)) for p in prompts)
     assert (hard.status, hard.model, easy.status, easy.model) == (200, "large", 200, "small")
     for decided, p in ((hard, prompts[0]), (easy, prompts[1])):
-        score = difficulty_score(p.features())
+        score = difficulty_score(features_of(p))
         assert decided.trace[0] == f"classifier hard (features): score {score:.2f} vs threshold 0.5"
     assert "route auto: no rule matched → default small" in easy.trace[1]
     # The threshold is the policy's: a higher one than the prompt's score does not match.
     strict = compile_policy(_classifier_policy(threshold=0.9999999))
-    decided = dry_run(strict, "pro", prompts[0].features())
+    decided = dry_run(strict, "pro", features_of(prompts[0]))
     assert decided.model == "small" and decided.trace[0].endswith("vs threshold 1")

@@ -1,38 +1,32 @@
 """Fits the weights of :mod:`switchyard.decide.difficulty` on the labelled prompt set (offline).
 
-``python -m switchyard.decide.difficulty_fit [PATH]`` reads the set (default: the one shipped with
+``python -m switchyard.whatif.difficulty_fit [PATH]`` reads the set (default: the one shipped with
 the benchmarks, ``switchyard/bench/data/auto_prompts.jsonl``), fits an L2-regularised logistic
 regression on its ``train`` split (features standardised; the regularisation strength chosen by
 stratified 5-fold cross-validation on the train split alone, by log-loss), reports accuracy on
 both splits, and prints ``WEIGHTS`` and ``BIAS`` as Python source to paste into ``difficulty.py``
 (on the features' raw scale, so the request path does no standardising).
 
-This module is a tool, not part of the request path: it reads a file and uses numpy, neither of
-which :mod:`switchyard.decide`'s request-path modules do. The benchmark scenario ``auto`` reads
-the same file with a loader of its own (``switchyard.bench.labelled``): bench drives the gateway
-over HTTP and may not import ``decide``, and ``decide`` may not import bench.
+A tool, not part of the request path: it reads a file and uses numpy. It lives in ``whatif``, the
+package that may import both the decisions and bench's workloads, and reads the set with bench's
+loader (:mod:`switchyard.bench.labelled`, which the ``auto`` scenario uses too).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib.resources import files
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
+from switchyard.bench.labelled import LabelledPrompt, Quality, load_prompts
 from switchyard.decide.difficulty import FEATURE_NAMES, difficulty_features
 from switchyard.decide.features import RequestFeatures
 from switchyard.decide.tokens import estimate_chat_tokens
 
-Label = Literal["easy", "hard"]
-Split = Literal["train", "test"]
 Matrix = npt.NDArray[np.float64]
 
 #: Candidate L2 strengths (on standardised features; the intercept is not penalised).
@@ -40,74 +34,13 @@ L2_GRID = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
 FOLDS = 5
 
 
-@dataclass(frozen=True, slots=True)
-class LabelledPrompt:
-    """One line of the labelled prompt set.
-
-    Attributes:
-        id: Unique, ``<label>-<category>-<n>``.
-        label: ``hard`` when it needs a strong model.
-        split: ``train`` (fitting) or ``test`` (reported only).
-        prompt: The last user message.
-        system: The system prompt, if any.
-        messages: Messages in the conversation (the system prompt counts as one).
-        tools: Whether the request carries tools.
-        json_mode: Whether it asks for a JSON response.
-        output_tokens: A realistic length of the answer.
-    """
-
-    id: str
-    label: Label
-    split: Split
-    prompt: str
-    system: str | None = None
-    messages: int = 1
-    tools: bool = False
-    json_mode: bool = False
-    output_tokens: int = 100
-
-    @property
-    def hard(self) -> bool:
-        """Whether it is labelled hard."""
-        return self.label == "hard"
-
-    def features(self, model: str = "auto") -> RequestFeatures:
-        """The request's features as the gateway would extract them (earlier turns empty, as in policy tests)."""
-        texts = [self.prompt] + ([self.system] if self.system else [])
-        texts += [""] * max(0, self.messages - len(texts))
-        return RequestFeatures(model=model, prompt_tokens=estimate_chat_tokens(texts), messages=self.messages,
-                               last_user_text=self.prompt, system_text=self.system or "", has_tools=self.tools,
-                               json_mode=self.json_mode)
-
-
-def default_prompts_path() -> Path:
-    """The labelled set shipped inside the package."""
-    return Path(str(files("switchyard"))) / "bench" / "data" / "auto_prompts.jsonl"
-
-
-def load_prompts(path: Path | None = None) -> list[LabelledPrompt]:
-    """The labelled prompt set at ``path`` (default: :func:`default_prompts_path`).
-
-    Raises:
-        ValueError: A line is not a valid entry (the message names the line).
-    """
-    path = path or default_prompts_path()
-    out = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            entry = LabelledPrompt(
-                id=str(row["id"]), label=row["label"], split=row["split"], prompt=str(row["prompt"]),
-                system=row.get("system"), messages=int(row.get("messages", 1)), tools=bool(row.get("tools", False)),
-                json_mode=bool(row.get("json_mode", False)), output_tokens=int(row["output_tokens"]))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{path}:{number}: not a labelled prompt ({exc})") from exc
-        if entry.label not in ("easy", "hard") or entry.split not in ("train", "test"):
-            raise ValueError(f"{path}:{number}: label must be easy or hard and split train or test")
-        out.append(entry)
-    return out
+def features_of(prompt: LabelledPrompt, model: str = "auto") -> RequestFeatures:
+    """The request's features as the gateway would extract them (earlier turns empty, as in policy tests)."""
+    texts = [prompt.prompt] + ([prompt.system] if prompt.system else [])
+    texts += [""] * max(0, prompt.messages - len(texts))
+    return RequestFeatures(model=model, prompt_tokens=estimate_chat_tokens(texts), messages=prompt.messages,
+                           last_user_text=prompt.prompt, system_text=prompt.system or "", has_tools=prompt.tools,
+                           json_mode=prompt.json_mode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +62,7 @@ def _sigmoid(z: Matrix) -> Matrix:
 
 def feature_matrix(prompts: Sequence[LabelledPrompt]) -> tuple[Matrix, Matrix]:
     """Raw features (one row per prompt) and labels (1.0 for hard)."""
-    x = np.array([difficulty_features(p.features()) for p in prompts], dtype=np.float64)
+    x = np.array([difficulty_features(features_of(p)) for p in prompts], dtype=np.float64)
     y = np.array([1.0 if p.hard else 0.0 for p in prompts], dtype=np.float64)
     return x.reshape(len(prompts), len(FEATURE_NAMES)), y
 
@@ -182,27 +115,6 @@ def choose_l2(x: Matrix, y: Matrix, grid: Sequence[float] = L2_GRID) -> tuple[fl
             total += log_loss(fit(x[keep], y[keep], l2), x[held], y[held]) * len(held)
         losses[l2] = total / len(y)
     return min(grid, key=lambda l2: (losses[l2], -l2)), losses
-
-
-@dataclass(frozen=True, slots=True)
-class Quality:
-    """How a classifier does on a set of prompts."""
-
-    n: int
-    accuracy: float
-    precision: float
-    recall: float
-
-    @classmethod
-    def of(cls, predicted_hard: Sequence[bool], hard: Sequence[bool]) -> Quality:
-        """Accuracy, and precision and recall for ``hard``."""
-        tp = sum(p and h for p, h in zip(predicted_hard, hard, strict=True))
-        fp = sum(p and not h for p, h in zip(predicted_hard, hard, strict=True))
-        fn = sum(h and not p for p, h in zip(predicted_hard, hard, strict=True))
-        right = sum(p == h for p, h in zip(predicted_hard, hard, strict=True))
-        n = len(hard)
-        return cls(n, right / n if n else math.nan, tp / (tp + fp) if tp + fp else math.nan,
-                   tp / (tp + fn) if tp + fn else math.nan)
 
 
 def weights_source(model: FittedModel) -> str:
