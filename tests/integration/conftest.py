@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine
@@ -192,6 +193,23 @@ class Gateway:
     def new_key(self, tenant: str, tier: str) -> str:
         """A new API key for ``tenant`` (created in ``tier`` if new), made with the real CLI."""
         return self.cli("keys", "create", "--tenant", tenant, "--tier", tier).stdout.strip()
+
+
+def client(gw: Gateway, key: str) -> openai.OpenAI:
+    """The official SDK on ``gw`` with the key named ``key``; no retries of its own."""
+    return openai.OpenAI(base_url=gw.base_url + "/v1", api_key=gw.keys[key], max_retries=0, timeout=60)
+
+
+def route(raw: openai.APIResponse[object]) -> dict[str, str]:
+    """The parts of a response's ``x-switchyard-route`` header (``model``, ``pool``, ``endpoint``, ...)."""
+    return dict(part.split("=", 1) for part in raw.headers["x-switchyard-route"].split("; "))
+
+
+def endpoints(gw: Gateway) -> dict[str, dict[str, object]]:
+    """``/admin/api/endpoints`` by URL: health, in-flight count and scraped signals of each endpoint."""
+    status, _, body = http_json("GET", gw.base_url + "/admin/api/endpoints")
+    assert status == 200
+    return {row["url"]: row for row in body["endpoints"]}
 
 
 def gateway_counter(gw: Gateway, name: str, **labels: str) -> float:

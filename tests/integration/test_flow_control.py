@@ -22,7 +22,16 @@ import openai
 import pytest
 
 from tests.helpers import free_port
-from tests.integration.conftest import SWITCHYARD, Engines, Gateway, gateway_counter, start_gateway, stop, wait_http
+from tests.integration.conftest import (
+    SWITCHYARD,
+    Engines,
+    Gateway,
+    client,
+    gateway_counter,
+    start_gateway,
+    stop,
+    wait_http,
+)
 
 CLASSES = ("critical", "standard", "sheddable")
 
@@ -95,10 +104,6 @@ def flow_gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
 
 def aclient(gw: Gateway, key: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=gw.base_url + "/v1", api_key=gw.keys[key], max_retries=0, timeout=60)
-
-
-def client(gw: Gateway, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gw.base_url + "/v1", api_key=gw.keys[key], max_retries=0, timeout=60)
 
 
 async def until(check: Callable[[], bool], failure: str) -> None:

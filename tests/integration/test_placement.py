@@ -23,8 +23,11 @@ from tests.integration.conftest import (
     SWITCHYARD,
     Engines,
     Gateway,
+    client,
+    endpoints,
     gateway_counter,
     http_json,
+    route,
     start_gateway,
     stop,
     wait_http,
@@ -101,20 +104,6 @@ def placed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, 
             assert stop(gateway.proc)
         for proc in procs:
             stop(proc)
-
-
-def client(gw: Gateway, tier: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gw.base_url + "/v1", api_key=gw.keys[tier], max_retries=0, timeout=60)
-
-
-def route(raw: openai.APIResponse[object]) -> dict[str, str]:
-    return dict(part.split("=", 1) for part in raw.headers["x-switchyard-route"].split("; "))
-
-
-def endpoints(gw: Gateway) -> dict[str, dict[str, object]]:
-    status, _, body = http_json("GET", gw.base_url + "/admin/api/endpoints")
-    assert status == 200
-    return {row["url"]: row for row in body["endpoints"]}
 
 
 def served(gw: Gateway, tier: str, model: str = "m", prompt: str = "hello", **headers: str) -> dict[str, str]:

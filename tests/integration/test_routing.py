@@ -27,8 +27,11 @@ from tests.integration.conftest import (
     SWITCHYARD,
     Engines,
     Gateway,
+    client,
+    endpoints,
     gateway_counter,
     http_json,
+    route,
     start_gateway,
     stop,
     wait_http,
@@ -101,24 +104,10 @@ def routed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, 
             stop(proc)
 
 
-def client(gw: Gateway, tier: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gw.base_url + "/v1", api_key=gw.keys[tier], max_retries=0, timeout=60)
-
-
-def route(raw: openai.APIResponse[object]) -> dict[str, str]:
-    return dict(part.split("=", 1) for part in raw.headers["x-switchyard-route"].split("; "))
-
-
 def engine_counter(port: int, name: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         text = r.read().decode()
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
-
-
-def endpoints(gw: Gateway) -> dict[str, dict[str, object]]:
-    status, _, body = http_json("GET", gw.base_url + "/admin/api/endpoints")
-    assert status == 200
-    return {row["url"]: row for row in body["endpoints"]}
 
 
 def test_a_higher_class_overtakes_a_queued_lower_one(routed: tuple[Gateway, dict[str, int]]) -> None:
