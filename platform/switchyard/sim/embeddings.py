@@ -35,7 +35,7 @@ from typing import Any
 
 import msgspec
 
-from switchyard.sim.generate import ClientWatch, send_json
+from switchyard.sim.generate import ClientWatch, read_post, send_json
 from switchyard.sim.profiles import EngineProfile
 from switchyard.sim.runtime import EngineRuntime
 from switchyard.sim.tokens import SPECIAL_TOKENS, tokenize
@@ -48,7 +48,6 @@ Send = Callable[[dict[str, Any]], Any]
 #: Size of every embedding (that of the common small sentence-embedding models).
 EMBEDDING_DIM = 384
 _BOS = SPECIAL_TOKENS["<|begin_of_text|>"]
-_METHOD_NOT_ALLOWED = b'{"detail":"Method Not Allowed"}'
 _WORD = re.compile(r"[^\W_]+")
 _STOP_WORDS = frozenset((
     "a", "an", "and", "are", "as", "at", "be", "but", "by", "can", "could", "did", "do", "does", "for", "from",
@@ -250,17 +249,6 @@ def embeddings_body(spec: EmbeddingsSpec, model: str, request_id: str | None = N
 
 # --- the handler ----------------------------------------------------------------------------------
 
-async def _read_body(receive: Receive) -> bytes | None:
-    chunks: list[bytes] = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
 async def _until_gone(watch: ClientWatch, waiting: asyncio.Future[Any]) -> bool:
     """Wait for ``waiting`` or the client's departure, whichever comes first; whether it is still there."""
     gone = asyncio.ensure_future(watch.gone.wait())
@@ -285,16 +273,11 @@ async def _take_time(engine: EngineRuntime, watch: ClientWatch, sim_seconds: flo
 
 async def handle_embeddings(engine: EngineRuntime, scope: Scope, receive: Receive, send: Send) -> None:
     """Serve one ``POST /v1/embeddings`` request."""
-    if scope.get("method") != "POST":
-        await send_json(send, 405, _METHOD_NOT_ALLOWED)  # FastAPI's answer, as vLLM gives it
-        return
-    raw = await _read_body(receive)
+    raw = await read_post(engine, scope, receive, send)
     if raw is None:
         return
     cfg = engine.config
     try:
-        if engine.faults.should_fail():
-            raise ApiError(500, "Simulated engine failure (sim fault mode 'error').")
         spec = parse_embeddings(decode_body(raw), served_model=cfg.served_model,
                                 vocab_size=cfg.profile.vocab_size, max_model_len=cfg.max_model_len)
     except ApiError as exc:

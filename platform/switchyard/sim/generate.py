@@ -56,6 +56,20 @@ async def _read_body(receive: Receive) -> bytes | None:
             return b"".join(chunks)
 
 
+async def read_post(engine: EngineRuntime, scope: Scope, receive: Receive, send: Send) -> bytes | None:
+    """The body of a ``POST`` to an inference route, or None when it was answered already: 405 for
+    another method (FastAPI's answer, as vLLM gives it), 500 in the ``error`` fault mode's draws, or
+    nothing when the client left before sending its body."""
+    if scope.get("method") != "POST":
+        await send_json(send, 405, _METHOD_NOT_ALLOWED)
+        return None
+    raw = await _read_body(receive)
+    if raw is not None and engine.faults.should_fail():
+        await send_json(send, 500, ApiError(500, "Simulated engine failure (sim fault mode 'error').").body())
+        return None
+    return raw
+
+
 class ClientWatch:
     """Watches the connection for a disconnect while the response is produced.
 
@@ -83,16 +97,11 @@ class ClientWatch:
 async def handle_generation(engine: EngineRuntime, chat: bool, scope: Scope, receive: Receive,
                             send: Send) -> None:
     """Serve one chat or text completion request end to end."""
-    if scope.get("method") != "POST":
-        await send_json(send, 405, _METHOD_NOT_ALLOWED)  # FastAPI's answer, as vLLM gives it
-        return
-    raw = await _read_body(receive)
+    raw = await read_post(engine, scope, receive, send)
     if raw is None:
         return
     cfg = engine.config
     try:
-        if engine.faults.should_fail():
-            raise ApiError(500, "Simulated engine failure (sim fault mode 'error').")
         spec = parse_generation(decode_body(raw), chat=chat, served_model=cfg.served_model,
                                 vocab_size=cfg.profile.vocab_size, max_model_len=cfg.max_model_len)
     except ApiError as exc:
