@@ -98,6 +98,14 @@ def _json(path: Path) -> dict[str, Any]:
     return data
 
 
+def run_quick(tmp_path_factory: pytest.TempPathFactory, scenario: str,
+              timeout: float) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """``switchyard bench --quick`` of one scenario (seed 3) into a fresh folder: the folder and the run."""
+    out = tmp_path_factory.mktemp(f"bench-{scenario}") / "report"
+    args = [SWITCHYARD, "bench", "--quick", "--no-progress", "--out", str(out), "--seed", "3", "--scenario", scenario]
+    return out, subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+
+
 def test_the_run_succeeds_and_says_where_the_report_is(run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     out, done = run
     assert done.returncode == 0, done.stdout + done.stderr

@@ -21,16 +21,12 @@ from switchyard.decide.dryrun import dry_run
 from switchyard.policy import compile_policy
 from switchyard.resources import demo_policy
 from switchyard.whatif.difficulty_fit import features_of
-from tests.integration.conftest import SWITCHYARD
-from tests.integration.test_bench import PNG_MAGIC, _json, _ours
+from tests.integration.test_bench import PNG_MAGIC, _json, _ours, run_quick
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    out = tmp_path_factory.mktemp("bench-auto") / "report"
-    args = [SWITCHYARD, "bench", "--quick", "--no-progress", "--out", str(out), "--seed", "3", "--scenario", "auto"]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=100)
-    return out, done
+    return run_quick(tmp_path_factory, "auto", 100)
 
 
 @pytest.fixture(scope="module")

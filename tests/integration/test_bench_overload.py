@@ -16,19 +16,14 @@ import pytest
 
 from switchyard.bench.report import TABLE_METRICS, format_value
 from switchyard.bench.tables import render_goal_row, render_row
-from tests.integration.conftest import SWITCHYARD
-from tests.integration.test_bench import PNG_MAGIC, _json, _ours
+from tests.integration.test_bench import PNG_MAGIC, _json, _ours, run_quick
 
 CLASSES = ("critical", "standard", "sheddable")
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    out = tmp_path_factory.mktemp("bench-overload") / "report"
-    args = [SWITCHYARD, "bench", "--quick", "--no-progress", "--out", str(out), "--seed", "3",
-            "--scenario", "overload"]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=110)
-    return out, done
+    return run_quick(tmp_path_factory, "overload", 110)
 
 
 @pytest.fixture(scope="module")
