@@ -22,11 +22,18 @@ from typing import Any
 
 import openai
 import pytest
+from litestar.testing import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine
 
+from switchyard.gateway.app import create_app
+from switchyard.settings import Settings
 from switchyard.store import db
+from switchyard.store.keys import create_key
+from switchyard.store.models import TenantCreate
+from switchyard.store.tenants import create_tenant
 from tests.helpers import free_port
+from tests.unit.policy.base import base, to_yaml
 
 BIN = Path(sys.executable).parent
 SWITCHYARD = str(BIN / "switchyard") if (BIN / "switchyard").exists() else shutil.which("switchyard") or "switchyard"
@@ -257,3 +264,20 @@ def gateway(request: pytest.FixtureRequest, engines: Engines, tmp_path_factory: 
         yield gw
     finally:
         assert stop(gw.proc), "the gateway must stop cleanly on SIGTERM"
+
+
+ADMIN_TOKEN = "s3cret"
+ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+@pytest.fixture
+def admin_client(tmp_path: Path, database_url: str) -> Iterator[TestClient[Any]]:
+    """An in-process gateway app (test client) with tenant acme (tier free) and one key, admin token set."""
+    policy = tmp_path / "policies.yaml"
+    policy.write_text(to_yaml(base()))
+    settings = Settings(data_dir=tmp_path, database_url=database_url, policy_file=policy, admin_token=ADMIN_TOKEN)
+    with TestClient(app=create_app(settings)) as c:
+        with db.session_scope(c.app.state.runtime.engine) as session:
+            create_tenant(session, TenantCreate(name="acme", tier="free"))
+            create_key(session, "acme")
+        yield c

@@ -4,31 +4,22 @@ PostgreSQL."""
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner, Result
 from litestar.testing import TestClient
 from sqlalchemy import Engine, inspect, text
 
-from switchyard.cli import main
 from switchyard.cli.context import cli_origin
-from switchyard.gateway.app import create_app
-from switchyard.settings import Settings
 from switchyard.store import db
 from switchyard.store.audit import list_events
 from switchyard.store.errors import NotFound, StoreError
 from switchyard.store.keys import create_key, hash_key, identify, list_keys, set_key_region
 from switchyard.store.models import TenantCreate
 from switchyard.store.tenants import create_tenant, get_tenant, list_tenants, set_tenant_region
-from tests.unit.policy.base import base, to_yaml
-
-TOKEN = "s3cret"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
+from tests.integration.conftest import ADMIN_AUTH as AUTH
+from tests.integration.test_policy_cli import Cli, _env
 
 # --- store -----------------------------------------------------------------------------------
 
@@ -132,71 +123,41 @@ def test_migration_0004_adds_and_removes_the_home_regions(database_url: str) -> 
 
 # --- admin API -------------------------------------------------------------------------------
 
-@pytest.fixture
-def client(tmp_path: Path, database_url: str) -> Iterator[TestClient[Any]]:
-    policy = tmp_path / "policies.yaml"
-    policy.write_text(to_yaml(base()))
-    settings = Settings(data_dir=tmp_path, database_url=database_url, policy_file=policy, admin_token=TOKEN)
-    with TestClient(app=create_app(settings)) as c:
-        with db.session_scope(c.app.state.runtime.engine) as session:
-            create_tenant(session, TenantCreate(name="acme", tier="free"))
-            create_key(session, "acme")
-        yield c
-
-
-def test_the_admin_api_sets_home_regions_with_the_token_and_audits_them(client: TestClient[Any]) -> None:
+def test_the_admin_api_sets_home_regions_with_the_token_and_audits_them(admin_client: TestClient[Any]) -> None:
     body = {"region": "eu-west", "author": "ops"}
-    assert client.put("/admin/api/tenants/acme/region", json=body).status_code == 401
-    assert client.put("/admin/api/keys/1/region", json=body).status_code == 401
+    assert admin_client.put("/admin/api/tenants/acme/region", json=body).status_code == 401
+    assert admin_client.put("/admin/api/keys/1/region", json=body).status_code == 401
 
-    done = client.put("/admin/api/tenants/acme/region", json=body, headers=AUTH)
+    done = admin_client.put("/admin/api/tenants/acme/region", json=body, headers=AUTH)
     assert done.status_code == 200 and done.json() == {"region": "eu-west"}
-    key = client.put("/admin/api/keys/1/region", json={"region": None}, headers=AUTH)
+    key = admin_client.put("/admin/api/keys/1/region", json={"region": None}, headers=AUTH)
     assert key.status_code == 200 and key.json() == {"region": None, "home_region": "eu-west"}
-    key = client.put("/admin/api/keys/1/region", json={"region": "us-east"}, headers=AUTH)
+    key = admin_client.put("/admin/api/keys/1/region", json={"region": "us-east"}, headers=AUTH)
     assert key.json() == {"region": "us-east", "home_region": "us-east"}
 
-    bad = client.put("/admin/api/tenants/acme/region", json={"region": "EU West"}, headers=AUTH)
+    bad = admin_client.put("/admin/api/tenants/acme/region", json={"region": "EU West"}, headers=AUTH)
     assert bad.status_code == 400 and "invalid region 'EU West'" in bad.json()["error"]["message"]
-    assert client.put("/admin/api/keys/1/region", json={"region": 7}, headers=AUTH).status_code == 400
-    assert client.put("/admin/api/keys/1/region", json={}, headers=AUTH).status_code == 400
-    assert client.put("/admin/api/keys/1/region", json={"region": "a", "x": 1}, headers=AUTH).status_code == 400
-    assert client.put("/admin/api/tenants/nobody/region", json=body, headers=AUTH).status_code == 404
-    assert client.put("/admin/api/keys/99/region", json=body, headers=AUTH).status_code == 404
+    assert admin_client.put("/admin/api/keys/1/region", json={"region": 7}, headers=AUTH).status_code == 400
+    assert admin_client.put("/admin/api/keys/1/region", json={}, headers=AUTH).status_code == 400
+    assert admin_client.put("/admin/api/keys/1/region", json={"region": "a", "x": 1}, headers=AUTH).status_code == 400
+    assert admin_client.put("/admin/api/tenants/nobody/region", json=body, headers=AUTH).status_code == 404
+    assert admin_client.put("/admin/api/keys/99/region", json=body, headers=AUTH).status_code == 404
 
-    events = client.get("/admin/api/audit", params={"action": "key.region"}).json()["events"]
+    events = admin_client.get("/admin/api/audit", params={"action": "key.region"}).json()["events"]
     assert [(e["target"], e["actor"], e["detail"]) for e in events] == [
         ("key:1", "api", {"region": "us-east", "previous": None}), ("key:1", "api", {"region": None, "previous": None})]
-    events = client.get("/admin/api/audit", params={"action": "tenant.region"}).json()["events"]
+    events = admin_client.get("/admin/api/audit", params={"action": "tenant.region"}).json()["events"]
     assert [(e["target"], e["actor"], e["detail"]) for e in events] == [
         ("tenant:acme", "ops", {"region": "eu-west", "previous": None})]
-    with db.session_scope(client.app.state.runtime.engine) as s:
+    with db.session_scope(admin_client.app.state.runtime.engine) as s:
         assert get_tenant(s, "acme").region == "eu-west"
 
 
 # --- CLI -------------------------------------------------------------------------------------
 
-class Cli:
-    """The `switchyard` command, run in this process with a fixed environment (as test_policy_cli does)."""
-
-    def __init__(self, env: dict[str, str | None]) -> None:
-        self.env = env
-        self.runner = CliRunner()
-
-    def __call__(self, *args: str, code: int = 0) -> Result:
-        result = self.runner.invoke(main, list(args), env=self.env)
-        assert result.exit_code == code, (args, result.output, result.exception)
-        return result
-
-
 @pytest.fixture
 def cli(tmp_path: Path, database_url: str) -> Cli:
-    env: dict[str, str | None] = {k: None for k in os.environ if k.startswith("SWITCHYARD_")}
-    policy = tmp_path / "policies.yaml"
-    policy.write_text(to_yaml(base()))  # regions us-east and eu-west; tiers free and pro
-    env.update({"SWITCHYARD_DATA_DIR": str(tmp_path), "SWITCHYARD_DATABASE_URL": database_url,
-                "SWITCHYARD_POLICY_FILE": str(policy)})
-    run = Cli(env)
+    run = Cli(_env(tmp_path, database_url, "file"))  # regions us-east and eu-west; tiers free and pro
     run("db", "upgrade")
     return run
 
