@@ -26,10 +26,16 @@ class UpstreamTimeouts:
     read_s: float
 
 
+#: Idle keep-alive connections are closed before vLLM's API server closes them: it runs uvicorn with a
+#: keep-alive timeout of 5 s (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``), and a request sent on a connection the
+#: server has just closed fails with "Server disconnected" (taking the endpoint out for a cool-down).
+KEEPALIVE_S = 4.0
+
+
 def create_client_session(timeouts: UpstreamTimeouts, max_connections: int) -> aiohttp.ClientSession:
     """The process-wide upstream client (create it inside the app's lifespan)."""
     connector = aiohttp.TCPConnector(
-        limit=max_connections, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=30,
+        limit=max_connections, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=KEEPALIVE_S,
     )
     timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_read=timeouts.read_s)
     return aiohttp.ClientSession(connector=connector, timeout=timeout, raise_for_status=False,
