@@ -8,24 +8,24 @@ sections (a model naming an unknown pool, a fallback cycle, ...) live in
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     NonNegativeFloat,
     PositiveFloat,
     PositiveInt,
     StringConstraints,
-    WithJsonSchema,
     model_validator,
 )
 
+from switchyard.policy.resilience import Resilience
 from switchyard.policy.routing import ClassifierSpec, EndpointProfile
+from switchyard.policy.units import Duration
 
 SCHEMA_VERSION = 1
 
@@ -35,36 +35,6 @@ Name = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_-]{0,62}$")]
 
 # What clients put in "model". '@' is reserved for "model@region" in fallback chains.
 ModelName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")]
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
-
-
-def _parse_duration(value: Any) -> float:
-    """Accept ``90``, ``"90s"``, ``"10m"``, ``"1h"``, ``"1d"``, ``"250ms"``; return seconds."""
-    if isinstance(value, bool):
-        raise ValueError("a duration must be a number of seconds or a string like '10m'")
-    if isinstance(value, int | float):
-        seconds = float(value)
-    elif isinstance(value, str) and (m := _DURATION.match(value)):
-        seconds = float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
-    else:
-        raise ValueError(f"invalid duration {value!r}: use seconds or a string like '30s', '10m', '1h', '1d'")
-    if seconds <= 0:
-        raise ValueError("a duration must be > 0")
-    return seconds
-
-
-Duration = Annotated[
-    float,
-    BeforeValidator(_parse_duration),
-    WithJsonSchema({
-        "anyOf": [{"type": "number", "exclusiveMinimum": 0},
-                  {"type": "string", "pattern": _DURATION.pattern}],
-        "description": "Seconds, or a number with a unit: ms, s, m, h, d (e.g. '10m').",
-    }),
-]
-
 
 def _check_regex(pattern: str) -> str:
     try:
@@ -208,6 +178,9 @@ class Model(Strict):
     endpoint_profile: Name | None = Field(
         default=None, description="The `endpoint_profiles` entry that picks this model's endpoints (default: "
         "Switchyard's built-in profile).")
+    first_token_timeout: Duration | None = Field(
+        default=None, description="This model's first-token timeout for streamed answers (default: "
+        "`resilience.first_token_timeout`).")
 
     @model_validator(mode="after")
     def _consistent(self) -> Model:
@@ -473,6 +446,9 @@ class PolicyDocument(Strict):
     endpoint_profiles: dict[Name, EndpointProfile] = Field(
         default_factory=dict, description="Endpoint-picking profiles (filters, weighted scorers, a picker) that "
         "models name in `endpoint_profile`.")
+    resilience: Resilience = Field(
+        default_factory=Resilience, description="Health probes, circuit breakers, retries, the first-token timeout "
+        "and what happens when Redis or the database cannot be reached.")
     tests: list[PolicyTest] = Field(default_factory=list)
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)

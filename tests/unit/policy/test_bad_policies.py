@@ -165,6 +165,16 @@ CATALOGUE = [
          "tests[hi is small].expect", "a refused request has no model, pool, region or priority to expect"),
     Case("failing policy test", _set("tests.0.expect.model", "large"), "tests[hi is small].expect",
          "policy test 'hi is small' failed: expected model large, got status 200, model small"),
+    Case("breaker open for no time", _set("resilience", {"breakers": {"endpoint": {"open_for": "0s"}}}),
+         "resilience.breakers.endpoint.open_for", "a duration must be > 0", "open_for"),
+    Case("error rate above one", _set("resilience", {"breakers": {"pool": {"error_rate": 1.5}}}),
+         "resilience.breakers.pool.error_rate", "must be <= 1", "error_rate"),
+    Case("zero attempts", _set("resilience", {"retries": {"max_attempts": 0}}), "resilience.retries.max_attempts",
+         "must be >= 1", "max_attempts"),
+    Case("unknown dependency mode", _set("resilience", {"dependencies": {"redis": "shrug"}}),
+         "resilience.dependencies.redis", "'fail_open' or 'fail_closed'", "shrug"),
+    Case("bad first-token timeout", _set("models.0.first_token_timeout", "soon"), "models[small].first_token_timeout",
+         "invalid duration 'soon'", "soon"),
 ]
 
 

@@ -9,7 +9,8 @@ import pytest
 
 from switchyard.decide.policy_tests import compile_checked
 from switchyard.policy import PolicyDocument, compile_policy, policy_sha256
-from switchyard.policy.schema import _parse_duration, split_fallback
+from switchyard.policy.schema import split_fallback
+from switchyard.policy.units import _parse_duration
 from tests.unit.policy.base import base, to_yaml
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -76,5 +77,5 @@ def test_split_fallback() -> None:
 def test_json_schema_export_names_every_section() -> None:
     schema = PolicyDocument.model_json_schema(by_alias=True)
     assert set(schema["properties"]) == {"schema", "regions", "pools", "models", "routes", "priorities",
-                                         "tiers", "cache", "classifiers", "endpoint_profiles", "tests"}
+                                         "tiers", "cache", "classifiers", "endpoint_profiles", "resilience", "tests"}
     json.dumps(schema)  # serialisable
