@@ -26,6 +26,7 @@ from switchyard.sim import EngineConfig, serve_engines
 
 MODEL = "sim-llama-8b"
 SWITCHYARD = Path(sys.executable).with_name("switchyard")
+HEALTHY = {"mode": "none", "error_rate": 0.0, "throttle_rate": 0.0, "overload_rate": 0.0, "abort_rate": 0.0}
 
 
 def _free_port() -> int:
@@ -84,7 +85,7 @@ def client(engine: str) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=f"{engine}/v1", api_key="sim", max_retries=0,
                        timeout=20) as c:
         yield c
-    httpx.post(f"{engine}/sim/faults", json={"mode": "none"})
+    httpx.post(f"{engine}/sim/faults", json=HEALTHY)
 
 
 def _metrics(base: str) -> dict[str, float]:
@@ -260,15 +261,18 @@ def test_client_disconnect_aborts_the_request(engine: str) -> None:
             _metric(before, "vllm:request_success_total", finished_reason=reason)
 
 
-def test_fault_error_mode(client: openai.OpenAI, engine: str) -> None:
-    assert httpx.post(f"{engine}/sim/faults", json={"mode": "error", "error_rate": 1.0}).json() \
-        == {"mode": "error", "error_rate": 1.0, "slow_factor": 5.0}
+def test_fault_error_rate(client: openai.OpenAI, engine: str) -> None:
+    assert httpx.post(f"{engine}/sim/faults", json={"error_rate": 1.0}).json() == {
+        "mode": "none", "slow_factor": 5.0, "error_rate": 1.0, "throttle_rate": 0.0, "overload_rate": 0.0,
+        "abort_rate": 0.0, "abort_after_tokens": 4}
     with pytest.raises(openai.InternalServerError) as err:
         client.completions.create(model=MODEL, prompt="x", max_tokens=2)
     assert err.value.status_code == 500
     assert httpx.get(f"{engine}/health").status_code == 200
     bad = httpx.post(f"{engine}/sim/faults", json={"mode": "sideways"})
     assert bad.status_code == 400 and "mode must be one of" in bad.text
+    gone = httpx.post(f"{engine}/sim/faults", json={"mode": "error"})
+    assert gone.status_code == 400 and "set error_rate instead" in gone.text
 
 
 def test_fault_slow_mode_stretches_simulated_time(client: openai.OpenAI, engine: str) -> None:
@@ -303,8 +307,8 @@ def test_fault_hang_mode(client: openai.OpenAI, engine: str) -> None:
     assert result["resp"].usage.completion_tokens == 3
 
 
-def test_fault_down_mode(client: openai.OpenAI, engine: str) -> None:
-    httpx.post(f"{engine}/sim/faults", json={"mode": "down"})
+def test_fault_unavailable_mode(client: openai.OpenAI, engine: str) -> None:
+    httpx.post(f"{engine}/sim/faults", json={"mode": "unavailable"})
     assert httpx.get(f"{engine}/health").status_code == 503
     assert httpx.get(f"{engine}/v1/models").status_code == 503
     with pytest.raises(openai.InternalServerError) as err:

@@ -5,7 +5,8 @@ Owns: ``switchyard sim`` — engines that speak vLLM's HTTP API (``/v1/models``,
 real engine does with a request: a paged KV cache with an LRU prefix cache keyed by chained
 block hashes, continuous batching with chunked prefill and priority scheduling, preemption
 when KV runs out, and step times from a per-hardware roofline cost model (``profiles.py``).
-Also fault injection (``/sim/faults``) and a view of the internals (``/sim/state``).
+Also fault injection (``/sim/faults`` per engine, and a control server for all the engines of a
+process: ``--control-port``, ``switchyard sim fault``) and a view of the internals (``/sim/state``).
 
 Must not touch: any other switchyard package. It imports only its own modules, the web
 framework (litestar, uvicorn), msgspec and prometheus_client (and, for calibration and profile
@@ -16,7 +17,9 @@ Layout: ``tokens`` (tokenizer, generated text) · ``chat`` (chat template) · ``
 pool, prefix cache) · ``request`` / ``core`` (the synchronous scheduler: ``step()``) ·
 ``profiles`` (hardware cost models) · ``runtime`` (the asyncio engine loop on an anchored
 clock) · ``protocol`` / ``responses`` / ``generate`` (the OpenAI surface) · ``metrics`` ·
-``faults`` · ``app`` (Litestar app) · ``serve`` (uvicorn servers, signals) · ``measured``
+``faults`` · ``app`` (Litestar app) · ``listener`` (closing and reopening a socket: fault ``down``)
+· ``control`` (the fault control app) · ``fault_client`` (its client, for the CLI) · ``serve`` (uvicorn
+servers, signals) · ``measured``
 (profile files: coefficients measured on a real engine) · ``calibrate`` (``switchyard sim
 calibrate``: measure, fit, compare) · ``calibrated/`` (shipped measured profiles).
 """
@@ -24,10 +27,11 @@ calibrate``: measure, fit, compare) · ``calibrated/`` (shipped measured profile
 from switchyard.sim.app import create_engine_app
 from switchyard.sim.config import EngineConfig
 from switchyard.sim.profiles import PROFILES, HardwareProfile
-from switchyard.sim.serve import run_engines, serve_engines
+from switchyard.sim.serve import ControlAddress, run_engines, serve_engines
 
 __all__ = [
     "PROFILES",
+    "ControlAddress",
     "EngineConfig",
     "HardwareProfile",
     "create_engine_app",

@@ -3,8 +3,8 @@
 Routes: ``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``POST /v1/embeddings``, ``GET /version``, ``GET|POST /ping``,
 ``GET /load``, ``POST /tokenize`` (as vLLM's OpenAI server), and ``GET/POST /sim/faults``,
-``GET /sim/state`` (simulator only). Unknown paths and methods get FastAPI's ``{"detail": …}`` answers, as from
-vLLM. The app's lifespan starts and stops the engine loop.
+``GET /sim/state`` (simulator only; fault modes and rates are described in ``faults.py``). Unknown paths and
+methods get FastAPI's ``{"detail": …}`` answers, as from vLLM. The app's lifespan starts and stops the engine loop.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 from litestar import Litestar, Request, Response, get, post
+from litestar.background_tasks import BackgroundTask
 from litestar.datastructures import State
 from litestar.enums import ScopeType
 from litestar.exceptions import HTTPException, MethodNotAllowedException, NotFoundException
@@ -32,7 +33,8 @@ from switchyard.sim.protocol import ApiError
 from switchyard.sim.runtime import EngineRuntime
 from switchyard.sim.utility import load, ping, tokenize_endpoint, version
 
-_DOWN = ApiError(503, "Engine is down (sim fault mode 'down').").body()
+_UNAVAILABLE = {mode: ApiError(503, f"Engine is unavailable (sim fault mode '{mode}').").body()
+                for mode in ("unavailable", "down")}
 _METHOD_NOT_ALLOWED = b'{"detail":"Method Not Allowed"}'
 # Litestar appends the charset to a text type itself.
 _METRICS_TYPE = CONTENT_TYPE_LATEST.split("; charset=")[0]
@@ -113,19 +115,22 @@ def get_faults(state: State) -> dict[str, Any]:
 
 @post("/sim/faults", operation_id="setFaults", status_code=200)
 async def set_faults(request: Request[Any, Any, Any], state: State) -> Response[bytes]:
-    """Change the fault mode.
+    """Change the fault settings; answers all of them.
 
-    Body: ``{"mode": "none"|"error"|"slow"|"hang"|"down", "error_rate": float,
-    "slow_factor": float}`` (numbers left out keep their value). A refused connection is not
-    a mode: stop the process to get one.
+    Body: any of ``{"mode": "none"|"slow"|"hang"|"down"|"unavailable", "slow_factor": float,
+    "error_rate": float, "throttle_rate": float, "overload_rate": float, "abort_rate": float,
+    "abort_after_tokens": int}`` (settings left out keep their value); 400 naming the problem
+    otherwise. ``down`` closes this very port once the answer is sent, so only the process's
+    control server (``switchyard sim --control-port``) can bring the engine back.
     """
-    faults = _engine(state).faults
+    engine = _engine(state)
     try:
-        faults.update(msgspec.json.decode(await request.body()))
+        engine.faults.update(msgspec.json.decode(await request.body()))
     except (msgspec.DecodeError, FaultError) as exc:
         return Response(ApiError(400, str(exc)).body(), status_code=400,
                         media_type="application/json")
-    return Response(msgspec.json.encode(faults.as_dict()), media_type="application/json")
+    return Response(msgspec.json.encode(engine.faults.as_dict()), media_type="application/json",
+                    background=BackgroundTask(engine.sync_listener))
 
 
 @get("/sim/state", operation_id="getState", sync_to_thread=False)
@@ -139,14 +144,16 @@ def _fastapi_error(_: Request[Any, Any, Any], exc: HTTPException) -> Response[di
     return Response({"detail": exc.detail}, status_code=exc.status_code)
 
 
-def _down_guard(app: ASGIApp) -> ASGIApp:
-    """Answer 503 on everything but ``/sim/*`` while the fault mode is ``down``."""
+def _unavailable_guard(app: ASGIApp) -> ASGIApp:
+    """Answer 503 on everything but ``/sim/*`` in fault mode ``unavailable`` (and in ``down``, for a
+    request that gets in before the socket closes, or in process where there is none)."""
 
     async def guard(scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] == ScopeType.HTTP and not scope["path"].startswith("/sim/")
-                and _scope_engine(scope).faults.mode == "down"):
-            await send_json(send, 503, _DOWN)  # type: ignore[arg-type]
-            return
+        if scope["type"] == ScopeType.HTTP and not scope["path"].startswith("/sim/"):
+            answer = _UNAVAILABLE.get(_scope_engine(scope).faults.mode)
+            if answer is not None:
+                await send_json(send, 503, answer)  # type: ignore[arg-type]
+                return
         await app(scope, receive, send)
 
     return guard
@@ -169,7 +176,7 @@ def build_app(config: ResolvedConfig) -> Litestar:
                         version, ping, load, tokenize_endpoint, get_faults, set_faults, get_state],
         state=State({"engine": engine, "metrics": EngineMetrics(engine)}),
         lifespan=[lifespan],
-        middleware=[_down_guard],
+        middleware=[_unavailable_guard],
         exception_handlers={NotFoundException: _fastapi_error, MethodNotAllowedException: _fastapi_error},
         openapi_config=None,
         logging_config=None,

@@ -22,6 +22,8 @@ class EngineConfig:
         max_num_seqs: Most running sequences; None for the profile's default.
         time_scale: Simulated seconds per wall-clock second (10 = ten times faster).
         seed: Seed of the generated text and of fault injection.
+        region: Region label (the policy pool's region), for targeting faults; None if unlabelled.
+        pool: Pool label (the policy pool's name), for targeting faults; None if unlabelled.
     """
 
     served_model: str
@@ -33,6 +35,8 @@ class EngineConfig:
     max_num_seqs: int | None = None
     time_scale: float = 1.0
     seed: int = 0
+    region: str | None = None
+    pool: str | None = None
 
 
 @dataclass(frozen=True)
@@ -49,12 +53,22 @@ class ResolvedConfig:
     max_num_batched_tokens: int
     time_scale: float
     seed: int
+    region: str | None = None
+    pool: str | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL of the engine (``http://host:port``)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
     def describe(self) -> str:
         """The one line printed when the engine listens."""
+        labels = "".join(f", {name} {value}" for name, value in (("pool", self.pool), ("region", self.region))
+                         if value is not None)
         return (f"sim: {self.served_model} on http://{self.host}:{self.port} "
                 f"(profile {self.profile.name}, kv {self.kv_cache_tokens} tokens, "
-                f"max_model_len {self.max_model_len})")
+                f"max_model_len {self.max_model_len}{labels})")
 
 
 def resolve(config: EngineConfig) -> ResolvedConfig:
@@ -93,4 +107,4 @@ def resolve(config: EngineConfig) -> ResolvedConfig:
         served_model=config.served_model, host=config.host, port=config.port, profile=profile,
         max_model_len=max_len, kv_cache_tokens=kv, max_num_seqs=seqs,
         max_num_batched_tokens=profile.max_num_batched_tokens,
-        time_scale=config.time_scale, seed=config.seed)
+        time_scale=config.time_scale, seed=config.seed, region=config.region, pool=config.pool)

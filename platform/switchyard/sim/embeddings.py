@@ -35,7 +35,7 @@ from typing import Any
 
 import msgspec
 
-from switchyard.sim.generate import ClientWatch, read_post, send_json
+from switchyard.sim.generate import ClientWatch, read_post, send_cut, send_json
 from switchyard.sim.profiles import EngineProfile
 from switchyard.sim.runtime import EngineRuntime
 from switchyard.sim.tokens import SPECIAL_TOKENS, tokenize
@@ -273,12 +273,12 @@ async def _take_time(engine: EngineRuntime, watch: ClientWatch, sim_seconds: flo
 
 async def handle_embeddings(engine: EngineRuntime, scope: Scope, receive: Receive, send: Send) -> None:
     """Serve one ``POST /v1/embeddings`` request."""
-    raw = await read_post(engine, scope, receive, send)
-    if raw is None:
+    accepted = await read_post(engine, scope, receive, send)
+    if accepted is None:
         return
     cfg = engine.config
     try:
-        spec = parse_embeddings(decode_body(raw), served_model=cfg.served_model,
+        spec = parse_embeddings(decode_body(accepted.body), served_model=cfg.served_model,
                                 vocab_size=cfg.profile.vocab_size, max_model_len=cfg.max_model_len)
     except ApiError as exc:
         await send_json(send, exc.status, exc.body())
@@ -290,6 +290,6 @@ async def handle_embeddings(engine: EngineRuntime, scope: Scope, receive: Receiv
         headers = dict(scope.get("headers") or [])
         request_id = headers.get(b"x-request-id", b"").decode("latin-1") or None
         body = embeddings_body(spec, cfg.served_model, request_id)
-        await send_json(send, 200, body)
+        await (send_cut(send, body) if accepted.abort else send_json(send, 200, body))
     finally:
         watch.close()

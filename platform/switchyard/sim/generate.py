@@ -3,7 +3,9 @@
 These are the hot path and need things a framework response object does not give: noticing
 a client that disconnects while nothing is being written (to abort its request and free its
 KV blocks, as vLLM does), and writing every token that piled up while a slow consumer was
-busy in a single ``send``.
+busy in a single ``send``. The fault rates (``faults.py``) are applied here too, to the
+generation and embeddings handlers alike: rejections before the request reaches the scheduler,
+broken-off answers while they are written.
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from switchyard.sim.logprobs import chat_logprobs, completion_logprobs
 from switchyard.sim.protocol import (
@@ -36,13 +38,32 @@ log = logging.getLogger("switchyard.sim")
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream; charset=utf-8")]
 _METHOD_NOT_ALLOWED = b'{"detail":"Method Not Allowed"}'
+_RETRY = ((b"retry-after", b"1"),)
+#: The answers of the rejecting fault outcomes: status, body, extra headers.
+_REJECTIONS: dict[str, tuple[int, bytes, tuple[tuple[bytes, bytes], ...]]] = {
+    "error": (500, ApiError(500, "Simulated engine failure (sim fault error_rate).").body(), ()),
+    "throttle": (429, ApiError(429, "Too many requests (sim fault throttle_rate); retry after 1 second.").body(),
+                 _RETRY),
+    "overload": (503, ApiError(503, "The engine is overloaded (sim fault overload_rate); retry after 1 "
+                                    "second.").body(), _RETRY),
+}
 
 
-async def send_json(send: Send, status: int, body: bytes) -> None:
+async def send_json(send: Send, status: int, body: bytes, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     """Send a complete JSON response."""
     await send({"type": "http.response.start", "status": status,
-                "headers": [*_JSON, (b"content-length", str(len(body)).encode())]})
+                "headers": [*_JSON, (b"content-length", str(len(body)).encode()), *headers]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_cut(send: Send, body: bytes) -> None:
+    """Start a 200 JSON answer of ``body`` and stop halfway through it (fault ``abort_rate``).
+
+    The handler then returns with the answer incomplete, and the server closes the connection.
+    """
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [*_JSON, (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body[:len(body) // 2], "more_body": True})
 
 
 async def _read_body(receive: Receive) -> bytes | None:
@@ -56,18 +77,31 @@ async def _read_body(receive: Receive) -> bytes | None:
             return b"".join(chunks)
 
 
-async def read_post(engine: EngineRuntime, scope: Scope, receive: Receive, send: Send) -> bytes | None:
+class Accepted(NamedTuple):
+    """An inference request past ``read_post``."""
+
+    #: The request body.
+    body: bytes
+    #: Whether fault ``abort_rate`` drew this request: its answer is to be broken off.
+    abort: bool
+
+
+async def read_post(engine: EngineRuntime, scope: Scope, receive: Receive, send: Send) -> Accepted | None:
     """The body of a ``POST`` to an inference route, or None when it was answered already: 405 for
-    another method (FastAPI's answer, as vLLM gives it), 500 in the ``error`` fault mode's draws, or
+    another method (FastAPI's answer, as vLLM gives it), a fault rate's rejection (500, 429, 503), or
     nothing when the client left before sending its body."""
     if scope.get("method") != "POST":
         await send_json(send, 405, _METHOD_NOT_ALLOWED)
         return None
     raw = await _read_body(receive)
-    if raw is not None and engine.faults.should_fail():
-        await send_json(send, 500, ApiError(500, "Simulated engine failure (sim fault mode 'error').").body())
+    if raw is None:
         return None
-    return raw
+    outcome = engine.faults.draw()
+    if outcome is not None and outcome != "abort":
+        status, body, headers = _REJECTIONS[outcome]
+        await send_json(send, status, body, headers)
+        return None
+    return Accepted(raw, outcome == "abort")
 
 
 class ClientWatch:
@@ -97,12 +131,12 @@ class ClientWatch:
 async def handle_generation(engine: EngineRuntime, chat: bool, scope: Scope, receive: Receive,
                             send: Send) -> None:
     """Serve one chat or text completion request end to end."""
-    raw = await read_post(engine, scope, receive, send)
-    if raw is None:
+    accepted = await read_post(engine, scope, receive, send)
+    if accepted is None:
         return
     cfg = engine.config
     try:
-        spec = parse_generation(decode_body(raw), chat=chat, served_model=cfg.served_model,
+        spec = parse_generation(decode_body(accepted.body), chat=chat, served_model=cfg.served_model,
                                 vocab_size=cfg.profile.vocab_size, max_model_len=cfg.max_model_len)
     except ApiError as exc:
         await send_json(send, exc.status, exc.body())
@@ -127,10 +161,11 @@ async def handle_generation(engine: EngineRuntime, chat: bool, scope: Scope, rec
         # Choice p * n + j is the j-th sample of prompt p, as vLLM numbers them.
         channels = [_submit(engine, spec, shaper.id, p * spec.n + j, j, prompt, waker, requests)
                     for p, prompt in enumerate(spec.prompts) for j in range(spec.n)]
+        abort_after = engine.faults.abort_after_tokens if accepted.abort else None
         if spec.stream:
-            await _stream(send, spec, shaper, channels, waker, engine.core.block_size)
+            await _stream(send, spec, shaper, channels, waker, engine.core.block_size, abort_after)
         else:
-            await _complete(send, spec, shaper, channels, waker, engine.core.block_size)
+            await _complete(send, spec, shaper, channels, waker, engine.core.block_size, accepted.abort)
     except Exception:  # a bug in the simulator, not a client mistake: log it and answer 500
         log.exception("sim: request failed")
         with contextlib.suppress(Exception):
@@ -196,7 +231,7 @@ def _logprobs(spec: GenerationSpec, req: SimRequest, start: int, ids: list[int],
 
 
 async def _complete(send: Send, spec: GenerationSpec, shaper: ResponseShaper,
-                    channels: list[Channel], waker: Waker, block_size: int) -> None:
+                    channels: list[Channel], waker: Waker, block_size: int, cut: bool) -> None:
     while not all(c.finished for c in channels):
         await waker.wait()
     if any(c.aborted for c in channels):
@@ -204,7 +239,8 @@ async def _complete(send: Send, spec: GenerationSpec, shaper: ResponseShaper,
     outputs = [ChoiceOutput(text=detokenize(c.request.output)[:c.request.text_len],
                             finish_reason=c.request.finish_reason or "length", stop_reason=c.request.stop_reason,
                             logprobs=_logprobs(spec, c.request, 0, c.request.output, 0)) for c in channels]
-    await send_json(send, 200, shaper.full_body(outputs, _usage(spec, channels, block_size, first=False)))
+    body = shaper.full_body(outputs, _usage(spec, channels, block_size, first=False))
+    await (send_cut(send, body) if cut else send_json(send, 200, body))
 
 
 class _SlowChunks:
@@ -250,8 +286,10 @@ def _last_text(req: SimRequest) -> str | None:
     return full[before:req.text_len] if req.text_len > before else ""
 
 
-async def _stream(send: Send, spec: GenerationSpec, shaper: ResponseShaper,
-                  channels: list[Channel], waker: Waker, block_size: int) -> None:
+async def _stream(send: Send, spec: GenerationSpec, shaper: ResponseShaper, channels: list[Channel],
+                  waker: Waker, block_size: int, abort_after: int | None) -> None:
+    """Stream the choices; with ``abort_after``, stop for good after that many content tokens
+    (fewer if the choices end first), leaving the answer incomplete (fault ``abort_rate``)."""
     await send({"type": "http.response.start", "status": 200, "headers": _SSE})
     slow = _SlowChunks(spec, shaper, channels) if (
         spec.logprobs is not None or spec.continuous_usage) else None
@@ -259,12 +297,15 @@ async def _stream(send: Send, spec: GenerationSpec, shaper: ResponseShaper,
     if spec.chat:
         pending.extend(slow.role(i) if slow else shaper.role_chunk(i) for i in range(len(channels)))
     seen = [0] * len(channels)
+    budget = abort_after  # content tokens still to send before breaking off (None: never)
     while True:
         done = True
         for i, ch in enumerate(channels):
             if ch.aborted:
                 return
-            visible = ch.visible
+            visible = ch.visible if budget is None else min(ch.visible, seen[i] + budget)
+            if budget is not None:
+                budget -= visible - seen[i]
             if visible > seen[i]:
                 ids = ch.request.output[seen[i]:visible]
                 final = ch.finished and visible == len(ch.request.output)
@@ -274,10 +315,15 @@ async def _stream(send: Send, spec: GenerationSpec, shaper: ResponseShaper,
                 seen[i] = visible
             if not (ch.finished and seen[i] == len(ch.request.output)):
                 done = False
+        if budget is not None and (budget == 0 or done):
+            if pending:
+                await send({"type": "http.response.body", "body": b"".join(pending), "more_body": True})
+            return  # no usage, no [DONE], no end of the chunked body: the server drops the connection
         if done:
             break
-        if pending:
-            # Everything that piled up while the client was slow goes out in one write.
+        if pending and any(seen):
+            # Everything that piled up while the client was slow goes out in one write. (The role
+            # chunks wait for the first token, as vLLM's do: they come with its first engine output.)
             body = b"".join(pending)
             pending.clear()
             await send({"type": "http.response.body", "body": body, "more_body": True})

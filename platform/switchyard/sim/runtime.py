@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from typing import Any, Protocol
 
 from switchyard.sim.config import ResolvedConfig
 from switchyard.sim.core import EngineCore
@@ -79,6 +79,24 @@ class Channel:
         return self.request.finish_reason == "abort"
 
 
+class Listener(Protocol):
+    """The engine's listening socket, as the server running the app gives it (fault mode ``down``)."""
+
+    @property
+    def listening(self) -> bool:
+        """Whether connections are accepted."""
+
+    def close(self) -> None:
+        """Stop accepting connections and drop the open ones."""
+
+    async def reopen(self) -> None:
+        """Listen again on the same address.
+
+        Raises:
+            OSError: The address cannot be bound again.
+        """
+
+
 class EngineRuntime:
     """One simulated engine: core, fault state and the asyncio task that drives them.
 
@@ -94,6 +112,9 @@ class EngineRuntime:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len)
         self.faults = FaultState(config.seed)
+        #: Set by the server that runs the app; None in process (``down`` then answers 503).
+        self.listener: Listener | None = None
+        self._listener_lock = asyncio.Lock()
         #: ``system_fingerprint`` of every response: stable for one engine setup.
         self.fingerprint = system_fingerprint(config.served_model, config.profile.name,
                                               config.max_model_len, config.kv_cache_tokens,
@@ -129,6 +150,31 @@ class EngineRuntime:
     def in_flight(self) -> int:
         """Requests accepted and not yet finished or aborted."""
         return len(self._live)
+
+    @property
+    def listening(self) -> bool:
+        """Whether the engine accepts connections (always, without a listener)."""
+        return self.listener is None or self.listener.listening
+
+    async def sync_listener(self) -> None:
+        """Close the listener in fault mode ``down``, open it again in any other mode.
+
+        Raises:
+            OSError: The address could not be bound again; the mode is set back to ``down``.
+        """
+        async with self._listener_lock:
+            listener = self.listener
+            if listener is None:
+                return
+            down = self.faults.mode == "down"
+            if down and listener.listening:
+                listener.close()
+            elif not down and not listener.listening:
+                try:
+                    await listener.reopen()
+                except OSError:
+                    self.faults.apply({"mode": "down"})
+                    raise
 
     # --- clock -------------------------------------------------------------------------------
 
@@ -230,4 +276,6 @@ class EngineRuntime:
             "max_model_len": cfg.max_model_len,
             "kv_cache_tokens": cfg.kv_cache_tokens,
             "faults": self.faults.as_dict(),
+            "faulted": dict(self.faults.counts),
+            "listening": self.listening,
         }

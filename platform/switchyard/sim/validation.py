@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed",
-                500: "InternalServerError", 503: "ServiceUnavailableError"}
+                429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 _TRUE = {"1", "on", "t", "true", "y", "yes"}
 _FALSE = {"0", "off", "f", "false", "n", "no"}
 

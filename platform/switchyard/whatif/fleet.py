@@ -40,7 +40,7 @@ def pool_engine_config(snapshot: PolicySnapshot, pool: Pool, *, port: int = 0, h
     return EngineConfig(served_model=pool.served_model, port=port, host=host,
                         profile=pool_profile(pool, base_dir), kv_cache_tokens=pool.kv_cache_tokens,
                         max_model_len=pool_context(snapshot, pool), max_num_seqs=pool.max_num_seqs,
-                        time_scale=time_scale, seed=seed)
+                        time_scale=time_scale, seed=seed, region=pool.region, pool=pool.name)
 
 
 class FleetError(ValueError):

@@ -82,23 +82,68 @@ async def test_client_mistakes_never_500(client: AsyncTestClient) -> None:  # ty
 
 
 async def test_fault_settings_validate_and_round_trip(client: AsyncTestClient) -> None:  # type: ignore[type-arg]
-    assert (await client.get("/sim/faults")).json()["mode"] == "none"
-    for bad in ({"mode": "broken"}, {"error_rate": 2}, {"slow_factor": 0}, {"colour": 1}, [1]):
+    assert (await client.get("/sim/faults")).json() == {
+        "mode": "none", "slow_factor": 5.0, "error_rate": 0.0, "throttle_rate": 0.0, "overload_rate": 0.0,
+        "abort_rate": 0.0, "abort_after_tokens": 4}
+    for bad in ({"mode": "broken"}, {"mode": "error"}, {"error_rate": 2}, {"slow_factor": 0}, {"colour": 1}, [1],
+                {"abort_after_tokens": -1}, {"throttle_rate": "x"}):
         resp = await client.post("/sim/faults", json=bad)
         assert resp.status_code == 400
         assert resp.json()["error"]["type"] == "BadRequestError"
-    resp = await client.post("/sim/faults", json={"mode": "error", "error_rate": 0.25})
+    resp = await client.post("/sim/faults", json={"error_rate": 0.25, "abort_after_tokens": 2})
     assert resp.status_code == 200
-    assert (await client.get("/sim/faults")).json() == {
-        "mode": "error", "error_rate": 0.25, "slow_factor": 5.0}
+    assert resp.json() == (await client.get("/sim/faults")).json() == {
+        "mode": "none", "slow_factor": 5.0, "error_rate": 0.25, "throttle_rate": 0.0, "overload_rate": 0.0,
+        "abort_rate": 0.0, "abort_after_tokens": 2}
 
 
 async def test_error_rate_is_a_fraction(client: AsyncTestClient) -> None:  # type: ignore[type-arg]
-    await client.post("/sim/faults", json={"mode": "error", "error_rate": 0.5})
+    await client.post("/sim/faults", json={"error_rate": 0.5})
     codes = [(await client.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}))
              .status_code for _ in range(40)]
     assert set(codes) == {200, 500}
     assert 8 <= codes.count(500) <= 32
+
+
+async def test_rejections_are_shaped_and_take_no_capacity(client: AsyncTestClient) -> None:  # type: ignore[type-arg]
+    before = (await client.get("/metrics")).text
+    for rate, status, err_type in (("throttle_rate", 429, "RateLimitError"),
+                                   ("overload_rate", 503, "ServiceUnavailableError"),
+                                   ("error_rate", 500, "InternalServerError")):
+        await client.post("/sim/faults", json={rate: 1})
+        for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+            resp = await client.post(path, json=body)
+            assert resp.status_code == status
+            assert resp.json()["error"]["type"] == err_type
+            assert resp.headers.get("retry-after") == (None if status == 500 else "1")
+        await client.post("/sim/faults", json={rate: 0})
+    state = (await client.get("/sim/state")).json()
+    assert state["faulted"] == {"error": 2, "throttle": 2, "overload": 2, "abort": 0}
+    assert state["in_flight"] == 0 and state["kv_blocks_used"] == 0 and state["steps"] == 0
+    assert (await client.get("/metrics")).text.count("request_success_total{") == before.count(
+        "request_success_total{")
+    assert 'vllm:prompt_tokens_total{engine="0",model_name="m"} 0.0' in (await client.get("/metrics")).text
+
+
+async def test_rates_apply_in_modes_none_and_slow_only(client: AsyncTestClient) -> None:  # type: ignore[type-arg]
+    await client.post("/sim/faults", json={"mode": "unavailable", "error_rate": 1})
+    resp = await client.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})
+    assert resp.status_code == 503 and "unavailable" in resp.json()["error"]["message"]
+    assert (await client.get("/health")).status_code == 503
+    await client.post("/sim/faults", json={"mode": "slow"})
+    assert (await client.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})).status_code == 500
+    await client.post("/sim/faults", json={"mode": "none", "error_rate": 0})
+    assert (await client.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})).status_code == 200
+
+
+async def test_down_in_process_answers_503(client: AsyncTestClient) -> None:  # type: ignore[type-arg]
+    """With no socket to close (no server), ``down`` answers like ``unavailable``."""
+    await client.post("/sim/faults", json={"mode": "down"})
+    assert (await client.get("/health")).status_code == 503
+    assert (await client.get("/sim/state")).json()["listening"] is True
+    await client.post("/sim/faults", json={"mode": "none"})
+    assert (await client.get("/health")).status_code == 200
 
 
 async def test_state_reports_internals(client: AsyncTestClient) -> None:  # type: ignore[type-arg]

@@ -171,11 +171,14 @@ async def test_faults_apply_and_engine_metrics_stay_untouched(client: Client) ->
     assert 'vllm:prompt_tokens_total{engine="0",model_name="embed"} 0.0' in metrics
     assert 'vllm:request_success_total{engine="0",finished_reason="stop",model_name="embed"} 0.0' in metrics
 
-    await client.post("/sim/faults", json={"mode": "error", "error_rate": 1.0})
+    await client.post("/sim/faults", json={"error_rate": 1.0})
     resp = await client.post("/v1/embeddings", json={"input": "x"})
     assert resp.status_code == 500
     assert resp.json()["error"]["type"] == "InternalServerError"
-    await client.post("/sim/faults", json={"mode": "down"})
+    await client.post("/sim/faults", json={"error_rate": 0.0, "throttle_rate": 1.0})
+    resp = await client.post("/v1/embeddings", json={"input": "x"})
+    assert (resp.status_code, resp.headers["retry-after"]) == (429, "1")
+    await client.post("/sim/faults", json={"throttle_rate": 0.0, "mode": "unavailable"})
     assert (await client.post("/v1/embeddings", json={"input": "x"})).status_code == 503
     await client.post("/sim/faults", json={"mode": "slow", "slow_factor": 2})
     assert (await client.post("/v1/embeddings", json={"input": "x"})).status_code == 200
