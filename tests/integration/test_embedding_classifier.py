@@ -182,11 +182,11 @@ async def test_slow_or_failing_engine_gives_no_score(embed_engines: EmbedEngines
         assert _count(metrics, "support-embed", "timeout") == 1
         assert endpoints.state(embed_engines.slow).healthy(time.monotonic())  # slow is not down
 
-        await _set_faults(session, embed_engines.slow, mode="error", error_rate=1.0)
+        await _set_faults(session, embed_engines.slow, mode="none", error_rate=1.0)
         assert await runner.score(snapshot, "support-embed", _features("refund my order")) is None
         assert _count(metrics, "support-embed", "error") == 1
     finally:
-        await _set_faults(session, embed_engines.slow, mode="none")
+        await _set_faults(session, embed_engines.slow, mode="none", error_rate=0.0)
     # Failed fetches of the examples are not kept: once the engine recovers, scores come back.
     assert await runner.score(snapshot, "support-embed", _features("refund my order")) is not None
     assert _count(metrics, "support-embed", "yes") == 1

@@ -29,6 +29,8 @@ from switchyard.store.models import TenantCreate
 from switchyard.store.tenants import create_tenant, get_tenant
 
 DEMO_TENANT = "demo"
+#: Port of the simulated engines' fault control server (the next lower one if the policy uses it).
+SIM_CONTROL_PORT = 8390
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -80,8 +82,18 @@ def _policy_label(base: str, fallback: str) -> str:
         return fallback
 
 
-def _banner(base: str, key: str, tier: str, snapshot: PolicySnapshot, engines: int, region: str) -> str:
+def _control_port(taken: set[int]) -> int:
+    """``SIM_CONTROL_PORT``, or the first port below it that the gateway and the policy leave alone."""
+    port = SIM_CONTROL_PORT
+    while port in taken:
+        port -= 1
+    return port
+
+
+def _banner(base: str, key: str, tier: str, snapshot: PolicySnapshot, engines: int, region: str,
+            control: str) -> str:
     model = "auto" if "auto" in snapshot.routes else next(iter(snapshot.models))
+    other = next((r for r in snapshot.document.regions if r != region), region)
     return f"""
 Switchyard demo is running ({engines} simulated vLLM engines, policy {_policy_label(base, snapshot.label)}).
 The gateway runs in region {region}: requests are served there and spill over to another region when
@@ -107,6 +119,13 @@ for chunk in client.chat.completions.create(model="{model}", stream=True, max_to
     print(chunk.choices[0].delta.content or "", end="", flush=True)
 print()
 PY
+
+Inject faults into the simulated engines (down = connection refused; also --mode unavailable|hang|slow,
+--error-rate, --throttle-rate, --overload-rate, --abort-rate; --pool or --port to pick fewer engines):
+
+  switchyard sim fault --control {control} --region {other} --mode down
+  switchyard sim faults --control {control}
+  switchyard sim fault --control {control} --clear
 
 Press Ctrl-C to stop everything.
 """
@@ -147,6 +166,9 @@ def demo(port: int | None, time_scale: float) -> None:
     endpoints = [urlsplit(u) for p in snapshot.pools.values() for u in p.endpoints]
     busy = [f"{settings.host}:{settings.port} (gateway)"] if not _port_free(settings.host, settings.port) else []
     busy += [f"{e.hostname}:{e.port}" for e in endpoints if e.port and not _port_free(e.hostname or "", e.port)]
+    control_port = _control_port({settings.port, *(e.port for e in endpoints if e.port)})
+    if not _port_free("127.0.0.1", control_port):
+        busy.append(f"127.0.0.1:{control_port} (simulator fault control)")
     if busy:
         raise click.ClickException("ports already in use: " + ", ".join(busy)
                                    + " (another demo running? stop it, or change --port / the policy)")
@@ -168,16 +190,18 @@ def demo(port: int | None, time_scale: float) -> None:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        sim = subprocess.Popen([*cmd, "sim", "--policy", str(policy_file), "--time-scale", str(time_scale)],
-                               env=env, start_new_session=True)
+        sim = subprocess.Popen([*cmd, "sim", "--policy", str(policy_file), "--time-scale", str(time_scale),
+                                "--control-port", str(control_port)], env=env, start_new_session=True)
         children.append(sim)
+        control = f"http://127.0.0.1:{control_port}"
         for e in endpoints:
             _wait_http(f"http://{e.hostname}:{e.port}/health", 60, sim, "the simulated engines")
+        _wait_http(f"{control}/health", 60, sim, "the simulated engines' fault control")
         gateway = subprocess.Popen([*cmd, "serve"], env=env, start_new_session=True)
         children.append(gateway)
         base = f"http://{settings.host}:{settings.port}"
         _wait_http(f"{base}/readyz", 60, gateway, "the gateway")
-        click.echo(_banner(base, key, tier, snapshot, len(endpoints), env["SWITCHYARD_REGION"]))
+        click.echo(_banner(base, key, tier, snapshot, len(endpoints), env["SWITCHYARD_REGION"], control))
         while not stopping:
             for child, what in ((sim, "the simulated engines"), (gateway, "the gateway")):
                 if child.poll() is not None:

@@ -1,10 +1,11 @@
-"""``switchyard serve`` and ``switchyard sim`` (the long-running processes), and ``switchyard sim calibrate``."""
+"""``switchyard serve`` and ``switchyard sim`` (the long-running processes), ``switchyard sim calibrate``, and
+``switchyard sim fault`` / ``faults`` (a running sim process's fault control server)."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import click
@@ -88,18 +89,27 @@ def engines_for_policy(snapshot: PolicySnapshot, regions: tuple[str, ...] = (), 
 @click.option("--time-scale", type=float, default=1.0, show_default=True,
               help="Simulated seconds per wall-clock second (10 = ten times faster).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--control-port", type=int, default=None,
+              help="Also run the fault control server on this port (see `switchyard sim fault`).")
+@click.option("--control-host", default="127.0.0.1", show_default=True, help="Listen address of the control server.")
 @click.pass_context
 def sim(ctx: click.Context, policy_path: Path | None, regions: tuple[str, ...], pools: tuple[str, ...],
         served_model: str | None, port: int | None, host: str, profile: str, kv_cache_tokens: int | None,
-        max_model_len: int | None, max_num_seqs: int | None, time_scale: float, seed: int) -> None:
+        max_model_len: int | None, max_num_seqs: int | None, time_scale: float, seed: int,
+        control_port: int | None, control_host: str) -> None:
     """Run simulated vLLM engines: one (--model, --port) or all of a policy's (--policy).
 
+    With --control-port, a control server sets the faults of any of them by region, pool or port
+    (`switchyard sim fault --control URL ...`, `switchyard sim faults --control URL`).
     `switchyard sim calibrate --url URL --out FILE` measures a real engine instead and writes a
     profile that --profile loads.
     """
     if ctx.invoked_subcommand is not None:
         return
-    from switchyard.sim import EngineConfig, run_engines
+    from switchyard.sim import ControlAddress, EngineConfig, run_engines
+
+    if control_port is not None and not 0 <= control_port <= 65535:
+        raise click.BadParameter(f"{control_port} is not a valid TCP port", param_hint="--control-port")
 
     if policy_path is not None:
         if served_model or port:
@@ -116,7 +126,66 @@ def sim(ctx: click.Context, policy_path: Path | None, regions: tuple[str, ...], 
         configs = [EngineConfig(served_model=served_model, port=port, host=host, profile=profile,
                                 kv_cache_tokens=kv_cache_tokens, max_model_len=max_model_len,
                                 max_num_seqs=max_num_seqs, time_scale=time_scale, seed=seed)]
-    run_engines(configs)  # bad configuration exits with one line saying what is wrong
+    control = ControlAddress(control_host, control_port) if control_port is not None else None
+    run_engines(configs, control)  # bad configuration or a port in use exits with one line saying what is wrong
+
+
+_CONTROL = click.option("--control", "control", required=True, metavar="URL",
+                        help="The sim process's control server (`switchyard sim --control-port N`: http://127.0.0.1:N).")
+
+
+@sim.command("fault")
+@_CONTROL
+@click.option("--region", default=None, help="Only the engines of this region.")
+@click.option("--pool", default=None, help="Only the engines of this pool.")
+@click.option("--port", type=int, default=None, help="Only the engine on this port.")
+@click.option("--mode", type=click.Choice(["none", "slow", "hang", "down", "unavailable"]), default=None,
+              help="down: connection refused; unavailable: 503 everywhere; hang: no answer; slow: slower steps.")
+@click.option("--slow-factor", type=float, default=None, help="Step-time multiplier in mode slow.")
+@click.option("--error-rate", type=float, default=None, help="Fraction of inference requests answered 500.")
+@click.option("--throttle-rate", type=float, default=None, help="Fraction answered 429 (Retry-After: 1).")
+@click.option("--overload-rate", type=float, default=None, help="Fraction answered 503 (Retry-After: 1).")
+@click.option("--abort-rate", type=float, default=None, help="Fraction whose answer is broken off mid-way.")
+@click.option("--abort-after-tokens", type=int, default=None, help="Content tokens a broken-off stream gets first.")
+@click.option("--clear", is_flag=True, help="Back to healthy: mode none, every rate 0, default factor and tokens.")
+def sim_fault(control: str, region: str | None, pool: str | None, port: int | None, clear: bool,
+              **settings: Any) -> None:
+    """Set faults on the engines of a running `switchyard sim` (all of them, or those the targets pick).
+
+    Prints one line per engine changed. Example: `switchyard sim fault --control http://127.0.0.1:8390
+    --region eu-west --mode down`, then `... --region eu-west --clear`.
+    """
+    from switchyard.sim.fault_client import ControlError, describe, set_faults
+    from switchyard.sim.faults import DEFAULTS
+
+    given = {key: value for key, value in settings.items() if value is not None}
+    if clear and given:
+        raise click.UsageError("--clear resets every setting; give it without --mode or any rate")
+    if not clear and not given:
+        raise click.UsageError("nothing to change: give --mode, a rate, --slow-factor, --abort-after-tokens or "
+                               "--clear (`switchyard sim faults --control URL` lists the engines)")
+    targets = {key: value for key, value in (("region", region), ("pool", pool), ("port", port))
+               if value is not None}
+    try:
+        engines = set_faults(control, {**targets, **(dict(DEFAULTS) if clear else given)})
+    except ControlError as exc:
+        raise click.ClickException(str(exc)) from None
+    for engine in engines:
+        click.echo(describe(engine))
+
+
+@sim.command("faults")
+@_CONTROL
+def sim_faults(control: str) -> None:
+    """List the engines of a running `switchyard sim` and their fault settings, one line each."""
+    from switchyard.sim.fault_client import ControlError, describe, list_faults
+
+    try:
+        engines = list_faults(control)
+    except ControlError as exc:
+        raise click.ClickException(str(exc)) from None
+    for engine in engines:
+        click.echo(describe(engine))
 
 
 @sim.command("calibrate")
