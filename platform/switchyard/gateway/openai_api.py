@@ -37,8 +37,9 @@ async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
 async def list_models(request: Request[Any, Any, Any]) -> Response[bytes]:
     """The models and routes the caller's tier may use."""
     runtime = _runtime(request)
-    identity = await runtime.auth.authenticate(request.headers.get("authorization"))
     snapshot = runtime.policy.snapshot
+    identity = await runtime.auth.authenticate(request.headers.get("authorization"),
+                                               snapshot.document.resilience.dependencies.database)
     tier = snapshot.tiers.get(identity.tier)
     created = int(runtime.started_at)
     data: list[dict[str, Any]] = []

@@ -21,7 +21,10 @@ async def healthz() -> dict[str, str]:
 
 @get("/readyz", operation_id="readyz", include_in_schema=False)
 async def readyz(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
-    """Ready: a policy is loaded and the database answers."""
+    """Ready: a policy is loaded and the database answers (503 otherwise, while requests are still served).
+
+    ``dependencies`` tells whether the limit store (Redis) and key lookups currently fall back.
+    """
     runtime: GatewayRuntime = request.app.state.runtime
     checks: dict[str, Any] = {}
     snapshot = runtime.policy.snapshot
@@ -38,7 +41,11 @@ async def readyz(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     except Exception as exc:  # any failure to answer is "not ready", reported, never raised
         checks["database"] = {"ok": False, "error": f"{exc.__class__.__name__}: {exc}"[:300]}
     ready = all(c["ok"] for c in checks.values())
-    return Response({"status": "ready" if ready else "not ready", "checks": checks},
+    # Not checks: while one is down, requests are served or refused as the policy's
+    # resilience.dependencies says; readiness follows the database only.
+    dependencies = {"limit_store": "unreachable" if runtime.admitter.store_down else "ok",
+                    "key_lookups": "failing" if runtime.auth.database_down else "ok"}
+    return Response({"status": "ready" if ready else "not ready", "checks": checks, "dependencies": dependencies},
                     status_code=200 if ready else 503)
 
 

@@ -48,6 +48,9 @@ from switchyard.store.db import session_scope
 from switchyard.store.models import PolicyVersion
 from switchyard.store.policy_versions import CHANNEL
 
+#: While a reload check keeps failing (the database is unreachable), how often it is logged again.
+FAILURE_LOG_INTERVAL_S = 30.0
+
 log = logging.getLogger("switchyard.policy")
 
 #: Seconds between attempts to re-open a lost LISTEN connection.
@@ -183,8 +186,13 @@ class PolicyReloader:
             self.holder.last_error = None
             if snapshot.sha256 == self.holder.snapshot.sha256:
                 return False
-            recorded = await anyio.to_thread.run_sync(record_file, self.engine, path, snapshot,
-                                                      "the policy file changed")
+            try:
+                recorded = await anyio.to_thread.run_sync(record_file, self.engine, path, snapshot,
+                                                          "the policy file changed")
+            except BaseException:
+                # Not recorded (the database is unreachable): read the file again at the next check.
+                self._file_identity = self._file_sha = None
+                raise
             self._swap(recorded, "file", counters)
             return True
 
@@ -203,12 +211,26 @@ class PolicyReloader:
 
     async def _loop(self, check: Callable[[], Awaitable[bool]], what: str) -> None:
         interval = self.settings.policy_poll_interval_s
+        failing_since: float | None = None
+        logged_at = 0.0
         while True:
             await asyncio.sleep(interval)
             try:
                 await check()
-            except Exception:  # a failed check is logged and retried; the loop must not die
-                log.exception("policy reload (%s) failed", what)
+            except Exception as exc:  # a failed check is logged and retried; the loop must not die
+                now = time.monotonic()
+                if failing_since is None:
+                    failing_since = logged_at = now
+                    log.exception("policy reload (%s) failed; still serving policy %s", what,
+                                  self.holder.snapshot.label)
+                elif now - logged_at >= FAILURE_LOG_INTERVAL_S:  # once in a while, not every poll
+                    logged_at = now
+                    log.warning("policy reload (%s) still failing after %.0f s (%s); still serving policy %s", what,
+                                now - failing_since, exc, self.holder.snapshot.label)
+                continue
+            if failing_since is not None:
+                log.warning("policy reload (%s) works again after %.0f s", what, time.monotonic() - failing_since)
+                failing_since = None
 
     async def _listen(self, url: str) -> None:
         while True:

@@ -37,7 +37,11 @@ def create_db_engine(url: str) -> Engine:
     if parsed.get_backend_name() == "postgresql" and parsed.drivername == "postgresql":
         # Plain postgresql:// means psycopg 3 here (the only PostgreSQL driver we install).
         parsed = parsed.set(drivername="postgresql+psycopg")
-    return create_engine(parsed, pool_pre_ping=True, pool_size=5, max_overflow=5)
+    # A database that stops answering must fail key lookups fast (the gateway then follows the policy's
+    # resilience.dependencies.database), not hang them.
+    connect_args = {"connect_timeout": 3} if parsed.get_backend_name() == "postgresql" else {}
+    return create_engine(parsed, pool_pre_ping=True, pool_size=5, max_overflow=5, pool_timeout=5,
+                         connect_args=connect_args)
 
 
 @contextmanager

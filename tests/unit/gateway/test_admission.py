@@ -1,7 +1,9 @@
-"""Admission's HTTP side: headers as OpenAI writes them, 429s naming the limit, settling once, failing open."""
+"""Admission's HTTP side: headers as OpenAI writes them, 429s naming the limit, settling once, and what
+happens while the shared limit store is down (fail_open: limits per process; fail_closed: 503)."""
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 
@@ -9,7 +11,7 @@ import pytest
 
 from switchyard.decide.admit import LimitCharge
 from switchyard.gateway.admission import Admitter, duration, ratelimit_headers
-from switchyard.gateway.errors import RateLimited
+from switchyard.gateway.errors import Overloaded, RateLimited
 from switchyard.store.limits import Admission, Bucket, BucketState, Charge, MemoryLimitStore
 
 
@@ -57,21 +59,121 @@ async def test_admit_refuse_and_settle_exactly_once() -> None:
     assert huge.value.code == "request_too_large" and "Retry-After" not in huge.value.headers
 
 
-class _Down(MemoryLimitStore):
+class _Flaky(MemoryLimitStore):
+    """A shared store that can be taken down and brought back; counts the reservations it was asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+        self.calls = 0
+
     async def reserve(self, charges: Sequence[Charge], ttl_s: float, now: float | None = None) -> Admission:
-        raise ConnectionError("redis is down")
+        self.calls += 1
+        if self.down:
+            raise ConnectionError("redis is down")
+        return await super().reserve(charges, ttl_s, now)
 
     async def reconcile(self, reservation: str, actual: Mapping[str, float], now: float | None = None) -> bool:
-        raise ConnectionError("redis is down")
+        if self.down:
+            raise ConnectionError("redis is down")
+        return await super().reconcile(reservation, actual, now)
 
 
-async def test_a_limit_store_that_is_down_admits_and_is_counted() -> None:
-    errors: list[int] = []
-    lease = await Admitter(_Down(), lambda: errors.append(1)).admit([charge()])
-    assert lease.reservation is None and errors == [1]
-    await lease.settle(10, 0.0)  # nothing to settle; no error
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _admitter(store: _Flaky, counted: list[str], clock: _Clock | None = None) -> Admitter:
+    return Admitter(store, counted.append, backoff_s=1.0, warn_every_s=30.0, clock=clock or _Clock())
+
+
+async def test_fail_open_enforces_the_limits_in_process_and_settles_where_it_reserved() -> None:
+    shared = _Flaky()
+    counted: list[str] = []
+    shared.down = True
+    admitter = _admitter(shared, counted)
+    lease = await admitter.admit([charge(amount=700)], "fail_open")
+    assert lease.store is admitter.local and lease.reservation is not None
+    assert lease.headers["x-ratelimit-remaining-tokens"] == "300"
+    with pytest.raises(RateLimited) as refused:  # the limit still holds, in this process
+        await admitter.admit([charge(amount=400)], "fail_open")
+    assert refused.value.status_code == 429 and int(refused.value.headers["Retry-After"]) >= 1
+    assert counted == ["fail_open", "fail_open"]
+    await lease.settle(100, 0.0)  # 600 come back to the local bucket, not to the shared one
+    assert (await admitter.admit([charge(amount=850)], "fail_open")).headers["x-ratelimit-remaining-tokens"] == "50"
+    assert shared.calls == 1, "after the failure the shared store is left alone for the back-off"
+
+
+async def test_fail_closed_refuses_with_503_and_retry_after() -> None:
+    shared = _Flaky()
+    counted: list[str] = []
+    shared.down = True
+    admitter = _admitter(shared, counted)
+    for _ in range(2):
+        with pytest.raises(Overloaded) as refused:
+            await admitter.admit([charge()], "fail_closed")
+        error = refused.value
+        assert (error.status_code, error.code, error.type) == (503, "limits_unavailable", "overloaded_error")
+        assert int(error.headers["Retry-After"]) >= 1
+    assert counted == ["fail_closed", "fail_closed"]
+
+
+async def test_the_store_is_tried_again_after_the_backoff_and_recovery_is_logged_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    shared, clock = _Flaky(), _Clock()
+    counted: list[str] = []
+    admitter = _admitter(shared, counted, clock)
+    before = await admitter.admit([charge(amount=100)])  # reserved on the shared store
+    assert before.store is shared
+    shared.down = True
+    with caplog.at_level(logging.WARNING, logger="switchyard.admission"):
+        for _ in range(5):
+            await admitter.admit([charge(amount=10)])
+        assert shared.calls == 2 and admitter.store_down  # one failure, then the back-off
+        clock.now += 1.0
+        await admitter.admit([charge(amount=10)])
+        await admitter.admit([charge(amount=10)])
+        assert shared.calls == 3, "one request per back-off tries the store again"
+        shared.down = False
+        await before.settle(100, 0.0)  # reserved on the shared store: settles there once it answers
+        clock.now += 1.0
+        after = await admitter.admit([charge(amount=10)])
+        assert after.store is shared and not admitter.store_down
+        await admitter.admit([charge(amount=10)])
+    assert shared.calls == 5 and counted == ["fail_open"] * 7
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2, warnings  # the fallback once (not per request), the recovery once
+    assert "limit store unreachable" in warnings[0] and "ConnectionError: redis is down" in warnings[0]
+    assert "limit store answers again" in warnings[1]
+
+
+async def test_fallback_warnings_repeat_at_most_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
+    shared, clock = _Flaky(), _Clock()
+    counted: list[str] = []
+    shared.down = True
+    admitter = _admitter(shared, counted, clock)
+    with caplog.at_level(logging.WARNING, logger="switchyard.admission"):
+        for _ in range(40):  # 40 s of requests, one per second
+            await admitter.admit([charge(amount=1)])
+            clock.now += 1.0
+    assert len(counted) == 40
+    assert len(caplog.records) == 2 and "30 requests since the last warning" in caplog.records[1].getMessage()
+
+
+async def test_a_lease_whose_store_fails_on_settle_logs_and_does_not_raise() -> None:
+    shared = _Flaky()
+    lease = await _admitter(shared, []).admit([charge()])
+    shared.down = True
+    await lease.settle(10, 0.0)
+    assert lease.settled
 
 
 async def test_no_limits_no_store_call() -> None:
-    lease = await Admitter(_Down()).admit([])
-    assert lease.store is None and lease.headers == {}
+    shared = _Flaky()
+    shared.down = True
+    lease = await Admitter(shared).admit([], "fail_closed")
+    assert lease.store is None and lease.headers == {} and shared.calls == 0

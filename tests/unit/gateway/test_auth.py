@@ -1,15 +1,18 @@
-"""Key authentication: parsing, caching, one lookup per key at a time, bounded memory."""
+"""Key authentication: parsing, caching, one lookup per key at a time, bounded memory, and the database
+unreachable (fail_open: keys seen before keep working; fail_closed: 503 once their entry expired)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
 import pytest
+from sqlalchemy.exc import OperationalError
 
 from switchyard.gateway.auth import KeyAuthenticator
-from switchyard.gateway.errors import Unauthorized
+from switchyard.gateway.errors import Overloaded, Unauthorized
 from switchyard.store.keys import KEY_PREFIX, KeyIdentity, generate_key, hash_key
 
 GOOD = generate_key()
@@ -93,3 +96,101 @@ async def test_lookup_failure_reaches_every_waiter() -> None:
     auth = KeyAuthenticator(broken, ttl_s=10)
     results = await asyncio.gather(*[auth.authenticate(f"Bearer {GOOD}") for _ in range(5)], return_exceptions=True)
     assert all(isinstance(r, RuntimeError) for r in results)
+
+
+class Database:
+    """A key lookup whose database can be taken down (it then raises what SQLAlchemy raises)."""
+
+    def __init__(self) -> None:
+        self.down = False
+        self.calls = 0
+
+    def __call__(self, digest: str) -> KeyIdentity | None:
+        self.calls += 1
+        if self.down:
+            raise OperationalError("SELECT ...", {}, ConnectionRefusedError("connection refused"))
+        return WHO if digest == hash_key(GOOD) else None
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def outage_auth(database: Database, counted: list[str], clock: Clock) -> KeyAuthenticator:
+    return KeyAuthenticator(database, ttl_s=1.0, counted=counted.append, backoff_s=1.0, clock=clock)
+
+
+async def test_fail_open_keeps_known_keys_on_their_expired_entry_and_refuses_unknown_ones() -> None:
+    database, clock = Database(), Clock()
+    counted: list[str] = []
+    auth = outage_auth(database, counted, clock)
+    assert await auth.authenticate(f"Bearer {GOOD}") == WHO
+    with pytest.raises(Unauthorized):
+        await auth.authenticate("Bearer sk-sy-known-bad")
+    database.down = True
+    clock.now += 5  # every entry expired
+    assert await auth.authenticate(f"Bearer {GOOD}", "fail_open") == WHO
+    assert await auth.authenticate(f"Bearer {GOOD}", "fail_open") == WHO
+    with pytest.raises(Unauthorized):  # its last answer stands too
+        await auth.authenticate("Bearer sk-sy-known-bad", "fail_open")
+    with pytest.raises(Overloaded) as refused:
+        await auth.authenticate("Bearer sk-sy-never-seen", "fail_open")
+    error = refused.value
+    assert (error.status_code, error.code) == (503, "auth_unavailable") and int(error.headers["Retry-After"]) >= 1
+    assert counted == ["fail_open", "fail_open", "fail_open", "fail_closed"]
+    assert auth.database_down
+
+
+async def test_fail_closed_refuses_keys_whose_entry_expired_but_not_fresh_ones() -> None:
+    database, clock = Database(), Clock()
+    counted: list[str] = []
+    auth = outage_auth(database, counted, clock)
+    assert await auth.authenticate(f"Bearer {GOOD}") == WHO
+    database.down = True
+    assert await auth.authenticate(f"Bearer {GOOD}", "fail_closed") == WHO  # still fresh: no lookup
+    assert counted == [] and database.calls == 1
+    clock.now += 5
+    with pytest.raises(Overloaded, match="database is unreachable") as refused:
+        await auth.authenticate(f"Bearer {GOOD}", "fail_closed")
+    assert refused.value.code == "auth_unavailable" and counted == ["fail_closed"]
+
+
+async def test_the_database_is_tried_again_after_the_backoff(caplog: pytest.LogCaptureFixture) -> None:
+    database, clock = Database(), Clock()
+    counted: list[str] = []
+    auth = outage_auth(database, counted, clock)
+    await auth.authenticate(f"Bearer {GOOD}")
+    database.down = True
+    clock.now += 5
+    with caplog.at_level(logging.WARNING, logger="switchyard.auth"):
+        for _ in range(5):
+            assert await auth.authenticate(f"Bearer {GOOD}") == WHO
+        assert database.calls == 2, "one failed lookup, then the back-off"
+        clock.now += 1
+        await auth.authenticate(f"Bearer {GOOD}")
+        await auth.authenticate(f"Bearer {GOOD}")
+        assert database.calls == 3, "one lookup per back-off tries the database again"
+        database.down = False
+        clock.now += 1
+        assert await auth.authenticate(f"Bearer {GOOD}") == WHO
+        assert database.calls == 4 and not auth.database_down
+        assert await auth.authenticate(f"Bearer {GOOD}") == WHO  # cached again
+    assert database.calls == 4 and counted == ["fail_open"] * 7
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages  # the outage once, not per request; the recovery once
+    assert "OperationalError" in messages[0] and "succeed again" in messages[1]
+
+
+async def test_concurrent_lookups_that_fail_each_fall_back() -> None:
+    database, clock = Database(), Clock()
+    counted: list[str] = []
+    auth = outage_auth(database, counted, clock)
+    await auth.authenticate(f"Bearer {GOOD}")
+    database.down = True
+    clock.now += 5
+    results = await asyncio.gather(*[auth.authenticate(f"Bearer {GOOD}") for _ in range(5)])
+    assert results == [WHO] * 5 and database.calls == 2 and len(counted) == 5

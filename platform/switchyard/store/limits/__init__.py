@@ -69,6 +69,10 @@ __all__ = [
 #: instead of failing, as redis-py's default pool would.
 REDIS_POOL_SIZE = 64
 REDIS_POOL_TIMEOUT_S = 5.0
+#: A Redis that does not accept a connection, or answer a script, within these fails the call
+#: (the gateway then falls back as its policy says) instead of holding the request.
+REDIS_CONNECT_TIMEOUT_S = 1.0
+REDIS_SOCKET_TIMEOUT_S = 2.0
 
 
 def charges_of(limits: Sequence[LimitCharge]) -> list[Charge]:
@@ -86,5 +90,7 @@ def create_limit_store(redis_url: str | None, *, key_prefix: str = DEFAULT_KEY_P
     """
     if redis_url is None:
         return MemoryLimitStore()
-    pool = BlockingConnectionPool.from_url(redis_url, max_connections=REDIS_POOL_SIZE, timeout=REDIS_POOL_TIMEOUT_S)
+    pool = BlockingConnectionPool.from_url(redis_url, max_connections=REDIS_POOL_SIZE, timeout=REDIS_POOL_TIMEOUT_S,
+                                           socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
+                                           socket_timeout=REDIS_SOCKET_TIMEOUT_S)
     return RedisLimitStore(Redis.from_pool(pool), key_prefix=key_prefix)
