@@ -26,9 +26,9 @@ from switchyard.bench.tables import render_goal_row, render_row
 from tests.integration.conftest import SWITCHYARD
 
 ROOT = Path(__file__).resolve().parents[2]
-#: ``overload`` has a quick run of its own (``test_bench_overload``): with it, this one would not fit the
-#: per-test time limit.
-SEPARATE = ("overload",)
+#: ``overload`` and ``failover`` have quick runs of their own (``test_bench_overload``, ``failover_run``
+#: below): with them, this one would not fit the per-test time limit. ``chaos`` is ``failover``'s other name.
+SEPARATE = ("overload", "failover", "chaos")
 LANDED = [name for name, s in SCENARIOS.items() if s.landed and name not in SEPARATE]
 NOT_LANDED = [name for name, s in SCENARIOS.items() if not s.landed]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -203,17 +203,61 @@ def test_prefix_figures_agree_with_the_engines_and_the_bound(
         assert report["timeseries"][arm]["extra"]["engine queue (waiting)"]
 
 
-def test_failover_figures_agree(run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
-    out, _ = run
+@pytest.fixture(scope="module")
+def failover_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    return run_quick(tmp_path_factory, "failover", 110)
+
+
+def test_failover_writes_a_complete_report_with_the_same_numbers(
+        failover_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out, done = failover_run
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not _ours(str(out)), "every process the bench started is stopped"
+    index = _json(out / "report.json")
+    assert [(s["name"], s["status"]) for s in index["scenarios"]] == [("failover", "ok")]
+    folder = out / "failover"
+    for file in ("report.md", "report.json", "ttft_cdf.png", "load_over_time.png", "shed_fallback.png"):
+        assert (folder / file).stat().st_size > 0, file
+    report = _json(folder / "report.json")
+    md, index_md = (folder / "report.md").read_text(), (out / "report.md").read_text()
+    assert index["scenarios"][0]["goals"] == report["goals"]
+    for g in report["goals"]:
+        assert render_goal_row(g) in md and render_goal_row(g) in index_md, g["goal"]
+    for data in report["tables"]:
+        for row in data["rows"]:
+            assert render_row(data, row) in md, (data["title"], row)
+    for data in index["scenarios"][0]["tables"]:
+        assert data in report["tables"]
+    extra = report["timeseries"]["switchyard"]["extra"]
+    assert set(extra) == {"us-east engines running", "eu-west engines running"} and all(extra.values())
+
+
+def test_failover_figures_agree(failover_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out, _ = failover_run
     report = _json(out / "failover" / "report.json")
     line = report["parameters"]["timeline"]
-    assert line["stop_s"] < line["stopped_s"] <= line["restart_s"] < line["ready_s"]
-    success = report["goals"][0]
-    assert success["value"] == pytest.approx(report["overall"]["switchyard"]["ok_rate"])
-    phases = report["tables"][1]["rows"]
-    us = report["groups"]["class"]["us-east"]["arms"]["switchyard"]["count"]
-    assert sum(p["requests"] for p in phases) == us
-    assert phases[1]["requests"] > 0  # requests were sent during the outage
+    assert [o["kind"] for o in line] == report["parameters"]["outages"] == ["down", "hang"]
+    assert line[0]["ready_s"] <= line[1]["start_s"]  # staged one after the other
+    for o in line:  # each outage was staged and undone through the control server
+        assert o["start_s"] <= o["applied_s"] < o["end_s"] <= o["restored_s"] <= o["ready_s"]
+    outages, load, phases, _, failed = report["tables"]
+    through = report["goals"][0]  # requests sent while an outage lasted
+    sent = sum(o["requests"] for o in outages["rows"])
+    assert through["value"] == pytest.approx(sum(o["ok"] for o in outages["rows"]) / sent)
+    total = report["overall"]["switchyard"]["count"]
+    assert sum(p["requests"] for p in phases["rows"]) == total == sum(p["requests"] for p in load["rows"])
+    assert [p["phase"] for p in load["rows"]] == ["before", "down", "between", "hang", "after"]
+    failures = round(total * (1 - report["overall"]["switchyard"]["ok_rate"]))
+    assert len(failed["rows"]) == min(30, failures)
+    assert f"over the whole run {failures} of {total} failed" in through["note"]
+    for o in outages["rows"]:
+        assert o["requests"] > 0  # requests were sent during each outage
+        row = next(p for p in load["rows"] if p["phase"] == o["outage"])
+        assert row["requests"] == o["requests"] and row["healthy_received"] == o["healthy_received"]
+        assert o["healthy_received"] is not None and o["attempts"] is not None  # both /metrics were read
+        storm = next(g for g in report["goals"] if g["goal"].startswith("no retry storm")
+                     and f"the {o['outage']} outage" in g["goal"])
+        assert storm["value"] == o["healthy_ratio"]
 
 
 def test_reload_figures_agree(run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:

@@ -58,13 +58,16 @@ models:
 
 
 def two_region_policy(us_ports: Sequence[int], eu_ports: Sequence[int], *, served_model: str, profile: str,
-                      kv_cache_tokens: int, context_window: int) -> str:
+                      kv_cache_tokens: int, context_window: int, first_token_timeout: float | None = None) -> str:
     """Two regions; clients call ``chat-us`` or ``chat-eu`` (their home region), each falling back
     to ``chat`` (served in both regions) in the other region (the failover scenario).
 
     A fallback chain may not loop back (``chat-us → chat-eu → chat-us`` is refused), hence the
-    third model: the region-neutral ``chat`` is only a fallback target.
+    third model: the region-neutral ``chat`` is only a fallback target. ``first_token_timeout``
+    (seconds) sets ``resilience.first_token_timeout`` (None: the gateway's default).
     """
+    resilience = (f"resilience: {{first_token_timeout: {first_token_timeout:g}}}\n"
+                  if first_token_timeout is not None else "")
     return f"""\
 schema: 1
 regions: [us-east, eu-west]
@@ -80,4 +83,4 @@ models:
   - {{name: chat-us, pools: [chat-us], context_window: {context_window}, fallback: ["chat@eu-west"],
       price: {{input_per_mtok: 0, output_per_mtok: 0}}}}
   - {{name: chat-eu, pools: [chat-eu], context_window: {context_window}, fallback: ["chat@us-east"],
-      price: {{input_per_mtok: 0, output_per_mtok: 0}}}}""")
+      price: {{input_per_mtok: 0, output_per_mtok: 0}}}}""") + resilience

@@ -15,6 +15,7 @@ a core of its own, away from the load generator.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import resource
 import signal
@@ -24,11 +25,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, Any
 
 #: Seconds a process gets to stop after SIGTERM before it is killed.
 STOP_GRACE_S = 10.0
@@ -361,18 +362,49 @@ def start_gateway(procs: Processes, name: str, env: dict[str, str], *, port: int
 
 def start_sims(procs: Processes, name: str, policy_file: Path, ports: Iterable[int], *, time_scale: float,
                seed: int, regions: Sequence[str] = (), pools: Sequence[str] = (), cpus: Iterable[int] = (),
-               timeout_s: float = 60.0) -> Proc:
-    """Start ``switchyard sim --policy`` (one process for the selected pools) and wait for every ``/health``."""
+               timeout_s: float = 60.0, control_port: int | None = None) -> Proc:
+    """Start ``switchyard sim --policy`` (one process for the selected pools) and wait for every ``/health``.
+
+    With ``control_port``, the process also serves its fault-injection control server on
+    ``127.0.0.1:<control_port>`` (``GET/POST /faults``, see :func:`post_faults`), and the start
+    waits for it too.
+    """
     cmd = [*switchyard_command(), "sim", "--policy", str(policy_file), "--time-scale", f"{time_scale:g}",
            "--seed", str(seed)]
     for region in regions:
         cmd += ["--region", region]
     for pool in pools:
         cmd += ["--pool", pool]
+    if control_port is not None:
+        cmd += ["--control-port", str(control_port)]
     proc = procs.start(name, cmd, cpus=cpus)
     for port in ports:
         wait_http(f"http://127.0.0.1:{port}/health", proc, timeout_s)
+    if control_port is not None:
+        wait_http(f"http://127.0.0.1:{control_port}/faults", proc, timeout_s)
     return proc
+
+
+def post_faults(control_port: int, settings: Mapping[str, object], timeout_s: float = 10.0) -> dict[str, Any]:
+    """Change the faults of simulated engines through a ``switchyard sim --control-port`` server.
+
+    ``settings`` may name targets (``region``, ``pool``, ``port``; none: every engine of that
+    process) and the settings to apply, e.g. ``{"region": "us-east", "mode": "down"}``, or
+    ``{"mode": "none"}`` to bring everything back.
+
+    Returns:
+        The control server's answer (``{"engines": [...]}``, each engine with its faults).
+
+    Raises:
+        OSError: The server could not be reached, or refused the settings (with its answer).
+    """
+    status, body = http_post_json(f"http://127.0.0.1:{control_port}/faults", json.dumps(dict(settings)).encode(),
+                                  timeout_s=timeout_s)
+    if status != 200:
+        raise OSError(f"POST /faults {dict(settings)} on control port {control_port} answered {status}: "
+                      f"{body[:300].decode('utf-8', 'replace')}")
+    answer: dict[str, Any] = json.loads(body) if body else {}
+    return answer
 
 
 def start_instant_engine(procs: Processes, name: str, port: int, *, cpus: Iterable[int] = ()) -> Proc:

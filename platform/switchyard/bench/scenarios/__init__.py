@@ -4,8 +4,9 @@ Landed: ``overhead`` (the gateway's added latency and throughput against calling
 directly and against LiteLLM), ``prefix`` (prefix-aware routing against least-loaded and
 round-robin on a trace replay), ``overload`` (flow control against plain FCFS at twice the
 engines' capacity: per-class TTFT SLO attainment, goodput, shed and downgrade rates),
-``failover`` (a region stopped and restarted under steady load), ``reload`` (publishes and
-rollbacks under load: propagation to another replica, failed and mis-versioned requests), ``auto``
+``failover`` (alias ``chaos``: a region's engines refusing connections, then hanging, under steady
+load), ``reload`` (publishes and rollbacks under load: propagation to another replica, failed and
+mis-versioned requests), ``auto``
 (a labelled easy/hard prompt set through a gateway on the demo policy: where the ``auto`` route
 sent each, the difficulty classifier's accuracy, cost per 1,000 requests against all on large).
 
@@ -28,7 +29,8 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("prefix", "prefix-aware routing vs least-loaded and round-robin on a trace replay", prefix.run),
         Scenario("overload", "flow control vs plain FCFS at twice capacity: per-class SLO attainment, goodput, "
                  "shedding and downgrades", overload.run),
-        Scenario("failover", "resilience: a region's engines stopped and restarted under load", failover.run),
+        Scenario("failover", "resilience (chaos): a region's engines down, then hung, under load; success, "
+                 "detection, recovery, no retry storm", failover.run),
         Scenario("cache", "response caches: repeated requests not recomputed", issue=8,
                  missing="exact and semantic response caches"),
         Scenario("batch", "the Batch API filling idle capacity without hurting interactive traffic", issue=10,
@@ -38,6 +40,8 @@ SCENARIOS: dict[str, Scenario] = {
                  "cost per 1,000 requests vs all-large", auto.run),
     )
 }
+#: Other names of a scenario: ``--scenario chaos`` runs ``failover`` (its report keeps that name).
+SCENARIOS["chaos"] = SCENARIOS["failover"]
 #: What ``switchyard bench`` runs when no ``--scenario`` is given. ``overload`` is left out: its two
 #: arms of 30 s (the FCFS one draining for up to its 15 s client timeout) add nearly two minutes.
 DEFAULT_SCENARIOS = ("overhead", "prefix", "failover", "auto")
