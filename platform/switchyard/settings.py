@@ -47,9 +47,6 @@ class Settings(BaseSettings):
         description="The gateway's priority queues, deadlines, shedding and downgrades. Off: every request goes "
         "straight to the engines (which still get a `priority` where the pool has `priority_scheduling`).",
     )
-    max_attempts: int = Field(
-        default=3, ge=1, le=10, description="Most engines one request is sent to (first try plus fallbacks)."
-    )
     picker: Literal["prefix-aware", "least-loaded", "round-robin"] = Field(
         default="prefix-aware",
         description="Endpoint picking: each model's endpoint profile (Switchyard's load-, prefix- and "
@@ -70,9 +67,6 @@ class Settings(BaseSettings):
     )
     usage_flush_interval_s: float = Field(
         default=2.0, gt=0, description="How often the usage ledger's counts are written to the database.",
-    )
-    endpoint_cooldown_s: float = Field(
-        default=5.0, ge=0, description="How long an engine that refused a connection is left out."
     )
 
     @field_validator("log_level", mode="before")

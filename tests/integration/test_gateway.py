@@ -210,12 +210,19 @@ def test_engine_client_errors_pass_through_as_400(gateway: Gateway) -> None:
     assert "cannot be greater than max_model_len=8192" in caught.value.message
 
 
-def test_unreachable_engine_is_502(gateway: Gateway) -> None:
+def test_an_unreachable_engine_is_out_of_service_503(gateway: Gateway) -> None:
+    """Nothing listens at the dead pool's endpoint: the first request to try it gets 502 (unless a health
+    probe found it first); from then on it is out of service and requests are refused at once with 503."""
     with pytest.raises(openai.InternalServerError) as caught:
         client(gateway).chat.completions.create(model="dead", messages=[{"role": "user", "content": "x"}])
-    assert caught.value.status_code == 502
-    assert "dead-us" in caught.value.message
-    assert route_of(caught.value.response.headers)["pool"] == "dead-us"
+    if caught.value.status_code == 502:
+        assert "dead-us" in caught.value.message
+        assert route_of(caught.value.response.headers)["pool"] == "dead-us"
+        with pytest.raises(openai.InternalServerError) as caught:
+            client(gateway).chat.completions.create(model="dead", messages=[{"role": "user", "content": "x"}])
+    assert caught.value.status_code == 503 and caught.value.code == "no_healthy_endpoint"
+    assert "dead: http://127.0.0.1:" in caught.value.message and "down (" in caught.value.message
+    assert int(caught.value.response.headers["retry-after"]) >= 1
 
 
 def test_engine_not_serving_the_model_is_502(gateway: Gateway) -> None:

@@ -91,10 +91,9 @@ def routed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, 
             procs.append(subprocess.Popen(args))
         for proc, name in zip(procs, served, strict=True):
             wait_http(f"http://127.0.0.1:{ports[name]}/health", proc)
-        http_json("POST", f"http://127.0.0.1:{ports['errs']}/sim/faults", {"mode": "error", "error_rate": 1.0})
+        http_json("POST", f"http://127.0.0.1:{ports['errs']}/sim/faults", {"error_rate": 1.0})
         gateway = start_gateway(Engines(policy, {}, 0), f"sqlite:///{tmp / 'gw.db'}", tmp, "sqlite",
-                                {"SWITCHYARD_SCRAPE_INTERVAL_S": "0.2", "SWITCHYARD_ENDPOINT_COOLDOWN_S": "60",
-                                 "SWITCHYARD_UPSTREAM_READ_TIMEOUT_S": "30"})
+                                {"SWITCHYARD_SCRAPE_INTERVAL_S": "0.2", "SWITCHYARD_UPSTREAM_READ_TIMEOUT_S": "30"})
         gateway.keys = {"gold": gateway.new_key("gold-co", "gold"), "free": gateway.new_key("free-co", "free")}
         yield gateway, ports
     finally:
@@ -224,9 +223,11 @@ def test_the_fallback_chain_serves_when_a_model_has_no_live_engine(routed: tuple
         model="rescued", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     r = route(raw)
     assert (r["model"], r["fallback_from"], r["region"], r["pool"]) == ("two", "rescued", "eu-west", "two")
-    assert r["attempt"] == "2"
-    # Its only engine was already in cool-down (scrapes were refused), tried anyway, and refused.
-    assert gateway_counter(gw, "switchyard_upstream_attempts_total", pool="dead", outcome="connect_error") >= 1
+    # Its only engine was already out of service (probes and scrapes were refused): the stage was passed
+    # over without a try, and the header says so.
+    assert "attempt" not in r and r["moved_on"] == "rescued unavailable"
+    assert gateway_counter(gw, "switchyard_upstream_attempts_total", pool="dead") == 0
+    assert gateway_counter(gw, "switchyard_fallbacks_total", model="rescued", reason="unavailable") >= 1
     assert raw.parse().usage.completion_tokens == 3
     # Streaming falls back the same way: nothing had been sent to the client yet.
     stream = client(gw, "gold").chat.completions.create(
@@ -256,14 +257,14 @@ def test_when_every_attempt_fails_the_error_lists_them(routed: tuple[Gateway, di
     """``errs`` falls back to ``live``; with ``live``'s engine answering 500 too, both are named."""
     gw, ports = routed
     live = f"http://127.0.0.1:{ports['live']}"
-    http_json("POST", f"{live}/sim/faults", {"mode": "error", "error_rate": 1.0})
+    http_json("POST", f"{live}/sim/faults", {"error_rate": 1.0})
     try:
         status, headers, body = http_json(
             "POST", gw.base_url + "/v1/chat/completions",
             {"model": "errs", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
             {"Authorization": f"Bearer {gw.keys['gold']}"})
     finally:
-        http_json("POST", f"{live}/sim/faults", {"mode": "none"})
+        http_json("POST", f"{live}/sim/faults", {"mode": "none", "error_rate": 0.0})
     assert status == 502
     assert headers["x-switchyard-attempts"] == "2"
     message = body["error"]["message"]

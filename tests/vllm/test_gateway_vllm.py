@@ -57,7 +57,7 @@ def gateway(vllm_servers: Any, tmp_path_factory: pytest.TempPathFactory) -> Iter
     policy.write_text(_policy(vllm_servers.a.url, vllm_servers.b.url))
     gw = start_gateway(Engines(policy, {}, 0), f"sqlite:///{tmp / 'gw.db'}", tmp, "sqlite",
                        {"SWITCHYARD_UPSTREAM_READ_TIMEOUT_S": "120", "SWITCHYARD_SCRAPE_INTERVAL_S": "0.25",
-                        "SWITCHYARD_ENDPOINT_COOLDOWN_S": "600", "SWITCHYARD_FLOW_CONTROL": "false",
+                        "SWITCHYARD_FLOW_CONTROL": "false",
                         "SWITCHYARD_KEY_CACHE_TTL_S": "600"})
     try:
         gw.keys = {"gold": gw.new_key("gold-co", "gold"), "free": gw.new_key("free-co", "free")}

@@ -9,6 +9,7 @@ from typing import Any
 from litestar import Request, Router, get
 
 from switchyard.admin import policy_api, usage_api
+from switchyard.engines.breakers import CircuitBreaker
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy.schema import Pool
 
@@ -19,13 +20,17 @@ def endpoint_row(runtime: GatewayRuntime, pool: Pool, url: str, now: float) -> d
     state = registry.state(url)
     signals = state.signals
     age = now - state.scraped_at if signals is not None else None
-    healthy = state.healthy(now)
+    healthy = state.healthy(now) and registry.pool_breaker(pool.name).allows(now)
     return {
         "url": url,
         "pool": pool.name,
         "region": pool.region,
         "healthy": healthy,
-        "failure": None if healthy else state.failure,
+        "up": state.up,
+        "failure": None if state.up else state.failure,
+        "down_for_s": round(now - state.down_since, 3) if state.down_since is not None else None,
+        "probe_streak": state.probe_streak,
+        "breaker": breaker_row(state.breaker, now),
         "in_flight": state.outstanding,
         "load": state.load(now, registry.signal_max_age),
         "scrape": {
@@ -41,14 +46,32 @@ def endpoint_row(runtime: GatewayRuntime, pool: Pool, url: str, now: float) -> d
     }
 
 
+def breaker_row(breaker: CircuitBreaker, now: float) -> dict[str, Any]:
+    """A circuit breaker's state: closed, open (for how much longer) or half-open, and its recent counts."""
+    state = breaker.state(now)
+    ok, failed = breaker.window_counts(now)
+    return {
+        "state": state,
+        "reopens_in_s": round(breaker.retry_in(now), 3) if state == "open" else None,
+        "consecutive_failures": breaker.consecutive,
+        "window": {"ok": ok, "failed": failed},
+        "trials_in_flight": breaker.trials_in_flight if state == "half_open" else None,
+        "last_reason": breaker.last_reason,
+    }
+
+
 @get("/endpoints", name="admin:api:endpoints", operation_id="adminEndpoints")
 async def endpoints(request: Request[Any, Any, Any]) -> dict[str, Any]:
-    """Every endpoint of the active policy: pool, health, in-flight count and scraped load signals."""
+    """Every endpoint of the active policy (pool, health, breaker, in-flight count, scraped load signals)
+    and every pool's breaker."""
     runtime: GatewayRuntime = request.app.state.runtime
     snapshot = runtime.policy.snapshot
     now = time.monotonic()
     rows = [endpoint_row(runtime, pool, url, now) for pool in snapshot.pools.values() for url in pool.endpoints]
-    return {"policy": snapshot.label, "endpoints": rows}
+    pools = [{"pool": pool.name, "region": pool.region,
+              "breaker": breaker_row(runtime.endpoints.pool_breaker(pool.name), now)}
+             for pool in snapshot.pools.values()]
+    return {"policy": snapshot.label, "endpoints": rows, "pools": pools}
 
 
 admin_api_router = Router(path="/admin/api", route_handlers=[endpoints, *policy_api.ROUTES, *usage_api.ROUTES],

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from switchyard.decide.admit import estimate, limit_charges
 from switchyard.decide.features import RequestFeatures
 from switchyard.decide.flow import PRIORITY_HEADER, BadPriority, classify
-from switchyard.decide.pick import Strategy, fallback_plan, pick_endpoint, profile_for, usable_stages
+from switchyard.decide.pick import Strategy, fallback_plan, pick_endpoint, plan_trace, profile_for, usable_stages
 from switchyard.decide.plugins import EndpointView, PickRequest
 from switchyard.decide.regions import REGION_HEADER, place
 from switchyard.decide.resolve import Refused, resolve_offline
@@ -88,6 +88,7 @@ def dry_run(snapshot: PolicySnapshot, tier: str, features: RequestFeatures,
                                pick)
         if choice is not None:
             trace.append(choice.trace)
+            trace.append(plan_trace(snapshot, stages, decision.model))
             return DryRun(200, None, decision.model.name, choice.pool.name, choice.pool.region, choice.url,
                           priority=klass, trace=tuple(trace))
     return DryRun(503, "no_endpoint", decision.model.name, priority=klass,

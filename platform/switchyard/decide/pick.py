@@ -3,10 +3,12 @@
 Picking runs the model's endpoint profile (:mod:`switchyard.policy.routing`, plugins in
 :mod:`switchyard.decide.plugins`), as the Kubernetes inference gateway's endpoint picker does:
 
-1. **Filters** narrow the stage's endpoints (healthy, serves the model, under its saturation
-   limit; a filter that would leave none is ignored); endpoints this request already tried are
-   out, and so, before picking starts, are pools outside the regions the tier may use
-   (``tiers[].regions``; see :func:`fallback_plan`).
+1. Endpoints out of service (health probes, refused connections, an open circuit breaker of the
+   endpoint or its pool; see :mod:`switchyard.engines`) are left out, whatever the profile says:
+   when none is left the stage is passed over. **Filters** then narrow the stage's endpoints
+   (serves the model, under its saturation limit; a filter that would leave none is ignored);
+   endpoints this request already tried are out, and so, before picking starts, are pools
+   outside the regions the tier may use (``tiers[].regions``; see :func:`fallback_plan`).
 2. **Home region**: when the request has one and some home endpoint is healthy and under its
    class's ceiling, only home endpoints stay; otherwise the request spills to the region with the
    most capacity left (the sum over its healthy endpoints of ``(ceiling - utilisation) x
@@ -144,6 +146,16 @@ def usable_stages(plan: Sequence[Stage], needed_tokens: int) -> tuple[list[Stage
     return stages, skipped
 
 
+def plan_trace(snapshot: PolicySnapshot, stages: Sequence[Stage], model: Model) -> str:
+    """One line for the decision trace: where a request goes when its engine fails, and when it moves on."""
+    resilience = snapshot.document.resilience
+    steps = " → ".join(f"{s.label} ({', '.join(p.name for p in s.pools)})" for s in stages)
+    first_token = model.first_token_timeout or resilience.first_token_timeout
+    return (f"fallback plan: {steps}; at most {resilience.retries.max_attempts} attempts, moving on (before the "
+            f"first byte) on a refused connection, a timeout, 5xx, 429, no first token within {first_token:g} s; "
+            "endpoints out of service (health, open breakers) are passed over")
+
+
 def _home(options: list[Option], request: PickRequest, unfiltered: list[Option]) -> tuple[list[Option], str | None]:
     """The home region's endpoints while one of them has room; else the region with the most room left.
 
@@ -178,10 +190,14 @@ def pick_endpoint(profile: Profile, options: Sequence[Candidate], view: Callable
     # Filters see every endpoint of the stage, tried ones included, so that "all in cool-down" means
     # the stage's endpoints, not those this request has left: a stage whose healthy endpoints all
     # failed moves on to the next stage instead of probing the ones in cool-down.
-    current = unfiltered = [Option(c.pool, c.url, view(c)) for c in options]
+    unfiltered = [Option(c.pool, c.url, view(c)) for c in options]
     notes: list[str] = []
+    # Endpoints out of service (health, an open breaker) are never picked, whatever the profile says.
+    current = [o for o in unfiltered if o.view.healthy]
     if not current:
         return None
+    if len(current) < len(unfiltered):
+        notes.append(f"{len(unfiltered) - len(current)} out of service left out")
     for plugin in profile.filters:
         kept = plugin.fn(current, request)
         if not kept:

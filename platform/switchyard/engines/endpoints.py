@@ -5,7 +5,10 @@ Three sources feed an endpoint's state:
 - the gateway's own accounting: requests this process has in flight there;
 - the engine's ``/metrics`` (running and waiting requests, KV-cache usage, prefix-cache
   counters), scraped on an interval by :mod:`switchyard.engines.scrape`;
-- passive health: an endpoint that refused a connection is left out for a cool-down.
+- health (:mod:`switchyard.engines.health`): active ``/health`` probes and refused connections take an
+  endpoint out; only good probes in a row bring it back. Circuit breakers
+  (:mod:`switchyard.engines.breakers`), one per endpoint and one per pool, stop requests where they
+  keep failing.
 
 The load estimate combines the first two so that a burst between two scrapes is not all sent to
 one endpoint (see :meth:`EndpointState.load`); so does the utilisation that flow control queues and
@@ -16,6 +19,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+
+from switchyard.engines.breakers import CircuitBreaker, Listener
+from switchyard.policy.resilience import Resilience
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,11 +40,11 @@ class EngineSignals:
 class EndpointState:
     """Everything the gateway knows about one engine URL."""
 
-    __slots__ = ("completed_since_scrape", "dispatched_since_scrape", "down_until", "failure", "outstanding",
-                 "outstanding_at_scrape", "reserved", "reserved_at_scrape", "scrape_error", "scraped_at", "signals",
-                 "url")
+    __slots__ = ("breaker", "completed_since_scrape", "dispatched_since_scrape", "down_since", "failure", "outstanding",
+                 "outstanding_at_scrape", "probe_streak", "probed_at", "reserved", "reserved_at_scrape",
+                 "scrape_error", "scraped_at", "signals", "up", "url")
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, breaker: CircuitBreaker) -> None:
         self.url = url
         self.outstanding = 0
         #: Tokens (prompt + expected output) of this process's in-flight requests here.
@@ -50,8 +56,15 @@ class EndpointState:
         self.scraped_at = 0.0
         self.outstanding_at_scrape = 0
         self.scrape_error: str | None = None
-        self.down_until = 0.0
+        #: In service by health: no refused connection and no failed probes since the last good streak.
+        self.up = True
+        #: Good probes in a row (> 0) or failed probes in a row (< 0).
+        self.probe_streak = 0
+        self.probed_at: float | None = None
+        self.down_since: float | None = None
+        #: Why the endpoint was last taken out (kept after it came back, for the admin API).
         self.failure: str | None = None
+        self.breaker = breaker
 
     def load(self, now: float, max_age: float) -> float:
         """Requests the engine is estimated to hold (running + waiting), from every gateway.
@@ -117,26 +130,55 @@ class EndpointState:
         return signals.models
 
     def healthy(self, now: float) -> bool:
-        """Whether the endpoint is not in a failure cool-down."""
-        return now >= self.down_until
+        """Whether requests may go here: up by health, and its breaker lets one through."""
+        return self.up and self.breaker.allows(now)
 
 
 class EndpointRegistry:
-    """The state of every endpoint this process has seen, by URL."""
+    """The state of every endpoint (by URL) and every pool's breaker (by name) this process has seen.
 
-    __slots__ = ("_states", "signal_max_age")
+    ``resilience`` is the active policy's section; :meth:`configure` hands a new one to every breaker.
+    """
 
-    def __init__(self, signal_max_age: float = 3.0) -> None:
+    __slots__ = ("_listener", "_pools", "_states", "resilience", "signal_max_age")
+
+    def __init__(self, signal_max_age: float = 3.0, resilience: Resilience | None = None,
+                 listener: Listener | None = None) -> None:
         self._states: dict[str, EndpointState] = {}
+        self._pools: dict[str, CircuitBreaker] = {}
         #: Scrapes older than this are not trusted (the engine may have stopped answering them).
         self.signal_max_age = signal_max_age
+        self.resilience = resilience or Resilience()
+        self._listener = listener
+
+    def configure(self, resilience: Resilience) -> None:
+        """Use ``resilience``'s parameters from now on (a policy reload); breaker states are kept."""
+        if resilience is self.resilience:
+            return
+        self.resilience = resilience
+        for state in self._states.values():
+            state.breaker.spec = resilience.breakers.endpoint
+        for breaker in self._pools.values():
+            breaker.spec = resilience.breakers.pool
 
     def state(self, url: str) -> EndpointState:
         """The state of ``url`` (created on first use)."""
         state = self._states.get(url)
         if state is None:
-            state = self._states[url] = EndpointState(url)
+            breaker = CircuitBreaker("endpoint", url, self.resilience.breakers.endpoint, self._listener)
+            state = self._states[url] = EndpointState(url, breaker)
         return state
+
+    def pool_breaker(self, pool: str) -> CircuitBreaker:
+        """The breaker of ``pool`` (created on first use)."""
+        breaker = self._pools.get(pool)
+        if breaker is None:
+            breaker = self._pools[pool] = CircuitBreaker("pool", pool, self.resilience.breakers.pool, self._listener)
+        return breaker
+
+    def available(self, url: str, pool: str, now: float) -> bool:
+        """Whether a request may go to ``url`` of ``pool`` now (health, its breaker and its pool's)."""
+        return self.state(url).healthy(now) and self.pool_breaker(pool).allows(now)
 
     def outstanding(self, url: str) -> int:
         """In-flight requests at ``url`` from this process."""
@@ -171,8 +213,44 @@ class EndpointRegistry:
         """Note that ``url``'s metrics could not be read (its last signals age out)."""
         self.state(url).scrape_error = error
 
-    def mark_down(self, url: str, reason: str, cooldown_s: float, now: float | None = None) -> None:
-        """Leave ``url`` out of picking for ``cooldown_s``: it refused a connection."""
+    def mark_down(self, url: str, reason: str, now: float | None = None) -> bool:
+        """Take ``url`` out of service: it refused a connection. Only good probes bring it back.
+
+        Returns whether it was up until now.
+        """
         state = self.state(url)
-        state.down_until = (time.monotonic() if now is None else now) + cooldown_s
+        state.probe_streak = min(state.probe_streak, 0)
         state.failure = reason
+        if not state.up:
+            return False
+        state.up = False
+        state.down_since = time.monotonic() if now is None else now
+        return True
+
+    def record_probe(self, url: str, ok: bool, reason: str | None = None, now: float | None = None) -> bool | None:
+        """Count one health probe of ``url``; returns the new ``up`` when it changed, else None.
+
+        ``healthy_after`` good probes in a row bring a down endpoint back; ``unhealthy_after`` failed
+        ones in a row take an up endpoint out.
+        """
+        health = self.resilience.health
+        state = self.state(url)
+        state.probed_at = time.monotonic() if now is None else now
+        if ok:
+            state.probe_streak = max(state.probe_streak, 0) + 1
+            if not state.up and state.probe_streak >= health.healthy_after:
+                state.up = True
+                state.down_since = None
+                return True
+            return None
+        state.probe_streak = min(state.probe_streak, 0) - 1
+        state.failure = reason
+        if state.up and -state.probe_streak >= health.unhealthy_after:
+            state.up = False
+            state.down_since = state.probed_at
+            return False
+        return None
+
+    def urls(self) -> list[str]:
+        """Every endpoint URL seen so far."""
+        return list(self._states)

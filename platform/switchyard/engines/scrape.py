@@ -104,17 +104,19 @@ def parse_engine_metrics(text: str) -> EngineSignals:
 class MetricsScraper:
     """Reads every endpoint's ``/metrics`` each interval into an :class:`EndpointRegistry`.
 
-    A connection refused takes the endpoint out for the cool-down (it is down); any other
-    failure only ages its signals out, so load falls back to the gateway's own accounting.
+    A refused connection is reported to ``refused`` (the gateway takes the endpoint out until its
+    health probes succeed); any other failure only ages its signals out, so load falls back to the
+    gateway's own accounting.
     """
 
     def __init__(self, registry: EndpointRegistry, session: aiohttp.ClientSession,
-                 urls: Callable[[], Iterable[str]], interval_s: float, cooldown_s: float) -> None:
+                 urls: Callable[[], Iterable[str]], interval_s: float,
+                 refused: Callable[[str, str], None] | None = None) -> None:
         self.registry = registry
         self.session = session
         self.urls = urls
         self.interval_s = interval_s
-        self.cooldown_s = cooldown_s
+        self.refused = refused
         self._timeout = aiohttp.ClientTimeout(total=max(0.5, min(interval_s * 2, 5.0)))
 
     async def scrape(self, url: str) -> None:
@@ -129,7 +131,8 @@ class MetricsScraper:
         except aiohttp.ClientConnectorError as exc:
             reason = f"cannot connect: {exc.os_error.strerror or exc.os_error}"
             self.registry.record_scrape_error(url, reason)
-            self.registry.mark_down(url, reason, self.cooldown_s)
+            if self.refused is not None:
+                self.refused(url, reason)
             return
         except (TimeoutError, aiohttp.ClientError, MetricsFormatError, UnicodeDecodeError) as exc:
             self.registry.record_scrape_error(url, f"{exc.__class__.__name__}: {exc}")

@@ -43,11 +43,20 @@ def create_client_session(timeouts: UpstreamTimeouts, max_connections: int) -> a
 
 
 class UpstreamFailure(Exception):
-    """The engine could not be reached or did not answer in time."""
+    """The engine could not be reached or did not answer in time.
 
-    def __init__(self, message: str, *, timeout: bool) -> None:
+    ``refused``: no connection could be made at all (the engine is gone, not just slow or broken).
+    """
+
+    def __init__(self, message: str, *, timeout: bool, refused: bool = False) -> None:
         super().__init__(message)
         self.timeout = timeout
+        self.refused = refused
+
+    @property
+    def kind(self) -> str:
+        """``connect_error``, ``timeout`` or ``broken`` (a connection that broke off)."""
+        return "timeout" if self.timeout else "connect_error" if self.refused else "broken"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +80,7 @@ async def post(session: aiohttp.ClientSession, url: str, payload: bytes,
         raise UpstreamFailure(f"{url} did not answer in time", timeout=True) from None
     except aiohttp.ClientConnectorError as exc:
         reason = exc.os_error.strerror or str(exc.os_error)
-        raise UpstreamFailure(f"cannot connect to {url}: {reason}", timeout=False) from None
+        raise UpstreamFailure(f"cannot connect to {url}: {reason}", timeout=False, refused=True) from None
     except aiohttp.ClientError as exc:
         raise UpstreamFailure(f"{url}: {exc.__class__.__name__}: {exc}", timeout=False) from None
 
@@ -109,6 +118,25 @@ async def read_engine_error(response: aiohttp.ClientResponse) -> EngineError:
         code = inner.get("code") if isinstance(inner.get("code"), str | int) else None
         param = inner.get("param") if isinstance(inner.get("param"), str) else None
     return EngineError(response.status, message, type_, code, param, response.headers.get("Retry-After"))
+
+
+async def first_chunk(response: aiohttp.ClientResponse) -> bytes:
+    """The first bytes of a streamed answer (the caller bounds the wait).
+
+    Raises:
+        UpstreamFailure: The stream ended or broke before any byte, or carried an error event first
+            (vLLM reports some failures inside a 200 stream).
+    """
+    try:
+        chunk = await response.content.readany()
+    except (aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
+        raise UpstreamFailure(f"{response.url} broke off before its first byte: {exc}", timeout=False) from None
+    if not chunk:
+        raise UpstreamFailure(f"{response.url} ended its stream before the first byte", timeout=False)
+    if chunk.startswith((b'data: {"error"', b'data: {"object":"error"', b'data: {"object": "error"')):
+        raise UpstreamFailure(f"{response.url} sent an error event first: "
+                              f"{chunk[6:400].decode('utf-8', 'replace').strip()}", timeout=False)
+    return chunk
 
 
 def sse_error_event(message: str, type_: str, code: str) -> bytes:
@@ -187,33 +215,34 @@ class StreamRelay:
     """Passes an engine's SSE stream to the client chunk by chunk, never buffering the answer.
 
     :meth:`finish` runs exactly once however the stream ends: completed (the connection goes
-    back to the pool), broken upstream, or abandoned by the client (the upstream connection is
-    closed, so the engine sees the disconnect and aborts the request).
+    back to the pool), broken upstream (``broken`` is set; the client gets a well-formed error
+    event), or abandoned by the client (the upstream connection is closed, so the engine sees the
+    disconnect and aborts the request). ``first`` is the stream's first chunk, already read (see
+    :func:`first_chunk`).
     """
 
-    __slots__ = ("_completed", "_finished", "_on_finish", "_on_first_byte", "_response", "usage")
+    __slots__ = ("_completed", "_finished", "_first", "_on_finish", "_response", "broken", "usage")
 
-    def __init__(self, response: aiohttp.ClientResponse, on_first_byte: Callable[[], None],
-                 on_finish: Callable[[bool], None]) -> None:
+    def __init__(self, response: aiohttp.ClientResponse, first: bytes, on_finish: Callable[[bool], None]) -> None:
         self._response = response
-        self._on_first_byte = on_first_byte
+        self._first = first
         self._on_finish = on_finish
         self._completed = False
         self._finished = False
+        self.broken = False
         self.usage = StreamUsage()
+        self.usage.feed(first)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The stream's bytes as they arrive."""
-        first = True
         try:
+            yield self._first
             async for chunk in self._response.content.iter_any():
-                if first:
-                    self._on_first_byte()
-                    first = False
                 self.usage.feed(chunk)
                 yield chunk
             self._completed = True
         except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            self.broken = True
             kind = "timed out" if isinstance(exc, TimeoutError) else "broke off"
             yield sse_error_event(f"The engine {kind} mid-stream; the answer is incomplete.",
                                   "upstream_error", "upstream_stream_broken")

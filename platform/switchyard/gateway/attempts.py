@@ -3,10 +3,12 @@ one request's attempts along its fallback plan (:mod:`switchyard.gateway.proxy` 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from switchyard.decide.pick import EndpointChoice
 from switchyard.decide.resolve import Refused
+from switchyard.engines.breakers import CircuitBreaker
 from switchyard.engines.upstream import EngineError, UpstreamFailure
 from switchyard.gateway.errors import (
     ApiError,
@@ -57,32 +59,96 @@ def failure_error(failure: UpstreamFailure, pool: str, headers: dict[str, str]) 
 #: Engine answers that say "try elsewhere": the engine is overloaded or broken, or does not serve
 #: the model it should (a misconfigured replica). Other 4xx are the client's mistakes and pass through.
 RETRYABLE_STATUS = frozenset({404, 429, 500, 502, 503, 504})
+#: Of those, the answers that do not count against the engine's breaker: it is busy, not broken.
+BUSY_STATUS = frozenset({429})
+
+
+@dataclass(slots=True)
+class Trial:
+    """One request sent to an endpoint, as its breakers (the endpoint's and its pool's) count it.
+
+    Exactly one outcome is reported (the first; later ones are ignored), and a half-open breaker's
+    trial slot is given back with it.
+    """
+
+    endpoint: CircuitBreaker
+    pool: CircuitBreaker
+    endpoint_trial: bool
+    pool_trial: bool
+    done: bool = False
+
+    @classmethod
+    def start(cls, endpoint: CircuitBreaker, pool: CircuitBreaker, now: float) -> Trial:
+        """Count a request sent to ``endpoint`` (of ``pool``) now."""
+        return cls(endpoint, pool, endpoint.attempt(now), pool.attempt(now))
+
+    def succeeded(self, now: float) -> None:
+        """The engine served it."""
+        if not self.done:
+            self.done = True
+            self.endpoint.success(now, self.endpoint_trial)
+            self.pool.success(now, self.pool_trial)
+
+    def failed(self, now: float, reason: str) -> None:
+        """The engine failed it."""
+        if not self.done:
+            self.done = True
+            self.endpoint.failure(now, reason, self.endpoint_trial)
+            self.pool.failure(now, reason, self.pool_trial)
+
+    def neutral(self) -> None:
+        """It ended saying nothing of the engine's health (a client error, the client left)."""
+        if not self.done:
+            self.done = True
+            self.endpoint.neutral(self.endpoint_trial)
+            self.pool.neutral(self.pool_trial)
 
 
 @dataclass(slots=True)
 class Attempts:
-    """One request's way through its fallback plan: what was tried and how each try failed."""
+    """One request's way through its fallback plan: what was tried, what was passed over, and why each
+    try failed."""
 
     limit: int
     tried: set[str] = field(default_factory=set)
+    #: Every step that moved the request on, in order: ``"<url or stage>: <reason>"``.
     failures: list[str] = field(default_factory=list)
+    #: The same, short (``"<url> <kind>"``), for the ``x-switchyard-route`` header.
+    moved_on: list[str] = field(default_factory=list)
     last_error: ApiError | None = None
+    #: Set when a retry was not sent because the retry budget was spent.
+    budget_spent: bool = False
+    #: Seconds until an endpoint that is out may take requests again (for Retry-After), when known.
+    retry_in: float | None = None
 
     @property
     def count(self) -> int:
         return len(self.tried)
 
-    def failed(self, url: str, reason: str, error: ApiError) -> None:
+    def failed(self, url: str, kind: str, reason: str, error: ApiError) -> None:
+        """A try at ``url`` failed (``kind``: connect_error, timeout, first_token_timeout, broken, or a status)."""
         self.failures.append(f"{url}: {reason}")
+        self.moved_on.append(f"{url} {kind}")
         self.last_error = error
+
+    def passed_over(self, stage: str, reason: str) -> None:
+        """A stage of the plan had no endpoint that could take the request."""
+        self.failures.append(f"{stage}: {reason}")
+        self.moved_on.append(f"{stage} unavailable")
 
     def final_error(self, headers: dict[str, str]) -> ApiError:
         """The error to answer with when every attempt failed (or none was possible)."""
         error = self.last_error
         if error is None:
-            return Overloaded("No endpoint can serve this request right now.", code="no_endpoint",
-                              headers={**headers, "Retry-After": "1"})
-        if self.count > 1:
+            why = "; ".join(self.failures) or "no endpoint serves it"
+            retry_after = str(max(1, math.ceil(self.retry_in))) if self.retry_in else "1"
+            return Overloaded(f"No healthy endpoint can serve this request right now: {why}",
+                              code="no_healthy_endpoint", headers={**headers, "Retry-After": retry_after})
+        if self.budget_spent:
+            error.message = (f"{error.message} (not retried: the gateway's retry budget is spent; "
+                             f"tried: {'; '.join(self.failures)})")
+        elif self.count > 1 or len(self.failures) > 1:
             error.message = f"All {self.count} attempts failed: " + "; ".join(self.failures)
+        if self.count > 1:
             error.headers = {**(error.headers or {}), "x-switchyard-attempts": str(self.count)}
         return error

@@ -40,8 +40,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("switchyard.classifiers")
 
-#: How long an embeddings endpoint that refused a connection is left out.
-EMBEDDING_COOLDOWN_S = 5.0
 #: Centroid pairs kept (one per embedding model and example set; a reload may bring new ones).
 CENTROID_CACHE_SIZE = 64
 #: The query is cut to this many characters: embedding models commonly take 512 tokens, and a longer
@@ -144,18 +142,16 @@ class ClassifierRunner:
     Args:
         http: The gateway's client session (its connection pool to the engines).
         endpoints: Endpoint states: embeddings go to healthy endpoints, and a refused connection
-            marks one down.
+            takes one out (until its health probes succeed).
         metrics: Where outcomes and durations are counted (``switchyard_classifier_total``,
             ``switchyard_classifier_seconds``); None counts nothing.
-        cooldown_s: How long an endpoint that refused a connection is left out.
     """
 
     def __init__(self, http: aiohttp.ClientSession, endpoints: EndpointRegistry,
-                 metrics: GatewayMetrics | None = None, *, cooldown_s: float = EMBEDDING_COOLDOWN_S) -> None:
+                 metrics: GatewayMetrics | None = None) -> None:
         self.http = http
         self.endpoints = endpoints
         self.metrics = metrics
-        self.cooldown_s = cooldown_s
         self._centroids: OrderedDict[_CacheKey, Centroids] = OrderedDict()
         self._fetching: dict[_CacheKey, asyncio.Task[list[list[float]]]] = {}
         self._turns: dict[str, itertools.count[int]] = {}
@@ -284,7 +280,7 @@ class ClassifierRunner:
                 return await self._post(url, payload, len(texts))
             except aiohttp.ClientConnectorError as exc:
                 reason = f"cannot connect to {url}: {exc.os_error.strerror or exc.os_error}"
-                self.endpoints.mark_down(url, reason, self.cooldown_s)
+                self.endpoints.mark_down(url, reason)
                 refused.append(reason)
         raise ClassifierError("; ".join(refused))
 

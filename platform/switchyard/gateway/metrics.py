@@ -48,9 +48,6 @@ class GatewayMetrics:
             "switchyard_spend", "What answered requests cost at their model's prices (the policy's currency).",
             ["model"], registry=self.registry)
         self._usage_children: dict[str, tuple[Counter, Counter, Counter, Counter]] = {}
-        self.admission_store_errors = Counter(
-            "switchyard_admission_store_errors", "Requests admitted without their limits because the limit "
-            "store (Redis) could not be reached.", registry=self.registry)
         self.policy_version = Gauge(
             "switchyard_policy_active_version", "The number of the policy version this process serves "
             "(0 for an unversioned document).", registry=self.registry)
@@ -89,6 +86,31 @@ class GatewayMetrics:
             "switchyard_classifier_seconds", "How long a classifier call took (whatever its outcome), by classifier.",
             ["classifier"], buckets=_CLASSIFIER_BUCKETS, registry=self.registry)
 
+        # Resilience: health, breakers, fallbacks, the retry budget, dependencies.
+        self.endpoint_up = Gauge(
+            "switchyard_endpoint_up", "1 while an endpoint is in service by its health (probes and refused "
+            "connections), 0 while it is out.", ["pool", "endpoint"], registry=self.registry)
+        self.breaker_state = Gauge(
+            "switchyard_breaker_state", "Circuit breaker state (0 closed, 1 half-open, 2 open), by scope (endpoint, "
+            "pool) and name (the endpoint URL or the pool name).", ["scope", "name"], registry=self.registry)
+        self.breaker_transitions = Counter(
+            "switchyard_breaker_transitions", "Circuit breaker state changes, by scope, name and the state entered.",
+            ["scope", "name", "to"], registry=self.registry)
+        self.fallbacks = Counter(
+            "switchyard_fallbacks", "Requests that moved on from an endpoint or stage before their first byte, by "
+            "the model asked for and why (connect_error, timeout, first_token_timeout, the engine's status, "
+            "breaker_open, unhealthy).", ["model", "reason"], registry=self.registry)
+        self.streams_broken = Counter(
+            "switchyard_streams_broken", "Streams that broke off after their first byte (the client got an error "
+            "event; no fallback is possible then), by pool.", ["pool"], registry=self.registry)
+        self.retries_refused = Counter(
+            "switchyard_retry_budget_exhausted", "Retries not sent because the gateway's retry budget was spent "
+            "(the request failed with its last error instead).", registry=self.registry)
+        self.dependency_failures = Counter(
+            "switchyard_dependency_failures", "Requests served or refused while a dependency of the gateway was "
+            "unreachable, by dependency (redis, database) and what was done (fail_open, fail_closed).",
+            ["dependency", "mode"], registry=self.registry)
+
     def usage_counters(self, model: str) -> tuple[Counter, Counter, Counter, Counter]:
         """The prompt, completion, cached-token and spend counters of ``model`` (looked up once per model)."""
         found = self._usage_children.get(model)
@@ -97,10 +119,6 @@ class GatewayMetrics:
                 self.tokens.labels(model, "prompt"), self.tokens.labels(model, "completion"),
                 self.tokens.labels(model, "cached"), self.spend.labels(model))
         return found
-
-    def count_admission_error(self) -> None:
-        """One request admitted without limits because the limit store failed."""
-        self.admission_store_errors.inc()
 
     def set_policy(self, label: str, sha256: str, number: int | None) -> None:
         """Show the policy ``label`` (version ``number``) as the active one."""

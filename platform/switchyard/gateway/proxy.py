@@ -7,83 +7,58 @@ engine → stream or return its answer. Every step that can refuse raises an ``A
 
 from __future__ import annotations
 
+import asyncio
 import functools
-import itertools
-import re
 import time
-import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-import msgspec
 from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from switchyard.decide.admit import estimate, limit_charges, spend_of
 from switchyard.decide.features import RequestFeatures, chat_features, completion_features, count_prompt
-from switchyard.decide.flow import PRIORITY_HEADER, BadPriority, ClassDecision, Ticket, classify
+from switchyard.decide.flow import PRIORITY_HEADER, BadPriority, classify
 from switchyard.decide.pick import EndpointChoice, Stage, fallback_plan, pick_endpoint, profile_for, usable_stages
 from switchyard.decide.plugins import PickRequest
 from switchyard.decide.prefix import block_hashes, prompt_text
-from switchyard.decide.regions import REGION_HEADER, Placement, place
+from switchyard.decide.regions import REGION_HEADER, place
 from switchyard.decide.resolve import ModelDecision, NeedsScore, Refused, resolve_model
 from switchyard.decide.sessions import session_key
 from switchyard.engines.upstream import (
     StreamRelay,
     UpstreamFailure,
     body_usage,
+    first_chunk,
     post,
     read_body,
     read_engine_error,
     usage_counts,
 )
-from switchyard.gateway.admission import Lease
-from switchyard.gateway.attempts import RETRYABLE_STATUS, Attempts, engine_error, failure_error, refusal_error
-from switchyard.gateway.body import check_chat, check_completion, decode_json_object
-from switchyard.gateway.errors import (
-    ApiError,
-    BadRequest,
-    RateLimited,
+from switchyard.gateway.attempts import (
+    BUSY_STATUS,
+    RETRYABLE_STATUS,
+    Attempts,
+    Trial,
+    engine_error,
+    failure_error,
+    refusal_error,
 )
+from switchyard.gateway.body import check_chat, check_completion, decode_json_object
+from switchyard.gateway.errors import ApiError, BadRequest, GatewayTimeout
 from switchyard.gateway.flow import Scheduled
+from switchyard.gateway.request import Kind, PendingRequest, RequestIds
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy import PolicySnapshot
-from switchyard.policy.schema import Model, Pool
-from switchyard.store.keys import KeyIdentity
+from switchyard.policy.schema import Model
 
-Kind = Literal["chat", "completion"]
 _PATHS: dict[Kind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-
-
-class RequestIds:
-    """Unique ids without a system call per request: a random per-process prefix and a counter.
-
-    (``uuid4()`` reads the OS's random source on every call; on the hot path it cost about as
-    much as the whole routing decision.)
-    """
-
-    __slots__ = ("_counter", "_prefix")
-
-    def __init__(self) -> None:
-        self._prefix = uuid.uuid4().hex[:12]
-        self._counter = itertools.count(1)
-
-    def new(self) -> str:
-        """A fresh id, unique across processes and restarts."""
-        return f"{self._prefix}{next(self._counter):x}"
-
-    def for_request(self, request: Request[Any, Any, Any]) -> str:
-        """The client's ``x-request-id`` when it is sane, else a fresh one."""
-        given = request.headers.get("x-request-id")
-        return given if given and _REQUEST_ID.match(given) else self.new()
 
 
 def route_header(decision: ModelDecision, stage: Stage, choice: EndpointChoice, snapshot: PolicySnapshot,
-                 attempt: int, cls: str, scheduled: Scheduled) -> str:
-    """The ``x-switchyard-route`` value: what served the request, under which policy."""
+                 attempt: int, cls: str, scheduled: Scheduled, moved_on: list[str]) -> str:
+    """The ``x-switchyard-route`` value: what served the request, under which policy, and every endpoint
+    or stage it moved on from and why (``moved_on=<url or stage> <why>, ...``)."""
     parts = [f"model={stage.model.name}"]
     if decision.route:
         parts.append(f"route={decision.route}")
@@ -96,6 +71,8 @@ def route_header(decision: ModelDecision, stage: Stage, choice: EndpointChoice, 
               f"endpoint={choice.url}", f"policy={snapshot.label}"]
     if attempt > 1:
         parts.append(f"attempt={attempt}")
+    if moved_on:
+        parts.append("moved_on=" + ", ".join(moved_on))
     return "; ".join(parts)
 
 
@@ -111,7 +88,8 @@ class Proxy:
         started = time.perf_counter()
         runtime = self.runtime
         rid = self.ids.for_request(request)
-        identity = await runtime.auth.authenticate(request.headers.get("authorization"))
+        identity = await runtime.auth.authenticate(request.headers.get("authorization"),
+                                                   runtime.policy.snapshot.document.resilience.dependencies.database)
         raw = await request.body()
         body = decode_json_object(raw)
         features: RequestFeatures
@@ -143,12 +121,12 @@ class Proxy:
                                 tenant=str(identity.tenant_id), key=str(identity.key_id),
                                 tenant_limits=identity.tenant_limits, key_limits=identity.key_limits)
         try:
-            lease = await runtime.admitter.admit(charges)
-        except RateLimited:
-            runtime.metrics.requests.labels(decision.model.name, "-", "429").inc()
+            lease = await runtime.admitter.admit(charges, snapshot.document.resilience.dependencies.redis)
+        except ApiError as refused:  # 429 (a limit), 503 (the limit store is unreachable and fails closed)
+            runtime.metrics.requests.labels(decision.model.name, "-", str(refused.status_code)).inc()
             raise
         flow = runtime.flow
-        request_state = _Request(kind, body, raw, bool(body.get("stream")), cls.engine_priority, features, rid,
+        request_state = PendingRequest(kind, body, raw, bool(body.get("stream")), cls.engine_priority, features, rid,
                                  started, identity, prompt_tokens, lease, cls, est.tokens, placement)
         try:
             try:
@@ -179,11 +157,17 @@ class Proxy:
             except NeedsScore as needs:
                 scores[needs.name] = await self.runtime.classifiers.score(snapshot, needs.name, features)
 
-    async def _dispatch(self, req: _Request, snapshot: PolicySnapshot, decision: ModelDecision,
+    async def _dispatch(self, req: PendingRequest, snapshot: PolicySnapshot, decision: ModelDecision,
                         scheduled: Scheduled) -> Response[Any]:
-        """Try the plan's stages in order until an engine answers (see ``decide.pick``)."""
+        """Try the plan's stages in order until an engine answers (see ``decide.pick``).
+
+        A stage with no endpoint in service is passed over; a failed try moves on to the next
+        endpoint (then stage) while the request has attempts left and the retry budget allows.
+        """
         runtime = self.runtime
-        attempts = Attempts(runtime.settings.max_attempts)
+        resilience = snapshot.document.resilience
+        runtime.endpoints.configure(resilience)
+        attempts = Attempts(resilience.retries.max_attempts)
         headers = {"x-request-id": req.rid, **req.lease.headers, "x-switchyard-class": req.cls.trace}
         if scheduled.waited_s:
             headers["x-switchyard-queue-ms"] = str(round(scheduled.waited_s * 1000))
@@ -196,6 +180,7 @@ class Proxy:
         stages, skipped = usable_stages(fallback_plan(snapshot, scheduled.model, placement.allowed), needed)
         attempts.failures += skipped
         tenant = str(req.identity.tenant_id)
+        asked = scheduled.model.name
         for stage in stages:
             options = stage.candidates()
             profile = profile_for(snapshot, stage.model, strategy)
@@ -212,10 +197,21 @@ class Proxy:
                 choice = pick_endpoint(profile, options, functools.partial(runtime.endpoint_view, now=now), pick,
                                        attempts.tried)
                 if choice is None:
+                    if not any(o.url in attempts.tried for o in options):
+                        reason, retry_in = runtime.out_of_service(options, now)
+                        attempts.passed_over(stage.label, reason)
+                        attempts.retry_in = min(retry_in, attempts.retry_in or retry_in)
+                        runtime.metrics.fallbacks.labels(asked, "unavailable").inc()
+                    break
+                if attempts.count == 0:
+                    runtime.retry_budget.request(now, resilience.retries)
+                elif not runtime.retry_budget.allow_retry(now, resilience.retries):
+                    runtime.metrics.retries_refused.inc()
+                    attempts.budget_spent = True
                     break
                 attempts.tried.add(choice.url)
                 headers["x-switchyard-route"] = route_header(decision, stage, choice, snapshot, attempts.count,
-                                                             req.cls.name, scheduled)
+                                                             req.cls.name, scheduled, attempts.moved_on)
                 response = await self._attempt(req, stage, choice, attempts, headers)
                 if response is not None:
                     if hashes and profile.prefix:
@@ -223,21 +219,28 @@ class Proxy:
                     if session is not None:
                         runtime.sessions.record(session, choice.url)
                     return response
-            if attempts.count >= attempts.limit:
+                runtime.metrics.fallbacks.labels(asked, attempts.moved_on[-1].rpartition(" ")[2]).inc()
+            if attempts.count >= attempts.limit or attempts.budget_spent:
                 break
         error = attempts.final_error(headers)
-        runtime.metrics.requests.labels(scheduled.model.name, "-", str(error.status_code)).inc()
+        runtime.metrics.requests.labels(asked, "-", str(error.status_code)).inc()
         raise error
 
-    async def _attempt(self, req: _Request, stage: Stage, choice: EndpointChoice, attempts: Attempts,
+    async def _attempt(self, req: PendingRequest, stage: Stage, choice: EndpointChoice, attempts: Attempts,
                        headers: dict[str, str]) -> Response[Any] | None:
-        """Send the request to one endpoint: its response, or None after a failure worth retrying."""
+        """Send the request to one endpoint: its response, or None after a failure worth retrying.
+
+        A streamed answer is passed on only once its first chunk has come (within the model's
+        first-token timeout): until then a failure can still move on to another endpoint.
+        """
         runtime = self.runtime
         model, pool, url = stage.model.name, choice.pool.name, choice.url
         metrics = runtime.metrics
         endpoints = runtime.endpoints
+        resilience = endpoints.resilience
         endpoints.acquire(url, req.cost)
         sent_at = time.perf_counter()
+        trial = Trial.start(endpoints.state(url).breaker, endpoints.pool_breaker(pool), time.monotonic())
         if req.ticket is not None:
             runtime.flow.dispatched(req.ticket)
             req.ticket = None
@@ -257,42 +260,77 @@ class Proxy:
             metrics.requests.labels(model, pool, str(status)).inc()
             metrics.duration.labels(model, pool).observe(time.perf_counter() - req.started)
 
-        def retry(outcome: str, reason: str, error: ApiError) -> None:
+        def retry(kind: str, reason: str, error: ApiError, engine_fault: bool = True) -> None:
             release()
-            metrics.attempts.labels(pool, outcome).inc()
-            attempts.failed(url, reason, error)
+            if engine_fault:
+                trial.failed(time.monotonic(), reason)
+            else:
+                trial.neutral()
+            metrics.attempts.labels(pool, kind).inc()
+            attempts.failed(url, kind, reason, error)
 
         # The engine gets an id of our own: clients may reuse theirs, and two in-flight requests
         # with one id would collide inside the engine.
         upstream_headers = {"Content-Type": "application/json", "X-Request-Id": self.ids.new()}
         payload = req.payload_for(choice.pool)
+        first_token_s = stage.model.first_token_timeout or resilience.first_token_timeout
         try:
-            response = await post(runtime.http, url + _PATHS[req.kind], payload, upstream_headers)
-        except UpstreamFailure as failure:
-            if not failure.timeout:
-                endpoints.mark_down(url, str(failure), runtime.settings.endpoint_cooldown_s)
-            retry("timeout" if failure.timeout else "connect_error", str(failure),
-                  failure_error(failure, pool, dict(headers)))
+            sending = post(runtime.http, url + _PATHS[req.kind], payload, upstream_headers)
+            # (post() turns its own timeouts into UpstreamFailure: a TimeoutError here is the first-token wait's.)
+            response = await (asyncio.wait_for(sending, first_token_s) if req.stream else sending)
+            if response.status >= 300:
+                err = await read_engine_error(response)
+                error = engine_error(err, choice, dict(headers))
+                if err.status in RETRYABLE_STATUS:
+                    retry(str(err.status), f"{err.status} {err.message[:200]}", error,
+                          engine_fault=err.status not in BUSY_STATUS)
+                    return None
+                trial.neutral()
+                metrics.attempts.labels(pool, str(err.status)).inc()
+                done(error.status_code)
+                raise error
+            if req.stream:
+                left = first_token_s - (time.perf_counter() - sent_at)
+                try:
+                    first = await asyncio.wait_for(first_chunk(response), max(left, 0.001))
+                except BaseException:
+                    response.close()
+                    raise
+        except TimeoutError:
+            retry("first_token_timeout", f"no first token within {first_token_s:g} s",
+                  GatewayTimeout(f"Upstream failure in pool {pool}: no first token within {first_token_s:g} s",
+                                 headers=dict(headers)))
             return None
-        if response.status >= 300:
-            err = await read_engine_error(response)
-            error = engine_error(err, choice, dict(headers))
-            if err.status in RETRYABLE_STATUS:
-                retry(str(err.status), f"{err.status} {err.message[:200]}", error)
-                return None
-            metrics.attempts.labels(pool, str(err.status)).inc()
-            done(error.status_code)
-            raise error
+        except UpstreamFailure as failure:
+            if failure.refused:
+                runtime.mark_down(url, str(failure))
+            retry(failure.kind, str(failure), failure_error(failure, pool, dict(headers)))
+            return None
+        except BaseException:  # the client left (cancelled) or a client error was raised: nothing leaks
+            release()
+            trial.neutral()
+            raise
         metrics.attempts.labels(pool, "ok").inc()
-        first_byte = self._first_byte_observer(model, pool, req.started)
         if req.stream:
+            ttfb = time.perf_counter() - sent_at
+            metrics.first_byte.labels(model, pool).observe(time.perf_counter() - req.started)
+            max_ttfb = resilience.health.max_ttfb
+            if max_ttfb is not None and ttfb > max_ttfb:
+                trial.failed(time.monotonic(), f"first byte after {ttfb:.2f} s (max_ttfb {max_ttfb:g} s)")
+            else:
+                trial.succeeded(time.monotonic())
             relay: StreamRelay
 
             def finished(_completed: bool) -> None:
+                if relay.broken:
+                    # Counted against the engine even though its first byte was fine: it broke off.
+                    endpoints.state(url).breaker.failure(time.monotonic(), "broke off mid-stream")
+                    endpoints.pool_breaker(pool).failure(time.monotonic(), "broke off mid-stream")
+                    metrics.streams_broken.labels(pool).inc()
                 done(200)
                 runtime.spawn(self._account(req, stage.model, relay.usage.usage(), relay.usage.text_events))
 
-            relay = StreamRelay(response, first_byte, finished)
+            relay = StreamRelay(response, first, finished)
             return Stream(relay.chunks(), media_type="text/event-stream",
                           headers={**headers, "Cache-Control": "no-cache"},
                           background=BackgroundTask(relay.afinish))
@@ -302,12 +340,17 @@ class Proxy:
             retry("body_timeout" if failure.timeout else "body_error", str(failure),
                   failure_error(failure, pool, dict(headers)))
             return None
-        first_byte()
+        except BaseException:
+            release()
+            trial.neutral()
+            raise
+        trial.succeeded(time.monotonic())
+        metrics.first_byte.labels(model, pool).observe(time.perf_counter() - req.started)
         done(200)
         await self._account(req, stage.model, body_usage(data), 0)
         return Response(content=data, status_code=200, media_type="application/json", headers=dict(headers))
 
-    async def _account(self, req: _Request, model: Model, usage: dict[str, Any] | None, text_events: int) -> None:
+    async def _account(self, req: PendingRequest, model: Model, usage: dict[str, Any] | None, text_events: int) -> None:
         """Settle the request's reservation with what it used and add it to the usage ledger.
 
         The engine's ``usage`` when it sent one; else (a stream without ``include_usage``, or one
@@ -329,58 +372,8 @@ class Proxy:
         if req.lease.reservation is not None:
             await req.lease.settle(prompt + completion, spend)
 
-    def _first_byte_observer(self, model: str, pool: str, started: float) -> Callable[[], None]:
-        histogram = self.runtime.metrics.first_byte.labels(model, pool)
-        return lambda: histogram.observe(time.perf_counter() - started)
-
 
 async def _disconnected(request: Request[Any, Any, Any]) -> None:
     """Return when the client disconnects (the body has been read: the next ASGI message says so)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-@dataclass(slots=True)
-class _Request:
-    """A parsed request on its way to an engine, and the bodies encoded for each kind of pool."""
-
-    kind: Kind
-    body: dict[str, Any]
-    raw: bytes
-    stream: bool
-    priority: int
-    features: RequestFeatures
-    rid: str
-    started: float
-    identity: KeyIdentity
-    prompt_tokens: int
-    lease: Lease
-    cls: ClassDecision
-    #: Tokens it holds at its endpoint while in flight (prompt + expected output), for utilisation.
-    cost: int
-    placement: Placement
-    #: A queue's grant, until the request counts itself at its endpoint.
-    ticket: Ticket | None = None
-    _payloads: dict[tuple[str, bool], bytes] = field(default_factory=dict)
-
-    def payload_for(self, pool: Pool) -> bytes:
-        """The body for ``pool``: its served model name, and a ``priority`` only where it is honoured.
-
-        (A ``priority`` given as a class name is always replaced or removed: engines want a number.)
-        """
-        key = (pool.served_model, pool.priority_scheduling)
-        payload = self._payloads.get(key)
-        if payload is None:
-            body = self.body
-            wanted = self.priority if pool.priority_scheduling else None
-            if body["model"] == pool.served_model and body.get("priority") == wanted:
-                payload = self.raw
-            else:
-                body = dict(body, model=pool.served_model)
-                if wanted is None:
-                    body.pop("priority", None)
-                else:
-                    body["priority"] = wanted
-                payload = msgspec.json.encode(body)
-            self._payloads[key] = payload
-        return payload

@@ -8,7 +8,7 @@ import gc
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -21,7 +21,9 @@ from switchyard.decide.plugins import EndpointView
 from switchyard.decide.prefix import PrefixIndex
 from switchyard.decide.sessions import SessionIndex
 from switchyard.decide.tokens import TokenizerCache, load_token_counters
+from switchyard.engines.breakers import STATE_VALUE, CircuitBreaker, State
 from switchyard.engines.endpoints import EndpointRegistry
+from switchyard.engines.health import HealthProber, Target
 from switchyard.engines.scrape import MetricsScraper
 from switchyard.engines.upstream import UpstreamTimeouts, create_client_session
 from switchyard.gateway.admission import Admitter
@@ -31,6 +33,7 @@ from switchyard.gateway.flow import FlowController
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.policy_state import PolicyHolder, load_startup_policy
 from switchyard.gateway.reload import PolicyReloader, following
+from switchyard.gateway.retries import RetryBudget
 from switchyard.settings import Settings
 from switchyard.store import db
 from switchyard.store.keys import KeyIdentity, identify
@@ -47,7 +50,9 @@ class GatewayRuntime:
         self.settings = settings
         self.metrics = GatewayMetrics()
         # Scrapes older than three intervals are not trusted as load signals.
-        self.endpoints = EndpointRegistry(signal_max_age=3 * settings.scrape_interval_s)
+        self.endpoints = EndpointRegistry(signal_max_age=3 * settings.scrape_interval_s,
+                                          listener=self._breaker_changed)
+        self.retry_budget = RetryBudget()
         self.prefixes = PrefixIndex()
         self.sessions = SessionIndex()
         self.flow = FlowController(self.endpoints, self.metrics, settings.flow_control)
@@ -61,9 +66,11 @@ class GatewayRuntime:
         self.tokenizers = TokenizerCache()
         # Shared across replicas through Redis when it is configured, else this process's own.
         self.admitter = Admitter(create_limit_store(settings.redis_url, key_prefix=f"{settings.redis_key_prefix}lim:"),
-                                 self.metrics.count_admission_error)
+                                 lambda mode: self.metrics.dependency_failures.labels("redis", mode).inc())
         self._background: set[asyncio.Task[None]] = set()
-        self.auth = KeyAuthenticator(self._lookup_key, settings.key_cache_ttl_s)
+        self.auth = KeyAuthenticator(
+            self._lookup_key, settings.key_cache_ttl_s,
+            counted=lambda mode: self.metrics.dependency_failures.labels("database", mode).inc())
         self.rotation = 0
         #: Breaks ties between equally scored endpoints.
         self.rng = random.Random()
@@ -130,16 +137,71 @@ class GatewayRuntime:
 
     def endpoint_view(self, candidate: Candidate, now: float) -> EndpointView:
         """What the picker knows of ``candidate`` at ``now`` (monotonic)."""
-        state = self.endpoints.state(candidate.url)
-        age = self.endpoints.signal_max_age
+        registry = self.endpoints
+        state = registry.state(candidate.url)
+        age = registry.signal_max_age
         pool = candidate.pool
-        return EndpointView(state.healthy(now), state.load(now, age), state.queued(now, age),
+        healthy = state.healthy(now) and registry.pool_breaker(pool.name).allows(now)
+        return EndpointView(healthy, state.load(now, age), state.queued(now, age),
                             state.utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs), state.reserved,
                             state.served_models(now, age))
+
+    def out_of_service(self, options: Sequence[Candidate], now: float) -> tuple[str, float]:
+        """Why none of ``options`` can take a request now, and in how many seconds one might again."""
+        registry = self.endpoints
+        reasons: list[str] = []
+        waits: list[float] = []
+        pools_open = set()
+        for option in options:
+            pool = registry.pool_breaker(option.pool.name)
+            if not pool.allows(now):
+                if option.pool.name not in pools_open:
+                    pools_open.add(option.pool.name)
+                    reasons.append(f"pool {option.pool.name} breaker {pool.state(now).replace('_', '-')}")
+                    waits.append(pool.retry_in(now))
+                continue
+            state = registry.state(option.url)
+            if not state.up:
+                reasons.append(f"{option.url} down ({state.failure})")
+                waits.append(registry.resilience.health.probe_interval * registry.resilience.health.healthy_after)
+            elif not state.breaker.allows(now):
+                reasons.append(f"{option.url} breaker {state.breaker.state(now).replace('_', '-')}")
+                waits.append(state.breaker.retry_in(now))
+        return ", ".join(reasons) or "no endpoint", min((w for w in waits if w > 0), default=1.0)
 
     def engine_urls(self) -> list[str]:
         """Every endpoint of the active policy."""
         return [url for pool in self.policy.snapshot.pools.values() for url in pool.endpoints]
+
+    def probed_urls(self) -> list[str]:
+        """Every endpoint of the active policy, whose resilience parameters the registry takes on now."""
+        snapshot = self.policy.snapshot
+        self.endpoints.configure(snapshot.document.resilience)
+        return [url for pool in snapshot.pools.values() for url in pool.endpoints]
+
+    def trial_targets(self) -> list[Target]:
+        """The endpoints of the active policy's generation pools (where breaker trials may go)."""
+        return [Target(url, pool.name, pool.served_model) for pool in self.policy.snapshot.pools.values()
+                if pool.task == "generate" for url in pool.endpoints]
+
+    def mark_down(self, url: str, reason: str) -> None:
+        """Take ``url`` out of service after a refused connection (until its probes succeed)."""
+        if self.endpoints.mark_down(url, reason):
+            self._health_changed(url, False, reason)
+
+    def _health_changed(self, url: str, up: bool, reason: str | None) -> None:
+        pools = self.policy.snapshot.pools.values() if self._policy is not None else ()
+        pool = next((p.name for p in pools if url in p.endpoints), "-")
+        self.metrics.endpoint_up.labels(pool, url).set(1 if up else 0)
+        if up:
+            log.warning("endpoint %s is back in service (health probes succeeded)", url)
+        else:
+            log.warning("endpoint %s is out of service: %s", url, reason)
+
+    def _breaker_changed(self, breaker: CircuitBreaker, state: State, reason: str) -> None:
+        self.metrics.breaker_state.labels(breaker.scope, breaker.name).set(STATE_VALUE[state])
+        self.metrics.breaker_transitions.labels(breaker.scope, breaker.name, state).inc()
+        log.warning("%s breaker %s is %s: %s", breaker.scope, breaker.name, state.replace("_", "-"), reason)
 
     def _lookup_key(self, key_hash: str) -> KeyIdentity | None:
         with db.session_scope(self.engine) as session:
@@ -191,15 +253,17 @@ class GatewayRuntime:
         log.info("gateway ready on %s with policy %s (%s)", self.settings.listen, snapshot.label,
                  self.settings.policy_source)
         scraper = MetricsScraper(self.endpoints, self._http, self.engine_urls, self.settings.scrape_interval_s,
-                                 self.settings.endpoint_cooldown_s)
+                                 self.mark_down)
         scraping = asyncio.create_task(scraper.run(), name="switchyard-scrape")
+        prober = HealthProber(self.endpoints, self._http, self.probed_urls, self._health_changed, self.trial_targets)
+        probing = asyncio.create_task(prober.run(), name="switchyard-health")
         ledger = asyncio.create_task(self._usage.run(self.settings.usage_flush_interval_s), name="switchyard-usage")
         pumping = asyncio.create_task(self.flow.run(), name="switchyard-flow")
         try:
             async with following(self._reloader):
                 yield
         finally:
-            for task in (scraping, pumping):
+            for task in (scraping, probing, pumping):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task

@@ -24,9 +24,10 @@ class _Spec(BaseModel):
 # --- filters ------------------------------------------------------------------------------------
 
 class HealthyFilter(_Spec):
-    """Leave out endpoints in a failure cool-down.
+    """Leave out endpoints out of service (failed health probes, a refused connection, an open breaker).
 
-    Like every filter, it is ignored when it would leave no endpoint (a probe beats a refusal).
+    Picking always does this before any filter runs (``resilience`` in the policy says when an endpoint
+    is out), so naming it changes nothing; it is kept so that documents naming it stay valid.
     """
 
     type: Literal["healthy"]

@@ -24,7 +24,10 @@ def test_a_dry_run_follows_every_stage_of_the_gateways_decisions() -> None:
     run = dry_run(snapshot, "pro", RequestFeatures(model="auto", prompt_tokens=300, max_tokens=100))
     assert (run.status, run.model, run.pool, run.region) == (200, "large", "large-us", "us-east")
     assert run.trace[0].startswith("route auto: no rule matched → default large; est. cost ")
-    assert run.trace[-1].startswith("endpoint http://127.0.0.1:9004 of pool large-us")
+    assert run.trace[-2].startswith("endpoint http://127.0.0.1:9004 of pool large-us")
+    # The last line says where the request would go if its engine failed, and when it would move on.
+    assert run.trace[-1].startswith("fallback plan: large (large-us) → small (small-us, small-eu); at most 3 attempts")
+    assert "no first token within 15 s" in run.trace[-1]
     refused = dry_run(snapshot, "free", RequestFeatures(model="large", prompt_tokens=5))
     assert (refused.status, refused.code, refused.model, refused.pool) == (403, "model_not_allowed", None, None)
     # A fallback stage whose window cannot hold the request is left out, and the trace says so.

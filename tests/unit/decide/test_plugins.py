@@ -66,8 +66,9 @@ def test_under_saturation_filter_uses_the_class_ceiling_unless_the_profile_sets_
 
 
 def test_a_filter_that_would_leave_none_is_ignored() -> None:
+    # Out of service is not a filter: a stage whose endpoints are all out is passed over.
     down = {c.url: EndpointView(healthy=False) for c in CANDIDATES}
-    assert pick(down) is not None  # a probe beats a refusal
+    assert pick(down) is None
     # Every replica's scrape names another model: try one anyway, its answer says what is wrong.
     wrong = {c.url: EndpointView(models=frozenset({"other"})) for c in CANDIDATES}
     choice = pick_endpoint(compile_profile("t", DEFAULT_PROFILE), CANDIDATES, lambda c: wrong[c.url], REQ)
@@ -75,11 +76,13 @@ def test_a_filter_that_would_leave_none_is_ignored() -> None:
     full = {c.url: EndpointView(utilisation=1.5) for c in CANDIDATES}
     assert pick(full) is not None
     assert pick({}, exclude=frozenset(c.url for c in CANDIDATES)) is None
-    # Filters judge the whole stage: once its only healthy endpoint was tried, the request moves on
-    # to the next stage instead of probing endpoints in cool-down.
+    # Once a stage's only endpoint in service was tried, the request moves on to the next stage
+    # instead of trying endpoints that are out.
     cooling = {"http://us2": EndpointView(healthy=False), "http://eu1": EndpointView(healthy=False)}
     assert pick(cooling, exclude=frozenset({"http://us1"})) is None
-    assert pick(down, exclude=frozenset({"http://us1"})) in ("http://us2", "http://eu1")
+    choice = pick_endpoint(compile_profile("t", DEFAULT_PROFILE), CANDIDATES,
+                           lambda c: cooling.get(c.url, EndpointView()), REQ)
+    assert choice is not None and choice.url == "http://us1" and "2 out of service left out" in choice.trace
 
 
 # --- scorers ------------------------------------------------------------------------------------

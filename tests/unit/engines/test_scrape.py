@@ -102,5 +102,5 @@ def test_load_estimate_combines_scrape_and_own_dispatches() -> None:
         registry.release(url)
     registry.release(url)
     assert registry.outstanding(url) == 0
-    registry.mark_down(url, "refused", 5, now=200)
-    assert not state.healthy(204) and state.healthy(205)
+    assert registry.mark_down(url, "refused", now=200) is True
+    assert not state.healthy(200) and not state.healthy(10_000)  # out until probes bring it back

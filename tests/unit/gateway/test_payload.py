@@ -10,7 +10,7 @@ from switchyard.decide.features import chat_features
 from switchyard.decide.flow import ClassDecision
 from switchyard.decide.regions import Placement
 from switchyard.gateway.admission import Lease
-from switchyard.gateway.proxy import _Request
+from switchyard.gateway.request import PendingRequest
 from switchyard.policy.schema import Pool, PriorityClass
 from switchyard.store.keys import KeyIdentity
 
@@ -23,9 +23,9 @@ def pool(served: str, priority_scheduling: bool) -> Pool:
 STANDARD = ClassDecision("standard", PriorityClass(max_queue_ms=1000), 0, 10, "standard", "class standard")
 
 
-def request(body: dict[str, object], priority: int) -> _Request:
+def request(body: dict[str, object], priority: int) -> PendingRequest:
     raw = msgspec.json.encode(body)
-    return _Request("chat", body, raw, False, priority, chat_features(body, {}), "rid", 0.0,
+    return PendingRequest("chat", body, raw, False, priority, chat_features(body, {}), "rid", 0.0,
                     KeyIdentity(1, 1, "tenant", "pro"), 0, Lease(None, None, []), STANDARD, 100,
                     Placement(None, None, "no home region"))
 

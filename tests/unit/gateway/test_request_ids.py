@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from switchyard.gateway.proxy import RequestIds
+from switchyard.gateway.request import RequestIds
 
 
 def fake_request(headers: dict[str, str]) -> Any:

@@ -1,0 +1,91 @@
+"""A request on its way through the gateway: its ids, and what it carries to the engines."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+from litestar import Request
+
+from switchyard.decide.features import RequestFeatures
+from switchyard.decide.flow import ClassDecision, Ticket
+from switchyard.decide.regions import Placement
+from switchyard.gateway.admission import Lease
+from switchyard.policy.schema import Pool
+from switchyard.store.keys import KeyIdentity
+
+Kind = Literal["chat", "completion"]
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class RequestIds:
+    """Unique ids without a system call per request: a random per-process prefix and a counter.
+
+    (``uuid4()`` reads the OS's random source on every call; on the hot path it cost about as
+    much as the whole routing decision.)
+    """
+
+    __slots__ = ("_counter", "_prefix")
+
+    def __init__(self) -> None:
+        self._prefix = uuid.uuid4().hex[:12]
+        self._counter = itertools.count(1)
+
+    def new(self) -> str:
+        """A fresh id, unique across processes and restarts."""
+        return f"{self._prefix}{next(self._counter):x}"
+
+    def for_request(self, request: Request[Any, Any, Any]) -> str:
+        """The client's ``x-request-id`` when it is sane, else a fresh one."""
+        given = request.headers.get("x-request-id")
+        return given if given and _REQUEST_ID.match(given) else self.new()
+
+
+@dataclass(slots=True)
+class PendingRequest:
+    """A parsed request on its way to an engine, and the bodies encoded for each kind of pool."""
+
+    kind: Kind
+    body: dict[str, Any]
+    raw: bytes
+    stream: bool
+    priority: int
+    features: RequestFeatures
+    rid: str
+    started: float
+    identity: KeyIdentity
+    prompt_tokens: int
+    lease: Lease
+    cls: ClassDecision
+    #: Tokens it holds at its endpoint while in flight (prompt + expected output), for utilisation.
+    cost: int
+    placement: Placement
+    #: A queue's grant, until the request counts itself at its endpoint.
+    ticket: Ticket | None = None
+    _payloads: dict[tuple[str, bool], bytes] = field(default_factory=dict)
+
+    def payload_for(self, pool: Pool) -> bytes:
+        """The body for ``pool``: its served model name, and a ``priority`` only where it is honoured.
+
+        (A ``priority`` given as a class name is always replaced or removed: engines want a number.)
+        """
+        key = (pool.served_model, pool.priority_scheduling)
+        payload = self._payloads.get(key)
+        if payload is None:
+            body = self.body
+            wanted = self.priority if pool.priority_scheduling else None
+            if body["model"] == pool.served_model and body.get("priority") == wanted:
+                payload = self.raw
+            else:
+                body = dict(body, model=pool.served_model)
+                if wanted is None:
+                    body.pop("priority", None)
+                else:
+                    body["priority"] = wanted
+                payload = msgspec.json.encode(body)
+            self._payloads[key] = payload
+        return payload
