@@ -21,11 +21,10 @@ tested without sleeping.
 
 from __future__ import annotations
 
-import math
-from collections import deque
 from collections.abc import Callable
 from typing import Literal
 
+from switchyard.engines.window import SlidingCounts
 from switchyard.policy.resilience import BreakerSpec
 
 State = Literal["closed", "open", "half_open"]
@@ -49,8 +48,8 @@ class CircuitBreaker:
         self._listener = listener
         self.state_: State = "closed"
         self.consecutive = 0
-        #: One-second buckets: [second, successes, failures], oldest first.
-        self._buckets: deque[list[int]] = deque()
+        #: Successes and failures per second over the window.
+        self._buckets = SlidingCounts()
         self.open_until = 0.0
         self.trials_in_flight = 0
         self.trials_ok = 0
@@ -143,23 +142,7 @@ class CircuitBreaker:
             self._listener(self, state, reason)
 
     def _count(self, now: float, ok: bool) -> None:
-        second = int(now)
-        buckets = self._buckets
-        if not buckets or buckets[-1][0] != second:
-            buckets.append([second, 0, 0])
-            horizon = second - self._span()
-            while buckets and buckets[0][0] <= horizon:
-                buckets.popleft()
-        buckets[-1][1 if ok else 2] += 1
-
-    def _span(self) -> int:
-        return max(1, math.ceil(self.spec.window))
+        self._buckets.add(now, self.spec.window, 0 if ok else 1)
 
     def _window(self, now: float) -> tuple[int, int]:
-        horizon = int(now) - self._span()
-        ok = failed = 0
-        for second, good, bad in self._buckets:
-            if second > horizon:
-                ok += good
-                failed += bad
-        return ok, failed
+        return self._buckets.totals(now, self.spec.window)

@@ -17,10 +17,10 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 from switchyard.decide.admit import LimitCharge, actual_amounts, refusal_code
 from switchyard.gateway.errors import Overloaded, RateLimited
+from switchyard.policy.resilience import FailureMode
 from switchyard.store.limits import Admission, BucketState, Charge, LimitStore, MemoryLimitStore, charges_of
 
 log = logging.getLogger("switchyard.admission")
@@ -31,9 +31,6 @@ RESERVATION_TTL_S = 3600.0
 STORE_BACKOFF_S = 1.0
 #: Least seconds between two warnings that requests fall back (the recovery is logged once).
 WARN_EVERY_S = 30.0
-
-#: What a request does when a dependency is unreachable (the policy's ``resilience.dependencies``).
-FailureMode = Literal["fail_open", "fail_closed"]
 
 
 def duration(seconds: float) -> str:

@@ -26,21 +26,18 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Literal
 
 import anyio.to_thread
 from sqlalchemy.exc import DBAPIError, DisconnectionError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from switchyard.gateway.errors import Overloaded, Unauthorized
+from switchyard.policy.resilience import FailureMode
 from switchyard.store.keys import KeyIdentity, hash_key
 
 log = logging.getLogger("switchyard.auth")
 
 Lookup = Callable[[str], KeyIdentity | None]
-
-#: What a request does when the database is unreachable (the policy's ``resilience.dependencies``).
-FailureMode = Literal["fail_open", "fail_closed"]
 
 #: Errors of a lookup that mean the database cannot answer now (not a bug).
 DATABASE_ERRORS: tuple[type[BaseException], ...] = (DBAPIError, DisconnectionError, PoolTimeoutError, OSError)

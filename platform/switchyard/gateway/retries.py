@@ -15,50 +15,33 @@ Counts are kept in one-second buckets; time is passed in (monotonic seconds).
 from __future__ import annotations
 
 import math
-from collections import deque
 
+from switchyard.engines.window import SlidingCounts
 from switchyard.policy.resilience import RetrySpec
 
 
 class RetryBudget:
     """Counts requests and retries over a sliding window."""
 
-    __slots__ = ("_buckets",)
+    __slots__ = ("_counts",)
 
     def __init__(self) -> None:
-        #: [second, requests, retries], oldest first.
-        self._buckets: deque[list[int]] = deque()
-
-    def _bucket(self, now: float, spec: RetrySpec) -> list[int]:
-        second = int(now)
-        buckets = self._buckets
-        if not buckets or buckets[-1][0] != second:
-            buckets.append([second, 0, 0])
-            horizon = second - max(1, math.ceil(spec.budget_window))
-            while buckets and buckets[0][0] <= horizon:
-                buckets.popleft()
-        return buckets[-1]
+        #: Requests (first attempts) and retries per second.
+        self._counts = SlidingCounts()
 
     def request(self, now: float, spec: RetrySpec) -> None:
         """Count a request's first attempt."""
-        self._bucket(now, spec)[1] += 1
+        self._counts.add(now, spec.budget_window, 0)
 
     def allow_retry(self, now: float, spec: RetrySpec) -> bool:
         """Whether a retry may be sent now; counts it when it may."""
-        bucket = self._bucket(now, spec)
         requests, retries = self.counts(now, spec)
         window = max(1, math.ceil(spec.budget_window))
         if retries + 1 > spec.budget_ratio * requests + spec.min_retries_per_s * window:
             return False
-        bucket[2] += 1
+        self._counts.add(now, spec.budget_window, 1)
         return True
 
     def counts(self, now: float, spec: RetrySpec) -> tuple[int, int]:
         """Requests and retries within the window."""
-        horizon = int(now) - max(1, math.ceil(spec.budget_window))
-        requests = retries = 0
-        for second, n, r in self._buckets:
-            if second > horizon:
-                requests += n
-                retries += r
-        return requests, retries
+        return self._counts.totals(now, spec.budget_window)

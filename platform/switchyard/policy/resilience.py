@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt
 from switchyard.policy.units import Duration
 
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+#: What a request does when a dependency of the gateway cannot be reached.
+FailureMode = Literal["fail_open", "fail_closed"]
 
 
 class _Strict(BaseModel):
@@ -84,10 +86,10 @@ class RetrySpec(_Strict):
 class Dependencies(_Strict):
     """What happens when a dependency of Switchyard itself cannot be reached."""
 
-    redis: Literal["fail_open", "fail_closed"] = Field(
+    redis: FailureMode = Field(
         default="fail_open", description="`fail_open`: limits are enforced in each gateway process on its own "
         "(logged and counted) until Redis answers again; `fail_closed`: requests with limits are refused (503).")
-    database: Literal["fail_open", "fail_closed"] = Field(
+    database: FailureMode = Field(
         default="fail_open", description="The policy snapshot keeps serving either way. `fail_open`: API keys "
         "seen before keep working from the gateway's cache while the database is unreachable (revocations wait "
         "for it); `fail_closed`: a key whose cache entry expired is refused (503) until it answers.")
