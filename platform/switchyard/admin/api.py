@@ -8,7 +8,7 @@ from typing import Any
 
 from litestar import Request, Router, get
 
-from switchyard.admin import policy_api, usage_api
+from switchyard.admin import cache_api, policy_api, usage_api
 from switchyard.engines.breakers import CircuitBreaker
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy.schema import Pool
@@ -74,5 +74,6 @@ async def endpoints(request: Request[Any, Any, Any]) -> dict[str, Any]:
     return {"policy": snapshot.label, "endpoints": rows, "pools": pools}
 
 
-admin_api_router = Router(path="/admin/api", route_handlers=[endpoints, *policy_api.ROUTES, *usage_api.ROUTES],
+admin_api_router = Router(path="/admin/api",
+                          route_handlers=[endpoints, *policy_api.ROUTES, *usage_api.ROUTES, *cache_api.ROUTES],
                           tags=["admin"])

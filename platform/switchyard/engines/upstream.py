@@ -139,6 +139,11 @@ async def first_chunk(response: aiohttp.ClientResponse) -> bytes:
     return chunk
 
 
+def _usage_only(event: bytes) -> bool:
+    """Whether an SSE event is the usage-only chunk (``"choices":[]`` with a ``usage`` object)."""
+    return event.startswith(b"data: {") and b'"choices":[]' in event and b'"usage":{' in event
+
+
 def sse_error_event(message: str, type_: str, code: str) -> bytes:
     """A well-formed SSE event carrying OpenAI's error object (ends a broken stream)."""
     payload = msgspec.json.encode({"error": {"message": message, "type": type_, "param": None, "code": code}})
@@ -221,9 +226,11 @@ class StreamRelay:
     :func:`first_chunk`).
     """
 
-    __slots__ = ("_completed", "_finished", "_first", "_on_finish", "_response", "broken", "usage")
+    __slots__ = ("_capture_limit", "_completed", "_finished", "_first", "_on_finish", "_pending", "_response",
+                 "_strip_usage", "broken", "captured", "usage")
 
-    def __init__(self, response: aiohttp.ClientResponse, first: bytes, on_finish: Callable[[bool], None]) -> None:
+    def __init__(self, response: aiohttp.ClientResponse, first: bytes, on_finish: Callable[[bool], None], *,
+                 capture_limit: int = 0, strip_usage: bool = False) -> None:
         self._response = response
         self._first = first
         self._on_finish = on_finish
@@ -231,15 +238,42 @@ class StreamRelay:
         self._finished = False
         self.broken = False
         self.usage = StreamUsage()
-        self.usage.feed(first)
+        #: The whole stream as the engine sent it, while it is no longer than ``capture_limit`` (for the
+        #: response cache); None when not capturing or when it grew longer.
+        self.captured: bytearray | None = bytearray() if capture_limit > 0 else None
+        self._capture_limit = capture_limit
+        #: The gateway asked for a usage chunk the client did not: it is left out of what the client gets.
+        self._strip_usage = strip_usage
+        self._pending = b""
+
+    def _take(self, chunk: bytes) -> bytes:
+        """Account for ``chunk``; what of it goes to the client."""
+        self.usage.feed(chunk)
+        if self.captured is not None:
+            self.captured += chunk
+            if len(self.captured) > self._capture_limit:
+                self.captured = None
+        if not self._strip_usage:
+            return chunk
+        # Whole events only (an event may be split across chunks), without the usage-only one.
+        data = self._pending + chunk
+        cut = data.rfind(b"\n\n") + 2
+        self._pending = data[cut:]
+        events = data[:cut].split(b"\n\n")
+        return b"".join(e + b"\n\n" for e in events if e and not _usage_only(e))
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The stream's bytes as they arrive."""
         try:
-            yield self._first
+            out = self._take(self._first)
+            if out:
+                yield out
             async for chunk in self._response.content.iter_any():
-                self.usage.feed(chunk)
-                yield chunk
+                out = self._take(chunk)
+                if out:
+                    yield out
+            if self._pending:
+                yield self._pending
             self._completed = True
         except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError) as exc:
             self.broken = True

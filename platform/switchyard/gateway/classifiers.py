@@ -9,8 +9,9 @@ keeps the two centroids, and for each request embeds its last user message and s
 
 Classifying must never fail a request: a timeout (``timeout_ms``, for the whole call), a refused
 connection, an engine error or a malformed answer gives no score (None), and the rule that needed it
-does not match. A refused connection also takes the endpoint out for a short cool-down, as the proxy
-does, so the next request goes to another replica of the pool.
+does not match. A refused connection also takes the endpoint out (until its health probes succeed), as
+the proxy does, so the next request goes to another replica of the pool. :meth:`ClassifierRunner.embed`
+serves the semantic response cache the same way.
 """
 
 from __future__ import annotations
@@ -188,6 +189,16 @@ class ClassifierRunner:
             self.metrics.classifier_outcomes.labels(name, outcome).inc()
             self.metrics.classifier_seconds.labels(name).observe(time.perf_counter() - started)
         return score
+
+    async def embed(self, pool: Pool, text: str, timeout_s: float) -> list[float]:
+        """The embedding of ``text`` (cut to ``MAX_QUERY_CHARS``) from ``pool`` within ``timeout_s``.
+
+        Raises:
+            ClassifierError: No endpoint gave an answer.
+            TimeoutError: None came in time.
+        """
+        vectors = await asyncio.wait_for(self._embed(pool, [text[:MAX_QUERY_CHARS]]), timeout_s)
+        return vectors[0]
 
     def close(self) -> None:
         """Cancel the example embeddings still being fetched (at shutdown)."""

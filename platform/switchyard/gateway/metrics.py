@@ -106,6 +106,23 @@ class GatewayMetrics:
         self.retries_refused = Counter(
             "switchyard_retry_budget_exhausted", "Retries not sent because the gateway's retry budget was spent "
             "(the request failed with its last error instead).", registry=self.registry)
+        # The response cache.
+        self.cache_lookups = Counter(
+            "switchyard_cache_lookups", "Response-cache lookups, by rule, mode (exact, semantic) and result (hit, "
+            "miss, error: the cache or the embedding pool failed, counted as a miss).", ["rule", "mode", "result"],
+            registry=self.registry)
+        self.cache_stores = Counter(
+            "switchyard_cache_stores", "Answers offered to the response cache, by rule, mode and result (stored; "
+            "too_large; incomplete: an error, a cancelled or broken stream, no usage; error: the cache failed).",
+            ["rule", "mode", "result"], registry=self.registry)
+        self.cache_entries = Gauge(
+            "switchyard_cache_entries", "Entries in the response cache (this process's view of the backend).",
+            registry=self.registry)
+        self.cache_bytes = Gauge(
+            "switchyard_cache_bytes", "Bytes of the response cache's entries.", registry=self.registry)
+        self.cache_evictions = Gauge(
+            "switchyard_cache_evictions", "Entries the response cache evicted since start-up, by reason (ttl, size).",
+            ["reason"], registry=self.registry)
         self.dependency_failures = Counter(
             "switchyard_dependency_failures", "Requests served or refused while a dependency of the gateway was "
             "unreachable, by dependency (redis, database) and what was done (fail_open, fail_closed).",

@@ -45,9 +45,11 @@ from switchyard.gateway.attempts import (
     refusal_error,
 )
 from switchyard.gateway.body import check_chat, check_completion, decode_json_object
+from switchyard.gateway.cache_hits import cache_lookup, serve_hit
 from switchyard.gateway.errors import ApiError, BadRequest, GatewayTimeout
 from switchyard.gateway.flow import Scheduled
 from switchyard.gateway.request import Kind, PendingRequest, RequestIds
+from switchyard.gateway.response_cache import CACHE_HEADER
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy import PolicySnapshot
 from switchyard.policy.schema import Model
@@ -113,6 +115,9 @@ class Proxy:
         except BadPriority as bad:
             runtime.metrics.requests.labels(decision.model.name, "-", "400").inc()
             raise BadRequest(bad.message, code="invalid_priority", param=bad.param) from None
+        found = await cache_lookup(runtime, request, snapshot, kind, decision, identity, body)
+        if found is not None and found.entry is not None:
+            return await serve_hit(runtime, kind, body, found, identity, decision, snapshot, rid, cls.trace)
         counter = counters.get(decision.model.name)
         prompt_tokens = (count_prompt(counter, kind, body) if counter is not None and counter.exact
                          else features.prompt_tokens)
@@ -126,8 +131,11 @@ class Proxy:
             runtime.metrics.requests.labels(decision.model.name, "-", str(refused.status_code)).inc()
             raise
         flow = runtime.flow
-        request_state = PendingRequest(kind, body, raw, bool(body.get("stream")), cls.engine_priority, features, rid,
-                                 started, identity, prompt_tokens, lease, cls, est.tokens, placement)
+        stream = bool(body.get("stream"))
+        request_state = PendingRequest(kind, body, raw, stream, cls.engine_priority, features, rid, started, identity,
+                                       prompt_tokens, lease, cls, est.tokens, placement, cache=found,
+                                       force_usage=stream and found is not None and found.plan.write
+                                       and not _asked_usage(body))
         try:
             try:
                 scheduled = await flow.schedule(snapshot, decision.model, cls, est.tokens, str(identity.tenant_id),
@@ -173,6 +181,8 @@ class Proxy:
             headers["x-switchyard-queue-ms"] = str(round(scheduled.waited_s * 1000))
         if scheduled.note is not None:
             headers["x-switchyard-degraded"] = scheduled.note
+        if req.cache is not None:
+            headers[CACHE_HEADER] = req.cache.header
         needed = req.features.prompt_tokens + (req.features.max_tokens or 0)
         hashes: list[bytes] | None = None
         strategy = runtime.settings.picker
@@ -321,7 +331,12 @@ class Proxy:
                 trial.succeeded(time.monotonic())
             relay: StreamRelay
 
-            def finished(_completed: bool) -> None:
+            def finished(completed: bool) -> None:
+                if completed and runtime.cache.wants(req.cache, model):
+                    assert req.cache is not None
+                    captured = relay.captured
+                    runtime.cache.store_stream(req.cache, req.kind, str(req.identity.tenant_id),
+                                               bytes(captured) if captured is not None else None)
                 if relay.broken:
                     # Counted against the engine even though its first byte was fine: it broke off.
                     endpoints.state(url).breaker.failure(time.monotonic(), "broke off mid-stream")
@@ -330,7 +345,9 @@ class Proxy:
                 done(200)
                 runtime.spawn(self._account(req, stage.model, relay.usage.usage(), relay.usage.text_events))
 
-            relay = StreamRelay(response, first, finished)
+            storing = runtime.cache.wants(req.cache, model)
+            relay = StreamRelay(response, first, finished, strip_usage=req.force_usage,
+                                capture_limit=8 * req.cache.plan.rule.max_entry_bytes if storing and req.cache else 0)
             return Stream(relay.chunks(), media_type="text/event-stream",
                           headers={**headers, "Cache-Control": "no-cache"},
                           background=BackgroundTask(relay.afinish))
@@ -347,6 +364,9 @@ class Proxy:
         trial.succeeded(time.monotonic())
         metrics.first_byte.labels(model, pool).observe(time.perf_counter() - req.started)
         done(200)
+        if runtime.cache.wants(req.cache, model):
+            assert req.cache is not None
+            runtime.cache.store_answer(req.cache, str(req.identity.tenant_id), data)
         await self._account(req, stage.model, body_usage(data), 0)
         return Response(content=data, status_code=200, media_type="application/json", headers=dict(headers))
 
@@ -371,6 +391,12 @@ class Proxy:
         spend_total.inc(spend)
         if req.lease.reservation is not None:
             await req.lease.settle(prompt + completion, spend)
+
+
+def _asked_usage(body: dict[str, Any]) -> bool:
+    """Whether a streaming client asked for the usage chunk itself."""
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
 
 
 async def _disconnected(request: Request[Any, Any, Any]) -> None:

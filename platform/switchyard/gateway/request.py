@@ -6,7 +6,7 @@ import itertools
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 from litestar import Request
@@ -17,6 +17,9 @@ from switchyard.decide.regions import Placement
 from switchyard.gateway.admission import Lease
 from switchyard.policy.schema import Pool
 from switchyard.store.keys import KeyIdentity
+
+if TYPE_CHECKING:
+    from switchyard.gateway.response_cache import Lookup
 
 Kind = Literal["chat", "completion"]
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -66,6 +69,11 @@ class PendingRequest:
     placement: Placement
     #: A queue's grant, until the request counts itself at its endpoint.
     ticket: Ticket | None = None
+    #: What the response cache said (None: no cache rule applies).
+    cache: Lookup | None = None
+    #: Ask the engine for a usage chunk the client did not ask for (to store the stream; the relay
+    #: leaves the chunk out of what the client gets).
+    force_usage: bool = False
     _payloads: dict[tuple[str, bool], bytes] = field(default_factory=dict)
 
     def payload_for(self, pool: Pool) -> bytes:
@@ -78,7 +86,7 @@ class PendingRequest:
         if payload is None:
             body = self.body
             wanted = self.priority if pool.priority_scheduling else None
-            if body["model"] == pool.served_model and body.get("priority") == wanted:
+            if body["model"] == pool.served_model and body.get("priority") == wanted and not self.force_usage:
                 payload = self.raw
             else:
                 body = dict(body, model=pool.served_model)
@@ -86,6 +94,9 @@ class PendingRequest:
                     body.pop("priority", None)
                 else:
                     body["priority"] = wanted
+                if self.force_usage:
+                    options = body.get("stream_options")
+                    body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
                 payload = msgspec.json.encode(body)
             self._payloads[key] = payload
         return payload

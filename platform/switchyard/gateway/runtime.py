@@ -33,14 +33,18 @@ from switchyard.gateway.flow import FlowController
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.policy_state import PolicyHolder, load_startup_policy
 from switchyard.gateway.reload import PolicyReloader, following
+from switchyard.gateway.response_cache import CacheRunner
 from switchyard.gateway.retries import RetryBudget
 from switchyard.settings import Settings
 from switchyard.store import db
+from switchyard.store.cache import create_response_cache
 from switchyard.store.keys import KeyIdentity, identify
 from switchyard.store.limits import create_limit_store
 from switchyard.store.usage import UsageRecorder
 
 log = logging.getLogger("switchyard.gateway")
+#: How often the response cache's entry, byte and eviction gauges are refreshed.
+CACHE_GAUGES_INTERVAL_S = 5.0
 
 
 class GatewayRuntime:
@@ -53,6 +57,9 @@ class GatewayRuntime:
         self.endpoints = EndpointRegistry(signal_max_age=3 * settings.scrape_interval_s,
                                           listener=self._breaker_changed)
         self.retry_budget = RetryBudget()
+        # Shared across replicas through Redis when it is configured, else this process's own.
+        self.cache = CacheRunner(create_response_cache(settings.redis_url, f"{settings.redis_key_prefix}cache:"),
+                                 lambda: self.classifiers, self.metrics, self.spawn)
         self.prefixes = PrefixIndex()
         self.sessions = SessionIndex()
         self.flow = FlowController(self.endpoints, self.metrics, settings.flow_control)
@@ -203,6 +210,15 @@ class GatewayRuntime:
         self.metrics.breaker_transitions.labels(breaker.scope, breaker.name, state).inc()
         log.warning("%s breaker %s is %s: %s", breaker.scope, breaker.name, state.replace("_", "-"), reason)
 
+    async def _cache_gauges(self) -> None:
+        """Copy the response cache's counts into its gauges every few seconds."""
+        while True:
+            try:
+                await self.cache.refresh_gauges()
+            except Exception as exc:  # Redis unreachable: the gauges keep their last values
+                log.debug("response cache stats unavailable: %s", exc)
+            await asyncio.sleep(CACHE_GAUGES_INTERVAL_S)
+
     def _lookup_key(self, key_hash: str) -> KeyIdentity | None:
         with db.session_scope(self.engine) as session:
             return identify(session, key_hash)
@@ -259,11 +275,12 @@ class GatewayRuntime:
         probing = asyncio.create_task(prober.run(), name="switchyard-health")
         ledger = asyncio.create_task(self._usage.run(self.settings.usage_flush_interval_s), name="switchyard-usage")
         pumping = asyncio.create_task(self.flow.run(), name="switchyard-flow")
+        gauges = asyncio.create_task(self._cache_gauges(), name="switchyard-cache-gauges")
         try:
             async with following(self._reloader):
                 yield
         finally:
-            for task in (scraping, probing, pumping):
+            for task in (scraping, probing, pumping, gauges):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
@@ -274,6 +291,7 @@ class GatewayRuntime:
                 await ledger
             await self._usage.aclose()  # nothing recorded is lost on a clean shutdown
             await self.admitter.store.aclose()
+            await self.cache.cache.aclose()
             self._classifiers.close()
             self._classifiers = None
             await self._http.close()

@@ -177,6 +177,7 @@ def _tiers(doc: PolicyDocument) -> Iterator[Finding]:
 
 def _cache(doc: PolicyDocument) -> Iterator[Finding]:
     models = {m.name for m in doc.models}
+    pools = {p.name: p for p in doc.pools}
     routes = {r.name for r in doc.routes}
     tiers = {t.name for t in doc.tiers}
     for i, rule in enumerate(doc.cache):
@@ -185,8 +186,12 @@ def _cache(doc: PolicyDocument) -> Iterator[Finding]:
             for j, name in enumerate(getattr(rule.match, field) or []):
                 if name not in known:
                     yield ("cache", i, "match", field, j), _unknown(kind, name, known)
-        if rule.embedding_model is not None and rule.embedding_model not in models:
-            yield ("cache", i, "embedding_model"), _unknown("model", rule.embedding_model, models)
+        if rule.embedding_pool is not None:
+            if rule.embedding_pool not in pools:
+                yield ("cache", i, "embedding_pool"), _unknown("pool", rule.embedding_pool, set(pools))
+            elif pools[rule.embedding_pool].task != "embed":
+                yield ("cache", i, "embedding_pool"), (f"pool {rule.embedding_pool!r} serves generation; an "
+                                                        "embedding pool needs `task: embed`")
 
 
 def _routing(doc: PolicyDocument) -> Iterator[Finding]:

@@ -350,26 +350,37 @@ class CacheMatch(Strict):
 
 
 class CacheRule(Strict):
-    """A response-cache rule."""
+    """A response-cache rule: which requests, exact or semantic, for how long, shared how widely."""
 
     name: str | None = None
     match: CacheMatch = Field(default_factory=CacheMatch)
     mode: Literal["exact", "semantic"] = "exact"
-    min_similarity: float | None = Field(default=None, gt=0, le=1)
-    embedding_model: ModelName | None = None
+    min_similarity: float | None = Field(
+        default=None, gt=0, le=1, description="Semantic rules: the least cosine similarity of the last user turn "
+        "to a cached one (in the same conversation context) that counts as a hit.")
+    embedding_pool: Name | None = Field(
+        default=None, description="Semantic rules: the pool (`task: embed`) that embeds the last user turn.")
     ttl: Duration
-    scope: Literal["tenant", "global"] = "tenant"
-    max_entry_bytes: PositiveInt = 262_144
+    scope: Literal["tenant", "global"] = Field(
+        default="tenant", description="`tenant`: entries are served only to the tenant that stored them; `global`: "
+        "to every tenant (explicit opt-in, for shared public content).")
+    max_entry_bytes: PositiveInt = Field(default=262_144, description="Larger answers are not stored.")
+    max_entries: PositiveInt = Field(
+        default=10_000, description="Most entries the rule keeps (per gateway process in memory; in Redis, per "
+        "deployment); the least recently used go first.")
+    hit_charge: float = Field(
+        default=0.0, ge=0.0, le=1.0, description="Share of a hit's tokens and price charged to the tenant's limits "
+        "and spend (0: a hit is free; its usage is recorded as cached).")
 
     @model_validator(mode="after")
     def _mode_fields(self) -> CacheRule:
         if self.mode == "semantic":
             if self.min_similarity is None:
                 raise ValueError("a semantic rule needs min_similarity")
-            if self.embedding_model is None:
-                raise ValueError("a semantic rule needs embedding_model")
-        elif self.min_similarity is not None or self.embedding_model is not None:
-            raise ValueError("min_similarity and embedding_model apply to mode: semantic only")
+            if self.embedding_pool is None:
+                raise ValueError("a semantic rule needs embedding_pool")
+        elif self.min_similarity is not None or self.embedding_pool is not None:
+            raise ValueError("min_similarity and embedding_pool apply to mode: semantic only")
         return self
 
 

@@ -1,0 +1,63 @@
+"""The admin API of the response cache: its counts, and purging it by tenant, model or all of it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from litestar import Request, get, post
+from sqlmodel import Session
+
+from switchyard.admin.common import admin_token_guard, in_db, json_body, origin_of, runtime_of
+from switchyard.store.audit import append_event
+from switchyard.store.tenants import get_tenant
+
+
+class PurgeRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """What to purge: entries of a tenant (by name), of a model, both, or (neither) everything."""
+
+    tenant: str | None = None
+    model: str | None = None
+    author: str | None = None
+
+
+@get("/cache", operation_id="adminCache")
+async def cache_stats(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    """The response cache's backend, entries, bytes and evictions by reason."""
+    runtime = runtime_of(request)
+    stats = await runtime.cache.cache.stats()
+    return {"backend": "redis" if runtime.settings.redis_url else "memory", "entries": stats.entries,
+            "bytes": stats.bytes, "evictions": dict(stats.evictions),
+            "rules": [rule.name or f"cache[{i}]" for i, rule in enumerate(runtime.policy.snapshot.document.cache)]}
+
+
+@post("/cache/purge", operation_id="adminCachePurge", status_code=200, guards=[admin_token_guard])
+async def purge(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    """Remove cached answers: ``{"tenant": NAME}``, ``{"model": NAME}``, both, or ``{}`` for everything.
+
+    With the in-memory backend this purges this gateway process's cache only (each replica has its own);
+    with Redis, every replica's. The purge is written to the audit log.
+    """
+    runtime = runtime_of(request)
+    data = await json_body(request, PurgeRequest)
+    origin = origin_of(request)
+    tenant_id: str | None = None
+    if data.tenant is not None:
+        name = data.tenant
+
+        def tenant_of(session: Session) -> str:
+            return str(get_tenant(session, name).id)
+
+        tenant_id = await in_db(runtime, tenant_of)
+    removed = await runtime.cache.cache.purge(tenant=tenant_id, model=data.model)
+    what = ", ".join(f"{k} {v}" for k, v in (("tenant", data.tenant), ("model", data.model)) if v) or "everything"
+
+    def audit(session: Session) -> None:
+        append_event(session, actor=data.author or "api", origin=origin, action="cache.purge", target=f"cache:{what}",
+                     detail={"removed": removed, "tenant": data.tenant, "model": data.model})
+
+    await in_db(runtime, audit)
+    return {"purged": removed, "tenant": data.tenant, "model": data.model}
+
+
+ROUTES = [cache_stats, purge]
