@@ -11,9 +11,12 @@ Stages of the request path that have not landed (caches) add their answers here 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from switchyard.decide.admit import estimate, limit_charges
+from switchyard.decide.cache import plan_cache
 from switchyard.decide.features import RequestFeatures
 from switchyard.decide.flow import PRIORITY_HEADER, BadPriority, classify
 from switchyard.decide.pick import Strategy, fallback_plan, pick_endpoint, plan_trace, profile_for, usable_stages
@@ -52,7 +55,7 @@ class DryRun:
 
 def dry_run(snapshot: PolicySnapshot, tier: str, features: RequestFeatures,
             strategy: Strategy = "prefix-aware", priority: object = None, key_region: str | None = None,
-            gateway_region: str | None = None) -> DryRun:
+            gateway_region: str | None = None, body: Mapping[str, Any] | None = None) -> DryRun:
     """Every decision the gateway would take for ``features`` from a tenant of ``tier``.
 
     ``priority`` is the body's ``priority`` (a class name or vLLM number); the headers that lower
@@ -72,6 +75,11 @@ def dry_run(snapshot: PolicySnapshot, tier: str, features: RequestFeatures,
     except BadPriority as bad:
         return DryRun(400, "invalid_priority", decision.model.name, trace=(*trace, bad.message))
     trace.append(cls.trace)
+    if body is not None and snapshot.document.cache:
+        plan = plan_cache(snapshot, kind="chat", model=decision.model.name, route=decision.route, tier=tier,
+                          tenant="dry-run", body=body)
+        trace.append(plan.trace if plan is not None else "response cache: no rule applies (a rule's match, or "
+                     "not deterministic: temperature 0 or a seed)")
     klass = cls.name
     est = estimate(decision.model, features.prompt_tokens, features.max_tokens)
     for charge in limit_charges(snapshot, tier, decision.model, est, tenant="dry-run", key="dry-run"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from switchyard.decide.dryrun import DryRun, dry_run
 from switchyard.decide.features import RequestFeatures
@@ -47,6 +48,20 @@ def features_of_test(test: PolicyTest) -> RequestFeatures:
     )
 
 
+def body_of_test(test: PolicyTest) -> dict[str, Any]:
+    """A chat request body for a policy test's request (what the response cache's rules look at)."""
+    req = test.request
+    messages = ([{"role": "system", "content": req.system}] if req.system else [])
+    messages += [{"role": "user", "content": ""}] * max(0, req.messages - 1 - len(messages))
+    messages.append({"role": "user", "content": req.prompt})
+    body: dict[str, Any] = {"model": req.model, "messages": messages}
+    if req.temperature is not None:
+        body["temperature"] = req.temperature
+    if req.max_tokens is not None:
+        body["max_tokens"] = req.max_tokens
+    return body
+
+
 def _expected(expect: PolicyTestExpect) -> list[tuple[str, object]]:
     return [(name, value) for name in ("status", "limit", "model", "pool", "region", "priority")
             if (value := getattr(expect, name)) is not None]
@@ -64,7 +79,8 @@ def run_policy_tests(snapshot: PolicySnapshot) -> list[PolicyTestResult]:
     results = []
     for index, test in enumerate(snapshot.document.tests):
         wanted = _expected(test.expect)
-        run = dry_run(snapshot, test.request.tier, features_of_test(test), priority=test.request.priority)
+        run = dry_run(snapshot, test.request.tier, features_of_test(test), priority=test.request.priority,
+                      body=body_of_test(test))
         passed = all(getattr(run, name) == value for name, value in wanted)
         expected = ", ".join(f"{name} {value}" for name, value in wanted)
         got = _got(run, test.expect.priority is not None)

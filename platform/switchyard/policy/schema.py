@@ -400,6 +400,9 @@ class PolicyTestRequest(Strict):
     json_mode: bool = False
     images: bool = False
     headers: dict[str, str] = Field(default_factory=dict)
+    temperature: float | None = Field(
+        default=None, ge=0, le=2, description="The request's temperature (0 makes it deterministic, so a cache "
+        "rule may apply: the trace says which).")
     priority: Name | None = Field(default=None, description="A priority class the request asks for (it may "
                                   "only lower its tier's class).")
 

@@ -112,3 +112,14 @@ def test_tests_can_expect_the_priority_class() -> None:
     assert results[2].got == "status 200, model small, pool small-us, region us-east, priority sheddable"
     run = dry_run(compile_policy(text), "free", RequestFeatures(model="small", prompt_tokens=5), priority="critical")
     assert "a request may only lower its class" in run.trace[2]
+
+
+def test_the_trace_says_which_cache_rule_applies() -> None:
+    snapshot = compile_policy(to_yaml(base()))  # its one rule caches `small`
+    features = RequestFeatures(model="small", prompt_tokens=5, max_tokens=10)
+    body = {"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
+    cached = dry_run(snapshot, "pro", features, body={**body, "temperature": 0})
+    assert any(line.startswith("cache rule cache[0] (exact, tenant)") for line in cached.trace), cached.trace
+    sampled = dry_run(snapshot, "pro", features, body=body)  # temperature 1 by default: not deterministic
+    assert any(line.startswith("response cache: no rule applies") for line in sampled.trace)
+    assert not any("cache" in line for line in dry_run(snapshot, "pro", features).trace)  # no body, no lookup
