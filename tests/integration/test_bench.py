@@ -26,9 +26,10 @@ from switchyard.bench.tables import render_goal_row, render_row
 from tests.integration.conftest import SWITCHYARD
 
 ROOT = Path(__file__).resolve().parents[2]
-#: ``overload`` and ``failover`` have quick runs of their own (``test_bench_overload``, ``failover_run``
-#: below): with them, this one would not fit the per-test time limit. ``chaos`` is ``failover``'s other name.
-SEPARATE = ("overload", "failover", "chaos")
+#: ``overload``, ``failover`` and ``cache`` have quick runs of their own (``test_bench_overload``,
+#: ``failover_run``, ``cache_run`` below): with them, this one would not fit the per-test time limit.
+#: ``chaos`` is ``failover``'s other name.
+SEPARATE = ("overload", "failover", "chaos", "cache")
 LANDED = [name for name, s in SCENARIOS.items() if s.landed and name not in SEPARATE]
 NOT_LANDED = [name for name, s in SCENARIOS.items() if not s.landed]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -258,6 +259,87 @@ def test_failover_figures_agree(failover_run: tuple[Path, subprocess.CompletedPr
         storm = next(g for g in report["goals"] if g["goal"].startswith("no retry storm")
                      and f"the {o['outage']} outage" in g["goal"])
         assert storm["value"] == o["healthy_ratio"]
+
+
+@pytest.fixture(scope="module")
+def cache_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    return run_quick(tmp_path_factory, "cache", 90)
+
+
+def test_cache_writes_a_complete_report_with_the_same_numbers(
+        cache_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out, done = cache_run
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not _ours(str(out)), "every process the bench started is stopped"
+    index = _json(out / "report.json")
+    assert [(s["name"], s["status"]) for s in index["scenarios"]] == [("cache", "ok")]
+    assert not any(line.startswith("cache (") for line in index["not_landed"])
+    folder = out / "cache"
+    for file in ("report.md", "report.json", "ttft_cdf.png", "load_over_time.png"):
+        assert (folder / file).stat().st_size > 0, file
+    report = _json(folder / "report.json")
+    md, index_md = (folder / "report.md").read_text(), (out / "report.md").read_text()
+    assert index["scenarios"][0]["goals"] == report["goals"]
+    for g in report["goals"]:
+        assert render_goal_row(g) in md and render_goal_row(g) in index_md, g["goal"]
+    for data in report["tables"]:
+        for row in data["rows"]:
+            assert render_row(data, row) in md, (data["title"], row)
+    for data in index["scenarios"][0]["tables"]:
+        assert data in report["tables"]
+    assert report["arms"] == ["cache", "no-cache"] and report["baseline"] == "no-cache"
+    assert all(report["timeseries"][arm]["extra"]["engines running"] for arm in report["arms"])
+
+
+def test_cache_figures_agree(cache_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out, _ = cache_run
+    report = _json(out / "cache" / "report.json")
+    hits, speedup, latency, misses, engines = report["tables"]
+    rows = {r["family"]: r for r in hits["rows"]}
+    total = report["workload"]["requests"]
+    bound = report["parameters"]["repeat_bound"]
+    for arm in report["arms"]:  # both arms ran the whole workload, and every request was answered
+        assert report["overall"][arm]["count"] == total and report["overall"][arm]["ok_rate"] == 1.0
+    assert sum(rows[f]["requests"] for f in ("chat", "faq", "sampled")) == rows["all"]["requests"] == total
+    for family, rule in (("chat", "exact"), ("faq", "faq")):
+        row = rows[family]
+        assert row["rule"] == rule and row["errors"] == 0
+        assert row["full_hits"] == row["hits"]  # a hit carries the usage of the answer it copies
+        assert sum(m["n"] for m in misses["rows"] if m["rule"] == rule) == row["misses"]
+        assert row["hits"] + row["misses"] == row["requests"] == bound[family]["requests"]
+        assert row["hit_ratio"] == pytest.approx(row["hits"] / row["requests"])
+        repeats = bound[family]["repeats" if family == "chat" else "group_repeats"]
+        assert row["bound"] == pytest.approx(repeats / row["requests"])
+        assert row["hits"] <= repeats and row["reachable"] <= row["bound"]  # no hit without an earlier request
+        if row["bound"]:
+            assert row["of_bound"] == pytest.approx(row["hit_ratio"] / row["bound"])
+        # the response headers and the gateway's counters tell the same story
+        assert row["metrics_hits"] == row["hits"] and row["metrics_lookups"] == row["requests"]
+    assert rows["chat"]["hits"] > 0 and rows["faq"]["hits"] > 0  # the quick run has repeats of both kinds
+    assert rows["sampled"]["hits"] == 0 and rows["sampled"]["with_header"] == 0
+    assert rows["all"]["hits"] == rows["chat"]["hits"] + rows["faq"]["hits"] == rows["all"]["metrics_hits"]
+    cache, no_cache = engines["rows"]
+    assert (cache["arm"], no_cache["arm"]) == ("cache", "no-cache")
+    assert no_cache["engine_requests"] == total and no_cache["metrics_lookups"] == 0 and no_cache["hits"] == 0
+    assert cache["hits"] == rows["all"]["hits"] == cache["saved"] == total - cache["engine_requests"]
+    assert cache["stored"] == rows["chat"]["misses"] + rows["faq"]["misses"]  # every miss's answer is stored
+    assert cache["entries"] == cache["distinct"] <= cache["stored"] and cache["bytes"] > 0
+    by = {(r["requests"], r["stream"]): r for r in latency["rows"]}
+    assert by[("hits (all)", "all")]["n"] == rows["all"]["hits"] == by[("the same requests as the hits", "all")]["n"]
+    assert by[("hits (exact)", "all")]["n"] == rows["chat"]["hits"]
+    assert by[("hits (semantic)", "all")]["n"] == rows["faq"]["hits"]
+    assert by[("misses", "all")]["n"] == rows["chat"]["misses"] + rows["faq"]["misses"]
+    for row in latency["rows"]:
+        if row["n"]:
+            assert row["ttft_p50_s"] <= row["ttft_p99_s"] and row["e2e_p50_s"] <= row["e2e_p99_s"]
+    speed = next(r for r in speedup["rows"] if r["stream"] == "all" and r["against"] == "misses")
+    hit_p50, miss_p50 = by[("hits (all)", "all")]["e2e_p50_s"], by[("misses", "all")]["e2e_p50_s"]
+    assert hit_p50 < miss_p50 and speed["e2e_p50_s"] == pytest.approx(miss_p50 / hit_p50)
+    goals = {g["goal"]: g for g in report["goals"]}
+    assert goals["hits vs misses, end-to-end p50"]["value"] == speed["e2e_p50_s"]
+    assert goals["exact hit ratio of its repeat bound"]["value"] == rows["chat"]["of_bound"]
+    assert goals["semantic hit ratio of its repeat bound"]["value"] == rows["faq"]["of_bound"]
+    assert goals["engine requests saved = hits"]["value"] == cache["saved"]
 
 
 def test_reload_figures_agree(run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:

@@ -84,3 +84,29 @@ models:
       price: {{input_per_mtok: 0, output_per_mtok: 0}}}}
   - {{name: chat-eu, pools: [chat-eu], context_window: {context_window}, fallback: ["chat@us-east"],
       price: {{input_per_mtok: 0, output_per_mtok: 0}}}}""") + resilience
+
+
+def cache_policy(gen_ports: Sequence[int], embed_port: int, *, served_model: str, embed_model: str, profile: str,
+                 kv_cache_tokens: int, context_window: int, min_similarity: float, ttl: str = "1h") -> str:
+    """One pool of simulated replicas serving ``chat`` and ``faq``, an embeddings pool, and two response-cache
+    rules (the cache scenario): ``exact`` for ``chat`` and ``faq`` (semantic, at ``min_similarity``, embedding the
+    last user turn with the ``emb`` pool) for ``faq``."""
+    return f"""\
+schema: 1
+regions: [local]
+pools:
+  - {{name: gen, region: local, served_model: {served_model}, endpoints: {_urls(gen_ports)},
+      kv_cache_tokens: {kv_cache_tokens}, sim_profile: {profile}}}
+  - {{name: emb, region: local, served_model: {embed_model}, task: embed, endpoints: {_urls([embed_port])},
+      kv_cache_tokens: 100000}}
+""" + _tail(f"""\
+models:
+  - {{name: chat, pools: [gen], context_window: {context_window},
+      price: {{input_per_mtok: 0, output_per_mtok: 0}}}}
+  - {{name: faq, pools: [gen], context_window: {context_window},
+      price: {{input_per_mtok: 0, output_per_mtok: 0}}}}""") + f"""\
+cache:
+  - {{name: exact, match: {{models: [chat]}}, ttl: {ttl}}}
+  - {{name: faq, match: {{models: [faq]}}, mode: semantic, min_similarity: {min_similarity:g}, embedding_pool: emb,
+      ttl: {ttl}}}
+"""
