@@ -38,6 +38,15 @@ def sum_series(text: str, name: str) -> float:
     return total
 
 
+async def scrape_text(session: aiohttp.ClientSession, url: str, timeout_s: float = 2.0) -> str | None:
+    """The text ``url`` (a ``/metrics``) answers with 200, or None (another status, a timeout, no connection)."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+            return await response.text() if response.status == 200 else None
+    except (TimeoutError, aiohttp.ClientError):
+        return None
+
+
 async def scrape_sums(session: aiohttp.ClientSession, urls: Sequence[str], names: Sequence[str],
                       timeout_s: float = 2.0) -> tuple[dict[str, float], int]:
     """Each series summed over ``urls``; and how many URLs answered."""
@@ -46,12 +55,8 @@ async def scrape_sums(session: aiohttp.ClientSession, urls: Sequence[str], names
 
     async def one(url: str) -> None:
         nonlocal answered
-        try:
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
-                if response.status != 200:
-                    return
-                text = await response.text()
-        except (TimeoutError, aiohttp.ClientError):
+        text = await scrape_text(session, url, timeout_s)
+        if text is None:
             return
         answered += 1
         for name in names:

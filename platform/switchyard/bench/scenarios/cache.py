@@ -69,7 +69,7 @@ from switchyard.bench.procs import create_key, free_ports, start_gateway, start_
 from switchyard.bench.prompts import LiteralText, PromptText, SynthText, unique_key
 from switchyard.bench.report import build_report, write_report
 from switchyard.bench.results import Result
-from switchyard.bench.sampler import MetricsSampler, sum_series
+from switchyard.bench.sampler import MetricsSampler, scrape_text, sum_series
 from switchyard.bench.scenarios.base import Outcome, ScenarioContext
 from switchyard.bench.scenarios.overload import samples
 from switchyard.bench.scenarios.prefix import default_trace
@@ -818,14 +818,6 @@ async def drive(workload: Workload, target: Target, *, timeout_s: float = CLIENT
     return results, [parse_cache_header(heads.get(spec.index)) for spec in specs]
 
 
-async def _scrape(session: aiohttp.ClientSession, url: str) -> str | None:
-    try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)) as response:
-            return await response.text() if response.status == 200 else None
-    except (TimeoutError, aiohttp.ClientError):
-        return None
-
-
 class CacheBench:
     """The cache scenario's run: engines, one gateway, a warm-up, then both arms one after the other."""
 
@@ -847,8 +839,8 @@ class CacheBench:
 
     async def counters(self, session: aiohttp.ClientSession) -> Counters:
         """The gateway's cache counters and the engines' finished requests, now."""
-        texts = await asyncio.gather(_scrape(session, self.gateway_metrics),
-                                     *(_scrape(session, u) for u in self.engine_metrics))
+        texts = await asyncio.gather(scrape_text(session, self.gateway_metrics, SCRAPE_TIMEOUT_S),
+                                     *(scrape_text(session, u, SCRAPE_TIMEOUT_S) for u in self.engine_metrics))
         return read_counters(texts[0], texts[1:])
 
     async def run_arm(self, arm: ArmRun, target: Target) -> None:

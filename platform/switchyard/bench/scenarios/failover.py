@@ -57,7 +57,7 @@ from switchyard.bench.procs import (
 )
 from switchyard.bench.report import build_report, write_report
 from switchyard.bench.results import Result
-from switchyard.bench.sampler import MetricsSampler, sum_series
+from switchyard.bench.sampler import MetricsSampler, scrape_text, sum_series
 from switchyard.bench.scenarios.base import Outcome, ScenarioContext
 from switchyard.bench.scenarios.overload import samples
 from switchyard.bench.spec import Workload
@@ -399,14 +399,6 @@ def analyse(results: Sequence[Result], line: Timeline, *,
             "failure_kinds": failure_kinds(results), "failed": failure_rows(results, line)}
 
 
-async def _scrape(session: aiohttp.ClientSession, url: str) -> str | None:
-    try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)) as response:
-            return await response.text() if response.status == 200 else None
-    except (TimeoutError, aiohttp.ClientError):
-        return None
-
-
 class Failover:
     """The failover scenario's run."""
 
@@ -459,8 +451,8 @@ class Failover:
                 sampler.start(at)
 
         async def counters(session: aiohttp.ClientSession, at_s: float) -> Counters:
-            texts = await asyncio.gather(_scrape(session, gateway_metrics),
-                                         *(_scrape(session, u) for u in healthy_metrics))
+            texts = await asyncio.gather(scrape_text(session, gateway_metrics, SCRAPE_TIMEOUT_S),
+                                         *(scrape_text(session, u, SCRAPE_TIMEOUT_S) for u in healthy_metrics))
             return read_counters(at_s, texts[0], texts[1:])
 
         async def set_mode(mode: str) -> None:
