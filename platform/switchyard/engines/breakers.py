@@ -22,6 +22,7 @@ tested without sleeping.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 from switchyard.engines.window import SlidingCounts
@@ -146,3 +147,44 @@ class CircuitBreaker:
 
     def _window(self, now: float) -> tuple[int, int]:
         return self._buckets.totals(now, self.spec.window)
+
+
+@dataclass(slots=True)
+class Trial:
+    """One request sent to an endpoint, as its breakers (the endpoint's and its pool's) count it.
+
+    Exactly one outcome is reported (the first; later ones are ignored), and a half-open breaker's
+    trial slot is given back with it.
+    """
+
+    endpoint: CircuitBreaker
+    pool: CircuitBreaker
+    endpoint_trial: bool
+    pool_trial: bool
+    done: bool = False
+
+    @classmethod
+    def start(cls, endpoint: CircuitBreaker, pool: CircuitBreaker, now: float) -> Trial:
+        """Count a request sent to ``endpoint`` (of ``pool``) now."""
+        return cls(endpoint, pool, endpoint.attempt(now), pool.attempt(now))
+
+    def succeeded(self, now: float) -> None:
+        """The engine served it."""
+        if not self.done:
+            self.done = True
+            self.endpoint.success(now, self.endpoint_trial)
+            self.pool.success(now, self.pool_trial)
+
+    def failed(self, now: float, reason: str) -> None:
+        """The engine failed it."""
+        if not self.done:
+            self.done = True
+            self.endpoint.failure(now, reason, self.endpoint_trial)
+            self.pool.failure(now, reason, self.pool_trial)
+
+    def neutral(self) -> None:
+        """It ended saying nothing of the engine's health (a client error, the client left)."""
+        if not self.done:
+            self.done = True
+            self.endpoint.neutral(self.endpoint_trial)
+            self.pool.neutral(self.pool_trial)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import aiohttp
 import msgspec
 
-from switchyard.engines.breakers import CircuitBreaker
+from switchyard.engines.breakers import Trial
 from switchyard.engines.endpoints import EndpointRegistry
 
 log = logging.getLogger("switchyard.health")
@@ -103,13 +103,13 @@ class HealthProber:
             if not state.up or pool.state(now) == "open" or state.breaker.state(now) == "open":
                 continue
             if state.breaker.wants_trial(now) or pool.wants_trial(now):
-                trial = (state.breaker, state.breaker.attempt(now)), (pool, pool.attempt(now))
+                trial = Trial.start(state.breaker, pool, now)
                 self._trying.add(target.url)
                 task = asyncio.get_running_loop().create_task(self._trial(target, trial))
                 self._trials.add(task)
                 task.add_done_callback(self._trials.discard)
 
-    async def _trial(self, target: Target, trial: tuple[tuple[CircuitBreaker, bool], ...]) -> None:
+    async def _trial(self, target: Target, trial: Trial) -> None:
         resilience = self.registry.resilience
         payload = msgspec.json.encode({"model": target.served_model, "prompt": "Hi", "max_tokens": 1})
         reason: str | None = None
@@ -126,11 +126,10 @@ class HealthProber:
         finally:
             self._trying.discard(target.url)
         now = time.monotonic()
-        for breaker, is_trial in trial:
-            if reason is None:
-                breaker.success(now, is_trial)
-            else:
-                breaker.failure(now, reason, is_trial)
+        if reason is None:
+            trial.succeeded(now)
+        else:
+            trial.failed(now, reason)
 
     async def _trial_loop(self) -> None:
         while True:

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 from switchyard.decide.pick import EndpointChoice
 from switchyard.decide.resolve import Refused
-from switchyard.engines.breakers import CircuitBreaker
 from switchyard.engines.upstream import EngineError, UpstreamFailure
 from switchyard.gateway.errors import (
     ApiError,
@@ -61,47 +60,6 @@ def failure_error(failure: UpstreamFailure, pool: str, headers: dict[str, str]) 
 RETRYABLE_STATUS = frozenset({404, 429, 500, 502, 503, 504})
 #: Of those, the answers that do not count against the engine's breaker: it is busy, not broken.
 BUSY_STATUS = frozenset({429})
-
-
-@dataclass(slots=True)
-class Trial:
-    """One request sent to an endpoint, as its breakers (the endpoint's and its pool's) count it.
-
-    Exactly one outcome is reported (the first; later ones are ignored), and a half-open breaker's
-    trial slot is given back with it.
-    """
-
-    endpoint: CircuitBreaker
-    pool: CircuitBreaker
-    endpoint_trial: bool
-    pool_trial: bool
-    done: bool = False
-
-    @classmethod
-    def start(cls, endpoint: CircuitBreaker, pool: CircuitBreaker, now: float) -> Trial:
-        """Count a request sent to ``endpoint`` (of ``pool``) now."""
-        return cls(endpoint, pool, endpoint.attempt(now), pool.attempt(now))
-
-    def succeeded(self, now: float) -> None:
-        """The engine served it."""
-        if not self.done:
-            self.done = True
-            self.endpoint.success(now, self.endpoint_trial)
-            self.pool.success(now, self.pool_trial)
-
-    def failed(self, now: float, reason: str) -> None:
-        """The engine failed it."""
-        if not self.done:
-            self.done = True
-            self.endpoint.failure(now, reason, self.endpoint_trial)
-            self.pool.failure(now, reason, self.pool_trial)
-
-    def neutral(self) -> None:
-        """It ended saying nothing of the engine's health (a client error, the client left)."""
-        if not self.done:
-            self.done = True
-            self.endpoint.neutral(self.endpoint_trial)
-            self.pool.neutral(self.pool_trial)
 
 
 @dataclass(slots=True)

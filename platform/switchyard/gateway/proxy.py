@@ -25,6 +25,7 @@ from switchyard.decide.prefix import block_hashes, prompt_text
 from switchyard.decide.regions import REGION_HEADER, place
 from switchyard.decide.resolve import ModelDecision, NeedsScore, Refused, resolve_model
 from switchyard.decide.sessions import session_key
+from switchyard.engines.breakers import Trial
 from switchyard.engines.upstream import (
     StreamRelay,
     UpstreamFailure,
@@ -39,7 +40,6 @@ from switchyard.gateway.attempts import (
     BUSY_STATUS,
     RETRYABLE_STATUS,
     Attempts,
-    Trial,
     engine_error,
     failure_error,
     refusal_error,
