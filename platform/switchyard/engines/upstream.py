@@ -73,9 +73,18 @@ class EngineError:
 
 async def post(session: aiohttp.ClientSession, url: str, payload: bytes,
                headers: Mapping[str, str]) -> aiohttp.ClientResponse:
-    """POST to an engine; connection failures and timeouts become :class:`UpstreamFailure`."""
+    """POST to an engine; connection failures and timeouts become :class:`UpstreamFailure`.
+
+    A connection closed by the engine before any answer came is tried once more, at once: that is
+    what a pooled keep-alive connection the engine had just closed looks like (on a starved machine
+    the gap between taking it from the pool and the engine reading the request can outlast the
+    margin :data:`KEEPALIVE_S` leaves). An engine that is really gone refuses the second try.
+    """
     try:
-        return await session.post(url, data=payload, headers=headers)
+        try:
+            return await session.post(url, data=payload, headers=headers)
+        except aiohttp.ServerDisconnectedError:
+            return await session.post(url, data=payload, headers=headers)
     except TimeoutError:
         raise UpstreamFailure(f"{url} did not answer in time", timeout=True) from None
     except aiohttp.ClientConnectorError as exc:
