@@ -7,6 +7,7 @@ cached tokens (``switchyard_tokens_total{kind="cache_hit"}``).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from litestar import Request, Response
@@ -14,6 +15,7 @@ from litestar import Request, Response
 from switchyard.decide.admit import estimate, limit_charges, spend_of
 from switchyard.decide.cache import CACHE_CONTROL_HEADER, BadCacheControl, parse_cache_control, plan_cache
 from switchyard.decide.resolve import ModelDecision
+from switchyard.gateway.activity import CACHE_POOL, RequestRecord
 from switchyard.gateway.errors import ApiError, BadRequest
 from switchyard.gateway.request import Kind
 from switchyard.gateway.response_cache import CACHE_HEADER, Lookup
@@ -40,7 +42,7 @@ async def cache_lookup(runtime: GatewayRuntime, request: Request[Any, Any, Any],
 
 async def serve_hit(runtime: GatewayRuntime, kind: Kind, body: dict[str, Any], found: Lookup,
                     identity: KeyIdentity, decision: ModelDecision, snapshot: PolicySnapshot, rid: str,
-                    cls: str) -> Response[Any]:
+                    cls: str, record: RequestRecord) -> Response[Any]:
     """Answer from the cache: charge the tenant the rule's ``hit_charge`` of the answer, record its usage as
     cached."""
     entry, model = found.entry, decision.model
@@ -51,6 +53,8 @@ async def serve_hit(runtime: GatewayRuntime, kind: Kind, body: dict[str, Any], f
                                                 *([f"route={decision.route}", f"rule={decision.rule}"]
                                                   if decision.route else []),
                                                 f"cache={found.plan.label}", f"policy={snapshot.label}"])}
+    record.served_model, record.pool = model.name, CACHE_POOL
+    record.trace.append(f"route: {headers['x-switchyard-route']}")
     lease = None
     if charge > 0:
         est = estimate(model, round(charge * entry.prompt_tokens), round(charge * entry.completion_tokens))
@@ -60,7 +64,7 @@ async def serve_hit(runtime: GatewayRuntime, kind: Kind, body: dict[str, Any], f
         try:
             lease = await runtime.admitter.admit(charges, snapshot.document.resilience.dependencies.redis)
         except ApiError as refused:
-            runtime.metrics.requests.labels(model.name, "cache", str(refused.status_code)).inc()
+            runtime.finished(record, model.name, CACHE_POOL, refused.status_code)
             raise
         headers.update(lease.headers)
     spend = charge * spend_of(model, entry.prompt_tokens, entry.completion_tokens, 0)
@@ -70,5 +74,9 @@ async def serve_hit(runtime: GatewayRuntime, kind: Kind, body: dict[str, Any], f
     runtime.metrics.spend.labels(model.name).inc(spend)
     if lease is not None and lease.reservation is not None:
         runtime.spawn(lease.settle(round(charge * (entry.prompt_tokens + entry.completion_tokens)), spend))
-    runtime.metrics.requests.labels(model.name, "cache", "200").inc()
-    return runtime.cache.hit_response(kind, body, found, headers)
+    response = runtime.cache.hit_response(kind, body, found, headers)
+    record.prompt_tokens, record.completion_tokens = entry.prompt_tokens, entry.completion_tokens
+    record.cached_tokens = entry.prompt_tokens
+    record.ttft_s = time.perf_counter() - record.started
+    runtime.finished(record, model.name, CACHE_POOL, 200)
+    return response

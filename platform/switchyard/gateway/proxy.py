@@ -36,6 +36,7 @@ from switchyard.engines.upstream import (
     read_engine_error,
     usage_counts,
 )
+from switchyard.gateway.activity import RequestRecord
 from switchyard.gateway.attempts import (
     BUSY_STATUS,
     RETRYABLE_STATUS,
@@ -86,14 +87,33 @@ class Proxy:
         self.ids = RequestIds()
 
     async def handle(self, request: Request[Any, Any, Any], kind: Kind) -> Response[Any]:
-        """Serve one chat or completion request."""
-        started = time.perf_counter()
+        """Serve one chat or completion request, and keep its record (:mod:`switchyard.gateway.activity`)."""
+        activity = self.runtime.activity
+        record = activity.begin(self.ids.for_request(request), kind, time.perf_counter())
+        try:
+            return await self._serve(request, kind, record)
+        except ApiError as error:  # counted where it was raised, or refused before any count (401, 400)
+            record.error_code = error.code
+            activity.finish(record, error.status_code)
+            error.headers.setdefault("x-request-id", record.request_id)  # errors too name the request
+            raise
+        except asyncio.CancelledError:  # the client left
+            activity.finish(record, 499)
+            raise
+        except Exception:
+            activity.finish(record, 500)
+            raise
+
+    async def _serve(self, request: Request[Any, Any, Any], kind: Kind, record: RequestRecord) -> Response[Any]:
+        started, rid = record.started, record.request_id
         runtime = self.runtime
-        rid = self.ids.for_request(request)
         identity = await runtime.auth.authenticate(request.headers.get("authorization"),
                                                    runtime.policy.snapshot.document.resilience.dependencies.database)
+        record.identified(identity)
         raw = await request.body()
         body = decode_json_object(raw)
+        asked = body.get("model")
+        record.model, record.stream = asked if isinstance(asked, str) else None, bool(body.get("stream"))
         features: RequestFeatures
         if kind == "chat":
             check_chat(body)
@@ -105,19 +125,23 @@ class Proxy:
         snapshot, counters = holder.snapshot, holder.counters  # read once; this request keeps them to the end
         try:
             decision = await self._resolve(snapshot, identity.tier, features)
+            record.decided(decision)
             placement = place(snapshot, identity.tier, decision.model, request.headers.get(REGION_HEADER),
                               identity.region, runtime.settings.region)
         except Refused as refusal:
-            runtime.metrics.requests.labels("-", "-", str(refusal.status)).inc()
+            runtime.finished(record, "-", "-", refusal.status)
             raise refusal_error(refusal) from None
+        record.trace.append(placement.trace)
         try:
             cls = classify(snapshot, identity.tier, request.headers.get(PRIORITY_HEADER), body.get("priority"))
         except BadPriority as bad:
-            runtime.metrics.requests.labels(decision.model.name, "-", "400").inc()
+            runtime.finished(record, decision.model.name, "-", 400)
             raise BadRequest(bad.message, code="invalid_priority", param=bad.param) from None
+        record.classed(cls)
         found = await cache_lookup(runtime, request, snapshot, kind, decision, identity, body)
+        record.cached(found)
         if found is not None and found.entry is not None:
-            return await serve_hit(runtime, kind, body, found, identity, decision, snapshot, rid, cls.trace)
+            return await serve_hit(runtime, kind, body, found, identity, decision, snapshot, rid, cls.trace, record)
         counter = counters.get(decision.model.name)
         prompt_tokens = (count_prompt(counter, kind, body) if counter is not None and counter.exact
                          else features.prompt_tokens)
@@ -128,7 +152,7 @@ class Proxy:
         try:
             lease = await runtime.admitter.admit(charges, snapshot.document.resilience.dependencies.redis)
         except ApiError as refused:  # 429 (a limit), 503 (the limit store is unreachable and fails closed)
-            runtime.metrics.requests.labels(decision.model.name, "-", str(refused.status_code)).inc()
+            runtime.finished(record, decision.model.name, "-", refused.status_code)
             raise
         flow = runtime.flow
         stream = bool(body.get("stream"))
@@ -142,12 +166,15 @@ class Proxy:
                                                 features.prompt_tokens + (features.max_tokens or 0),
                                                 functools.partial(_disconnected, request), placement.allowed)
             except ApiError as refused:
-                runtime.metrics.requests.labels(decision.model.name, "-", str(refused.status_code)).inc()
+                record.shed = refused.status_code == 503  # flow control's 503s are sheds (499: the client left)
+                runtime.finished(record, decision.model.name, "-", refused.status_code)
                 refused.headers = {"x-request-id": rid, **lease.headers, "x-switchyard-class": cls.trace,
                                    **(refused.headers or {})}
                 raise
             request_state.ticket = scheduled.ticket
-            return await self._dispatch(request_state, snapshot, decision, scheduled)
+            if scheduled.waited_s:
+                record.queue_ms = round(scheduled.waited_s * 1000, 1)
+            return await self._dispatch(request_state, snapshot, decision, scheduled, record)
         except BaseException:
             flow.dispatched(request_state.ticket)  # granted but never sent: the pool may grant again
             # It never ran (no usage to charge); a no-op once settled. In a task of its own: this
@@ -166,7 +193,7 @@ class Proxy:
                 scores[needs.name] = await self.runtime.classifiers.score(snapshot, needs.name, features)
 
     async def _dispatch(self, req: PendingRequest, snapshot: PolicySnapshot, decision: ModelDecision,
-                        scheduled: Scheduled) -> Response[Any]:
+                        scheduled: Scheduled, record: RequestRecord) -> Response[Any]:
         """Try the plan's stages in order until an engine answers (see ``decide.pick``).
 
         A stage with no endpoint in service is passed over; a failed try moves on to the next
@@ -222,7 +249,7 @@ class Proxy:
                 attempts.tried.add(choice.url)
                 headers["x-switchyard-route"] = route_header(decision, stage, choice, snapshot, attempts.count,
                                                              req.cls.name, scheduled, attempts.moved_on)
-                response = await self._attempt(req, stage, choice, attempts, headers)
+                response = await self._attempt(req, stage, choice, attempts, headers, record)
                 if response is not None:
                     if hashes and profile.prefix:
                         runtime.prefixes.record(hashes, choice.url)
@@ -233,11 +260,12 @@ class Proxy:
             if attempts.count >= attempts.limit or attempts.budget_spent:
                 break
         error = attempts.final_error(headers)
-        runtime.metrics.requests.labels(asked, "-", str(error.status_code)).inc()
+        _tried(record, attempts, headers)
+        runtime.finished(record, asked, "-", error.status_code)
         raise error
 
     async def _attempt(self, req: PendingRequest, stage: Stage, choice: EndpointChoice, attempts: Attempts,
-                       headers: dict[str, str]) -> Response[Any] | None:
+                       headers: dict[str, str], record: RequestRecord) -> Response[Any] | None:
         """Send the request to one endpoint: its response, or None after a failure worth retrying.
 
         A streamed answer is passed on only once its first chunk has come (within the model's
@@ -255,6 +283,7 @@ class Proxy:
             runtime.flow.dispatched(req.ticket)
             req.ticket = None
         metrics.in_flight.labels(pool).inc()
+        record.served_model, record.pool, record.region, record.endpoint = model, pool, choice.pool.region, url
         released = False
 
         def release() -> None:
@@ -267,8 +296,9 @@ class Proxy:
 
         def done(status: int) -> None:
             release()
-            metrics.requests.labels(model, pool, str(status)).inc()
             metrics.duration.labels(model, pool).observe(time.perf_counter() - req.started)
+            _tried(record, attempts, headers)
+            runtime.finished(record, model, pool, status)
 
         def retry(kind: str, reason: str, error: ApiError, engine_fault: bool = True) -> None:
             release()
@@ -323,7 +353,8 @@ class Proxy:
         metrics.attempts.labels(pool, "ok").inc()
         if req.stream:
             ttfb = time.perf_counter() - sent_at
-            metrics.first_byte.labels(model, pool).observe(time.perf_counter() - req.started)
+            record.ttft_s = time.perf_counter() - req.started
+            metrics.first_byte.labels(model, pool).observe(record.ttft_s)
             max_ttfb = resilience.health.max_ttfb
             if max_ttfb is not None and ttfb > max_ttfb:
                 trial.failed(time.monotonic(), f"first byte after {ttfb:.2f} s (max_ttfb {max_ttfb:g} s)")
@@ -342,8 +373,12 @@ class Proxy:
                     endpoints.state(url).breaker.failure(time.monotonic(), "broke off mid-stream")
                     endpoints.pool_breaker(pool).failure(time.monotonic(), "broke off mid-stream")
                     metrics.streams_broken.labels(pool).inc()
+                    record.broken = True
+                    record.trace.append("stream: the engine broke off mid-stream")
+                elif not completed:
+                    record.trace.append("stream: the client left before its end")
                 done(200)
-                runtime.spawn(self._account(req, stage.model, relay.usage.usage(), relay.usage.text_events))
+                runtime.spawn(self._account(req, stage.model, relay.usage.usage(), relay.usage.text_events, record))
 
             storing = runtime.cache.wants(req.cache, model)
             relay = StreamRelay(response, first, finished, strip_usage=req.force_usage,
@@ -362,15 +397,17 @@ class Proxy:
             trial.neutral()
             raise
         trial.succeeded(time.monotonic())
-        metrics.first_byte.labels(model, pool).observe(time.perf_counter() - req.started)
+        record.ttft_s = time.perf_counter() - req.started
+        metrics.first_byte.labels(model, pool).observe(record.ttft_s)
         done(200)
         if runtime.cache.wants(req.cache, model):
             assert req.cache is not None
             runtime.cache.store_answer(req.cache, str(req.identity.tenant_id), data)
-        await self._account(req, stage.model, body_usage(data), 0)
+        await self._account(req, stage.model, body_usage(data), 0, record)
         return Response(content=data, status_code=200, media_type="application/json", headers=dict(headers))
 
-    async def _account(self, req: PendingRequest, model: Model, usage: dict[str, Any] | None, text_events: int) -> None:
+    async def _account(self, req: PendingRequest, model: Model, usage: dict[str, Any] | None, text_events: int,
+                       record: RequestRecord) -> None:
         """Settle the request's reservation with what it used and add it to the usage ledger.
 
         The engine's ``usage`` when it sent one; else (a stream without ``include_usage``, or one
@@ -379,6 +416,7 @@ class Proxy:
         prompt, completion, cached = req.prompt_tokens, text_events, 0
         if usage is not None:
             prompt, completion, cached = usage_counts(usage, prompt, completion)
+        record.prompt_tokens, record.completion_tokens, record.cached_tokens = prompt, completion, cached
         spend = spend_of(model, prompt, completion, cached)
         identity = req.identity
         runtime = self.runtime
@@ -391,6 +429,16 @@ class Proxy:
         spend_total.inc(spend)
         if req.lease.reservation is not None:
             await req.lease.settle(prompt + completion, spend)
+
+
+def _tried(record: RequestRecord, attempts: Attempts, headers: dict[str, str]) -> None:
+    """Copy what the request's tries did into its record: attempts, moves and why, the route it took."""
+    record.attempts = attempts.count
+    record.moved_on = attempts.moved_on
+    record.trace.extend(attempts.failures)
+    route = headers.get("x-switchyard-route")
+    if route is not None:
+        record.trace.append(f"route: {route}")
 
 
 def _asked_usage(body: dict[str, Any]) -> bool:

@@ -26,6 +26,7 @@ from switchyard.engines.endpoints import EndpointRegistry
 from switchyard.engines.health import HealthProber, Target
 from switchyard.engines.scrape import MetricsScraper
 from switchyard.engines.upstream import UpstreamTimeouts, create_client_session
+from switchyard.gateway.activity import Activity, RequestRecord
 from switchyard.gateway.admission import Admitter
 from switchyard.gateway.auth import KeyAuthenticator
 from switchyard.gateway.classifiers import ClassifierRunner
@@ -64,6 +65,8 @@ class GatewayRuntime:
         self.sessions = SessionIndex()
         self.flow = FlowController(self.endpoints, self.metrics, settings.flow_control)
         self.started_at = time.time()
+        #: What this process did lately (the console's Overview and Requests pages).
+        self.activity = Activity(started=self.started_at)
         self._engine: Engine | None = None
         self._policy: PolicyHolder | None = None
         self._http: aiohttp.ClientSession | None = None
@@ -116,6 +119,12 @@ class GatewayRuntime:
         if self._usage is None:
             raise RuntimeError("the gateway is not started")
         return self._usage
+
+    def finished(self, record: RequestRecord, model: str, pool: str, status: int) -> None:
+        """A request was answered with ``status``: count it (``switchyard_requests{model, pool, status}``)
+        and keep its record."""
+        self.metrics.requests.labels(model, pool, str(status)).inc()
+        self.activity.finish(record, status)
 
     def spawn(self, work: Coroutine[Any, Any, None]) -> None:
         """Run ``work`` in the background, kept referenced until it ends (settling a finished stream)."""

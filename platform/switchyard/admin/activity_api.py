@@ -1,0 +1,57 @@
+"""The admin JSON API of recent activity (:mod:`switchyard.gateway.activity`): ``/admin/api/activity``,
+``/admin/api/requests`` and ``/admin/api/requests/{request_id}``.
+
+What they show is this gateway process's memory: the last minutes of its own traffic (each replica
+answers for itself), for the console's Overview and Requests pages.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from litestar import Request, get
+from litestar.params import FromPath, FromQuery, QueryParameter
+
+from switchyard.admin.common import runtime_of
+from switchyard.admin.policy_api import Limit
+from switchyard.gateway.activity import HORIZON_S
+from switchyard.gateway.errors import BadRequest, NotFound
+
+Window = Annotated[float, QueryParameter(gt=0, le=HORIZON_S, description="Seconds to look back (at most 900).")]
+
+
+@get("/activity", operation_id="adminActivity")
+async def activity(request: Request[Any, Any, Any], window: Window = 300) -> dict[str, Any]:
+    """This process's traffic over the last ``window`` seconds, per pool and in total: requests/s, TTFT p50 and
+    p99 (ms), error, shed, limited, fallback and cache hit rates, and sparkline series (10-second points)."""
+    return runtime_of(request).activity.summary(window)
+
+
+@get("/requests", operation_id="adminRequests")
+async def recent_requests(request: Request[Any, Any, Any], tenant: FromQuery[str | None] = None,
+                          model: FromQuery[str | None] = None, status: FromQuery[str | None] = None,
+                          limit: Limit = 100) -> dict[str, Any]:
+    """The requests this process finished lately (the last 500), newest first, with their decision traces.
+
+    ``tenant``: a tenant name or id; ``model``: the model asked for, resolved to or served by;
+    ``status``: a code (``429``), a class (``5xx``) or an outcome (``ok``, ``error``, ``shed``,
+    ``limited``, ``refused``, ``client_closed``).
+    """
+    try:
+        records = runtime_of(request).activity.recent(tenant=tenant or None, model=model or None,
+                                                      status=status or None, limit=limit)
+    except ValueError as exc:
+        raise BadRequest(str(exc), param="status") from None
+    return {"requests": [r.as_dict() for r in records]}
+
+
+@get("/requests/{request_id:str}", operation_id="adminRequest")
+async def one_request(request: Request[Any, Any, Any], request_id: FromPath[str]) -> dict[str, Any]:
+    """One recent request by its ``x-request-id`` (the newest, if a client reused the id)."""
+    record = runtime_of(request).activity.get(request_id)
+    if record is None:
+        raise NotFound(f"no recent request with id {request_id!r} in this gateway process (it keeps the last 500)")
+    return record.as_dict()
+
+
+ROUTES = [activity, recent_requests, one_request]

@@ -1,0 +1,446 @@
+"""What this gateway process did over the last minutes, in memory: for the console's Overview and Requests.
+
+Two bounded structures, both written on the request path (a deque append and a few integer
+increments per finished request; one event loop, so no locks):
+
+- **Per-pool time series**: one bucket per second for the last :data:`HORIZON_S` seconds (a ring
+  of slots reused as time moves on; a slot older than the horizon is reset before it is reused and
+  never read). Each bucket counts finished requests by outcome, fallbacks, cache hits and misses,
+  and keeps at most :data:`TTFT_SAMPLES` time-to-first-byte samples (a uniform reservoir), so
+  percentiles over a window are exact over those samples.
+- **Recent requests**: the last :data:`RECENT` finished requests as :class:`RequestRecord`\\ s.
+
+Series keys ("pools"): the engine pool that answered (for a failure, the last one tried);
+``"cache"`` for an answer served from the response cache (as the ``pool`` label of
+``switchyard_requests`` says); ``"-"`` for a request refused before any pool was picked. A cache
+miss counts in the row of the pool that then served (or refused) it, so a pool row's cache hit
+rate is 0 and only the total row's is meaningful.
+
+Outcomes: ``ok`` (2xx), ``shed`` (503 from flow control), ``limited`` (429: a limit or budget),
+``error`` (any other status >= 500, or a stream its engine broke off), ``client_closed`` (499) and
+``refused`` (any other 4xx). Rates are fractions of the window's requests.
+
+A record never holds the ``Authorization`` header, an API key, or prompt or answer text: only
+ids, names, numbers and the decision trace's sentences.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from switchyard.decide.flow import ClassDecision
+    from switchyard.decide.resolve import ModelDecision
+    from switchyard.gateway.response_cache import Lookup
+    from switchyard.store.keys import KeyIdentity
+
+#: Seconds of per-second buckets kept (and the longest window a summary covers).
+HORIZON_S = 900
+#: Time-to-first-byte samples kept per bucket (a uniform reservoir beyond that).
+TTFT_SAMPLES = 128
+#: Finished requests kept for the Requests page.
+RECENT = 500
+#: The series key of answers from the response cache, and of requests refused before a pool was picked.
+CACHE_POOL = "cache"
+NO_POOL = "-"
+
+_OUTCOMES = frozenset({"ok", "error", "shed", "limited", "refused", "client_closed"})
+
+
+@dataclass(slots=True, eq=False)
+class RequestRecord:
+    """One finished request as the Requests page shows it (filled in as the request goes along).
+
+    Attributes:
+        at: Arrival, seconds since the epoch (``time`` in JSON: UTC ISO 8601).
+        request_id: The ``x-request-id`` the gateway answered with.
+        kind: ``chat`` or ``completion``.
+        tenant, tenant_id, key_id, tier: Who sent it (None when the key was not accepted).
+        model: What the client asked for (a model or a route).
+        resolved_model: What the policy resolved that to.
+        served_model: The model that answered (after a downgrade or fallback); None if none did.
+        pool, region, endpoint: Where it was served (``pool`` is ``"cache"`` for a cache hit); for a
+            failure, the last endpoint tried.
+        status: The HTTP status answered (None until finished).
+        outcome: See the module doc.
+        error_code: The error's ``code`` when it failed.
+        stream: Whether the client asked for a stream.
+        priority: The priority class it was served in.
+        queue_ms: Time spent in the gateway's queue.
+        attempts: Endpoints tried.
+        moved_on: Every endpoint or stage it moved on from, and why (``"<url or stage> <why>"``).
+        ttft_ms: Time from arrival to the first byte of the answer.
+        duration_ms: Time from arrival to the end (of the stream, for a stream).
+        prompt_tokens, completion_tokens, cached_tokens: Usage, when known.
+        cache: ``hit``, ``miss``, ``error`` (counted as a miss), ``bypass``, ``off`` or ``none`` (no rule).
+        cache_rule: The cache rule that applied.
+        trace: The decision trace: model decision, placement, class, cache plan, failed tries and the
+            ``x-switchyard-route`` value.
+    """
+
+    request_id: str
+    kind: str
+    at: float
+    started: float
+    tenant: str | None = None
+    tenant_id: int | None = None
+    key_id: int | None = None
+    tier: str | None = None
+    model: str | None = None
+    resolved_model: str | None = None
+    served_model: str | None = None
+    pool: str | None = None
+    region: str | None = None
+    endpoint: str | None = None
+    status: int | None = None
+    outcome: str | None = None
+    error_code: str | None = None
+    stream: bool = False
+    priority: str | None = None
+    queue_ms: float | None = None
+    attempts: int = 0
+    moved_on: list[str] = field(default_factory=list)
+    ttft_s: float | None = None
+    duration_s: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    cache: str = "none"
+    cache_rule: str | None = None
+    trace: list[str] = field(default_factory=list)
+    #: The engine broke the stream off after its first byte (counted as an error).
+    broken: bool = False
+    #: Set where flow control refused it (a 503 that is a shed, not a failure).
+    shed: bool = False
+
+    def identified(self, identity: KeyIdentity) -> None:
+        """Who sent it (never the key itself)."""
+        self.tenant, self.tenant_id, self.key_id, self.tier = (identity.tenant, identity.tenant_id,
+                                                                identity.key_id, identity.tier)
+
+    def decided(self, decision: ModelDecision) -> None:
+        """The model decision, with its trace."""
+        self.resolved_model = decision.model.name
+        self.trace.extend(decision.trace)
+
+    def classed(self, cls: ClassDecision) -> None:
+        """The priority class, with its trace."""
+        self.priority = cls.name
+        self.trace.append(cls.trace)
+
+    def cached(self, found: Lookup | None) -> None:
+        """What the response cache said (None: no rule applies)."""
+        if found is not None:
+            header = found.header
+            self.cache = header.partition(";")[0]
+            self.cache_rule = found.plan.label
+            self.trace.append(found.plan.trace)
+            self.trace.append(f"cache: {header}")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record as JSON-ready data."""
+        return {
+            "time": _iso(self.at), "request_id": self.request_id, "kind": self.kind,
+            "tenant": self.tenant, "tenant_id": self.tenant_id, "key_id": self.key_id, "tier": self.tier,
+            "model": self.model, "resolved_model": self.resolved_model, "served_model": self.served_model,
+            "pool": self.pool, "region": self.region, "endpoint": self.endpoint,
+            "status": self.status, "outcome": self.outcome, "error_code": self.error_code,
+            "stream": self.stream, "priority": self.priority, "queue_ms": self.queue_ms,
+            "attempts": self.attempts, "moved_on": list(self.moved_on),
+            "ttft_ms": _ms(self.ttft_s), "duration_ms": _ms(self.duration_s),
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens, "cache": self.cache, "cache_rule": self.cache_rule,
+            "trace": list(self.trace),
+        }
+
+
+def outcome_of(status: int, *, shed: bool = False, broken: bool = False) -> str:
+    """The outcome a status stands for (see the module doc)."""
+    if shed:
+        return "shed"
+    if status == 429:
+        return "limited"
+    if status >= 500 or broken:
+        return "error"
+    if 200 <= status < 300:
+        return "ok"
+    return "client_closed" if status == 499 else "refused"
+
+
+class _Bucket:
+    """One second of one pool."""
+
+    __slots__ = ("errors", "fallbacks", "hits", "limited", "misses", "ok", "requests", "second", "shed", "ttft",
+                 "ttft_seen")
+
+    def __init__(self, second: int) -> None:
+        self.ttft: list[float] = []
+        self.reset(second)
+
+    def reset(self, second: int) -> None:
+        self.second = second
+        self.requests = self.ok = self.errors = self.shed = self.limited = 0
+        self.fallbacks = self.hits = self.misses = 0
+        self.ttft.clear()
+        self.ttft_seen = 0
+
+
+class _Series:
+    """A pool's buckets: slot ``second % HORIZON_S`` holds that second while it is within the horizon."""
+
+    __slots__ = ("slots",)
+
+    def __init__(self) -> None:
+        self.slots: list[_Bucket | None] = [None] * HORIZON_S
+
+    def bucket(self, second: int) -> _Bucket:
+        index = second % HORIZON_S
+        found = self.slots[index]
+        if found is None:
+            found = self.slots[index] = _Bucket(second)
+        elif found.second != second:
+            found.reset(second)  # what it held is a horizon old (or the clock went back)
+        return found
+
+    def within(self, first: int, last: int) -> Iterator[_Bucket]:
+        """The buckets of seconds ``first`` to ``last`` (inclusive) that saw a request."""
+        return (b for b in self.slots if b is not None and first <= b.second <= last)
+
+
+class _Tally:
+    """Counts and TTFT samples summed over some buckets."""
+
+    __slots__ = ("errors", "fallbacks", "hits", "limited", "misses", "ok", "requests", "shed", "ttft")
+
+    def __init__(self) -> None:
+        self.requests = self.ok = self.errors = self.shed = self.limited = 0
+        self.fallbacks = self.hits = self.misses = 0
+        self.ttft: list[float] = []
+
+    def add(self, b: _Bucket | _Tally) -> None:
+        self.requests += b.requests
+        self.ok += b.ok
+        self.errors += b.errors
+        self.shed += b.shed
+        self.limited += b.limited
+        self.fallbacks += b.fallbacks
+        self.hits += b.hits
+        self.misses += b.misses
+        self.ttft.extend(b.ttft)
+
+
+class Activity:
+    """This process's recent activity (see the module doc); ``runtime.activity``."""
+
+    def __init__(self, *, recent: int = RECENT, clock: Callable[[], float] = time.time,
+                 started: float | None = None, seed: int | None = None) -> None:
+        self._clock = clock
+        self.started = clock() if started is None else started
+        self._recent: deque[RequestRecord] = deque(maxlen=recent)
+        self._series: dict[str, _Series] = {}
+        self._rng = random.Random(seed)
+
+    # --- the request path -------------------------------------------------------------------------
+
+    def begin(self, request_id: str, kind: str, started: float | None = None,
+              now: float | None = None) -> RequestRecord:
+        """A record for a request that arrived now (``started``: its ``time.perf_counter()`` arrival)."""
+        return RequestRecord(request_id, kind, self._clock() if now is None else now,
+                             time.perf_counter() if started is None else started)
+
+    def finish(self, record: RequestRecord, status: int, now: float | None = None) -> None:
+        """Count ``record`` as answered with ``status`` and keep it (a second call does nothing)."""
+        if record.status is not None:
+            return
+        now = self._clock() if now is None else now
+        record.status = status
+        if record.duration_s is None:
+            record.duration_s = time.perf_counter() - record.started
+        outcome = record.outcome = outcome_of(status, shed=record.shed, broken=record.broken)
+        self._recent.append(record)
+        key = record.pool or NO_POOL
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = _Series()
+        b = series.bucket(int(now))
+        b.requests += 1
+        if outcome == "ok":
+            b.ok += 1
+        elif outcome == "error":
+            b.errors += 1
+        elif outcome == "shed":
+            b.shed += 1
+        elif outcome == "limited":
+            b.limited += 1
+        if record.moved_on:
+            b.fallbacks += 1
+        if record.cache == "hit":
+            b.hits += 1
+        elif record.cache in ("miss", "error"):
+            b.misses += 1
+        ttft = record.ttft_s
+        if ttft is not None:
+            b.ttft_seen += 1
+            if len(b.ttft) < TTFT_SAMPLES:
+                b.ttft.append(ttft)
+            else:
+                slot = self._rng.randrange(b.ttft_seen)
+                if slot < TTFT_SAMPLES:
+                    b.ttft[slot] = ttft
+
+    # --- reading ------------------------------------------------------------------------------------
+
+    def recent(self, tenant: str | None = None, model: str | None = None, status: str | None = None,
+               limit: int = 100) -> list[RequestRecord]:
+        """The newest finished requests first, at most ``limit``.
+
+        Args:
+            tenant: A tenant's name or id.
+            model: The model asked for, resolved to or served by.
+            status: An exact status (``"429"``), a class (``"5xx"``) or an outcome (``"shed"``).
+
+        Raises:
+            ValueError: ``status`` is none of those.
+        """
+        wanted = _status_filter(status) if status else None
+        found: list[RequestRecord] = []
+        for record in reversed(self._recent):
+            if len(found) >= limit:
+                break
+            if tenant is not None and tenant != record.tenant and tenant != str(record.tenant_id):
+                continue
+            if model is not None and model not in (record.model, record.resolved_model, record.served_model):
+                continue
+            if wanted is not None and not wanted(record):
+                continue
+            found.append(record)
+        return found
+
+    def get(self, request_id: str) -> RequestRecord | None:
+        """The newest kept request with ``request_id`` (clients may reuse their ids)."""
+        return next((r for r in reversed(self._recent) if r.request_id == request_id), None)
+
+    def summary(self, window_s: float = 300, now: float | None = None, point_s: int = 10) -> dict[str, Any]:
+        """Per pool and in total, over the last ``window_s`` seconds (at most :data:`HORIZON_S`).
+
+        Returns:
+            ``{"window_s", "point_s", "since", "now", "pools": [row, ...], "total": row}``, pools by
+            name; a row is ``{"pool", "requests", "ok", "errors", "shed", "limited", "fallbacks",
+            "cache_hits", "cache_misses", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "error_rate",
+            "shed_rate", "limited_rate", "fallback_rate", "cache_hit_rate", "series"}``. Rates are
+            fractions (None with no requests; ``cache_hit_rate`` None with no lookups), TTFT None
+            with no samples. ``series`` holds ``requests_per_s`` and ``ttft_p50_ms``, one value per
+            ``point_s`` seconds, oldest first (the oldest point may be shorter); the newest includes
+            the current second.
+        """
+        now = self._clock() if now is None else now
+        window = max(1, min(HORIZON_S, math.ceil(window_s)))
+        point_s = max(1, min(point_s, window))
+        last = int(now)
+        first = last - window + 1
+        points = math.ceil(window / point_s)
+        # A process younger than the window has not seen all of it.
+        span = max(1.0, min(float(window), now - self.started))
+        lengths = [point_s] * points
+        lengths[0] = window - (points - 1) * point_s
+        rows: list[dict[str, Any]] = []
+        total, total_points = _Tally(), [_Tally() for _ in range(points)]
+        for name in sorted(self._series):
+            series = self._series[name]
+            tally, per_point = _Tally(), [_Tally() for _ in range(points)]
+            for b in series.within(first, last):
+                tally.add(b)
+                per_point[points - 1 - (last - b.second) // point_s].add(b)
+            if not tally.requests:
+                if not any(series.within(last - HORIZON_S + 1, last)):
+                    del self._series[name]  # a pool gone quiet for the horizon (or gone from the policy)
+                continue
+            total.add(tally)
+            for mine, theirs in zip(per_point, total_points, strict=True):
+                theirs.add(mine)
+            rows.append(_row(name, tally, per_point, lengths, span))
+        return {"window_s": window, "point_s": point_s, "since": _iso(first), "now": _iso(now),
+                "pools": rows, "total": _row("total", total, total_points, lengths, span)}
+
+
+def _row(name: str, tally: _Tally, per_point: list[_Tally], lengths: list[int], span: float) -> dict[str, Any]:
+    n = tally.requests
+    samples = sorted(tally.ttft)
+
+    def rate(count: int, of: int = n) -> float | None:
+        return round(count / of, 4) if of else None
+
+    return {
+        "pool": name, "requests": n, "ok": tally.ok, "errors": tally.errors, "shed": tally.shed,
+        "limited": tally.limited, "fallbacks": tally.fallbacks, "cache_hits": tally.hits,
+        "cache_misses": tally.misses,
+        "requests_per_s": round(n / span, 3),
+        "ttft_p50_ms": _ms(percentile(samples, 50)), "ttft_p99_ms": _ms(percentile(samples, 99)),
+        "error_rate": rate(tally.errors), "shed_rate": rate(tally.shed), "limited_rate": rate(tally.limited),
+        "fallback_rate": rate(tally.fallbacks), "cache_hit_rate": rate(tally.hits, tally.hits + tally.misses),
+        "series": {
+            "requests_per_s": [round(p.requests / length, 3) for p, length in zip(per_point, lengths, strict=True)],
+            "ttft_p50_ms": [_ms(percentile(sorted(p.ttft), 50)) for p in per_point],
+        },
+    }
+
+
+def percentile(ordered: list[float], q: float) -> float | None:
+    """The nearest-rank ``q``-th percentile of ``ordered`` (sorted ascending); None when empty."""
+    if not ordered:
+        return None
+    rank = math.ceil(q / 100 * len(ordered))
+    return ordered[min(max(rank, 1), len(ordered)) - 1]
+
+
+def sparkline_points(values: list[float | None], width: int, height: int) -> str:
+    """The ``points`` of an SVG ``<polyline>`` drawing ``values`` in a ``width`` x ``height`` box.
+
+    The values spread evenly from x=0 (the first) to x=width (the last); y runs from the bottom
+    (0, or the least value if negative) to the top (the greatest value); all zeros lie on the
+    bottom edge. A None (no data) is left out, so the line joins its neighbours across the gap;
+    no values at all give ``""``.
+    """
+    present = [(i, v) for i, v in enumerate(values) if v is not None]
+    if not present:
+        return ""
+    low = min(0.0, *(v for _, v in present))
+    high = max(v for _, v in present)
+    spread = high - low
+    step = width / (len(values) - 1) if len(values) > 1 else 0.0
+    return " ".join(f"{_num(i * step)},{_num(height - ((v - low) / spread * height if spread else 0.0))}"
+                    for i, v in present)
+
+
+def _num(value: float) -> str:
+    text = f"{value:.1f}".rstrip("0").rstrip(".")
+    return "0" if text == "-0" else text
+
+
+def _status_filter(status: str) -> Callable[[RequestRecord], bool]:
+    text = status.strip().lower()
+    if text in _OUTCOMES:
+        return lambda r: r.outcome == text
+    if len(text) == 3 and text[0] in "12345" and text[1:] == "xx":
+        family = int(text[0])
+        return lambda r: r.status is not None and r.status // 100 == family
+    if text.isdigit() and len(text) == 3:
+        code = int(text)
+        return lambda r: r.status == code
+    raise ValueError(f"status must be a code (429), a class (4xx) or one of {', '.join(sorted(_OUTCOMES))}; "
+                     f"got {status!r}")
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
+
+
+def _iso(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
