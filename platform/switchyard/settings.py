@@ -62,12 +62,26 @@ class Settings(BaseSettings):
         "checked, besides PostgreSQL's LISTEN/NOTIFY and the file watch.",
     )
     admin_token: SecretStr | None = Field(
-        default=None, description="Bearer token for the admin API's writes (publish, rollback); unset: no "
-        "writes through the API.",
+        default=None, description="Bearer token for the admin API (/admin/api); unset: the admin API "
+        "answers 403 (the console, with its own logins, works either way).",
     )
     usage_flush_interval_s: float = Field(
         default=2.0, gt=0, description="How often the usage ledger's counts are written to the database.",
     )
+    console_secret: SecretStr | None = Field(
+        default=None, description="Signs the console's CSRF tokens; every replica needs the same one. Unset: "
+        "a random secret is made once and kept in <data_dir>/console-secret.",
+    )
+    console_session_ttl_s: float = Field(default=12 * 3600, gt=0, description="How long a console login lasts.")
+    console_secure_cookies: bool | None = Field(
+        default=None, description="Mark console cookies Secure. Unset: when the request came over https "
+        "(directly or as X-Forwarded-Proto from a proxy that terminates TLS).",
+    )
+    console_login_attempts: int = Field(
+        default=5, gt=0, description="Failed logins allowed per username and per client address in "
+        "console_login_window_s; more are refused with 429 until the window has passed.",
+    )
+    console_login_window_s: float = Field(default=300.0, gt=0)
 
     @field_validator("log_level", mode="before")
     @classmethod

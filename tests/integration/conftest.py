@@ -20,21 +20,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from litestar.testing import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine
 
+from switchyard.admin.session import CSRF_COOKIE, CSRF_HEADER, LOGIN_PATH
 from switchyard.gateway.app import create_app
 from switchyard.settings import Settings
 from switchyard.store import db
+from switchyard.store.admin_users import create_user
 from switchyard.store.keys import create_key
 from switchyard.store.models import TenantCreate
 from switchyard.store.tenants import create_tenant
 from tests.helpers import free_port
 from tests.unit.policy.base import base, to_yaml
 
+ADMIN_TOKEN = "s3cret"  # the test gateways' admin token
+ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 BIN = Path(sys.executable).parent
 SWITCHYARD = str(BIN / "switchyard") if (BIN / "switchyard").exists() else shutil.which("switchyard") or "switchyard"
 SIM_TIME_SCALE = 20
@@ -60,7 +65,12 @@ def wait_http(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: fl
 
 def http_json(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None,
               raw: bytes | None = None) -> tuple[int, dict[str, str], Any]:
-    """A plain HTTP call (for what the SDK will not send); returns status, headers, JSON body."""
+    """A plain HTTP call (for what the SDK will not send); returns status, headers, JSON body.
+
+    A call to the admin API carries the test gateways' admin token unless ``headers`` has an Authorization.
+    """
+    if "/admin/api/" in url and not any(k.lower() == "authorization" for k in headers or {}):
+        headers = {**ADMIN_AUTH, **(headers or {})}
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     req = urllib.request.Request(url, data=data, method=method,
                                  headers={"Content-Type": "application/json", **(headers or {})})
@@ -189,10 +199,12 @@ class Gateway:
     backend: str
     proc: subprocess.Popen[bytes]
     keys: dict[str, str] = field(default_factory=dict)
+    console_users: set[str] = field(default_factory=set)
 
-    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        """Run `switchyard ARGS` against this gateway's database and policy."""
-        result = subprocess.run([SWITCHYARD, *args], env=self.env, capture_output=True, text=True, timeout=60)
+    def cli(self, *args: str, check: bool = True, input_text: str | None = None) -> subprocess.CompletedProcess[str]:
+        """Run `switchyard ARGS` against this gateway's database and policy (``input_text`` on stdin)."""
+        result = subprocess.run([SWITCHYARD, *args], env=self.env, capture_output=True, text=True, timeout=60,
+                                input=input_text)
         if check and result.returncode != 0:
             raise AssertionError(f"switchyard {' '.join(args)} failed: {result.stderr}")
         return result
@@ -200,6 +212,21 @@ class Gateway:
     def new_key(self, tenant: str, tier: str) -> str:
         """A new API key for ``tenant`` (created in ``tier`` if new), made with the real CLI."""
         return self.cli("keys", "create", "--tenant", tenant, "--tier", tier).stdout.strip()
+
+    def console(self, role: str = "admin") -> httpx.Client:
+        """An HTTP client logged in to this gateway's console as a user of ``role`` (made once, with the
+        real ``switchyard admin create-user``); its ``headers`` carry the CSRF token for writes."""
+        username = f"{CONSOLE_USERS[role]}-{role}"
+        if username not in self.console_users:
+            self.cli("admin", "create-user", username, "--role", role, "--password-stdin", input_text=CONSOLE_PASSWORD)
+            self.console_users.add(username)
+        session = httpx.Client(base_url=self.base_url, timeout=30)
+        session.get(LOGIN_PATH)
+        token = session.cookies[CSRF_COOKIE]
+        session.headers[CSRF_HEADER] = token
+        login = session.post(LOGIN_PATH, data={"username": username, "password": CONSOLE_PASSWORD})
+        assert login.status_code == 303, login.text
+        return session
 
 
 def client(gw: Gateway, key: str) -> openai.OpenAI:
@@ -232,6 +259,7 @@ GATEWAY_SETTINGS = {
     "SWITCHYARD_KEY_CACHE_TTL_S": "0.3",
     "SWITCHYARD_MAX_BODY_BYTES": "1000000",
     "SWITCHYARD_LOG_LEVEL": "warning",
+    "SWITCHYARD_ADMIN_TOKEN": ADMIN_TOKEN,
 }
 
 
@@ -266,10 +294,6 @@ def gateway(request: pytest.FixtureRequest, engines: Engines, tmp_path_factory: 
         assert stop(gw.proc), "the gateway must stop cleanly on SIGTERM"
 
 
-ADMIN_TOKEN = "s3cret"
-ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-
-
 @pytest.fixture
 def admin_client(tmp_path: Path, database_url: str) -> Iterator[TestClient[Any]]:
     """An in-process gateway app (test client) with tenant acme (tier free) and one key, admin token set."""
@@ -281,3 +305,40 @@ def admin_client(tmp_path: Path, database_url: str) -> Iterator[TestClient[Any]]
             create_tenant(session, TenantCreate(name="acme", tier="free"))
             create_key(session, "acme")
         yield c
+
+
+# --- the console -------------------------------------------------------------------------------
+
+CONSOLE_PASSWORD = "correct horse battery"  # a test user's password
+CONSOLE_USERS = {"viewer": "vera", "operator": "otto", "admin": "ada"}
+
+
+def add_console_users(engine: Engine) -> None:
+    """One console user per role (``CONSOLE_USERS``), all with ``CONSOLE_PASSWORD``."""
+    with db.session_scope(engine) as session:
+        for role, name in CONSOLE_USERS.items():
+            create_user(session, name, CONSOLE_PASSWORD, role, actor="test", origin="test")
+
+
+def csrf_headers(client: TestClient[Any]) -> dict[str, str]:
+    """The CSRF header a console write needs (the token is the CSRF cookie's value)."""
+    token = client.cookies.get(CSRF_COOKIE)
+    if token is None:
+        client.get(LOGIN_PATH)  # a safe request sets the cookie
+        token = client.cookies.get(CSRF_COOKIE)
+    assert token is not None
+    return {CSRF_HEADER: token}
+
+
+def console_login(client: TestClient[Any], role: str, password: str = CONSOLE_PASSWORD) -> Any:
+    """Log ``client`` in as the test user of ``role``; returns the login answer (303 when it worked)."""
+    return client.post(LOGIN_PATH, data={"username": CONSOLE_USERS.get(role, role), "password": password,
+                                         "next": "/admin/"}, headers=csrf_headers(client), follow_redirects=False)
+
+
+@pytest.fixture
+def console(admin_client: TestClient[Any]) -> TestClient[Any]:
+    """``admin_client`` with the three console users, logged in as the admin."""
+    add_console_users(admin_client.app.state.runtime.engine)
+    assert console_login(admin_client, "admin").status_code == 303
+    return admin_client

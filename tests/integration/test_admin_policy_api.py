@@ -28,7 +28,9 @@ def _client(tmp_path: Path, database_url: str, source: str, token: str | None = 
     policy.write_text(V1)
     settings = Settings(data_dir=tmp_path, database_url=database_url, policy_file=policy, policy_source=source,
                         admin_token=token)
-    return TestClient(app=create_app(settings))
+    client = TestClient(app=create_app(settings))
+    client.headers.update(AUTH)  # every admin API route wants the token
+    return client
 
 
 @pytest.fixture
@@ -68,16 +70,19 @@ def test_reads(db_mode: TestClient[Any]) -> None:
 def test_writes_are_disabled_without_an_admin_token(tmp_path: Path, database_url: str) -> None:
     with _client(tmp_path, database_url, "db", token=None) as client:
         for path, body in ((f"{API}/versions", {"yaml": V2}), (f"{API}/rollback", {"version": 1})):
-            error = _error(client.post(path, json=body, headers=AUTH), 403, "admin_writes_disabled")
-            assert error["message"] == "admin writes are disabled: set SWITCHYARD_ADMIN_TOKEN"
+            error = _error(client.post(path, json=body, headers=AUTH), 403, "admin_api_disabled")
+            assert error["message"] == "the admin API is disabled: set SWITCHYARD_ADMIN_TOKEN"
 
 
-def test_writes_need_the_admin_token(db_mode: TestClient[Any]) -> None:
+def test_reads_and_writes_need_the_admin_token(db_mode: TestClient[Any]) -> None:
+    del db_mode.headers["Authorization"]
+    for path in (API, f"{API}/versions", f"{API}/audit", "/admin/api/endpoints"):
+        _error(db_mode.get(path), 401, "invalid_admin_token")
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"}):
         response = db_mode.post(f"{API}/versions", json={"yaml": V2}, headers=headers)
         _error(response, 401, "invalid_admin_token")
         assert response.headers["www-authenticate"] == "Bearer"
-    assert len(db_mode.get(f"{API}/versions").json()["versions"]) == 1
+    assert len(db_mode.get(f"{API}/versions", headers=AUTH).json()["versions"]) == 1
 
 
 def serving(client: TestClient[Any]) -> str:
@@ -140,7 +145,7 @@ def test_an_invalid_document_is_422_with_its_issues_and_writes_nothing(db_mode: 
     assert len(db_mode.get(f"{API}/audit").json()["events"]) == 1
 
 
-def test_validate_is_open_and_writes_nothing(db_mode: TestClient[Any]) -> None:
+def test_validate_writes_nothing(db_mode: TestClient[Any]) -> None:
     doc = base()
     doc["tests"][0]["expect"]["model"] = "large"
     text = to_yaml(doc)

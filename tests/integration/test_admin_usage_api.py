@@ -19,18 +19,18 @@ def test_overrides_need_the_token_are_validated_and_audited(admin_client: TestCl
     assert "tokens_per_minute: Input should be greater than 0" in bad.json()["error"]["message"]
     assert admin_client.put("/admin/api/tenants/nobody/limits", json=body, headers=AUTH).status_code == 404
     assert admin_client.put("/admin/api/keys/1/limits", json={"limits": None}, headers=AUTH).json() == {"limits": None}
-    events = admin_client.get("/admin/api/audit").json()["events"]
+    events = admin_client.get("/admin/api/audit", headers=AUTH).json()["events"]
     assert [(e["action"], e["target"], e["actor"]) for e in events[:2]] == [
         ("key.limits", "key:1", "api"), ("tenant.limits", "tenant:acme", "ops")]
-    policy_events = admin_client.get("/admin/api/audit", params={"action": "policy."}).json()["events"]
+    policy_events = admin_client.get("/admin/api/audit", params={"action": "policy."}, headers=AUTH).json()["events"]
     assert policy_events[0]["action"] == "policy.import"
 
 
 def test_the_usage_ledger_reads(admin_client: TestClient[Any]) -> None:
     admin_client.app.state.runtime.usage.record(1, 1, "small", 100, 20, 0, 0.5)
     admin_client.app.state.runtime.usage.flush()
-    report = admin_client.get("/admin/api/usage", params={"tenant": "acme"}).json()
+    report = admin_client.get("/admin/api/usage", params={"tenant": "acme"}, headers=AUTH).json()
     assert report["totals"] == {"requests": 1, "prompt_tokens": 100, "completion_tokens": 20, "cached_tokens": 0,
                                 "spend": 0.5}
-    assert admin_client.get("/admin/api/usage", params={"tenant": "nobody"}).status_code == 404
-    assert admin_client.get("/admin/api/usage", params={"since": "2026-13-01"}).status_code == 400
+    assert admin_client.get("/admin/api/usage", params={"tenant": "nobody"}, headers=AUTH).status_code == 404
+    assert admin_client.get("/admin/api/usage", params={"since": "2026-13-01"}, headers=AUTH).status_code == 400

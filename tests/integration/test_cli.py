@@ -73,7 +73,7 @@ def test_db_upgrade_and_key_lifecycle(tmp_path: Path, database_url: str) -> None
     first = run("keys", "list", env=env)
     assert first.returncode == 1 and "run `switchyard db upgrade` first" in first.stderr
     assert run("db", "upgrade", env=env).returncode == 0
-    assert "0004 (current)" in run("db", "current", env=env).stdout
+    assert "0005 (current)" in run("db", "current", env=env).stdout
 
     unknown = run("keys", "create", "--tenant", "acme", "--tier", "gold", env=env)
     assert unknown.returncode == 1 and "unknown tier 'gold'" in unknown.stderr
@@ -109,3 +109,25 @@ def test_bad_settings_are_a_clear_error() -> None:
     result = run("db", "current", env={"SWITCHYARD_POLICY_SOURCE": "git"})
     assert result.returncode == 1
     assert "invalid settings" in result.stderr and "policy_source" in result.stderr
+
+
+def test_console_users_from_the_command_line(tmp_path: Path, database_url: str) -> None:
+    env = {"SWITCHYARD_DATABASE_URL": database_url, "SWITCHYARD_POLICY_FILE": str(ROOT / "policies.yaml")}
+    assert run("db", "upgrade", env=env).returncode == 0
+
+    def admin(*args: str, password: str | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([SWITCHYARD, "admin", *args], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, **env}, input=password)
+
+    made = admin("create-user", "alice", "--role", "operator", "--password-stdin", password="a long passphrase\n")
+    assert made.returncode == 0 and "console user alice (operator) created" in made.stdout, made.stderr
+    assert "already exists" in admin("create-user", "alice", "--password-stdin", password="another passphrase\n").stderr
+    short = admin("create-user", "bob", "--password-stdin", password="short\n")
+    assert short.returncode == 1 and "at least 12 characters" in short.stderr
+    assert admin("create-user", "bob", "--role", "root", "--password-stdin", password="x" * 12).returncode == 2
+    assert admin("set-role", "alice", "admin").returncode == 0
+    assert admin("set-password", "alice", "--password-stdin", password="a newer passphrase\n").returncode == 0
+    assert admin("disable", "alice").returncode == 0
+    (listed,) = admin("users").stdout.splitlines()
+    assert listed.split()[:3] == ["alice", "admin", "disabled"]
+    assert "a long passphrase" not in made.stdout + made.stderr

@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 from openai import OpenAI
 
 from tests.helpers import free_port
@@ -47,7 +48,14 @@ def test_demo_runs_and_stops_cleanly(tmp_path: Path) -> None:
         reply = client.chat.completions.with_raw_response.create(
             model="auto", messages=[{"role": "user", "content": "hi there"}], max_tokens=8)
         assert "model=small" in reply.headers["x-switchyard-route"]
-        assert http_json("GET", f"{base}/admin/")[0] == 200
+        login = re.search(r"user (\S+), password (\S+) \(shown once\)", output)
+        assert login, output
+        console = httpx.Client(base_url=base)
+        console.get("/admin/login")
+        console.headers["x-csrftoken"] = console.cookies["switchyard_csrf"]
+        answer = console.post("/admin/login", data={"username": login.group(1), "password": login.group(2)})
+        assert answer.status_code == 303
+        assert "Engines" in console.get("/admin/").text
         assert (tmp_path / ".switchyard" / "switchyard.db").exists(), "embedded default: SQLite in the data dir"
     finally:
         proc.send_signal(signal.SIGINT)

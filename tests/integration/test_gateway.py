@@ -12,6 +12,7 @@ import re
 import time
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
@@ -269,17 +270,21 @@ def test_health_ready_and_metrics(gateway: Gateway) -> None:
 
 
 def test_console_overview_and_live_partial(gateway: Gateway) -> None:
-    status, headers, page = http_json("GET", f"{gateway.base_url}/admin/")
+    assert httpx.get(f"{gateway.base_url}/admin/").headers["location"].startswith("/admin/login?next=")
+    console = gateway.console("viewer")
+    answer = console.get("/admin/")
+    status, headers, page = answer.status_code, answer.headers, answer.text
     assert status == 200 and headers["content-type"].startswith("text/html")
     assert "policy v1" in page and 'id="engines"' in page and "small-us" in page
     assert "/static/htmx-2.0.11.min.js" in page
-    status, _, partial = http_json("GET", f"{gateway.base_url}/admin/", headers={"HX-Request": "true"})
+    answer = console.get("/admin/", headers={"HX-Request": "true"})
+    status, partial = answer.status_code, answer.text
     assert status == 200 and partial.lstrip().startswith('<div id="engines"') and "<html" not in partial
     # Scraped signals show per endpoint; the dead pool's engine is shown down with the reason.
     deadline = time.monotonic() + 5
     while "cannot connect" not in partial and time.monotonic() < deadline:
         time.sleep(0.2)
-        _, _, partial = http_json("GET", f"{gateway.base_url}/admin/", headers={"HX-Request": "true"})
+        partial = console.get("/admin/", headers={"HX-Request": "true"}).text
     assert "<th>Running</th>" in partial and "cannot connect" in partial and ">down" in partial
     status, headers, _ = http_json("GET", f"{gateway.base_url}/static/htmx-2.0.11.min.js")
     assert status == 200 and "javascript" in headers["content-type"]

@@ -143,10 +143,10 @@ def test_the_admin_api_sets_home_regions_with_the_token_and_audits_them(admin_cl
     assert admin_client.put("/admin/api/tenants/nobody/region", json=body, headers=AUTH).status_code == 404
     assert admin_client.put("/admin/api/keys/99/region", json=body, headers=AUTH).status_code == 404
 
-    events = admin_client.get("/admin/api/audit", params={"action": "key.region"}).json()["events"]
+    events = admin_client.get("/admin/api/audit", params={"action": "key.region"}, headers=AUTH).json()["events"]
     assert [(e["target"], e["actor"], e["detail"]) for e in events] == [
         ("key:1", "api", {"region": "us-east", "previous": None}), ("key:1", "api", {"region": None, "previous": None})]
-    events = admin_client.get("/admin/api/audit", params={"action": "tenant.region"}).json()["events"]
+    events = admin_client.get("/admin/api/audit", params={"action": "tenant.region"}, headers=AUTH).json()["events"]
     assert [(e["target"], e["actor"], e["detail"]) for e in events] == [
         ("tenant:acme", "ops", {"region": "eu-west", "previous": None})]
     with db.session_scope(admin_client.app.state.runtime.engine) as s:

@@ -1,5 +1,5 @@
 """The admin JSON API: what the gateway knows about its engines, and the policy's lifecycle
-(:mod:`switchyard.admin.policy_api`), for operators and scripts."""
+(:mod:`switchyard.admin.policy_api`), for operators and scripts. Every route wants the admin token."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Any
 
 from litestar import Request, Router, get
 
-from switchyard.admin import cache_api, policy_api, usage_api
+from switchyard.admin import activity_api, cache_api, policy_api, usage_api
+from switchyard.admin.common import admin_token_guard
 from switchyard.engines.breakers import CircuitBreaker
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy.schema import Pool
@@ -75,5 +76,6 @@ async def endpoints(request: Request[Any, Any, Any]) -> dict[str, Any]:
 
 
 admin_api_router = Router(path="/admin/api",
-                          route_handlers=[endpoints, *policy_api.ROUTES, *usage_api.ROUTES, *cache_api.ROUTES],
-                          tags=["admin"])
+                          route_handlers=[endpoints, *policy_api.ROUTES, *usage_api.ROUTES, *cache_api.ROUTES,
+                                          *activity_api.ROUTES],
+                          tags=["admin"], guards=[admin_token_guard])

@@ -1,5 +1,5 @@
 """What the admin API's handlers share: the runtime, database calls off the event loop, the
-request body, where a change came from, and the admin token guard on writes."""
+request body, where a change came from, and the admin token guard."""
 
 from __future__ import annotations
 
@@ -27,15 +27,15 @@ B = TypeVar("B", bound=msgspec.Struct)
 
 
 def admin_token_guard(connection: ASGIConnection[Any, Any, Any, Any], _handler: BaseRouteHandler) -> None:
-    """Let a write through only with ``Authorization: Bearer <token>`` matching the admin token."""
+    """Let an admin API request through only with ``Authorization: Bearer <token>`` matching the admin token."""
     runtime: GatewayRuntime = connection.app.state.runtime
     token = runtime.settings.admin_token
     expected = token.get_secret_value() if token is not None else ""
     if not expected:
-        raise Forbidden(f"admin writes are disabled: set {ADMIN_TOKEN_ENV}", code="admin_writes_disabled")
+        raise Forbidden(f"the admin API is disabled: set {ADMIN_TOKEN_ENV}", code="admin_api_disabled")
     scheme, _, given = connection.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected.encode()):
-        raise Unauthorized(f"this write needs the admin token: Authorization: Bearer <{ADMIN_TOKEN_ENV}>",
+        raise Unauthorized(f"the admin API needs the admin token: Authorization: Bearer <{ADMIN_TOKEN_ENV}>",
                            code="invalid_admin_token", headers={"WWW-Authenticate": "Bearer"})
 
 

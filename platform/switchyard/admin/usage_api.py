@@ -17,7 +17,7 @@ import msgspec
 from litestar import Request, get, put
 from litestar.params import FromPath, FromQuery
 
-from switchyard.admin.common import admin_token_guard, in_db, json_body, origin_of, runtime_of
+from switchyard.admin.common import in_db, json_body, origin_of, runtime_of
 from switchyard.admin.policy_api import Limit
 from switchyard.store.audit import list_events
 from switchyard.store.keys import set_key_region
@@ -58,19 +58,19 @@ async def _set(request: Request[Any, Any, Any], *, tenant: str | None = None,
     return {"limits": None if checked is None else checked.model_dump(exclude_unset=True)}
 
 
-@put("/tenants/{name:str}/limits", operation_id="adminTenantLimits", guards=[admin_token_guard])
+@put("/tenants/{name:str}/limits", operation_id="adminTenantLimits")
 async def tenant_limits(request: Request[Any, Any, Any], name: FromPath[str]) -> dict[str, Any]:
     """Set (or clear, with ``{"limits": null}``) a tenant's override of its tier's limits."""
     return await _set(request, tenant=name)
 
 
-@put("/keys/{key_id:int}/limits", operation_id="adminKeyLimits", guards=[admin_token_guard])
+@put("/keys/{key_id:int}/limits", operation_id="adminKeyLimits")
 async def key_limits(request: Request[Any, Any, Any], key_id: FromPath[int]) -> dict[str, Any]:
     """Set (or clear) an API key's own limits, charged on top of its tenant's."""
     return await _set(request, key_id=key_id)
 
 
-@put("/tenants/{name:str}/region", operation_id="adminTenantRegion", guards=[admin_token_guard])
+@put("/tenants/{name:str}/region", operation_id="adminTenantRegion")
 async def tenant_region(request: Request[Any, Any, Any], name: FromPath[str]) -> dict[str, Any]:
     """Set (or clear, with ``{"region": null}``) a tenant's home region, used by its keys that have none."""
     data = await json_body(request, RegionBody)
@@ -80,7 +80,7 @@ async def tenant_region(request: Request[Any, Any, Any], name: FromPath[str]) ->
     return {"region": record.region}
 
 
-@put("/keys/{key_id:int}/region", operation_id="adminKeyRegion", guards=[admin_token_guard])
+@put("/keys/{key_id:int}/region", operation_id="adminKeyRegion")
 async def key_region(request: Request[Any, Any, Any], key_id: FromPath[int]) -> dict[str, Any]:
     """Set (or clear) an API key's own home region; ``home_region`` is what routing then prefers
     (the key's own, else its tenant's)."""

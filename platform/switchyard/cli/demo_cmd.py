@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -23,12 +24,14 @@ from switchyard.policy import PolicyError, PolicySnapshot, read_policy_file
 from switchyard.resources import demo_policy
 from switchyard.settings import Settings
 from switchyard.store import db as store_db
+from switchyard.store.admin_users import create_user, list_users
 from switchyard.store.errors import NotFound
 from switchyard.store.keys import create_key
 from switchyard.store.models import TenantCreate
 from switchyard.store.tenants import create_tenant, get_tenant
 
 DEMO_TENANT = "demo"
+DEMO_ADMIN = "admin"
 #: Port of the simulated engines' fault control server (the next lower one if the policy uses it).
 SIM_CONTROL_PORT = 8390
 
@@ -73,6 +76,20 @@ def _demo_key(settings: Settings, snapshot: PolicySnapshot) -> tuple[str, str]:
     return secret, tier
 
 
+def _demo_console_user(settings: Settings) -> str:
+    """A console admin for the demo (made with a random password the first time), as a banner line."""
+    engine = store_db.create_db_engine(settings.resolved_database_url)
+    try:
+        with store_db.session_scope(engine) as session:
+            if list_users(session):
+                return "log in as a user made before (switchyard admin users / set-password)"
+            password = secrets.token_urlsafe(12)
+            create_user(session, DEMO_ADMIN, password, "admin", actor="demo", origin="cli demo")
+    finally:
+        engine.dispose()
+    return f"user {DEMO_ADMIN}, password {password} (shown once)"
+
+
 def _policy_label(base: str, fallback: str) -> str:
     """The version the gateway serves (it numbers the policy when it records it)."""
     try:
@@ -91,7 +108,7 @@ def _control_port(taken: set[int]) -> int:
 
 
 def _banner(base: str, key: str, tier: str, snapshot: PolicySnapshot, engines: int, region: str,
-            control: str) -> str:
+            control: str, console_login: str) -> str:
     model = "auto" if "auto" in snapshot.routes else next(iter(snapshot.models))
     other = next((r for r in snapshot.document.regions if r != region), region)
     return f"""
@@ -101,6 +118,7 @@ it is saturated (header x-switchyard-region: REGION names another home).
 
   API (OpenAI-compatible)  {base}/v1
   Admin console            {base}/admin/
+    {console_login}
   Metrics                  {base}/metrics
   API key (tenant {DEMO_TENANT}, tier {tier}; shown once)
     {key}
@@ -173,6 +191,7 @@ def demo(port: int | None, time_scale: float) -> None:
         raise click.ClickException("ports already in use: " + ", ".join(busy)
                                    + " (another demo running? stop it, or change --port / the policy)")
     key, tier = _demo_key(settings, snapshot)
+    console_login = _demo_console_user(settings)
 
     env = {**os.environ, "SWITCHYARD_DATA_DIR": str(settings.data_dir.resolve()),
            "SWITCHYARD_DATABASE_URL": settings.resolved_database_url,
@@ -201,7 +220,8 @@ def demo(port: int | None, time_scale: float) -> None:
         children.append(gateway)
         base = f"http://{settings.host}:{settings.port}"
         _wait_http(f"{base}/readyz", 60, gateway, "the gateway")
-        click.echo(_banner(base, key, tier, snapshot, len(endpoints), env["SWITCHYARD_REGION"], control))
+        click.echo(_banner(base, key, tier, snapshot, len(endpoints), env["SWITCHYARD_REGION"], control,
+                           console_login))
         while not stopping:
             for child, what in ((sim, "the simulated engines"), (gateway, "the gateway")):
                 if child.poll() is not None:

@@ -12,6 +12,8 @@ from litestar.template import TemplateConfig
 import switchyard
 from switchyard.admin.api import admin_api_router
 from switchyard.admin.console import admin_router
+from switchyard.admin.login import login_router
+from switchyard.admin.session import csrf_config
 from switchyard.gateway import openai_api, ops
 from switchyard.gateway.errors import ApiError, api_error_handler, http_exception_handler, internal_error_handler
 from switchyard.gateway.proxy import Proxy
@@ -27,6 +29,7 @@ def create_app(settings: Settings) -> Litestar:
         route_handlers=[
             *openai_api.ROUTES,
             *ops.ROUTES,
+            login_router,
             admin_router,
             admin_api_router,
             create_static_files_router(path="/static", directories=[static_dir()], include_in_schema=False),
@@ -38,6 +41,7 @@ def create_app(settings: Settings) -> Litestar:
             Exception: internal_error_handler,
         },
         request_max_body_size=settings.max_body_bytes,
+        csrf_config=csrf_config(settings),
         template_config=TemplateConfig(directory=templates_dir(), engine=JinjaTemplateEngine),
         openapi_config=OpenAPIConfig(title="Switchyard", version=switchyard.__version__, path="/openapi"),
         logging_config=None,

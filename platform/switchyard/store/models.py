@@ -204,3 +204,40 @@ class UsageDaily(UsageCounts, table=True):
     key_id: int = Field(foreign_key="api_key.id")
     model: str = Field(max_length=128)  # the concrete model that served the requests
     day: date  # UTC
+
+
+# --- console users and their sessions ------------------------------------------------------
+
+class AdminUserPublic(SQLModel):
+    id: int
+    username: str
+    role: str
+    created_at: datetime
+    disabled_at: datetime | None
+
+
+class AdminUser(SQLModel, table=True):
+    """Someone who may log in to the console. The password is stored as an argon2id hash only."""
+
+    __tablename__ = "admin_user"
+
+    id: int | None = Field(default=None, primary_key=True)
+    username: str = Field(max_length=64, unique=True, index=True)
+    password_hash: str = Field(max_length=255)
+    role: str = Field(max_length=16)  # viewer | operator | admin
+    created_at: datetime = _ts()
+    disabled_at: datetime | None = _ts(nullable=True)
+
+
+class AdminSession(SQLModel, table=True):
+    """A console login. The cookie holds a random token; only its sha256 is stored (a leaked table
+    holds no usable session)."""
+
+    __tablename__ = "admin_session"
+
+    id: int | None = Field(default=None, primary_key=True)
+    token_hash: str = Field(max_length=64, unique=True, index=True)
+    user_id: int = Field(foreign_key="admin_user.id", index=True)
+    created_at: datetime = _ts()
+    expires_at: datetime = Field(sa_column=Column(UTCDateTime(), nullable=False))
+    client: str = Field(default="", max_length=128)  # the address it logged in from

@@ -1,0 +1,172 @@
+"""Console users and their login sessions.
+
+Passwords are hashed with argon2id (``argon2-cffi``'s defaults, RFC 9106's low-memory profile) and
+never stored or logged otherwise. A session is a random 256-bit token in an HttpOnly cookie; the
+database keeps only its sha256 (like API keys: a random token needs no slow hash), so sessions work
+on every gateway replica and a logout or a disabled user ends them everywhere at the next request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Literal, get_args
+
+from argon2 import PasswordHasher
+from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
+from sqlmodel import Session, col, delete, select
+
+from switchyard.store.audit import append_event
+from switchyard.store.errors import Conflict, NotFound, StoreError
+from switchyard.store.models import AdminSession, AdminUser, AdminUserPublic, utcnow
+
+Role = Literal["viewer", "operator", "admin"]
+ROLES: tuple[Role, ...] = get_args(Role)
+#: What each role may do includes everything the roles before it may.
+RANK: dict[str, int] = {role: rank for rank, role in enumerate(ROLES)}
+USERNAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$"
+MIN_PASSWORD_LENGTH = 12
+
+_hasher = PasswordHasher()
+#: Verified against when the username is unknown, so that a wrong name costs the same time as a wrong password.
+_DUMMY_HASH = _hasher.hash(secrets.token_urlsafe(16))
+
+
+@dataclass(frozen=True, slots=True)
+class ConsoleUser:
+    """Who a valid session speaks for."""
+
+    id: int
+    username: str
+    role: Role
+    session_id: int
+
+    def may(self, role: str) -> bool:
+        """True when this user's role includes ``role``."""
+        return RANK[self.role] >= RANK[role]
+
+
+def _check_role(role: str) -> Role:
+    if role not in RANK:
+        raise StoreError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
+    return role  # type: ignore[return-value]
+
+
+def _check_password(password: str) -> None:
+    if len(password) < MIN_PASSWORD_LENGTH:
+        raise StoreError(f"a password needs at least {MIN_PASSWORD_LENGTH} characters")
+
+
+def _public(user: AdminUser) -> AdminUserPublic:
+    return AdminUserPublic.model_validate(user)
+
+
+def _user(session: Session, username: str) -> AdminUser:
+    user = session.exec(select(AdminUser).where(AdminUser.username == username)).first()
+    if user is None:
+        raise NotFound(f"no console user {username!r}")
+    return user
+
+
+def create_user(session: Session, username: str, password: str, role: str, *, actor: str,
+                origin: str) -> AdminUserPublic:
+    """Add a console user (audited; the password itself is never in the audit entry)."""
+    if not re.fullmatch(USERNAME_PATTERN, username):
+        raise StoreError("a username is 1-64 letters, digits and . _ @ - (starting with a letter or digit)")
+    checked = _check_role(role)
+    _check_password(password)
+    if session.exec(select(AdminUser).where(AdminUser.username == username)).first() is not None:
+        raise Conflict(f"console user {username!r} already exists")
+    user = AdminUser(username=username, password_hash=_hasher.hash(password), role=checked)
+    session.add(user)
+    session.flush()
+    append_event(session, actor=actor, origin=origin, action="user.create", target=f"user:{username}",
+                 detail={"role": checked})
+    return _public(user)
+
+
+def list_users(session: Session) -> list[AdminUserPublic]:
+    return [_public(u) for u in session.exec(select(AdminUser).order_by(col(AdminUser.username))).all()]
+
+
+def set_role(session: Session, username: str, role: str, *, actor: str, origin: str) -> AdminUserPublic:
+    user = _user(session, username)
+    before, user.role = user.role, _check_role(role)
+    session.add(user)
+    append_event(session, actor=actor, origin=origin, action="user.role", target=f"user:{username}",
+                 detail={"from": before, "to": user.role})
+    return _public(user)
+
+
+def set_password(session: Session, username: str, password: str, *, actor: str, origin: str) -> None:
+    """A new password; every session of the user ends."""
+    _check_password(password)
+    user = _user(session, username)
+    user.password_hash = _hasher.hash(password)
+    session.add(user)
+    session.exec(delete(AdminSession).where(col(AdminSession.user_id) == user.id))
+    append_event(session, actor=actor, origin=origin, action="user.password", target=f"user:{username}")
+
+
+def disable_user(session: Session, username: str, *, actor: str, origin: str) -> AdminUserPublic:
+    """The user can no longer log in; their sessions end."""
+    user = _user(session, username)
+    if user.disabled_at is None:
+        user.disabled_at = utcnow()
+        session.add(user)
+        session.exec(delete(AdminSession).where(col(AdminSession.user_id) == user.id))
+        append_event(session, actor=actor, origin=origin, action="user.disable", target=f"user:{username}")
+    return _public(user)
+
+
+def verify_password(session: Session, username: str, password: str) -> AdminUser | None:
+    """The enabled user whose password this is, else None (in about the same time either way)."""
+    user = session.exec(select(AdminUser).where(AdminUser.username == username)).first()
+    try:
+        _hasher.verify(user.password_hash if user is not None else _DUMMY_HASH, password)
+    except (VerifyMismatchError, VerificationError, InvalidHashError):
+        return None
+    if user is None or user.disabled_at is not None:
+        return None
+    if _hasher.check_needs_rehash(user.password_hash):  # the library's parameters moved on
+        user.password_hash = _hasher.hash(password)
+        session.add(user)
+    return user
+
+
+def _token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def open_session(session: Session, user: AdminUser, ttl: timedelta, client: str) -> str:
+    """A new login session for ``user``; returns the token for the cookie (the only time it exists)."""
+    token = secrets.token_urlsafe(32)
+    now = utcnow()
+    session.exec(delete(AdminSession).where(col(AdminSession.expires_at) < now))  # sweep expired ones
+    session.add(AdminSession(token_hash=_token_hash(token), user_id=user.id or 0, created_at=now,
+                             expires_at=now + ttl, client=client[:128]))
+    append_event(session, actor=f"console:{user.username}", origin=f"console {client}"[:128], action="user.login",
+                 target=f"user:{user.username}")
+    return token
+
+
+def session_user(session: Session, token: str, now: datetime | None = None) -> ConsoleUser | None:
+    """Who the session cookie ``token`` belongs to, or None (unknown, expired, or user disabled)."""
+    row = session.exec(
+        select(AdminSession, AdminUser).join(AdminUser, col(AdminUser.id) == col(AdminSession.user_id))
+        .where(AdminSession.token_hash == _token_hash(token))
+    ).first()
+    if row is None:
+        return None
+    login, user = row
+    if login.expires_at <= (now or utcnow()) or user.disabled_at is not None:
+        return None
+    return ConsoleUser(id=user.id or 0, username=user.username, role=_check_role(user.role), session_id=login.id or 0)
+
+
+def close_session(session: Session, token: str) -> None:
+    """Log out: the session is gone on every replica."""
+    session.exec(delete(AdminSession).where(col(AdminSession.token_hash) == _token_hash(token)))
