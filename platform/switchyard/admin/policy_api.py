@@ -15,12 +15,13 @@ from litestar import Request, Response, get, post
 from litestar.params import FromPath, QueryParameter
 from sqlmodel import Session
 
-from switchyard.admin.common import admin_token_guard, in_db, json_body, origin_of, runtime_of
+from switchyard.admin.common import in_db, json_body, origin_of, runtime_of
 from switchyard.decide.policy_tests import compile_checked
 from switchyard.gateway.errors import ApiError, BadRequest
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy import PolicyError, policy_sha256, read_policy_file
 from switchyard.policy.diff import diff_documents
+from switchyard.settings import Settings
 from switchyard.store import errors as store_errors
 from switchyard.store.audit import list_events
 from switchyard.store.models import PolicyVersion, PolicyVersionPublic
@@ -72,27 +73,40 @@ def _rejected(error: PolicyError) -> Response[dict[str, Any]]:
                      "issues": [i.as_dict() for i in error.issues]}, status_code=422)
 
 
-def _refuse_in_file_mode(runtime: GatewayRuntime) -> None:
+def refuse_in_file_mode(runtime: GatewayRuntime) -> None:
+    """Raise :class:`Conflict` when the policy file is the truth (``policy_source=file``)."""
     settings = runtime.settings
     if settings.policy_source == "file":
         raise Conflict(f"policy_source is file: {settings.policy_file} is the truth, so the policy changes only "
                        "through that file", code="policy_source_is_file")
 
 
+Written = tuple[PolicyVersionPublic, bool]
+
+
+async def write_version(runtime: GatewayRuntime, write: Callable[[Session], Written]) -> Written:
+    """Publish (or roll back) through ``write``; returns the active version and whether it is new.
+
+    This process switches over before returning; the other replicas hear of the version through
+    the store (NOTIFY on PostgreSQL, and their poll).
+
+    Raises:
+        PolicyError: the document is invalid (nothing written).
+    """
+    row, created = await in_db(runtime, write)
+    if created:
+        await runtime.policy_changed()
+    return row, created
+
+
 async def _write_version(runtime: GatewayRuntime,
                          write: Callable[[Session], tuple[PolicyVersionPublic, bool]]) -> Response[dict[str, Any]]:
     """Publish (or roll back) through ``write``: 201 with the new version, 200 when its content was
-    already active, 422 with every issue when it is invalid (nothing written).
-
-    This process switches over before answering; the other replicas hear of the version through
-    the store (NOTIFY on PostgreSQL, and their poll).
-    """
+    already active, 422 with every issue when it is invalid (nothing written)."""
     try:
-        row, created = await in_db(runtime, write)
+        row, created = await write_version(runtime, write)
     except PolicyError as error:
         return _rejected(error)
-    if created:
-        await runtime.policy_changed()
     return Response({"created": created, "version": _meta(row)}, status_code=201 if created else 200)
 
 
@@ -120,13 +134,7 @@ async def policy_overview(request: Request[Any, Any, Any]) -> dict[str, Any]:
         row = active_version(session)
         if row is None:
             raise store_errors.NotFound("no policy version has been recorded yet")
-        file: dict[str, Any] | None = None
-        if settings.policy_source == "file":
-            file = {"path": str(settings.policy_file), "sha256": None, "error": None}
-            try:
-                file["sha256"] = policy_sha256(read_policy_file(settings.policy_file))
-            except PolicyError as error:
-                file["error"] = str(error)
+        file = policy_file_state(settings) if settings.policy_source == "file" else None
         return {"active": _meta(row), "text": row.yaml_text, "file": file}
 
     found = await in_db(runtime, read)
@@ -141,6 +149,16 @@ async def policy_overview(request: Request[Any, Any, Any]) -> dict[str, Any]:
         "matches_file": None if file is None else file["sha256"] == found["active"]["sha256"],
         "rejected": _rejected_state(runtime),
     }
+
+
+def policy_file_state(settings: Settings) -> dict[str, Any]:
+    """The policy file: its path, and its sha256 or why it cannot be read (blocking: call off the loop)."""
+    file: dict[str, Any] = {"path": str(settings.policy_file), "sha256": None, "error": None}
+    try:
+        file["sha256"] = policy_sha256(read_policy_file(settings.policy_file))
+    except PolicyError as error:
+        file["error"] = str(error)
+    return file
 
 
 def _rejected_state(runtime: GatewayRuntime) -> dict[str, Any] | None:
@@ -213,7 +231,7 @@ async def validate(request: Request[Any, Any, Any]) -> dict[str, Any]:
         return {"valid": False, "issues": [i.as_dict() for i in error.issues]}
 
 
-@post("/policy/versions", operation_id="adminPolicyPublish", guards=[admin_token_guard])
+@post("/policy/versions", operation_id="adminPolicyPublish")
 async def publish_version(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     """Validate a document and make it the active version (201; 200 when it is the active content).
 
@@ -221,7 +239,7 @@ async def publish_version(request: Request[Any, Any, Any]) -> Response[dict[str,
     document is answered 422 with every issue (path, line, message), and nothing is written.
     """
     runtime = runtime_of(request)
-    _refuse_in_file_mode(runtime)
+    refuse_in_file_mode(runtime)
     data = await json_body(request, PublishRequest)
     origin = origin_of(request)
 
@@ -232,14 +250,14 @@ async def publish_version(request: Request[Any, Any, Any]) -> Response[dict[str,
     return await _write_version(runtime, write)
 
 
-@post("/policy/rollback", operation_id="adminPolicyRollback", guards=[admin_token_guard])
+@post("/policy/rollback", operation_id="adminPolicyRollback")
 async def rollback_version(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     """Make an earlier version's content active again, as a new version (201; 200 when it already is).
 
     The body: ``{"version": 5, "message": "why", "author": "who"}``.
     """
     runtime = runtime_of(request)
-    _refuse_in_file_mode(runtime)
+    refuse_in_file_mode(runtime)
     data = await json_body(request, RollbackRequest)
     origin = origin_of(request)
 

@@ -10,7 +10,7 @@ from switchyard.decide.features import RequestFeatures
 from switchyard.decide.tokens import estimate_chat_tokens
 from switchyard.policy.errors import PolicyError, PolicyIssue, issues_at
 from switchyard.policy.load import parse_yaml
-from switchyard.policy.schema import PolicyTest, PolicyTestExpect
+from switchyard.policy.schema import PolicyTest, PolicyTestExpect, PolicyTestRequest
 from switchyard.policy.snapshot import PolicySnapshot, compile_policy
 
 
@@ -31,7 +31,11 @@ class PolicyTestResult:
 
 def features_of_test(test: PolicyTest) -> RequestFeatures:
     """The features of a policy test's request."""
-    req = test.request
+    return features_of_request(test.request)
+
+
+def features_of_request(req: PolicyTestRequest) -> RequestFeatures:
+    """The features of a request described as a policy test's (also the console's dry-run form)."""
     texts = [req.prompt] + ([req.system] if req.system else [])
     texts += [""] * max(0, req.messages - len(texts))
     return RequestFeatures(
@@ -50,7 +54,11 @@ def features_of_test(test: PolicyTest) -> RequestFeatures:
 
 def body_of_test(test: PolicyTest) -> dict[str, Any]:
     """A chat request body for a policy test's request (what the response cache's rules look at)."""
-    req = test.request
+    return body_of_request(test.request)
+
+
+def body_of_request(req: PolicyTestRequest) -> dict[str, Any]:
+    """A chat request body for a request described as a policy test's."""
     messages = ([{"role": "system", "content": req.system}] if req.system else [])
     messages += [{"role": "user", "content": ""}] * max(0, req.messages - 1 - len(messages))
     messages.append({"role": "user", "content": req.prompt})

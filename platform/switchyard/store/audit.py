@@ -33,10 +33,16 @@ def append_event(session: Session, *, actor: str, origin: str, action: str, targ
     return AuditEventPublic.model_validate(event)
 
 
-def list_events(session: Session, limit: int = 50, action: str | None = None) -> list[AuditEventPublic]:
-    """The newest entries first, optionally only those whose action starts with ``action``."""
+def list_events(session: Session, limit: int = 50, action: str | None = None, *, actor: str | None = None,
+                before_id: int | None = None) -> list[AuditEventPublic]:
+    """The newest entries first, optionally only those whose action starts with ``action``, whose
+    actor starts with ``actor``, and (paging back) whose id is below ``before_id``."""
     query = select(AuditEvent)
     if action is not None:
         query = query.where(col(AuditEvent.action).startswith(action))
+    if actor is not None:
+        query = query.where(col(AuditEvent.actor).startswith(actor, autoescape=True))
+    if before_id is not None:
+        query = query.where(col(AuditEvent.id) < before_id)
     rows = session.exec(query.order_by(col(AuditEvent.id).desc()).limit(limit)).all()
     return [AuditEventPublic.model_validate(r) for r in rows]

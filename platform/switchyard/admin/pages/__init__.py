@@ -1,0 +1,2 @@
+"""Console pages, one module per page; each exports ``ROUTES`` (mounted under ``/admin`` behind the
+session guard, see :mod:`switchyard.admin.console`)."""

@@ -1,0 +1,196 @@
+"""Console page: the dry-run. What the gateway would decide for a request, stage by stage, without
+sending it anywhere or changing any state.
+
+The form describes a request the way a policy test does (:class:`~switchyard.policy.schema.PolicyTestRequest`),
+and the answer comes from the evaluator the policy tests and ``switchyard policy test`` use
+(:func:`switchyard.decide.dryrun.dry_run`, which runs the gateway's own decisions), with the features
+and body built by the same helpers as a policy test's. The POST is a read (viewer role): it only
+carries the CSRF token because every console POST does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from litestar import get, post
+from litestar.datastructures import FormMultiDict
+from litestar.plugins.htmx import HTMXRequest
+from litestar.response import Template
+from pydantic import ValidationError
+from sqlmodel import Session
+
+from switchyard.admin.common import in_db
+from switchyard.decide.admit import LimitCharge, estimate, limit_charges
+from switchyard.decide.dryrun import DryRun, dry_run
+from switchyard.decide.flow import PRIORITY_HEADER
+from switchyard.decide.policy_tests import body_of_request, features_of_request
+from switchyard.decide.regions import REGION_HEADER
+from switchyard.gateway.errors import ApiError
+from switchyard.gateway.runtime import GatewayRuntime
+from switchyard.policy.schema import Limits, PolicyTestRequest
+from switchyard.policy.snapshot import PolicySnapshot
+from switchyard.store.models import TenantPublic
+from switchyard.store.tenants import get_tenant, list_tenants
+
+TEMPLATE = "admin/dryrun.html.j2"
+
+#: The form's fields and their values when the page opens.
+DEFAULTS: dict[str, str] = {
+    "tenant": "", "tier": "", "model": "", "prompt": "", "system": "", "messages": "1", "max_tokens": "",
+    "temperature": "", "priority": "", "priority_header": "", "region_header": "",
+}
+#: The form's checkboxes.
+FLAGS = ("stream", "tools", "json_mode", "images")
+
+
+class BadInput(ValueError):
+    """The form holds something the dry-run cannot take (said in the message)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Who:
+    """Whom the request is sent as: a tenant (its tier, home region and limit override) or just a tier."""
+
+    tenant: str | None
+    tier: str
+    region: str | None = None
+    limits: Limits | None = None
+
+
+def _runtime(request: HTMXRequest) -> GatewayRuntime:
+    runtime: GatewayRuntime = request.app.state.runtime
+    return runtime
+
+
+def _choices(snapshot: PolicySnapshot, tenants: list[TenantPublic]) -> dict[str, Any]:
+    return {
+        "tenants": tenants,
+        "tiers": list(snapshot.tiers),
+        "models": list(snapshot.models),
+        "routes": list(snapshot.routes),
+        "classes": list(snapshot.priorities),
+        "regions": list(snapshot.document.regions),
+    }
+
+
+async def _page(request: HTMXRequest, values: dict[str, str], flags: set[str], status: int = 200,
+                error: str | None = None, result: dict[str, Any] | None = None) -> Template:
+    runtime = _runtime(request)
+    tenants = await in_db(runtime, list_tenants)
+    context = {**_choices(runtime.policy.snapshot, tenants), "values": values, "flags": flags, "error": error,
+               "result": result}
+    return Template(template_name=TEMPLATE, status_code=status, context=context)
+
+
+@get("/dry-run", name="admin:dry-run", include_in_schema=False)
+async def dry_run_form(request: HTMXRequest) -> Template:
+    """The dry-run form."""
+    return await _page(request, dict(DEFAULTS), set())
+
+
+def _number(values: dict[str, str], name: str, label: str, kind: type[int] | type[float]) -> Any:
+    """The field ``name`` as a number (None when empty)."""
+    raw = values[name]
+    if not raw:
+        return None
+    try:
+        return kind(raw)
+    except ValueError:
+        raise BadInput(f"{label}: {raw!r} is not {'a whole number' if kind is int else 'a number'}") from None
+
+
+def _request_of(snapshot: PolicySnapshot, values: dict[str, str], flags: set[str], tier: str) -> PolicyTestRequest:
+    """The form as a policy test's request (every check the policy tests' schema makes applies)."""
+    model = values["model"]
+    if not model:
+        raise BadInput("choose a model")
+    if model not in snapshot.models and model not in snapshot.routes:
+        raise BadInput(f"unknown model {model!r}: the active policy has no model or route of that name")
+    headers = {header: values[field] for header, field in ((PRIORITY_HEADER, "priority_header"),
+                                                            (REGION_HEADER, "region_header")) if values[field]}
+    try:
+        return PolicyTestRequest(
+            model=model, tier=tier, prompt=values["prompt"], system=values["system"] or None,
+            messages=_number(values, "messages", "Messages", int) or 1,
+            max_tokens=_number(values, "max_tokens", "Max tokens", int),
+            temperature=_number(values, "temperature", "Temperature", float),
+            priority=values["priority"] or None, headers=headers,
+            tools="tools" in flags, json_mode="json_mode" in flags, images="images" in flags)
+    except ValidationError as invalid:
+        labels = {"messages": "Messages", "max_tokens": "Max tokens", "temperature": "Temperature",
+                  "priority": "Priority class"}
+        raise BadInput("; ".join(f"{labels.get(str(e['loc'][0]), e['loc'][0]) if e['loc'] else 'request'}: "
+                                 f"{e['msg']}" for e in invalid.errors())) from None
+
+
+async def _who(runtime: GatewayRuntime, values: dict[str, str]) -> Who:
+    snapshot = runtime.policy.snapshot
+    name = values["tenant"]
+    if name:
+        def lookup(session: Session) -> Who:
+            tenant = get_tenant(session, name)
+            limits = Limits.model_validate(tenant.limits) if tenant.limits is not None else None
+            return Who(tenant.name, tenant.tier, tenant.region, limits)
+
+        try:
+            who = await in_db(runtime, lookup)
+        except ApiError:
+            raise BadInput(f"unknown tenant {name!r}") from None
+        if who.tier not in snapshot.tiers:
+            raise BadInput(f"tenant {name!r} is in tier {who.tier!r}, which the active policy does not define")
+        return who
+    tier = values["tier"]
+    if not tier:
+        raise BadInput("choose a tenant or a tier")
+    if tier not in snapshot.tiers:
+        raise BadInput(f"unknown tier {tier!r}")
+    return Who(None, tier)
+
+
+def _charges(snapshot: PolicySnapshot, who: Who, run: DryRun, prompt_tokens: int,
+             max_tokens: int | None) -> tuple[float | None, list[LimitCharge]]:
+    """The estimated tokens of the request and the limits it would be charged against (the gateway's
+    own estimate and charges, with the tenant's override); none when it is refused before admission."""
+    model = snapshot.models.get(run.model or "")
+    if model is None or run.status == 400:  # refused before admission
+        return None, []
+    est = estimate(model, prompt_tokens, max_tokens)
+    return est.tokens, limit_charges(snapshot, who.tier, model, est, tenant=who.tenant or "dry-run", key="dry-run",
+                                     tenant_limits=who.limits)
+
+
+def _values(form: FormMultiDict) -> tuple[dict[str, str], set[str]]:
+    values = {}
+    for name, default in DEFAULTS.items():
+        raw = form.get(name, default)
+        text = raw if isinstance(raw, str) else default
+        values[name] = text if name in ("prompt", "system") else text.strip()
+    return values, {flag for flag in FLAGS if form.get(flag)}
+
+
+@post("/dry-run", include_in_schema=False, status_code=200)
+async def dry_run_submit(request: HTMXRequest) -> Template:
+    """Run the dry-run of the form's request and show every decision (400 with the form when it is wrong)."""
+    runtime = _runtime(request)
+    snapshot = runtime.policy.snapshot  # read once: the whole answer comes from one policy version
+    values, flags = _values(await request.form())
+    try:
+        who = await _who(runtime, values)
+        test_request = _request_of(snapshot, values, flags, who.tier)
+    except BadInput as bad:
+        return await _page(request, values, flags, status=400, error=str(bad))
+    features = features_of_request(test_request)
+    body = body_of_request(test_request)
+    if "stream" in flags:
+        body["stream"] = True
+    run = dry_run(snapshot, who.tier, features, strategy=runtime.settings.picker, priority=test_request.priority,
+                  key_region=who.region, gateway_region=runtime.settings.region, body=body)
+    tokens, charges = _charges(snapshot, who, run, features.prompt_tokens, features.max_tokens)
+    result = {"run": run, "who": who, "policy": snapshot.label, "prompt_tokens": features.prompt_tokens,
+              "max_tokens": features.max_tokens, "estimated_tokens": tokens, "charges": charges,
+              "stream": "stream" in flags, "cache_rules": bool(snapshot.document.cache)}
+    return await _page(request, values, flags, result=result)
+
+
+ROUTES: list[Any] = [dry_run_form, dry_run_submit]

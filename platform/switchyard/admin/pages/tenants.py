@@ -1,0 +1,500 @@
+"""Console page: tenants and their API keys.
+
+``/admin/tenants`` lists tenants and creates them; ``/admin/tenants/{name}`` shows one: its tier,
+its effective limits (the tier's, replaced field by field by the tenant's override) with how much
+of each is in use, its keys, and the forms that change them. Every change goes through the store's
+functions and is written to the audit log in the same transaction. A new key's secret is in the
+one response that creates it, and nowhere else: not stored (only its hash), not logged, not in a URL.
+
+Roles: creating tenants and keys, revoking keys and changing a tier need ``admin``; limit
+overrides need ``operator``; reading needs ``viewer``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import anyio
+from litestar import Response, get, post
+from litestar.datastructures import FormMultiDict
+from litestar.params import FromPath
+from litestar.plugins.htmx import HTMXRequest
+from litestar.response import Redirect, Template
+from sqlmodel import Session, col, select
+
+from switchyard.admin.common import in_db
+from switchyard.admin.session import console_origin, current_user
+from switchyard.decide.admit import LIMIT_PERIODS, Estimate, LimitCharge, limit_charges
+from switchyard.gateway.errors import ApiError
+from switchyard.gateway.runtime import GatewayRuntime
+from switchyard.policy.schema import Limits
+from switchyard.policy.snapshot import PolicySnapshot
+from switchyard.store import errors as store_errors
+from switchyard.store.admin_users import RANK
+from switchyard.store.audit import append_event
+from switchyard.store.keys import create_key, list_keys, revoke_key
+from switchyard.store.limits import BucketState, charges_of
+from switchyard.store.models import ApiKey, ApiKeyPublic, Tenant, TenantCreate, TenantPublic, UsageDailyPublic
+from switchyard.store.tenants import create_tenant, get_tenant, list_tenants, set_tier
+from switchyard.store.usage import set_limits, usage
+
+T = TypeVar("T")
+
+#: Names the console accepts for a new tenant (they appear in console URLs).
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+KEY_NAME_MAX = 128
+#: A form value that lifts a limit (stored as null: no limit, whatever the tier says).
+UNLIMITED = ("none", "unlimited")
+#: Seconds the page waits for the limit store's counters before showing the page without them.
+PEEK_TIMEOUT_S = 1.5
+#: Days of the ledger the tenant page reads (the spend_per_month bucket refills over 30 days).
+LEDGER_DAYS = 30
+
+LIMIT_FIELDS = tuple(LIMIT_PERIODS)
+_PERIOD_WORDS = {60.0: "minute", 86_400.0: "day", 30 * 86_400.0: "30 days"}
+
+
+class FormError(Exception):
+    """Input the page refuses; shown in a role="alert" box with ``status``."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+def _runtime(request: HTMXRequest) -> GatewayRuntime:
+    runtime: GatewayRuntime = request.app.state.runtime
+    return runtime
+
+
+async def _db(runtime: GatewayRuntime, work: Callable[[Session], T]) -> T:
+    """``in_db`` with the store's refusals as :class:`FormError` (a duplicate is 409, a missing record 404)."""
+    try:
+        return await in_db(runtime, work)
+    except ApiError as exc:
+        if exc.status_code >= 500:
+            raise
+        status = 409 if isinstance(exc.__context__, store_errors.Conflict) else exc.status_code
+        raise FormError(exc.message, status) from None
+
+
+def _text(form: FormMultiDict, name: str) -> str:
+    value = form.get(name)
+    return value.strip() if isinstance(value, str) else ""
+
+
+def _num(value: float | None, unit: str = "tokens") -> str:
+    if value is None:
+        return "unlimited"
+    return f"{value:,.2f}" if unit == "spend" else f"{value:,.0f}"
+
+
+def _shown_limits(limits: Mapping[str, Any] | None) -> str:
+    """An override as one line: ``tokens_per_minute 5,000; tokens_per_day none``."""
+    if not limits:
+        return ""
+    return "; ".join(f"{name} {'none' if value is None else _num(value, LIMIT_PERIODS.get(name, (0, 'tokens'))[1])}"
+                     for name, value in limits.items())
+
+
+def _can(request: HTMXRequest, role: str) -> bool:
+    return RANK[current_user(request).role] >= RANK[role]
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+@dataclass
+class _TenantData:
+    tenant: TenantPublic
+    limits: dict[str, Any] | None
+    keys: list[ApiKeyPublic]
+    key_limits: dict[int, Mapping[str, Any] | None]
+    rows: list[UsageDailyPublic]  # the ledger's rows of the last LEDGER_DAYS days
+    today: date
+
+
+def _read_tenant(session: Session, name: str) -> _TenantData:
+    row = get_tenant(session, name)
+    keys = list_keys(session, name)
+    key_limits = {kid: lim for kid, lim in session.exec(
+        select(ApiKey.id, ApiKey.limits).where(ApiKey.tenant_id == row.id)).all() if kid is not None}
+    today = datetime.now(UTC).date()
+    report = usage(session, tenant=name, since=today - timedelta(days=LEDGER_DAYS - 1))
+    return _TenantData(TenantPublic.model_validate(row), row.limits, keys, key_limits, list(report.rows), today)
+
+
+def _read_list(session: Session) -> dict[str, Any]:
+    tenants = list_tenants(session)
+    overrides = dict(session.exec(select(Tenant.name, Tenant.limits)).all())
+    active: dict[str, int] = {}
+    for key in list_keys(session):
+        if key.revoked_at is None:
+            active[key.tenant] = active.get(key.tenant, 0) + 1
+    rows = [{"tenant": t, "url": _tenant_url(t.name), "active_keys": active.get(t.name, 0),
+             "overrides": _shown_limits(overrides.get(t.name))} for t in tenants]
+    return {"rows": rows}
+
+
+@dataclass
+class _Live:
+    """The limit store's counters for some buckets, or why there are none."""
+
+    states: dict[str, BucketState] = field(default_factory=dict)
+    note: str | None = None
+
+
+async def _peek(runtime: GatewayRuntime, charges: list[LimitCharge]) -> _Live:
+    """What the limit store's buckets of ``charges`` hold now (changing nothing)."""
+    if not charges:
+        return _Live()
+    admitter = runtime.admitter
+    store = admitter.store
+    if runtime.settings.redis_url is None:
+        note = "Live counters of this gateway process (no Redis configured: each process counts its own)."
+    else:
+        note = "Live counters from the shared limit store (Redis)."
+    if admitter.store_down:
+        store = admitter.local
+        note = "The shared limit store is unreachable: these are this process's fallback counters."
+    try:
+        with anyio.fail_after(PEEK_TIMEOUT_S):
+            states = await store.peek([c.bucket for c in charges_of(charges)])
+    except Exception as exc:  # the page still shows the ledger's figures
+        return _Live(note=f"Live counters cannot be read right now ({exc.__class__.__name__}); "
+                          "the usage ledger's figures are shown.")
+    return _Live({s.bucket.key: s for s in states}, note)
+
+
+def _charges(snapshot: PolicySnapshot, tenant: TenantPublic, tenant_limits: Limits | None,
+             key_limits: Mapping[int, Limits]) -> tuple[list[LimitCharge], list[LimitCharge], list[LimitCharge]]:
+    """The gateway's own charges for this tenant (the same function the gateway admits with): the
+    tenant's, its tier's per-model ones, and its keys' own."""
+    est = Estimate(0, 0, 0.0)
+    subject = str(tenant.id)
+    tier = snapshot.tiers[tenant.tier]
+    any_model = next(iter(snapshot.models.values()))
+    base = [c for c in limit_charges(snapshot, tier.name, any_model, est, tenant=subject, key="-",
+                                     tenant_limits=tenant_limits) if c.key.count(":") == 2]
+    per_model = []
+    for model_name in tier.model_limits:
+        model = snapshot.models.get(model_name)
+        if model is not None:
+            per_model += [c for c in limit_charges(snapshot, tier.name, model, est, tenant=subject, key="-",
+                                                   tenant_limits=tenant_limits)
+                          if c.key.startswith(f"t:{subject}:m:")]
+    keys = []
+    for key_id, limits in key_limits.items():
+        keys += [c for c in limit_charges(snapshot, tier.name, any_model, est, tenant=subject, key=str(key_id),
+                                          tenant_limits=tenant_limits, key_limits=limits)
+                 if c.key.startswith(f"k:{key_id}:")]
+    return base, per_model, keys
+
+
+def _drawn(charge: LimitCharge, live: _Live) -> dict[str, Any] | None:
+    state = live.states.get(charge.key)
+    if state is None:
+        return None
+    used = max(0.0, state.limit - state.level)
+    return {"used": used, "limit": state.limit,
+            "text": f"{_num(used, charge.unit)} of {_num(state.limit, charge.unit)}",
+            "percent": min(100.0, 100.0 * used / state.limit) if state.limit else 0.0}
+
+
+async def _tenant_context(request: HTMXRequest, name: str) -> dict[str, Any]:
+    runtime = _runtime(request)
+    data = await _db(runtime, lambda s: _read_tenant(s, name))
+    snapshot = runtime.policy.snapshot
+    tenant = data.tenant
+    tier = snapshot.tiers.get(tenant.tier)
+    override = Limits.model_validate(data.limits) if data.limits is not None else None
+    key_overrides = {kid: Limits.model_validate(lim) for kid, lim in data.key_limits.items() if lim is not None}
+
+    today_rows = [r for r in data.rows if r.day == data.today]
+    ledger = {
+        "tokens_today": sum(r.prompt_tokens + r.completion_tokens for r in today_rows),
+        "requests_today": sum(r.requests for r in today_rows),
+        "spend_30d": sum(r.spend for r in data.rows),
+    }
+    key_tokens_today: dict[int, int] = {}
+    for r in today_rows:
+        key_tokens_today[r.key_id] = key_tokens_today.get(r.key_id, 0) + r.prompt_tokens + r.completion_tokens
+
+    limit_rows: list[dict[str, Any]] = []
+    model_rows: list[dict[str, Any]] = []
+    key_rows: dict[int, list[dict[str, Any]]] = {}
+    live = _Live()
+    if tier is not None:
+        base, per_model, key_charges = _charges(snapshot, tenant, override, key_overrides)
+        live = await _peek(runtime, base + per_model + key_charges)
+        effective = {c.limit: c for c in base}
+        own = override.model_fields_set if override is not None else set()
+        for name_, (period, unit) in LIMIT_PERIODS.items():
+            charge = effective.get(name_)
+            tier_value = getattr(tier.limits, name_)
+            if name_ in own:
+                value = getattr(override, name_)
+                shown_override = "none (lifted)" if value is None else _num(value, unit)
+            else:
+                shown_override = ""
+            if name_ == "tokens_per_day":
+                ledger_text = f"{_num(ledger['tokens_today'])} tokens today (UTC)"
+            elif name_ == "spend_per_month":
+                ledger_text = f"{_num(ledger['spend_30d'], 'spend')} spent in the last 30 days"
+            else:
+                ledger_text = ""
+            limit_rows.append({"name": name_, "period": _PERIOD_WORDS.get(period, f"{period:.0f} s"), "unit": unit,
+                               "tier": _num(tier_value, unit) if tier_value is not None else "unlimited",
+                               "override": shown_override,
+                               "effective": _num(charge.capacity, unit) if charge is not None else "unlimited",
+                               "drawn": _drawn(charge, live) if charge is not None else None,
+                               "ledger": ledger_text})
+        model_rows = [{"model": c.key.split(":")[3], "name": c.limit, "effective": _num(c.capacity, c.unit),
+                       "drawn": _drawn(c, live)} for c in per_model]
+        for c in key_charges:
+            key_rows.setdefault(int(c.key.split(":")[1]), []).append(
+                {"name": c.limit, "effective": _num(c.capacity, c.unit), "drawn": _drawn(c, live)})
+
+    keys = [{"key": k, "own_limits": key_rows.get(k.id, []), "override": data.key_limits.get(k.id),
+             "shown_override": _shown_limits(data.key_limits.get(k.id)),
+             "tokens_today": key_tokens_today.get(k.id, 0)} for k in data.keys]
+    return {
+        "tenant": tenant,
+        "url": _tenant_url(tenant.name),
+        "tier": tier,
+        "tiers": list(snapshot.tiers),
+        "regions": list(snapshot.document.regions),
+        "override": data.limits,
+        "limit_fields": LIMIT_FIELDS,
+        "limit_rows": limit_rows,
+        "model_rows": model_rows,
+        "keys": keys,
+        "ledger": {k: _num(v, "spend" if k == "spend_30d" else "tokens") for k, v in ledger.items()},
+        "flush_s": runtime.settings.usage_flush_interval_s,
+        "live_note": live.note,
+        "can_admin": _can(request, "admin"),
+        "can_operate": _can(request, "operator"),
+        "new_key": None,
+        "error": None,
+        "values": {},
+    }
+
+
+async def _list_context(request: HTMXRequest) -> dict[str, Any]:
+    runtime = _runtime(request)
+    context = await _db(runtime, _read_list)
+    snapshot = runtime.policy.snapshot
+    return context | {"tiers": list(snapshot.tiers), "regions": list(snapshot.document.regions),
+                      "can_admin": _can(request, "admin"), "error": None, "values": {}}
+
+
+async def _list_page(request: HTMXRequest, *, error: str | None = None, status: int = 200,
+                     values: Mapping[str, str] | None = None) -> Template:
+    context = await _list_context(request)
+    context |= {"error": error, "values": dict(values or {})}
+    return Template(template_name="admin/tenants.html.j2", context=context, status_code=status)
+
+
+async def _tenant_page(request: HTMXRequest, name: str, *, error: str | None = None, status: int = 200,
+                       new_key: Mapping[str, Any] | None = None, values: Mapping[str, str] | None = None) -> Template:
+    try:
+        context = await _tenant_context(request, name)
+    except FormError as exc:  # no such tenant
+        return await _list_page(request, error=exc.message, status=exc.status)
+    context |= {"error": error, "new_key": new_key, "values": dict(values or {})}
+    return Template(template_name="admin/tenant.html.j2", context=context, status_code=status)
+
+
+def _tenant_url(name: str) -> str:
+    return f"/admin/tenants/{quote(name, safe='')}"
+
+
+# --- checks --------------------------------------------------------------------------------------
+
+def _check_tier(snapshot: PolicySnapshot, tier: str) -> str:
+    """The CLI's check: a tier must be one of the active policy's."""
+    if not tier:
+        raise FormError("choose a tier")
+    if tier not in snapshot.tiers:
+        raise FormError(f"unknown tier {tier!r}; the policy ({snapshot.label}) has: {', '.join(snapshot.tiers)}")
+    return tier
+
+
+def _check_region(snapshot: PolicySnapshot, region: str) -> str | None:
+    if not region:
+        return None
+    if region not in snapshot.document.regions:
+        raise FormError(f"unknown region {region!r}; the policy ({snapshot.label}) has: "
+                        f"{', '.join(snapshot.document.regions)}")
+    return region
+
+
+def _limits_of(form: FormMultiDict) -> dict[str, Any] | None:
+    """The override a limits form asks for: a field left empty is not overridden, ``none`` lifts the
+    limit, anything else is the limit's value (the store validates it); ``None`` clears the override."""
+    if _text(form, "clear"):
+        return None
+    limits: dict[str, Any] = {}
+    for name in LIMIT_FIELDS:
+        value = _text(form, name)
+        if not value:
+            continue
+        limits[name] = None if value.lower() in UNLIMITED else value.replace(",", "").replace("_", "")
+    return limits or None
+
+
+# --- handlers ------------------------------------------------------------------------------------
+
+@get("/tenants", name="admin:tenants", include_in_schema=False)
+async def tenants_page(request: HTMXRequest) -> Template:
+    """Every tenant, and the form that creates one."""
+    return await _list_page(request)
+
+
+@post("/tenants", opt={"role": "admin"}, include_in_schema=False)
+async def tenants_create(request: HTMXRequest) -> Response[Any]:
+    """Create a tenant in a tier of the active policy (audited as ``tenant.create``)."""
+    form = await request.form()
+    values = {"name": _text(form, "name"), "tier": _text(form, "tier"), "region": _text(form, "region")}
+    snapshot = _runtime(request).policy.snapshot
+    actor, origin = console_origin(request)
+    try:
+        name = values["name"]
+        if TENANT_NAME.fullmatch(name) is None:
+            raise FormError(f"invalid tenant name {name!r}: 1 to 64 letters, digits, '.', '_' or '-', "
+                            "starting with a letter or digit")
+        tier = _check_tier(snapshot, values["tier"])
+        region = _check_region(snapshot, values["region"])
+
+        def create(session: Session) -> TenantPublic:
+            tenant = create_tenant(session, TenantCreate(name=name, tier=tier, region=region))
+            append_event(session, actor=actor, origin=origin, action="tenant.create", target=f"tenant:{name}",
+                         detail={"tier": tier, "region": region})
+            return tenant
+
+        await _db(_runtime(request), create)
+    except FormError as exc:
+        return await _list_page(request, error=exc.message, status=exc.status, values=values)
+    return Redirect(path=_tenant_url(name), status_code=303)
+
+
+@get("/tenants/{name:str}", name="admin:tenant", include_in_schema=False)
+async def tenant_page(request: HTMXRequest, name: FromPath[str]) -> Template:
+    """One tenant: tier, effective limits and their use, keys, and the forms that change them."""
+    return await _tenant_page(request, name, status=200)
+
+
+@post("/tenants/{name:str}/tier", opt={"role": "admin"}, include_in_schema=False)
+async def tenant_tier(request: HTMXRequest, name: FromPath[str]) -> Response[Any]:
+    """Move a tenant to another tier of the active policy (audited as ``tenant.tier``)."""
+    form = await request.form()
+    actor, origin = console_origin(request)
+    try:
+        tier = _check_tier(_runtime(request).policy.snapshot, _text(form, "tier"))
+
+        def move(session: Session) -> None:
+            previous = get_tenant(session, name).tier
+            set_tier(session, name, tier)
+            append_event(session, actor=actor, origin=origin, action="tenant.tier", target=f"tenant:{name}",
+                         detail={"tier": tier, "previous": previous})
+
+        await _db(_runtime(request), move)
+    except FormError as exc:
+        return await _tenant_page(request, name, error=exc.message, status=exc.status)
+    return Redirect(path=_tenant_url(name), status_code=303)
+
+
+@post("/tenants/{name:str}/limits", opt={"role": "operator"}, include_in_schema=False)
+async def tenant_limits(request: HTMXRequest, name: FromPath[str]) -> Response[Any]:
+    """Set or clear a tenant's override of its tier's limits (``store.usage.set_limits`` audits it)."""
+    form = await request.form()
+    actor, origin = console_origin(request)
+    try:
+        limits = _limits_of(form)
+        await _db(_runtime(request), lambda s: set_limits(s, tenant=name, limits=limits, actor=actor, origin=origin))
+    except FormError as exc:
+        values = {f: _text(form, f) for f in LIMIT_FIELDS}
+        return await _tenant_page(request, name, error=exc.message, status=exc.status, values=values)
+    return Redirect(path=_tenant_url(name), status_code=303)
+
+
+@post("/tenants/{name:str}/keys", opt={"role": "admin"}, include_in_schema=False)
+async def tenant_key_create(request: HTMXRequest, name: FromPath[str]) -> Response[Any]:
+    """Create a key; the answer is the tenant page with the secret, the only time it is shown."""
+    form = await request.form()
+    actor, origin = console_origin(request)
+    try:
+        label = _text(form, "name") or None
+        if label is not None and len(label) > KEY_NAME_MAX:
+            raise FormError(f"a key's name has at most {KEY_NAME_MAX} characters")
+        region = _check_region(_runtime(request).policy.snapshot, _text(form, "region"))
+
+        def create(session: Session) -> tuple[str, ApiKeyPublic]:
+            secret, record = create_key(session, name, label, region)
+            append_event(session, actor=actor, origin=origin, action="key.create", target=f"key:{record.id}",
+                         detail={"tenant": name, "prefix": record.prefix, "name": label, "region": region})
+            return secret, record
+
+        secret, record = await _db(_runtime(request), create)
+    except FormError as exc:
+        return await _tenant_page(request, name, error=exc.message, status=exc.status)
+    return await _tenant_page(request, name, status=201,
+                              new_key={"secret": secret, "id": record.id, "prefix": record.prefix,
+                                       "name": record.name})
+
+
+async def _key_tenant(request: HTMXRequest, key_id: int) -> str | None:
+    def find(session: Session) -> str | None:
+        return session.exec(select(Tenant.name).join(ApiKey, col(ApiKey.tenant_id) == col(Tenant.id))
+                            .where(ApiKey.id == key_id)).first()
+
+    return await _db(_runtime(request), find)
+
+
+async def _key_error(request: HTMXRequest, key_id: int, exc: FormError) -> Template:
+    tenant = await _key_tenant(request, key_id)
+    if tenant is None:
+        return await _list_page(request, error=exc.message, status=exc.status)
+    return await _tenant_page(request, tenant, error=exc.message, status=exc.status)
+
+
+@post("/keys/{key_id:int}/revoke", opt={"role": "admin"}, include_in_schema=False)
+async def key_revoke(request: HTMXRequest, key_id: FromPath[int]) -> Response[Any]:
+    """Revoke a key for good (audited as ``key.revoke``)."""
+    actor, origin = console_origin(request)
+
+    def revoke(session: Session) -> ApiKeyPublic:
+        record = revoke_key(session, key_id)
+        append_event(session, actor=actor, origin=origin, action="key.revoke", target=f"key:{key_id}",
+                     detail={"tenant": record.tenant, "prefix": record.prefix})
+        return record
+
+    try:
+        record = await _db(_runtime(request), revoke)
+    except FormError as exc:
+        return await _key_error(request, key_id, exc)
+    return Redirect(path=_tenant_url(record.tenant), status_code=303)
+
+
+@post("/keys/{key_id:int}/limits", opt={"role": "operator"}, include_in_schema=False)
+async def key_limits(request: HTMXRequest, key_id: FromPath[int]) -> Response[Any]:
+    """Set or clear a key's own limits, charged on top of its tenant's (audited by the store)."""
+    form = await request.form()
+    actor, origin = console_origin(request)
+    try:
+        limits = _limits_of(form)
+        await _db(_runtime(request), lambda s: set_limits(s, key_id=key_id, limits=limits, actor=actor,
+                                                          origin=origin))
+        tenant = await _key_tenant(request, key_id)
+    except FormError as exc:
+        return await _key_error(request, key_id, exc)
+    return Redirect(path=_tenant_url(tenant or ""), status_code=303)
+
+
+ROUTES: list[Any] = [tenants_page, tenants_create, tenant_page, tenant_tier, tenant_limits, tenant_key_create,
+                     key_revoke, key_limits]
