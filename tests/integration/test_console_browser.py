@@ -1,0 +1,296 @@
+"""The console in a real browser: Playwright driving Debian's Chromium against a live gateway over
+simulated engines (policy in the database, so the console can publish).
+
+Every page is screenshotted into ``test-artifacts/console/`` (``$SWITCHYARD_ARTIFACTS``) and checked
+with axe-core: no serious or critical accessibility violations. A page that logs a browser console
+error (a Content-Security-Policy violation, a failed htmx request) fails its test.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from axe_playwright_python.sync_playwright import Axe
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+from tests.integration.conftest import (
+    CONSOLE_PASSWORD,
+    CONSOLE_USERS,
+    Engines,
+    Gateway,
+    start_gateway,
+    stop,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = Path(os.environ.get("SWITCHYARD_ARTIFACTS", REPO / "test-artifacts")) / "console"
+CHROMIUM = os.environ.get("SWITCHYARD_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+#: axe-core impacts that fail a page.
+SERIOUS = {"serious", "critical"}
+
+
+@pytest.fixture(scope="module")
+def live(engines: Engines, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """A gateway whose policy lives in the database (the console publishes), with console users and keys."""
+    tmp = tmp_path_factory.mktemp("gw-browser")
+    gw = start_gateway(engines, f"sqlite:///{tmp / 'gw.db'}", tmp, "sqlite",
+                       {"SWITCHYARD_POLICY_SOURCE": "db", "SWITCHYARD_KEY_CACHE_TTL_S": "0"})
+    try:
+        gw.keys = {"free": gw.new_key("free-co", "free"), "pro": gw.new_key("pro-co", "pro")}
+        for role, name in CONSOLE_USERS.items():
+            gw.cli("admin", "create-user", name, "--role", role, "--password-stdin", input_text=CONSOLE_PASSWORD)
+        yield gw
+    finally:
+        assert stop(gw.proc)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    if CHROMIUM is None:
+        message = "no Chromium (apt-get install -y chromium, or set SWITCHYARD_CHROMIUM)"
+        if os.environ.get("SWITCHYARD_REQUIRE_BROWSER"):
+            pytest.fail(message)
+        pytest.skip(message)
+    with sync_playwright() as p:
+        launched = p.chromium.launch(executable_path=CHROMIUM,
+                                     args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        try:
+            yield launched
+        finally:
+            launched.close()
+
+
+def log_in(page: Page, role: str = "admin") -> None:
+    page.goto("/admin/login")
+    page.get_by_label("Username").fill(CONSOLE_USERS[role])
+    page.get_by_label("Password").fill(CONSOLE_PASSWORD)
+    page.get_by_role("button", name="Log in").click()
+    expect(page.locator("#whoami")).to_contain_text(CONSOLE_USERS[role])
+
+
+@pytest.fixture
+def page(browser: Browser, live: Gateway) -> Iterator[Page]:
+    """A fresh browser context on the live gateway, logged in as the admin; fails on browser console errors."""
+    context = browser.new_context(base_url=live.base_url, viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    tab = context.new_page()
+    tab.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    tab.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        log_in(tab)
+        yield tab
+        assert not errors, f"the browser logged errors: {errors}"
+    finally:
+        context.close()
+
+
+def check_page(page: Page, name: str) -> None:
+    """Screenshot the page into the artifacts and fail on serious accessibility violations."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True, caret="initial")  # "hide" injects a style
+    results = Axe().run(page)
+    serious = [v for v in results.response["violations"] if v["impact"] in SERIOUS]
+    assert not serious, f"{name}: " + results.generate_report()
+
+
+def test_login_form_in_the_browser(browser: Browser, live: Gateway) -> None:
+    context = browser.new_context(base_url=live.base_url)
+    try:
+        tab = context.new_page()
+        tab.goto("/admin/requests")
+        expect(tab).to_have_url(re.compile(r"/admin/login\?next=/admin/requests$"))
+        check_page(tab, "00-login")
+        tab.get_by_label("Username").fill(CONSOLE_USERS["viewer"])
+        tab.get_by_label("Password").fill("wrong password!")
+        tab.get_by_role("button", name="Log in").click()
+        expect(tab.locator("#login-error")).to_contain_text("Wrong username or password")
+        tab.get_by_label("Password").fill(CONSOLE_PASSWORD)
+        tab.get_by_role("button", name="Log in").click()
+        expect(tab).to_have_url(re.compile(r"/admin/requests$"))  # back where it was going
+        cookie = next(c for c in context.cookies() if c["name"] == "switchyard_session")
+        assert cookie["httpOnly"] and cookie["sameSite"] == "Lax"
+    finally:
+        context.close()
+
+
+def _sdk(live: Gateway, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.base_url + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def _ask(live: Gateway, key: str) -> int:
+    """One small request with ``key``; its HTTP status."""
+    try:
+        _sdk(live, key).chat.completions.create(model="small", max_tokens=2,
+                                                messages=[{"role": "user", "content": "hi"}])
+    except openai.APIStatusError as error:
+        return error.status_code
+    return 200
+
+
+def test_edit_a_tier_limit_review_the_diff_publish_and_the_gateway_enforces_it(page: Page, live: Gateway) -> None:
+    assert [_ask(live, live.keys["free"]) for _ in range(3)] == [200, 200, 200]  # no request limit yet
+    page.goto("/admin/policy")
+    check_page(page, "10-policy")
+    form = page.locator("#tier-limits-form")
+    with page.expect_response(re.compile(r"/admin/policy/forms/tier-limits")):
+        form.get_by_label("Tier").select_option("free")  # htmx reloads the form with that tier's limits
+    form.get_by_label("requests per minute").fill("2")
+    form.get_by_role("button", name="Review the change").click()
+    expect(page.locator("#validation-status")).to_contain_text("valid", ignore_case=True)
+    expect(page.locator("#diff")).to_contain_text("requests_per_minute")
+    check_page(page, "11-policy-review")
+    page.locator("#publish-message").fill("free tier: 2 requests a minute")
+    page.locator("#publish").click()
+    expect(page).to_have_url(re.compile(r"/admin/policy\?published=2$"))
+    expect(page.locator("#history")).to_contain_text("free tier: 2 requests a minute")
+    # Every replica reloads the new version; this one at once. Two requests a minute for free keys:
+    deadline = time.monotonic() + 10
+    statuses = [_ask(live, live.keys["free"]) for _ in range(3)]
+    while 429 not in statuses and time.monotonic() < deadline:
+        time.sleep(0.3)
+        statuses.append(_ask(live, live.keys["free"]))
+    assert 429 in statuses, statuses
+    assert _ask(live, live.keys["pro"]) == 200  # other tiers untouched
+
+
+def test_a_broken_yaml_edit_shows_its_line_and_cannot_be_published(page: Page, live: Gateway) -> None:
+    page.goto("/admin/policy/edit")
+    editor = page.locator("#policy-editor")
+    text = editor.input_value()
+    lines = text.splitlines()
+    broken_at = next(i for i, line in enumerate(lines) if line.startswith("tiers:")) + 2
+    lines.insert(broken_at - 1, "  - {name: oops, priority: nowhere, models: [small]}")
+    editor.fill("\n".join(lines) + "\n")
+    editor.press("End")  # a keyup: validation as you type
+    expect(page.locator("#validation")).to_contain_text(f"line {broken_at}")
+    expect(page.locator("#validation")).to_contain_text("nowhere")
+    expect(page.locator("#publish")).to_be_disabled()
+    check_page(page, "12-policy-broken")
+    before = page.request.get("/admin/policy").text()
+    # The server refuses it too, whatever the page lets through.
+    answer = page.request.post("/admin/policy/publish", form={"yaml": editor.input_value(), "message": "x"},
+                               headers={"x-csrftoken": next(c["value"] for c in page.context.cookies()
+                                                            if c["name"] == "switchyard_csrf")})
+    assert answer.status == 422
+    assert page.request.get("/admin/policy").text().count("badge\">active") == before.count("badge\">active")
+
+
+def test_rollback_from_the_history(page: Page, live: Gateway) -> None:
+    page.goto("/admin/policy")
+    rows = page.locator("#history tbody tr")
+    first = page.locator("#rollback-1")
+    if first.count() == 0:  # nothing published yet in this module: publish one first
+        page.goto("/admin/policy/edit")
+        editor = page.locator("#policy-editor")
+        editor.fill(editor.input_value() + "# a comment-only change\n")
+        page.locator("#publish-message").fill("a comment")
+        page.locator("#publish").click()
+        page.goto("/admin/policy")
+    count = rows.count()
+    page.locator("#rollback-message-1").fill("back to the first version")
+    page.get_by_role("button", name="Roll back to v1").click()
+    expect(page.locator("#history tbody tr")).to_have_count(count + 1)
+    expect(page.locator("#history")).to_contain_text("back to the first version")
+    expect(page.locator("#policy-version")).to_contain_text(f"v{count + 1}")
+
+
+def test_create_a_tenant_and_a_key_use_it_then_revoke_it(page: Page, live: Gateway) -> None:
+    page.goto("/admin/tenants")
+    check_page(page, "20-tenants")
+    form = page.locator("#create-tenant-form")
+    form.get_by_label("Name").fill("browser-co")
+    form.get_by_label("Tier").select_option("pro")
+    form.get_by_role("button", name="Create tenant").click()
+    expect(page).to_have_url(re.compile(r"/admin/tenants/browser-co$"))
+    page.locator("#create-key-form").get_by_label("Name (optional)").fill("from the browser")
+    page.get_by_role("button", name="Create key").click()
+    secret = page.locator("#new-key-secret").inner_text().strip()
+    assert secret.startswith("sk-sy-")
+    check_page(page, "21-tenant-new-key")
+    assert _ask(live, secret) == 200
+    page.goto("/admin/tenants/browser-co")
+    assert secret not in page.content()  # shown once
+    page.locator("#keys button", has_text="Revoke").first.click()
+    expect(page.locator("#keys")).to_contain_text("revoked", ignore_case=True)
+    assert _ask(live, secret) == 401  # the key cache TTL is 0 here: at the next request
+
+
+def test_dry_run_shows_every_stage_without_sending(page: Page, live: Gateway) -> None:
+    before = _served(live)
+    page.goto("/admin/dry-run")
+    page.locator("#dry-run-tenant").select_option("pro-co")
+    page.locator("#dry-run-model").select_option("auto")
+    page.locator("#dry-run-prompt").fill("hi there")
+    page.get_by_role("button", name="Dry-run").click()
+    expect(page.locator("#dry-run-decided-model")).to_contain_text("small")
+    expect(page.locator("#dry-run-trace li").first).to_be_visible()
+    assert page.locator("#dry-run-trace li").count() >= 3
+    check_page(page, "30-dry-run")
+    assert _served(live) == before  # nothing went to an engine
+
+
+def _served(live: Gateway) -> float:
+    """Requests the gateway has finished, from its own metrics."""
+    with httpx.Client(base_url=live.base_url) as c:
+        text = c.get("/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("switchyard_requests_total{"))
+
+
+def test_the_overview_updates_while_traffic_flows(page: Page, live: Gateway) -> None:
+    page.goto("/admin/")
+    requests_before = page.locator("#stat-requests").inner_text()
+    stop_traffic = threading.Event()
+
+    def traffic() -> None:
+        while not stop_traffic.is_set():
+            _ask(live, live.keys["pro"])
+            time.sleep(0.05)
+
+    sender = threading.Thread(target=traffic, daemon=True)
+    sender.start()
+    try:
+        # No reload: the htmx poll (every 2 s) brings new figures and a sparkline.
+        expect(page.locator("#stat-requests")).not_to_have_text(requests_before, timeout=15_000)
+        expect(page.locator("#live-stats svg.sparkline polyline").first).to_be_attached()
+        check_page(page, "01-overview-live")
+    finally:
+        stop_traffic.set()
+        sender.join(timeout=10)
+
+
+def test_every_page_renders_accessibly_for_a_viewer(browser: Browser, live: Gateway) -> None:
+    """Screenshots of every page (as a viewer: no write forms) and the detail pages; axe on each."""
+    _ask(live, live.keys["pro"])
+    context = browser.new_context(base_url=live.base_url, viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    tab = context.new_page()
+    tab.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    try:
+        log_in(tab, "viewer")
+        for name, path in (("02-overview", "/admin/"), ("13-policy-viewer", "/admin/policy"),
+                           ("22-tenant", "/admin/tenants/pro-co"), ("23-usage", "/admin/usage"),
+                           ("40-requests", "/admin/requests"), ("50-cache", "/admin/cache"),
+                           ("60-audit", "/admin/audit")):
+            tab.goto(path)
+            assert tab.locator("h1, h2").count() > 0, path
+            check_page(tab, name)
+        assert tab.locator("#purge-form").count() == 0  # a viewer cannot purge, so no form
+        tab.goto("/admin/requests")
+        tab.locator("#requests tbody tr a").first.click()
+        expect(tab.locator("#request-trace li").first).to_be_visible()
+        check_page(tab, "41-request-detail")
+        tab.goto("/admin/policy/edit")
+        expect(tab.locator("#publish")).to_have_count(0)  # viewers review, never publish
+        assert not errors, errors
+    finally:
+        context.close()
