@@ -87,6 +87,16 @@ def http_json(method: str, url: str, body: Any = None, headers: dict[str, str] |
     return status, {k.lower(): v for k, v in hdrs.items()}, parsed
 
 
+def eventually(check: Callable[[], Any], timeout: float = 10.0) -> Any:
+    """``check()``'s first truthy value, polling for up to ``timeout`` seconds (then its last value)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
+
+
 def stop(proc: subprocess.Popen[bytes], timeout: float = 15) -> bool:
     """SIGTERM, then wait; whether the process stopped cleanly by itself.
 

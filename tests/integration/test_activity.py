@@ -8,7 +8,6 @@ of this module's own is enough; it has the admin token set, which the admin API 
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,7 +15,16 @@ from typing import Any
 import openai
 import pytest
 
-from tests.integration.conftest import ADMIN_AUTH, ADMIN_TOKEN, Engines, Gateway, http_json, start_gateway, stop
+from tests.integration.conftest import (
+    ADMIN_AUTH,
+    ADMIN_TOKEN,
+    Engines,
+    Gateway,
+    eventually,
+    http_json,
+    start_gateway,
+    stop,
+)
 
 SECRET_PROMPT = "zebra-quartz-7 say something"
 
@@ -39,15 +47,6 @@ def admin(gw: Gateway, path: str, **params: Any) -> tuple[int, Any]:
                                 headers=ADMIN_AUTH)
     return status, body
 
-
-def eventually(check: Callable[[], Any], timeout: float = 10.0) -> Any:
-    """``check()``'s first truthy value (a stream is recorded when it ends, just after its last byte)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.05)
 
 
 def record(gw: Gateway, rid: str, done: Callable[[dict[str, Any]], bool] = lambda _r: True) -> dict[str, Any]:

@@ -294,3 +294,27 @@ def test_every_page_renders_accessibly_for_a_viewer(browser: Browser, live: Gate
         assert not errors, errors
     finally:
         context.close()
+
+
+def test_the_console_works_from_the_keyboard(browser: Browser, live: Gateway) -> None:
+    """Log in and reach a page with the keyboard alone: focus order follows the form, Enter submits."""
+    context = browser.new_context(base_url=live.base_url)
+    try:
+        tab = context.new_page()
+        tab.goto("/admin/login")
+        expect(tab.get_by_label("Username")).to_be_focused()  # autofocus
+        tab.keyboard.type(CONSOLE_USERS["operator"])
+        tab.keyboard.press("Tab")
+        expect(tab.get_by_label("Password")).to_be_focused()
+        tab.keyboard.type(CONSOLE_PASSWORD)
+        tab.keyboard.press("Enter")
+        expect(tab.locator("#whoami")).to_contain_text(CONSOLE_USERS["operator"])
+        tab.keyboard.press("Tab")  # the first stop is the skip link, then the navigation
+        expect(tab.locator("a.skip")).to_be_focused()
+        for _ in range(3):
+            tab.keyboard.press("Tab")
+        expect(tab.get_by_role("link", name="Policy")).to_be_focused()
+        tab.keyboard.press("Enter")
+        expect(tab).to_have_url(re.compile(r"/admin/policy$"))
+    finally:
+        context.close()

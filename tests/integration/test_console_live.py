@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import html
 import re
-import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -22,7 +20,7 @@ from litestar.testing import TestClient
 
 from switchyard.admin.console import DASH
 from switchyard.gateway.activity import Activity
-from tests.integration.conftest import Gateway, client, console_login
+from tests.integration.conftest import Gateway, client, console_login, eventually
 
 HX = {"HX-Request": "true"}
 SECRET_PROMPT = "ostrich-vellum-42 say something"
@@ -46,15 +44,6 @@ def row_ids(page: str) -> list[str]:
     """The request ids of the Requests table's rows, in order."""
     return re.findall(r'<tr id="req-([^"]+)"', page)
 
-
-def eventually(check: Callable[[], Any], timeout: float = 10.0) -> Any:
-    """``check()``'s first truthy value (a stream is recorded when it ends, just after its last byte)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.1)
 
 
 def no_secrets(gateway: Gateway, *pages: str) -> None:

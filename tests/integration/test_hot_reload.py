@@ -152,7 +152,8 @@ def test_a_bad_document_never_serves_and_says_where_it_is_wrong(file_gateway: tu
         assert route_version(gw) == "v1", case
         assert metric(gw, "switchyard_policy_reload_failures_total") >= failures + n
     # The console and the admin API say the same: the file differs from what runs, and why.
-    page = http_json("GET", f"{gw.base_url}/admin/")[2]
+    console = gw.console("viewer")
+    page = console.get("/admin/").text
     assert "differs from the running version" in page and 'id="version-1"' in page
     api = http_json("GET", f"{gw.base_url}/admin/api/policy")[2]
     assert api["matches_file"] is False and api["serving"]["version"] == "v1"
@@ -160,6 +161,6 @@ def test_a_bad_document_never_serves_and_says_where_it_is_wrong(file_gateway: tu
     policy.write_text(edited(good, 1500))
     wait_for(lambda: ready(gw)["version"] == "v2", "the repaired file")
     assert "rejected" not in ready(gw)
-    page = http_json("GET", f"{gw.base_url}/admin/")[2]
+    page = console.get("/admin/").text
     assert "matches the running version" in page and 'id="version-2" class="active"' in page
     assert http_json("GET", f"{gw.base_url}/admin/api/policy")[2]["rejected"] is None

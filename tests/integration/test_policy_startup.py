@@ -51,7 +51,7 @@ def test_file_versions_and_last_good_policy(engines: Engines, tmp_path: Path, da
         (error,) = rejected["errors"]
         assert "tiers[free].priority: unknown priority class 'shedable'" in error
         assert f"({policy}:" in error
-        page = http_json("GET", f"{gw.base_url}/admin/")[2]
+        page = gw.console("viewer").get("/admin/").text
         assert 'id="policy-error"' in page and "shedable" in page
     finally:
         assert stop(gw.proc)
