@@ -8,9 +8,10 @@ cached tokens (``switchyard_tokens_total{kind="cache_hit"}``).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
-from litestar import Request, Response
+from litestar import Response
 
 from switchyard.decide.admit import estimate, limit_charges, spend_of
 from switchyard.decide.cache import CACHE_CONTROL_HEADER, BadCacheControl, parse_cache_control, plan_cache
@@ -24,12 +25,12 @@ from switchyard.policy import PolicySnapshot
 from switchyard.store.keys import KeyIdentity
 
 
-async def cache_lookup(runtime: GatewayRuntime, request: Request[Any, Any, Any], snapshot: PolicySnapshot,
+async def cache_lookup(runtime: GatewayRuntime, headers: Mapping[str, str], snapshot: PolicySnapshot,
                        kind: Kind, decision: ModelDecision, identity: KeyIdentity,
                        body: dict[str, Any]) -> Lookup | None:
     """The response cache's answer for this request (None: no cache rule applies)."""
     try:
-        read, write = parse_cache_control(request.headers.get(CACHE_CONTROL_HEADER))
+        read, write = parse_cache_control(headers.get(CACHE_CONTROL_HEADER))
     except BadCacheControl as bad:
         raise BadRequest(str(bad), code="invalid_cache_control", param=CACHE_CONTROL_HEADER) from None
     if not snapshot.document.cache:

@@ -49,7 +49,7 @@ from switchyard.gateway.body import check_chat, check_completion, decode_json_ob
 from switchyard.gateway.cache_hits import cache_lookup, serve_hit
 from switchyard.gateway.errors import ApiError, BadRequest, GatewayTimeout
 from switchyard.gateway.flow import Scheduled
-from switchyard.gateway.request import Kind, PendingRequest, RequestIds
+from switchyard.gateway.request import Incoming, Kind, PendingRequest, RequestIds
 from switchyard.gateway.response_cache import CACHE_HEADER
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy import PolicySnapshot
@@ -87,11 +87,18 @@ class Proxy:
         self.ids = RequestIds()
 
     async def handle(self, request: Request[Any, Any, Any], kind: Kind) -> Response[Any]:
-        """Serve one chat or completion request, and keep its record (:mod:`switchyard.gateway.activity`)."""
+        """Serve one chat or completion request from a client."""
+        return await self.serve(await Incoming.from_http(request), kind)
+
+    async def serve(self, incoming: Incoming, kind: Kind) -> Response[Any]:
+        """Serve one chat or completion request, and keep its record (:mod:`switchyard.gateway.activity`).
+
+        Clients come through :meth:`handle`; the batch worker calls this with the line's identity.
+        """
         activity = self.runtime.activity
-        record = activity.begin(self.ids.for_request(request), kind, time.perf_counter())
+        record = activity.begin(self.ids.for_request(incoming.headers), kind, time.perf_counter())
         try:
-            return await self._serve(request, kind, record)
+            return await self._serve(incoming, kind, record)
         except ApiError as error:  # counted where it was raised, or refused before any count (401, 400)
             record.error_code = error.code
             activity.finish(record, error.status_code)
@@ -104,41 +111,42 @@ class Proxy:
             activity.finish(record, 500)
             raise
 
-    async def _serve(self, request: Request[Any, Any, Any], kind: Kind, record: RequestRecord) -> Response[Any]:
+    async def _serve(self, incoming: Incoming, kind: Kind, record: RequestRecord) -> Response[Any]:
         started, rid = record.started, record.request_id
         runtime = self.runtime
-        identity = await runtime.auth.authenticate(request.headers.get("authorization"),
-                                                   runtime.policy.snapshot.document.resilience.dependencies.database)
+        request_headers = incoming.headers
+        identity = incoming.identity or await runtime.auth.authenticate(
+            request_headers.get("authorization"), runtime.policy.snapshot.document.resilience.dependencies.database)
         record.identified(identity)
-        raw = await request.body()
+        raw = incoming.raw
         body = decode_json_object(raw)
         asked = body.get("model")
         record.model, record.stream = asked if isinstance(asked, str) else None, bool(body.get("stream"))
         features: RequestFeatures
         if kind == "chat":
             check_chat(body)
-            features = chat_features(body, request.headers)
+            features = chat_features(body, request_headers)
         else:
             check_completion(body)
-            features = completion_features(body, request.headers)
+            features = completion_features(body, request_headers)
         holder = runtime.policy
         snapshot, counters = holder.snapshot, holder.counters  # read once; this request keeps them to the end
         try:
             decision = await self._resolve(snapshot, identity.tier, features)
             record.decided(decision)
-            placement = place(snapshot, identity.tier, decision.model, request.headers.get(REGION_HEADER),
+            placement = place(snapshot, identity.tier, decision.model, request_headers.get(REGION_HEADER),
                               identity.region, runtime.settings.region)
         except Refused as refusal:
             runtime.finished(record, "-", "-", refusal.status)
             raise refusal_error(refusal) from None
         record.trace.append(placement.trace)
         try:
-            cls = classify(snapshot, identity.tier, request.headers.get(PRIORITY_HEADER), body.get("priority"))
+            cls = classify(snapshot, identity.tier, request_headers.get(PRIORITY_HEADER), body.get("priority"))
         except BadPriority as bad:
             runtime.finished(record, decision.model.name, "-", 400)
             raise BadRequest(bad.message, code="invalid_priority", param=bad.param) from None
         record.classed(cls)
-        found = await cache_lookup(runtime, request, snapshot, kind, decision, identity, body)
+        found = await cache_lookup(runtime, request_headers, snapshot, kind, decision, identity, body)
         record.cached(found)
         if found is not None and found.entry is not None:
             return await serve_hit(runtime, kind, body, found, identity, decision, snapshot, rid, cls.trace, record)
@@ -159,12 +167,12 @@ class Proxy:
         request_state = PendingRequest(kind, body, raw, stream, cls.engine_priority, features, rid, started, identity,
                                        prompt_tokens, lease, cls, est.tokens, placement, cache=found,
                                        force_usage=stream and found is not None and found.plan.write
-                                       and not _asked_usage(body))
+                                       and not _asked_usage(body), batch=incoming.batch)
         try:
             try:
                 scheduled = await flow.schedule(snapshot, decision.model, cls, est.tokens, str(identity.tenant_id),
                                                 features.prompt_tokens + (features.max_tokens or 0),
-                                                functools.partial(_disconnected, request), placement.allowed)
+                                                incoming.disconnected, placement.allowed)
             except ApiError as refused:
                 record.shed = refused.status_code == 503  # flow control's 503s are sheds (499: the client left)
                 runtime.finished(record, decision.model.name, "-", refused.status_code)
@@ -417,7 +425,7 @@ class Proxy:
         if usage is not None:
             prompt, completion, cached = usage_counts(usage, prompt, completion)
         record.prompt_tokens, record.completion_tokens, record.cached_tokens = prompt, completion, cached
-        spend = spend_of(model, prompt, completion, cached)
+        spend = spend_of(model, prompt, completion, cached, batch=req.batch)
         identity = req.identity
         runtime = self.runtime
         runtime.usage.record(identity.tenant_id, identity.key_id, model.name, prompt, completion, cached, spend)
@@ -445,9 +453,3 @@ def _asked_usage(body: dict[str, Any]) -> bool:
     """Whether a streaming client asked for the usage chunk itself."""
     options = body.get("stream_options")
     return isinstance(options, dict) and options.get("include_usage") is True
-
-
-async def _disconnected(request: Request[Any, Any, Any]) -> None:
-    """Return when the client disconnects (the body has been read: the next ASGI message says so)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

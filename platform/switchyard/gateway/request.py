@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import re
 import uuid
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -42,10 +44,40 @@ class RequestIds:
         """A fresh id, unique across processes and restarts."""
         return f"{self._prefix}{next(self._counter):x}"
 
-    def for_request(self, request: Request[Any, Any, Any]) -> str:
-        """The client's ``x-request-id`` when it is sane, else a fresh one."""
-        given = request.headers.get("x-request-id")
+    def for_request(self, headers: Mapping[str, str]) -> str:
+        """The caller's ``x-request-id`` when it is sane, else a fresh one."""
+        given = headers.get("x-request-id")
         return given if given and _REQUEST_ID.match(given) else self.new()
+
+
+@dataclass(frozen=True, slots=True)
+class Incoming:
+    """What a request brings, from a client (:meth:`from_http`) or from Switchyard itself (a batch line).
+
+    ``identity``: already known (internal callers); None: authenticate the ``authorization`` header.
+    ``disconnected``: returns when the caller has gone (never, for internal callers).
+    ``batch``: a line of a batch job, charged at the model's batch price.
+    """
+
+    headers: Mapping[str, str]
+    raw: bytes
+    disconnected: Callable[[], Awaitable[None]]
+    identity: KeyIdentity | None = None
+    batch: bool = False
+
+    @classmethod
+    async def from_http(cls, request: Request[Any, Any, Any]) -> Incoming:
+        async def disconnected() -> None:
+            # The body has been read: the next ASGI message is the disconnect.
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        return cls(request.headers, await request.body(), disconnected)
+
+
+async def never() -> None:
+    """An internal caller never goes away."""
+    await asyncio.Event().wait()
 
 
 @dataclass(slots=True)
@@ -74,6 +106,8 @@ class PendingRequest:
     #: Ask the engine for a usage chunk the client did not ask for (to store the stream; the relay
     #: leaves the chunk out of what the client gets).
     force_usage: bool = False
+    #: A batch job's line: charged at the model's batch price.
+    batch: bool = False
     _payloads: dict[tuple[str, bool], bytes] = field(default_factory=dict)
 
     def payload_for(self, pool: Pool) -> bytes:
