@@ -76,13 +76,18 @@ def expected_output(model: Model, prompt_tokens: int, max_tokens: int | None) ->
     return max(0, min(wanted, cap, model.context_window - prompt_tokens))
 
 
-def spend_of(model: Model, prompt_tokens: int, output_tokens: int, cached_tokens: int = 0) -> float:
-    """A request's price at ``model``'s rates (cached prompt tokens at the cached rate, when there is one)."""
+def spend_of(model: Model, prompt_tokens: int, output_tokens: int, cached_tokens: int = 0,
+             batch: bool = False) -> float:
+    """A request's price at ``model``'s rates (cached prompt tokens at the cached rate, when there is one;
+    a batch job's line at the batch rates)."""
     price = model.price
     cached_rate = price.cached_input_per_mtok if price.cached_input_per_mtok is not None else price.input_per_mtok
+    input_rate, output_rate = price.input_per_mtok, price.output_per_mtok
+    if batch:
+        input_rate, output_rate = price.batch_rates()
+        cached_rate = min(cached_rate, input_rate)
     uncached = max(0, prompt_tokens - cached_tokens)
-    return (uncached * price.input_per_mtok + cached_tokens * cached_rate
-            + output_tokens * price.output_per_mtok) / 1e6
+    return (uncached * input_rate + cached_tokens * cached_rate + output_tokens * output_rate) / 1e6
 
 
 def estimate(model: Model, prompt_tokens: int, max_tokens: int | None) -> Estimate:

@@ -116,6 +116,15 @@ class Price(Strict):
     input_per_mtok: NonNegativeFloat
     output_per_mtok: NonNegativeFloat
     cached_input_per_mtok: NonNegativeFloat | None = None
+    batch_input_per_mtok: NonNegativeFloat | None = Field(
+        default=None, description="A batch job's input rate (default: half of input_per_mtok, as OpenAI's Batch API).")
+    batch_output_per_mtok: NonNegativeFloat | None = Field(
+        default=None, description="A batch job's output rate (default: half of output_per_mtok).")
+
+    def batch_rates(self) -> tuple[float, float]:
+        """(input, output) per million tokens for batch jobs."""
+        return (self.batch_input_per_mtok if self.batch_input_per_mtok is not None else self.input_per_mtok / 2,
+                self.batch_output_per_mtok if self.batch_output_per_mtok is not None else self.output_per_mtok / 2)
 
 
 _FALLBACK = re.compile(r"^(?P<model>[A-Za-z0-9][A-Za-z0-9._:/-]{0,127})(?:@(?P<region>[a-z][a-z0-9_-]{0,62}))?$")

@@ -139,10 +139,20 @@ def identify(session: Session, key_hash: str) -> KeyIdentity | None:
     The lookup is by hash on a unique index, so no comparison ever runs over the secret itself
     (no timing side channel on it), and the secret never reaches the database.
     """
+    return _identity(session, ApiKey.key_hash == key_hash)
+
+
+def identity_of(session: Session, key_id: int) -> KeyIdentity | None:
+    """The identity of the key with this id (a batch job's lines run as the key that made it), or
+    ``None`` when it is unknown or revoked."""
+    return _identity(session, col(ApiKey.id) == key_id)
+
+
+def _identity(session: Session, where: Any) -> KeyIdentity | None:
     row = session.exec(
         select(ApiKey, Tenant)
         .join(Tenant, col(ApiKey.tenant_id) == col(Tenant.id))
-        .where(ApiKey.key_hash == key_hash)
+        .where(where)
     ).first()
     if row is None:
         return None
