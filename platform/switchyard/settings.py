@@ -31,6 +31,10 @@ class Settings(BaseSettings):
     port: int = Field(default=8400, ge=0, le=65535)
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0, description="Largest request body.")
+    batch_max_file_bytes: int = Field(
+        default=100 * 1024 * 1024, gt=0, description="Largest file uploaded to /v1/files (its own limit: "
+        "max_body_bytes does not apply there).",
+    )
     upstream_connect_timeout_s: float = Field(default=3.0, gt=0)
     upstream_read_timeout_s: float = Field(
         default=120.0, gt=0, description="Longest silence from an upstream before a 504."
@@ -68,6 +72,15 @@ class Settings(BaseSettings):
     usage_flush_interval_s: float = Field(
         default=2.0, gt=0, description="How often the usage ledger's counts are written to the database.",
     )
+    batch_worker: bool = Field(
+        default=True, description="Run a batch worker in this process (see also `switchyard worker`).",
+    )
+    batch_concurrency: int = Field(default=32, gt=0, description="Batch lines one worker keeps in flight.")
+    batch_lease_s: float = Field(
+        default=60.0, gt=0, description="How long a claimed batch line stays a worker's without being renewed "
+        "(a crashed worker's lines are claimed again after this).",
+    )
+    batch_max_attempts: int = Field(default=5, gt=0, description="Tries of a batch line before it fails.")
     console_secret: SecretStr | None = Field(
         default=None, description="Signs the console's CSRF tokens; every replica needs the same one. Unset: "
         "a random secret is made once and kept in <data_dir>/console-secret.",

@@ -27,7 +27,7 @@ def test_ci_runs_the_readme_test_command() -> None:
 
 def test_platform_is_a_source_root_not_a_package() -> None:
     assert not (ROOT / "platform" / "__init__.py").exists(), "it would shadow the stdlib module 'platform'"
-    for package in ("policy", "decide", "gateway", "engines", "store", "admin", "sim", "bench", "whatif"):
+    for package in ("policy", "decide", "gateway", "engines", "store", "admin", "sim", "bench", "whatif", "batch"):
         init = ROOT / "platform" / "switchyard" / package / "__init__.py"
         assert init.read_text().lstrip().startswith('"""'), f"{package} needs a docstring saying what it owns"
 
@@ -35,9 +35,11 @@ def test_platform_is_a_source_root_not_a_package() -> None:
 def test_dependency_direction() -> None:
     """policy imports no other switchyard package; decide only policy; sim only itself; bench only
     itself and sim (it drives the gateway as a process, never from inside); whatif (the pre-publish
-    replay) the decisions, the simulator, bench's workloads and the limit store, never the gateway."""
+    replay) the decisions, the simulator, bench's workloads and the limit store, never the gateway; batch
+    the gateway (its lines go through the gateway's request path), the store and the decisions."""
     allowed = {"policy": {"policy"}, "decide": {"decide", "policy"}, "sim": {"sim"}, "bench": {"bench", "sim"},
-               "whatif": {"whatif", "decide", "policy", "sim", "bench", "store"}}
+               "whatif": {"whatif", "decide", "policy", "sim", "bench", "store"},
+               "batch": {"batch", "gateway", "store", "decide", "policy"}}
     for package, ok in allowed.items():
         for path in (ROOT / "platform" / "switchyard" / package).rglob("*.py"):
             for imported in re.findall(r"^\s*(?:from|import) switchyard\.(\w+)", path.read_text(), flags=re.M):

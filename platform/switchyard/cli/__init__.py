@@ -27,6 +27,7 @@ def _register() -> None:
     from switchyard.cli import admin_cmds, bench_cmd, demo_cmd, policy_cmds, replay_cmd, run_cmds, store_cmds
 
     main.add_command(run_cmds.serve)
+    main.add_command(run_cmds.worker)
     main.add_command(run_cmds.sim)
     main.add_command(demo_cmd.demo)
     main.add_command(policy_cmds.policy)

@@ -1,4 +1,5 @@
-"""``switchyard serve`` and ``switchyard sim`` (the long-running processes), ``switchyard sim calibrate``, and
+"""``switchyard serve``, ``switchyard worker`` and ``switchyard sim`` (the long-running processes),
+``switchyard sim calibrate``, and
 ``switchyard sim fault`` / ``faults`` (a running sim process's fault control server)."""
 
 from __future__ import annotations
@@ -45,6 +46,47 @@ def serve(host: str | None, port: int | None, policy_source: str | None) -> None
         raise click.ClickException(f"cannot reach the database: {exc.orig}") from None
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
                 loop="uvloop", http="httptools", lifespan="on", timeout_graceful_shutdown=10)
+
+
+@click.command()
+@click.option("--concurrency", type=int, default=None,
+              help="Batch lines kept in flight [env SWITCHYARD_BATCH_CONCURRENCY; default 32].")
+def worker(concurrency: int | None) -> None:
+    """Run a dedicated batch worker: the gateway's request path without its HTTP server.
+
+    Claims lines of batch jobs from the database (every gateway process also runs one unless
+    SWITCHYARD_BATCH_WORKER=false), dispatches them through the batch lane, records each result once.
+    SIGTERM or Ctrl-C hands the lines it holds back at once.
+    """
+    import asyncio
+    import signal
+
+    from switchyard.gateway.app import create_app
+
+    overrides: dict[str, Any] = {"batch_worker": True}
+    if concurrency is not None:
+        overrides["batch_concurrency"] = concurrency
+    settings = cli_context().settings(**overrides)
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
+    try:
+        app.state.runtime.prepare()
+    except PolicyError as error:
+        raise click.ClickException("no valid policy:\n" + str(error)) from None
+    except OperationalError as exc:
+        raise click.ClickException(f"cannot reach the database: {exc.orig}") from None
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        async with app.lifespan():
+            click.echo("batch worker running; Ctrl-C stops it", err=True)
+            await stop.wait()
+
+    asyncio.run(run())
 
 
 def engines_for_policy(snapshot: PolicySnapshot, regions: tuple[str, ...] = (), pools: tuple[str, ...] = (),

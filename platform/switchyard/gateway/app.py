@@ -14,6 +14,8 @@ from switchyard.admin.api import admin_api_router
 from switchyard.admin.console import admin_router
 from switchyard.admin.login import login_router
 from switchyard.admin.session import csrf_config
+from switchyard.batch import api as batch_api
+from switchyard.batch.worker import worker_lifespan
 from switchyard.gateway import openai_api, ops
 from switchyard.gateway.errors import ApiError, api_error_handler, http_exception_handler, internal_error_handler
 from switchyard.gateway.proxy import Proxy
@@ -25,16 +27,18 @@ from switchyard.settings import Settings
 def create_app(settings: Settings) -> Litestar:
     """A gateway app for ``settings``; nothing is opened until its lifespan starts."""
     runtime = GatewayRuntime(settings)
+    proxy = Proxy(runtime)
     app = Litestar(
         route_handlers=[
             *openai_api.ROUTES,
+            *batch_api.ROUTES,
             *ops.ROUTES,
             login_router,
             admin_router,
             admin_api_router,
             create_static_files_router(path="/static", directories=[static_dir()], include_in_schema=False),
         ],
-        lifespan=[runtime.lifespan],
+        lifespan=[runtime.lifespan, worker_lifespan(runtime, proxy.serve)],
         exception_handlers={
             ApiError: api_error_handler,
             HTTPException: http_exception_handler,
@@ -48,5 +52,5 @@ def create_app(settings: Settings) -> Litestar:
         debug=False,
     )
     app.state.runtime = runtime
-    app.state.proxy = Proxy(runtime)
+    app.state.proxy = proxy
     return app

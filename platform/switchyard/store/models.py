@@ -5,7 +5,20 @@ from __future__ import annotations
 from datetime import UTC, date, datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Column, DateTime, Index, Text, TypeDecorator, UniqueConstraint, text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    Column,
+    DateTime,
+    Index,
+    Integer,
+    LargeBinary,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+    text,
+)
 from sqlmodel import Field, SQLModel
 
 from switchyard.store.regions import REGION_MAX_LENGTH, REGION_PATTERN
@@ -241,3 +254,104 @@ class AdminSession(SQLModel, table=True):
     created_at: datetime = _ts()
     expires_at: datetime = Field(sa_column=Column(UTCDateTime(), nullable=False))
     client: str = Field(default="", max_length=128)  # the address it logged in from
+
+
+# --- batch ---------------------------------------------------------------------------------
+# The OpenAI Files and Batch API (``store.batches``): files kept in the database so that every
+# replica can read them, batch jobs, and one row per input line that the batch workers claim.
+
+#: A batch's statuses (OpenAI's); ``validating`` and ``finalizing`` last only inside a transaction here.
+BATCH_STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed", "expired", "cancelling",
+                  "cancelled")
+#: A batch line's states: waiting (or waiting for a retry), leased to a worker, done either way.
+REQUEST_STATES = ("pending", "running", "succeeded", "failed")
+
+
+def _sql_in(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class BatchFile(SQLModel, table=True):
+    """An uploaded file (purpose ``batch``) or a batch's output or error file (``batch_output``)."""
+
+    __tablename__ = "batch_file"
+    __table_args__ = (Index("ix_batch_file_tenant_created", "tenant_id", "created_at"),)
+
+    id: str = Field(primary_key=True, max_length=64)  # "file-…"
+    tenant_id: int = Field(foreign_key="tenant.id")
+    purpose: str = Field(max_length=32)
+    filename: str = Field(max_length=255)
+    size: int = Field(sa_type=BigInteger)  # bytes of content
+    content: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    created_at: datetime = _ts()
+
+
+class Batch(SQLModel, table=True):
+    """A batch job of one tenant: its input file's lines (``batch_request``) run against ``endpoint``."""
+
+    __tablename__ = "batch"
+    __table_args__ = (
+        CheckConstraint(_sql_in("status", BATCH_STATUSES), name="ck_batch_status"),
+        Index("ix_batch_tenant_created", "tenant_id", "created_at"),
+        Index("ix_batch_status", "status"),
+    )
+
+    id: str = Field(primary_key=True, max_length=64)  # "batch_…"
+    tenant_id: int = Field(foreign_key="tenant.id")
+    key_id: int = Field(foreign_key="api_key.id")  # the key that created it: its lines run as that key
+    endpoint: str = Field(max_length=64)
+    input_file_id: str = Field(max_length=64)  # no foreign key: the input file may be deleted meanwhile
+    completion_window: str = Field(max_length=16)
+    status: str = Field(max_length=16)
+    user_metadata: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON(none_as_null=True),
+                                                                                nullable=True))
+    total_count: int = Field(default=0)
+    completed_count: int = Field(default=0)
+    failed_count: int = Field(default=0)
+    output_file_id: str | None = Field(default=None, max_length=64)
+    error_file_id: str | None = Field(default=None, max_length=64)
+    # OpenAI's ``errors`` object ({"object": "list", "data": [...]}) of a batch whose input was refused.
+    errors: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON(none_as_null=True), nullable=True))
+    created_at: datetime = _ts()
+    in_progress_at: datetime | None = _ts(nullable=True)
+    expires_at: datetime = Field(sa_column=Column(UTCDateTime(), nullable=False))
+    finalizing_at: datetime | None = _ts(nullable=True)
+    completed_at: datetime | None = _ts(nullable=True)
+    failed_at: datetime | None = _ts(nullable=True)
+    expired_at: datetime | None = _ts(nullable=True)
+    cancelling_at: datetime | None = _ts(nullable=True)
+    cancelled_at: datetime | None = _ts(nullable=True)
+
+
+class BatchRequest(SQLModel, table=True):
+    """One line of a batch's input and, once it ran, its result; claimed by workers under a lease."""
+
+    __tablename__ = "batch_request"
+    __table_args__ = (
+        CheckConstraint(_sql_in("state", REQUEST_STATES), name="ck_batch_request_state"),
+        UniqueConstraint("batch_id", "custom_id", name="uq_batch_request_batch_custom_id"),
+        UniqueConstraint("batch_id", "line_no", name="uq_batch_request_batch_line"),
+        # Claiming: due pending lines (oldest first), and running lines whose lease ran out.
+        Index("ix_batch_request_claim", "state", "next_attempt_at"),
+        Index("ix_batch_request_lease", "state", "lease_until"),
+        # Finalizing: does a batch still have lines to run?
+        Index("ix_batch_request_batch_state", "batch_id", "state"),
+    )
+
+    # 64-bit on PostgreSQL (fifty thousand rows a batch add up); SQLite's INTEGER key is 64-bit already.
+    id: int | None = Field(default=None, sa_column=Column(BigInteger().with_variant(Integer(), "sqlite"),
+                                                          primary_key=True))
+    batch_id: str = Field(foreign_key="batch.id", max_length=64)
+    line_no: int  # 1-based line of the input file
+    custom_id: str = Field(max_length=512)
+    body: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    state: str = Field(default="pending", max_length=16)
+    attempts: int = Field(default=0)
+    lease_owner: str | None = Field(default=None, max_length=128)
+    lease_until: datetime | None = _ts(nullable=True)
+    next_attempt_at: datetime = Field(sa_column=Column(UTCDateTime(), nullable=False))
+    status_code: int | None = Field(default=None)
+    request_id: str | None = Field(default=None, max_length=128)
+    response: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON(none_as_null=True), nullable=True))
+    error: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON(none_as_null=True), nullable=True))
+    finished_at: datetime | None = _ts(nullable=True)

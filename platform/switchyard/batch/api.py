@@ -1,0 +1,254 @@
+"""``/v1/files`` and ``/v1/batches``: OpenAI's Files and Batch API, so that the official SDK's batch
+workflow runs unchanged.
+
+Every route authenticates like the chat routes (``Authorization: Bearer <key>``) and sees only the
+key's tenant's files and batches: another tenant's ids are 404, never 403. The database work runs on
+worker threads. An upload has its own size limit (``Settings.batch_max_file_bytes``), not the
+app-wide ``max_body_bytes``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Callable
+from datetime import datetime
+from typing import Any, Literal, TypeVar
+
+import anyio.to_thread
+import msgspec
+from litestar import Request, Response, delete, get, post
+from litestar._multipart import parse_multipart_form  # the parser Request.form() uses, fed a size-limited stream
+from litestar.datastructures import UploadFile
+from litestar.exceptions import ClientException
+from sqlmodel import Session
+
+from switchyard.gateway.errors import BadRequest, NotFound, PayloadTooLarge
+from switchyard.gateway.runtime import GatewayRuntime
+from switchyard.store import batches
+from switchyard.store import errors as store_errors
+from switchyard.store.db import session_scope
+from switchyard.store.keys import KeyIdentity
+from switchyard.store.models import Batch
+
+T = TypeVar("T")
+
+#: What an upload's body may carry beyond the file itself (multipart boundaries, headers, fields).
+MULTIPART_SLACK = 64 * 1024
+MAX_FILES_PAGE = 10_000
+MAX_BATCHES_PAGE = 100
+
+
+class BatchCreate(msgspec.Struct):
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, Any] | None = None
+
+
+def _runtime(request: Request[Any, Any, Any]) -> GatewayRuntime:
+    runtime: GatewayRuntime = request.app.state.runtime
+    return runtime
+
+
+async def _identity(request: Request[Any, Any, Any]) -> KeyIdentity:
+    runtime = _runtime(request)
+    return await runtime.auth.authenticate(request.headers.get("authorization"),
+                                           runtime.policy.snapshot.document.resilience.dependencies.database)
+
+
+async def _db(request: Request[Any, Any, Any], work: Callable[[Session], T]) -> T:
+    """Run ``work`` in one transaction on a worker thread; the store's errors become API errors."""
+    engine = _runtime(request).engine
+
+    def run() -> T:
+        with session_scope(engine) as session:
+            return work(session)
+
+    try:
+        return await anyio.to_thread.run_sync(run)
+    except store_errors.NotFound as exc:
+        raise NotFound(str(exc)) from None
+    except batches.TooLarge as exc:
+        raise PayloadTooLarge(str(exc), param="file") from None
+    except batches.InvalidParam as exc:
+        raise BadRequest(str(exc), param=exc.param) from None
+    except store_errors.StoreError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def _ts(at: datetime | None) -> int | None:
+    return None if at is None else int(at.timestamp())
+
+
+def file_object(info: batches.FileInfo) -> dict[str, Any]:
+    """OpenAI's ``FileObject``."""
+    return {"id": info.id, "object": "file", "bytes": info.size, "created_at": _ts(info.created_at),
+            "filename": info.filename, "purpose": info.purpose, "status": "processed", "expires_at": None,
+            "status_details": None}
+
+
+def batch_object(batch: Batch) -> dict[str, Any]:
+    """OpenAI's ``Batch``."""
+    return {
+        "id": batch.id, "object": "batch", "endpoint": batch.endpoint, "errors": batch.errors,
+        "input_file_id": batch.input_file_id, "completion_window": batch.completion_window, "status": batch.status,
+        "output_file_id": batch.output_file_id, "error_file_id": batch.error_file_id,
+        "created_at": _ts(batch.created_at), "in_progress_at": _ts(batch.in_progress_at),
+        "expires_at": _ts(batch.expires_at), "finalizing_at": _ts(batch.finalizing_at),
+        "completed_at": _ts(batch.completed_at), "failed_at": _ts(batch.failed_at),
+        "expired_at": _ts(batch.expired_at), "cancelling_at": _ts(batch.cancelling_at),
+        "cancelled_at": _ts(batch.cancelled_at),
+        "request_counts": {"total": batch.total_count, "completed": batch.completed_count,
+                           "failed": batch.failed_count},
+        "metadata": batch.user_metadata,
+    }
+
+
+def _json(content: Any, status: int = 200) -> Response[bytes]:
+    return Response(msgspec.json.encode(content), status_code=status, media_type="application/json")
+
+
+def _page(data: list[dict[str, Any]], has_more: bool) -> Response[bytes]:
+    """OpenAI's list shape."""
+    return _json({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                  "last_id": data[-1]["id"] if data else None, "has_more": has_more})
+
+
+def _limit(limit: int, most: int) -> int:
+    if not 1 <= limit <= most:
+        raise BadRequest(f"limit must be between 1 and {most}.", param="limit")
+    return limit
+
+
+# --- files ---------------------------------------------------------------------------------
+
+async def _limited(request: Request[Any, Any, Any], most: int) -> AsyncGenerator[bytes, None]:
+    """The request body, refused with 413 as soon as it is longer than ``most`` bytes."""
+    announced = request.headers.get("content-length")
+    if announced is not None and announced.isdigit() and int(announced) > most:
+        raise PayloadTooLarge(f"The upload is larger than the {most - MULTIPART_SLACK} bytes a file may have.",
+                              param="file")
+    seen = 0
+    async for chunk in request.stream():
+        seen += len(chunk)
+        if seen > most:
+            raise PayloadTooLarge(f"The upload is larger than the {most - MULTIPART_SLACK} bytes a file may have.",
+                                  param="file")
+        yield chunk
+
+
+async def _upload(request: Request[Any, Any, Any], max_bytes: int) -> tuple[UploadFile, str]:
+    """The multipart upload's ``file`` and ``purpose``."""
+    content_type, options = request.content_type
+    boundary = options.get("boundary")
+    if content_type != "multipart/form-data" or not boundary:
+        raise BadRequest("Upload the file as multipart/form-data with fields 'file' and 'purpose'.")
+    try:
+        form = await parse_multipart_form(stream=_limited(request, max_bytes + MULTIPART_SLACK),
+                                          boundary=boundary.encode(),
+                                          multipart_form_part_limit=request.app.multipart_form_part_limit)
+    except ClientException as exc:
+        raise BadRequest(f"Invalid multipart/form-data upload: {exc.detail}") from None
+    upload, purpose = form.get("file"), form.get("purpose")
+    for value in form.values():
+        if isinstance(value, UploadFile) and value is not upload:
+            await value.close()
+    if not isinstance(upload, UploadFile):
+        raise BadRequest("Missing required parameter: 'file' (a file part of the multipart upload).", param="file")
+    if not isinstance(purpose, str):
+        await upload.close()
+        raise BadRequest("Missing required parameter: 'purpose'.", param="purpose")
+    return upload, purpose
+
+
+@post("/v1/files", operation_id="createFile", status_code=200, request_max_body_size=None)
+async def create_file(request: Request[Any, Any, Any]) -> Response[bytes]:
+    """Upload a JSONL file (purpose ``batch``) for batches. The body limit is ``batch_max_file_bytes``
+    (checked here while streaming: the app-wide limit is lifted for this route alone)."""
+    identity = await _identity(request)
+    max_bytes = _runtime(request).settings.batch_max_file_bytes
+    upload, purpose = await _upload(request, max_bytes)
+    try:
+        content = await upload.read()
+    finally:
+        await upload.close()
+    info = await _db(request, lambda s: batches.create_file(s, identity.tenant_id, upload.filename, content, purpose,
+                                                            max_bytes=max_bytes))
+    return _json(file_object(info))
+
+
+@get("/v1/files", operation_id="listFiles")
+async def list_files(request: Request[Any, Any, Any], after: str | None = None, limit: int = MAX_FILES_PAGE,
+                     order: Literal["asc", "desc"] = "desc", purpose: str | None = None) -> Response[bytes]:
+    """The caller's tenant's files, newest first (``order=asc``: oldest first), paginated by ``after``."""
+    identity = await _identity(request)
+    limit = _limit(limit, MAX_FILES_PAGE)
+    found, more = await _db(request, lambda s: batches.list_files(s, identity.tenant_id, purpose=purpose,
+                                                                  after=after, limit=limit, order=order))
+    return _page([file_object(f) for f in found], more)
+
+
+@get("/v1/files/{file_id:str}", operation_id="retrieveFile")
+async def retrieve_file(request: Request[Any, Any, Any], file_id: str) -> Response[bytes]:
+    """One of the caller's tenant's files."""
+    identity = await _identity(request)
+    return _json(file_object(await _db(request, lambda s: batches.get_file(s, identity.tenant_id, file_id))))
+
+
+@get("/v1/files/{file_id:str}/content", operation_id="downloadFile")
+async def file_content(request: Request[Any, Any, Any], file_id: str) -> Response[bytes]:
+    """The content of one of the caller's tenant's files."""
+    identity = await _identity(request)
+    _, content = await _db(request, lambda s: batches.file_content(s, identity.tenant_id, file_id))
+    return Response(content, media_type="application/octet-stream")
+
+
+@delete("/v1/files/{file_id:str}", operation_id="deleteFile", status_code=200)
+async def delete_file(request: Request[Any, Any, Any], file_id: str) -> Response[bytes]:
+    """Delete one of the caller's tenant's files (batches made from it are not affected)."""
+    identity = await _identity(request)
+    await _db(request, lambda s: batches.delete_file(s, identity.tenant_id, file_id))
+    return _json({"id": file_id, "object": "file", "deleted": True})
+
+
+# --- batches -------------------------------------------------------------------------------
+
+@post("/v1/batches", operation_id="createBatch", status_code=200)
+async def create_batch(request: Request[Any, Any, Any]) -> Response[bytes]:
+    """Create a batch from an uploaded file; its input is validated at once (a bad line makes a
+    ``failed`` batch whose ``errors`` say which and why)."""
+    identity = await _identity(request)
+    try:
+        body = msgspec.json.decode(await request.body(), type=BatchCreate)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"Invalid request body: {exc}") from None
+    batch = await _db(request, lambda s: batches.create_batch(
+        s, tenant_id=identity.tenant_id, key_id=identity.key_id, input_file_id=body.input_file_id,
+        endpoint=body.endpoint, completion_window=body.completion_window, metadata=body.metadata))
+    return _json(batch_object(batch))
+
+
+@get("/v1/batches", operation_id="listBatches")
+async def list_batches(request: Request[Any, Any, Any], after: str | None = None, limit: int = 20) -> Response[bytes]:
+    """The caller's tenant's batches, newest first, paginated by ``after``."""
+    identity = await _identity(request)
+    limit = _limit(limit, MAX_BATCHES_PAGE)
+    found, more = await _db(request, lambda s: batches.list_batches(s, identity.tenant_id, after=after, limit=limit))
+    return _page([batch_object(x) for x in found], more)
+
+
+@get("/v1/batches/{batch_id:str}", operation_id="retrieveBatch")
+async def retrieve_batch(request: Request[Any, Any, Any], batch_id: str) -> Response[bytes]:
+    """One of the caller's tenant's batches."""
+    identity = await _identity(request)
+    return _json(batch_object(await _db(request, lambda s: batches.get_batch(s, identity.tenant_id, batch_id))))
+
+
+@post("/v1/batches/{batch_id:str}/cancel", operation_id="cancelBatch", status_code=200)
+async def cancel_batch(request: Request[Any, Any, Any], batch_id: str) -> Response[bytes]:
+    """Cancel a batch: ``cancelling`` while lines still run, then ``cancelled`` (at once when none does)."""
+    identity = await _identity(request)
+    return _json(batch_object(await _db(request, lambda s: batches.cancel_batch(s, identity.tenant_id, batch_id))))
+
+
+ROUTES = [create_file, list_files, retrieve_file, file_content, delete_file, create_batch, list_batches,
+          retrieve_batch, cancel_batch]

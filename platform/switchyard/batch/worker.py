@@ -1,0 +1,224 @@
+"""The batch worker: runs the lines of batch jobs through the gateway's own request path, in the
+batch lane, so that they fill only the capacity interactive traffic leaves.
+
+Every gateway process runs one (``SWITCHYARD_BATCH_WORKER``), and ``switchyard worker`` runs
+dedicated ones. Lines are claimed from the database under a lease (``store.batches.claim``: row
+locks with ``SKIP LOCKED`` on PostgreSQL), kept while they run (leases renewed), and their result
+is recorded only while the lease is still this worker's — so a worker killed at any moment loses
+nothing (its lines are claimed again once their lease runs out) and duplicates nothing (a late
+result of a lease that moved on is dropped). Transient failures (429, 5xx, sheds) go back to the
+queue with exponential backoff; client errors are the line's result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, TypeVar
+
+import anyio.to_thread
+import msgspec
+from litestar import Response
+from sqlalchemy import Engine
+from sqlmodel import Session
+
+from switchyard.decide.flow import PRIORITY_HEADER
+from switchyard.gateway.errors import ApiError
+from switchyard.gateway.request import Incoming, Kind, never
+from switchyard.gateway.runtime import GatewayRuntime
+from switchyard.policy import PolicySnapshot
+from switchyard.store import batches
+from switchyard.store.db import session_scope
+from switchyard.store.keys import KeyIdentity, identity_of
+
+log = logging.getLogger("switchyard.batch")
+
+T = TypeVar("T")
+Serve = Callable[[Incoming, Kind], Awaitable[Response[Any]]]
+
+#: Answers worth another try later: timeouts, limits, sheds, engine and gateway failures.
+TRANSIENT = frozenset({408, 429, 500, 502, 503, 504})
+KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+#: Longest wait before a line's next try.
+MAX_BACKOFF_S = 300.0
+
+
+def backoff_s(attempts: int, base_s: float = 2.0) -> float:
+    """Seconds before try ``attempts + 1``: doubling from ``base_s``, at most :data:`MAX_BACKOFF_S`."""
+    return float(min(MAX_BACKOFF_S, base_s * 2 ** max(0, attempts - 1)))
+
+
+def batch_class(snapshot: PolicySnapshot) -> str | None:
+    """The policy's first priority class in the batch lane (None: the policy declares none)."""
+    return next((name for name, cls in snapshot.document.priorities.items() if cls.lane == "batch"), None)
+
+
+def worker_id() -> str:
+    """This worker's name in leases: host, process and a random part (restarts are new owners)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def _claim(session: Session, *, owner: str, limit: int, lease_s: float, now: float) -> list[batches.ClaimedRequest]:
+    return batches.claim(session, owner, limit, lease_s, now)
+
+
+def _renew(session: Session, *, owner: str, rows: list[int], lease_s: float, now: float) -> list[int]:
+    return batches.renew_leases(session, owner, rows, lease_s, now)
+
+
+def _finalize(session: Session, *, now: float) -> list[str]:
+    return batches.finalize_ready(session, now)
+
+
+class BatchWorker:
+    """Claims lines while it has room, runs each through ``serve``, records results, finalizes jobs."""
+
+    def __init__(self, engine: Engine, serve: Serve, policy: Callable[[], PolicySnapshot], *,
+                 concurrency: int, lease_s: float, max_attempts: int, poll_s: float = 1.0,
+                 owner: str | None = None) -> None:
+        self.engine = engine
+        self.serve = serve
+        self.policy = policy
+        self.concurrency = concurrency
+        self.lease_s = lease_s
+        self.max_attempts = max_attempts
+        self.poll_s = poll_s
+        self.owner = owner or worker_id()
+        self._running: dict[int, asyncio.Task[None]] = {}
+        self._identities: dict[int, tuple[float, KeyIdentity | None]] = {}
+        self._warned_no_lane = False
+
+    async def _db(self, work: Callable[[Session], T]) -> T:
+        def run() -> T:
+            with session_scope(self.engine) as session:
+                return work(session)
+
+        return await anyio.to_thread.run_sync(run)
+
+    async def run(self) -> None:
+        """Work until cancelled. Database trouble is logged and retried; it never ends the loop."""
+        renewed = finalized = 0.0
+        while True:
+            now = time.time()
+            try:
+                free = self.concurrency - len(self._running)
+                claimed = (await self._db(functools.partial(_claim, owner=self.owner, limit=free,
+                                                            lease_s=self.lease_s, now=now)) if free > 0 else [])
+                for line in claimed:
+                    task = asyncio.get_running_loop().create_task(self._line(line), name=f"batch-line-{line.id}")
+                    self._running[line.id] = task
+                    task.add_done_callback(functools.partial(self._done, line.id))
+                if self._running and now - renewed >= self.lease_s / 3:
+                    held = await self._db(functools.partial(_renew, owner=self.owner, rows=list(self._running),
+                                                            lease_s=self.lease_s, now=now))
+                    for row in set(self._running) - set(held):  # another worker has it now: stop this try
+                        self._running[row].cancel()
+                    renewed = now
+                if now - finalized >= self.poll_s:
+                    done = await self._db(functools.partial(_finalize, now=now))
+                    for batch_id in done:
+                        log.info("batch %s finished", batch_id)
+                    finalized = now
+            except Exception:  # the database may be down for a while: try again
+                log.exception("batch worker: a round failed; trying again")
+                claimed = []
+            await asyncio.sleep(0.05 if claimed else self.poll_s)
+
+    def _done(self, row: int, _task: asyncio.Task[None]) -> None:
+        self._running.pop(row, None)
+
+    async def aclose(self) -> None:
+        """Stop: lines still running are handed back at once (not after their lease)."""
+        tasks = list(self._running.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        rows = [int(task.get_name().rpartition("-")[2]) for task in tasks]
+        if rows:
+            with contextlib.suppress(Exception):
+                await self._db(lambda s: batches.release(s, self.owner, rows))
+
+    async def _identity(self, key_id: int) -> KeyIdentity | None:
+        """The identity the job's key had (cached 5 s: a revoked key stops its jobs' lines quickly)."""
+        now = time.monotonic()
+        cached = self._identities.get(key_id)
+        if cached is None or now - cached[0] > 5.0:
+            cached = (now, await self._db(lambda s: identity_of(s, key_id)))
+            self._identities[key_id] = cached
+        return cached[1]
+
+    def _headers(self, line: batches.ClaimedRequest) -> dict[str, str]:
+        headers = {"x-request-id": f"batch_req_{line.id}"}
+        lane = batch_class(self.policy())
+        if lane is not None:
+            headers[PRIORITY_HEADER] = lane
+        elif not self._warned_no_lane:
+            log.warning("the policy has no batch-lane priority class: batch lines run in their tier's class")
+            self._warned_no_lane = True
+        return headers
+
+    async def _line(self, line: batches.ClaimedRequest) -> None:
+        identity = await self._identity(line.key_id)
+        if identity is None:
+            await self._finish(line, 401, None, {"code": "invalid_api_key",
+                                                 "message": "the key that created this batch was revoked"})
+            return
+        body = dict(line.body)
+        body.pop("stream", None)  # a batch line's answer is one JSON object
+        body.pop("stream_options", None)
+        incoming = Incoming(self._headers(line), msgspec.json.encode(body), never, identity, batch=True)
+        try:
+            response = await self.serve(incoming, KINDS[line.endpoint])
+        except ApiError as error:
+            detail = {"code": error.code or error.type, "message": error.message}
+            if error.status_code in TRANSIENT and line.attempts < self.max_attempts:
+                delay = backoff_s(line.attempts)
+                await self._db(lambda s: batches.retry_later(s, line.id, self.owner, delay, detail, time.time()))
+            else:
+                await self._finish(line, error.status_code, None, detail)
+            return
+        content = response.content if isinstance(response.content, bytes) else msgspec.json.encode(response.content)
+        await self._finish(line, response.status_code or 200, msgspec.json.decode(content),
+                           None, response.headers.get("x-request-id"))
+
+    async def _finish(self, line: batches.ClaimedRequest, status: int, body: dict[str, Any] | None,
+                      error: dict[str, Any] | None, request_id: str | None = None) -> None:
+        kept = await self._db(lambda s: batches.record_result(s, line.id, self.owner, status, body, error,
+                                                              time.time(), request_id=request_id))
+        if not kept:
+            log.warning("batch line %s: lease lost before its result was recorded; dropped", line.id)
+
+
+def worker_lifespan(runtime: GatewayRuntime, serve: Serve) -> Callable[[Any], AbstractAsyncContextManager[None]]:
+    """A lifespan hook (after the runtime's) that runs this process's batch worker when enabled."""
+
+    @asynccontextmanager
+    async def lifespan(_app: Any) -> AsyncIterator[None]:
+        settings = runtime.settings
+        if not settings.batch_worker:
+            yield
+            return
+        worker = BatchWorker(runtime.engine, serve, lambda: runtime.policy.snapshot,
+                             concurrency=settings.batch_concurrency, lease_s=settings.batch_lease_s,
+                             max_attempts=settings.batch_max_attempts)
+        task = asyncio.create_task(worker.run(), name="switchyard-batch")
+        log.info("batch worker %s running (%d lines at a time)", worker.owner, worker.concurrency)
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await worker.aclose()
+
+    return lifespan

@@ -1,0 +1,200 @@
+"""Batch jobs run to the end: the official SDK's batch flow against a real gateway whose worker
+dispatches the lines through the batch lane, and a crash test — workers killed with SIGKILL in the
+middle of a batch of thousands of lines, restarted, and every line has exactly one result."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.integration.conftest import (
+    SWITCHYARD,
+    Engines,
+    Gateway,
+    eventually,
+    start_gateway,
+    stop,
+)
+
+BATCH_CLASS = "  batch: {lane: batch}\n"
+
+
+def _batch_policy(engines: Engines, path: Path) -> Path:
+    """The test policy with a batch-lane class (the worker sends lines in it)."""
+    text = engines.policy_file.read_text()
+    at = text.index("priorities:\n") + len("priorities:\n")
+    path.write_text(text[:at] + BATCH_CLASS + text[at:])
+    return path
+
+
+def _jsonl(lines: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
+def _chat_line(i: int, model: str = "small") -> dict[str, Any]:
+    return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": model, "max_tokens": 3, "messages": [{"role": "user", "content": f"line {i}"}]}}
+
+
+def _sdk(gw: Gateway, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.base_url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def _wait_done(client: openai.OpenAI, batch_id: str, timeout: float) -> Any:
+    done = eventually(lambda: (b := client.batches.retrieve(batch_id)).status in
+                      ("completed", "failed", "expired", "cancelled") and b, timeout=timeout)
+    assert done, client.batches.retrieve(batch_id)
+    return done
+
+
+def _results(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def batch_gateway(engines: Engines, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    tmp = tmp_path_factory.mktemp("gw-batch")
+    policy = _batch_policy(engines, tmp / "policies.yaml")
+    gw = start_gateway(Engines(policy, engines.ports, engines.dead_port), f"sqlite:///{tmp / 'gw.db'}", tmp,
+                       "sqlite", {"SWITCHYARD_BATCH_LEASE_S": "10"})
+    try:
+        gw.keys = {"pro": gw.new_key("batch-co", "pro"), "other": gw.new_key("other-co", "pro")}
+        yield gw
+    finally:
+        assert stop(gw.proc)
+
+
+def test_the_sdk_batch_flow_end_to_end(batch_gateway: Gateway) -> None:
+    client = _sdk(batch_gateway, batch_gateway.keys["pro"])
+    lines = [_chat_line(i) for i in range(20)] + [_chat_line(20, model="no-such-model")]
+    uploaded = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", metadata={"job": "e2e"})
+    done = _wait_done(client, batch.id, timeout=60)
+    assert done.status == "completed", done
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (21, 20, 1)
+    assert done.metadata == {"job": "e2e"} and done.completed_at and done.finalizing_at
+    out = _results(client, done.output_file_id)
+    assert [r["custom_id"] for r in out] == [f"req-{i}" for i in range(20)]  # input order, once each
+    for result in out:
+        assert result["error"] is None and result["response"]["status_code"] == 200
+        body = result["response"]["body"]
+        assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] == 3
+        assert result["response"]["request_id"]
+    (failed,) = _results(client, done.error_file_id)
+    assert failed["custom_id"] == "req-20" and failed["response"]["status_code"] == 404
+    assert "no-such-model" in json.dumps(failed)
+    # Another tenant sees none of it.
+    other = _sdk(batch_gateway, batch_gateway.keys["other"])
+    with pytest.raises(openai.NotFoundError):
+        other.files.content(done.output_file_id)
+
+
+def _spend(gw: Gateway, tenant: str) -> float:
+    from tests.integration.conftest import http_json
+
+    status, _, report = http_json("GET", f"{gw.base_url}/admin/api/usage?tenant={tenant}")
+    assert status == 200, report
+    return float(report["totals"]["spend"])
+
+
+def test_batch_lines_are_charged_at_the_batch_price(batch_gateway: Gateway, tmp_path: Path) -> None:
+    """The test policy prices small at 0.1 / 0.2 per Mtok and declares no batch price: half that."""
+    gw = batch_gateway
+    tenant_key = gw.new_key("price-co", "pro")
+    client = _sdk(gw, tenant_key)
+    uploaded = client.files.create(file=("p.jsonl", io.BytesIO(_jsonl([_chat_line(i) for i in range(5)]))),
+                                   purpose="batch")
+    done = _wait_done(client, client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                                    completion_window="24h").id, timeout=60)
+    usage = [r["response"]["body"]["usage"] for r in _results(client, done.output_file_id)]
+    prompt, completion = sum(u["prompt_tokens"] for u in usage), sum(u["completion_tokens"] for u in usage)
+    expected = (prompt * 0.05 + completion * 0.1) / 1e6
+    assert eventually(lambda: abs(_spend(gw, "price-co") - expected) < 1e-12, timeout=10), (_spend(gw, "price-co"),
+                                                                                           expected)
+
+
+def test_cancel_stops_dispatching_and_finalises_what_ran(batch_gateway: Gateway) -> None:
+    client = _sdk(batch_gateway, batch_gateway.keys["pro"])
+    lines = [_chat_line(i) for i in range(400)]
+    uploaded = client.files.create(file=("c.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    assert eventually(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 10, timeout=60)
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
+    done = _wait_done(client, batch.id, timeout=60)
+    assert done.status == "cancelled" and done.cancelled_at, done
+    ran = done.request_counts.completed
+    assert 10 <= ran < 400 and done.request_counts.failed == 0, done.request_counts
+    out, errors = _results(client, done.output_file_id), _results(client, done.error_file_id)
+    assert len(out) == ran and all(r["response"]["status_code"] == 200 for r in out)
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+    assert sorted(r["custom_id"] for r in out + errors) == sorted(f"req-{i}" for i in range(400))  # each once
+    after = client.batches.retrieve(batch.id).request_counts.completed
+    assert after == ran  # nothing ran after it was cancelled
+
+
+# --- crash safety --------------------------------------------------------------------------------
+
+LINES = 2000
+
+
+def _worker(gw: Gateway, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([SWITCHYARD, "worker"], env={**gw.env, **env}, start_new_session=True)
+
+
+def test_workers_killed_mid_batch_lose_and_duplicate_nothing(engines: Engines, tmp_path: Path,
+                                                              pg_database: Callable[[], str]) -> None:
+    policy = _batch_policy(engines, tmp_path / "policies.yaml")
+    # The gateway only takes uploads; dedicated workers (two at once: SKIP LOCKED) run the lines.
+    worker_env = {"SWITCHYARD_BATCH_LEASE_S": "3", "SWITCHYARD_BATCH_CONCURRENCY": "16"}
+    gw = start_gateway(Engines(policy, engines.ports, engines.dead_port), pg_database(), tmp_path, "postgresql",
+                       {"SWITCHYARD_BATCH_WORKER": "false"})
+    workers: list[subprocess.Popen[bytes]] = []
+    try:
+        client = _sdk(gw, gw.new_key("crash-co", "pro"))
+        uploaded = client.files.create(file=("big.jsonl", io.BytesIO(_jsonl([_chat_line(i) for i in range(LINES)]))),
+                                       purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        kills = 0
+        for progress in (0.15, 0.45, 0.75):  # kill -9 at three points of the run, restart each time
+            workers += [_worker(gw, worker_env), _worker(gw, worker_env)]
+            reached = eventually(lambda p=progress: client.batches.retrieve(batch.id).request_counts.completed
+                                 >= p * LINES, timeout=120)
+            assert reached, client.batches.retrieve(batch.id)
+            victim = workers.pop(0)
+            os.killpg(victim.pid, signal.SIGKILL)
+            victim.wait(timeout=10)
+            kills += 1
+        done = _wait_done(client, batch.id, timeout=240)
+        assert kills == 3 and done.status == "completed", done
+        assert (done.request_counts.completed, done.request_counts.failed) == (LINES, 0), done.request_counts
+        out = _results(client, done.output_file_id)
+        ids = [r["custom_id"] for r in out]
+        assert len(ids) == LINES and len(set(ids)) == LINES, "every line exactly once"
+        assert ids == [f"req-{i}" for i in range(LINES)]
+        assert all(r["response"]["status_code"] == 200 for r in out)
+        assert _results(client, done.error_file_id) == []
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.send_signal(signal.SIGTERM)
+        for w in workers:
+            try:
+                w.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                w.kill()
+        assert stop(gw.proc)
