@@ -279,7 +279,8 @@ def test_every_page_renders_accessibly_for_a_viewer(browser: Browser, live: Gate
         log_in(tab, "viewer")
         for name, path in (("02-overview", "/admin/"), ("13-policy-viewer", "/admin/policy"),
                            ("22-tenant", "/admin/tenants/pro-co"), ("23-usage", "/admin/usage"),
-                           ("40-requests", "/admin/requests"), ("50-cache", "/admin/cache"),
+                           ("40-requests", "/admin/requests"), ("45-batches", "/admin/batches"),
+                           ("50-cache", "/admin/cache"),
                            ("60-audit", "/admin/audit")):
             tab.goto(path)
             assert tab.locator("h1, h2").count() > 0, path

@@ -20,7 +20,7 @@ from litestar.response import Template
 
 from switchyard.admin.api import endpoint_row
 from switchyard.admin.login import logout
-from switchyard.admin.pages import audit, cache, dryrun, policy, requests, tenants, usage
+from switchyard.admin.pages import audit, batches, cache, dryrun, policy, requests, tenants, usage
 from switchyard.admin.session import CONSOLE_EXCEPTION_HANDLERS, console_guard, security_headers
 from switchyard.gateway.activity import CACHE_POOL, NO_POOL, sparkline_points
 from switchyard.gateway.runtime import GatewayRuntime
@@ -171,7 +171,7 @@ async def overview(request: HTMXRequest) -> Template:
 
 
 PAGES = [overview, logout, *policy.ROUTES, *tenants.ROUTES, *usage.ROUTES, *requests.ROUTES, *dryrun.ROUTES,
-         *cache.ROUTES, *audit.ROUTES]
+         *cache.ROUTES, *audit.ROUTES, *batches.ROUTES]
 
 admin_router = Router(path="/admin", route_handlers=PAGES, request_class=HTMXRequest, guards=[console_guard],
                       exception_handlers=CONSOLE_EXCEPTION_HANDLERS, after_request=security_headers)
