@@ -11,10 +11,12 @@ mis-versioned requests), ``auto``
 sent each, the difficulty classifier's accuracy, cost per 1,000 requests against all on large),
 ``cache`` (the exact and semantic response caches on a workload with Zipf-distributed repeats and
 paraphrases: hit ratio against the repeat bound, hit latency p50/p99 against misses and against
-the same gateway told to skip the cache, engine requests saved, entries and bytes).
+the same gateway told to skip the cache, engine requests saved, entries and bytes), ``batch``
+(interactive load at half the pool's capacity with and without a large batch through the Batch API:
+the batch lane's share of the idle capacity, interactive TTFT p50/p99 against the run without it).
 
-Not landed: scenarios whose feature does not exist yet. They are listed with the issue that
-brings the feature, and every report names them instead of showing a figure.
+Not landed (none at present): scenarios whose feature does not exist yet. They are listed with
+the issue that brings the feature, and every report names them instead of showing a figure.
 
 Must not touch: the gateway's or the simulator's internals. Scenarios start real processes
 (``bench.procs``) and talk HTTP to them.
@@ -22,7 +24,7 @@ Must not touch: the gateway's or the simulator's internals. Scenarios start real
 
 from __future__ import annotations
 
-from switchyard.bench.scenarios import auto, cache, failover, overhead, overload, prefix, reload
+from switchyard.bench.scenarios import auto, batch, cache, failover, overhead, overload, prefix, reload
 from switchyard.bench.scenarios.base import BenchOptions, Outcome, Scenario, ScenarioContext
 
 SCENARIOS: dict[str, Scenario] = {
@@ -36,8 +38,8 @@ SCENARIOS: dict[str, Scenario] = {
                  "detection, recovery, no retry storm", failover.run),
         Scenario("cache", "response caches: hit ratio against the repeat bound and hit latency p50/p99 on a "
                  "workload with repeats and paraphrases, vs the same gateway without the cache", cache.run),
-        Scenario("batch", "the Batch API filling idle capacity without hurting interactive traffic", issue=10,
-                 missing="the Batch API and its idle-capacity lane"),
+        Scenario("batch", "the Batch API filling idle capacity without hurting interactive traffic: the batch "
+                 "lane's share of the idle capacity, interactive TTFT with and without a batch", batch.run),
         Scenario("reload", "policy lifecycle: publishes and rollbacks under load on two replicas", reload.run),
         Scenario("auto", "routing cheap requests to cheap models: the auto route on a labelled prompt set, "
                  "cost per 1,000 requests vs all-large", auto.run),
