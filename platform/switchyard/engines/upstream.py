@@ -32,11 +32,16 @@ class UpstreamTimeouts:
 KEEPALIVE_S = 4.0
 
 
-def create_client_session(timeouts: UpstreamTimeouts, max_connections: int) -> aiohttp.ClientSession:
-    """The process-wide upstream client (create it inside the app's lifespan)."""
-    connector = aiohttp.TCPConnector(
-        limit=max_connections, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=KEEPALIVE_S,
-    )
+def create_client_session(timeouts: UpstreamTimeouts, max_connections: int,
+                          fresh: bool = False) -> aiohttp.ClientSession:
+    """The process-wide upstream client (create it inside the app's lifespan).
+
+    ``fresh``: a client that opens a new connection for every request and keeps none, for the one
+    retry of a request whose pooled connection the engine had closed (see :func:`post`).
+    """
+    connector = (aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, force_close=True) if fresh else
+                 aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, ttl_dns_cache=300,
+                                      keepalive_timeout=KEEPALIVE_S))
     timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_read=timeouts.read_s)
     return aiohttp.ClientSession(connector=connector, timeout=timeout, raise_for_status=False,
                                  auto_decompress=False, skip_auto_headers=("User-Agent",))
@@ -71,20 +76,22 @@ class EngineError:
     retry_after: str | None
 
 
-async def post(session: aiohttp.ClientSession, url: str, payload: bytes,
-               headers: Mapping[str, str]) -> aiohttp.ClientResponse:
+async def post(session: aiohttp.ClientSession, url: str, payload: bytes, headers: Mapping[str, str],
+               fresh: aiohttp.ClientSession | None = None) -> aiohttp.ClientResponse:
     """POST to an engine; connection failures and timeouts become :class:`UpstreamFailure`.
 
-    A connection closed by the engine before any answer came is tried once more, at once: that is
-    what a pooled keep-alive connection the engine had just closed looks like (on a starved machine
-    the gap between taking it from the pool and the engine reading the request can outlast the
-    margin :data:`KEEPALIVE_S` leaves). An engine that is really gone refuses the second try.
+    A connection closed by the engine before any answer came is tried once more, at once, on a new
+    connection (``fresh``, else the pool): that is what a pooled keep-alive connection the engine
+    had just closed looks like. On a starved machine the gateway can take the connection from the
+    pool more than :data:`KEEPALIVE_S`'s margin after the engine's idle timer started, and the
+    connections released with it are as stale, so the retry must not take another pooled one. An
+    engine that is really gone refuses the second try.
     """
     try:
         try:
             return await session.post(url, data=payload, headers=headers)
         except aiohttp.ServerDisconnectedError:
-            return await session.post(url, data=payload, headers=headers)
+            return await (fresh or session).post(url, data=payload, headers=headers)
     except TimeoutError:
         raise UpstreamFailure(f"{url} did not answer in time", timeout=True) from None
     except aiohttp.ClientConnectorError as exc:

@@ -323,7 +323,7 @@ class Proxy:
         payload = req.payload_for(choice.pool)
         first_token_s = stage.model.first_token_timeout or resilience.first_token_timeout
         try:
-            sending = post(runtime.http, url + _PATHS[req.kind], payload, upstream_headers)
+            sending = post(runtime.http, url + _PATHS[req.kind], payload, upstream_headers, runtime.http_fresh)
             # (post() turns its own timeouts into UpstreamFailure: a TimeoutError here is the first-token wait's.)
             response = await (asyncio.wait_for(sending, first_token_s) if req.stream else sending)
             if response.status >= 300:

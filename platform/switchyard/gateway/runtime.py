@@ -70,6 +70,7 @@ class GatewayRuntime:
         self._engine: Engine | None = None
         self._policy: PolicyHolder | None = None
         self._http: aiohttp.ClientSession | None = None
+        self._http_fresh: aiohttp.ClientSession | None = None  # no pooling: a retry after a stale connection
         self._classifiers: ClassifierRunner | None = None
         self._reloader: PolicyReloader | None = None
         self._usage: UsageRecorder | None = None
@@ -138,6 +139,13 @@ class GatewayRuntime:
         if self._http is None:
             raise RuntimeError("the gateway is not started")
         return self._http
+
+    @property
+    def http_fresh(self) -> aiohttp.ClientSession:
+        """A client that opens a new connection per request (only inside the lifespan)."""
+        if self._http_fresh is None:
+            raise RuntimeError("the gateway is not started")
+        return self._http_fresh
 
     @property
     def classifiers(self) -> ClassifierRunner:
@@ -265,10 +273,9 @@ class GatewayRuntime:
         self.metrics.set_policy(snapshot.label, snapshot.sha256, snapshot.version)
         self._reloader = PolicyReloader(self.settings, self.engine, self.policy, self.metrics, self.tokenizers)
         self._usage = UsageRecorder(self.engine)
-        self._http = create_client_session(
-            UpstreamTimeouts(self.settings.upstream_connect_timeout_s, self.settings.upstream_read_timeout_s),
-            self.settings.upstream_max_connections,
-        )
+        timeouts = UpstreamTimeouts(self.settings.upstream_connect_timeout_s, self.settings.upstream_read_timeout_s)
+        self._http = create_client_session(timeouts, self.settings.upstream_max_connections)
+        self._http_fresh = create_client_session(timeouts, self.settings.upstream_max_connections, fresh=True)
         self._classifiers = ClassifierRunner(self._http, self.endpoints, self.metrics)
         # Objects made during start-up live as long as the process: keep them out of the
         # collector's way, and collect young objects less often (DESIGN.md: +13% requests/s).
@@ -305,4 +312,6 @@ class GatewayRuntime:
             self._classifiers = None
             await self._http.close()
             self._http = None
+            await self._http_fresh.close()
+            self._http_fresh = None
             self.engine.dispose()

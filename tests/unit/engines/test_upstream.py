@@ -36,15 +36,18 @@ class ClosingServer:
 async def _post_to(server: ClosingServer) -> tuple[int, int]:
     listener = await asyncio.start_server(server.handle, "127.0.0.1", 0)
     port = listener.sockets[0].getsockname()[1]
-    session = create_client_session(UpstreamTimeouts(connect_s=2, read_s=5), max_connections=4)
+    timeouts = UpstreamTimeouts(connect_s=2, read_s=5)
+    session = create_client_session(timeouts, max_connections=4)
+    fresh = create_client_session(timeouts, max_connections=4, fresh=True)
     try:
         response = await post(session, f"http://127.0.0.1:{port}/v1/completions", b'{"prompt": "x"}',
-                              {"content-type": "application/json"})
+                              {"content-type": "application/json"}, fresh)
         body = await response.read()
         assert body == BODY
         return response.status, server.requests
     finally:
         await session.close()
+        await fresh.close()
         listener.close()
         await listener.wait_closed()
 
