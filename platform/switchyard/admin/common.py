@@ -39,6 +39,15 @@ def admin_token_guard(connection: ASGIConnection[Any, Any, Any, Any], _handler: 
                            code="invalid_admin_token", headers={"WWW-Authenticate": "Bearer"})
 
 
+class PageError(Exception):
+    """Input or a state a console page refuses: shown in a role="alert" box, answered with ``status``."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
 def runtime_of(request: Request[Any, Any, Any]) -> GatewayRuntime:
     runtime: GatewayRuntime = request.app.state.runtime
     return runtime

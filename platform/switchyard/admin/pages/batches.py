@@ -21,10 +21,9 @@ from litestar.plugins.htmx import HTMXRequest, HTMXTemplate
 from litestar.response import Redirect, Template
 from sqlmodel import Session, col, select
 
-from switchyard.admin.common import in_db
+from switchyard.admin.common import PageError, in_db, runtime_of
 from switchyard.admin.session import console_origin, current_user
 from switchyard.gateway.errors import ApiError
-from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.store import errors as store_errors
 from switchyard.store.admin_users import RANK
 from switchyard.store.audit import append_event
@@ -45,18 +44,6 @@ CANCELLABLE = ("in_progress",)
 NONE = "—"
 
 
-class PageError(Exception):
-    """Input or a state the page refuses; shown in a role="alert" box with ``status``."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-
-
-def _runtime(request: HTMXRequest) -> GatewayRuntime:
-    runtime: GatewayRuntime = request.app.state.runtime
-    return runtime
 
 
 def _url(batch_id: str) -> str:
@@ -140,7 +127,7 @@ async def batches_page(request: HTMXRequest, status: FromQuery[str | None] = Non
             raise PageError(f"unknown status {filters['status']!r}; a batch is one of: {', '.join(BATCH_STATUSES)}")
     except PageError as exc:
         error = exc.message
-    listing = await in_db(_runtime(request), lambda s: _read_list(s, "" if error else filters["status"],
+    listing = await in_db(runtime_of(request), lambda s: _read_list(s, "" if error else filters["status"],
                                                                   filters["tenant"], after, size))
     if error is not None:
         listing.rows, listing.more = [], False
@@ -205,7 +192,7 @@ def _read_batch(session: Session, batch_id: str) -> dict[str, Any] | None:
 
 async def _batch_page(request: HTMXRequest, batch_id: str, *, error: str | None = None,
                       status: int = 200) -> Template:
-    batch = await in_db(_runtime(request), lambda s: _read_batch(s, batch_id))
+    batch = await in_db(runtime_of(request), lambda s: _read_batch(s, batch_id))
     can_operate = RANK[current_user(request).role] >= RANK["operator"]
     context = {"batch": batch, "batch_id": batch_id, "error": error, "can_operate": can_operate,
                "failed_shown": FAILED_SHOWN}
@@ -241,7 +228,7 @@ async def batch_cancel(request: HTMXRequest, batch_id: FromPath[str]) -> Respons
         return True
 
     try:
-        found = await in_db(_runtime(request), cancel)
+        found = await in_db(runtime_of(request), cancel)
     except PageError as exc:
         return await _batch_page(request, batch_id, error=exc.message, status=exc.status)
     except ApiError as exc:

@@ -14,7 +14,7 @@ from litestar.plugins.htmx import HTMXRequest
 from litestar.response import Redirect, Response, Template
 
 from switchyard.admin.cache_api import cache_state, purge_cache
-from switchyard.admin.common import in_db
+from switchyard.admin.common import in_db, runtime_of
 from switchyard.admin.session import console_origin, current_user
 from switchyard.gateway.errors import ApiError
 from switchyard.gateway.runtime import GatewayRuntime
@@ -23,10 +23,6 @@ from switchyard.store.tenants import list_tenants
 TEMPLATE = "admin/cache.html.j2"
 SCOPES = ("tenant", "model", "all")
 
-
-def _runtime(request: HTMXRequest) -> GatewayRuntime:
-    runtime: GatewayRuntime = request.app.state.runtime
-    return runtime
 
 
 def _counts(runtime: GatewayRuntime) -> dict[str, dict[str, float]]:
@@ -45,7 +41,7 @@ def _counts(runtime: GatewayRuntime) -> dict[str, dict[str, float]]:
 
 async def _page(request: HTMXRequest, *, status: int = 200, error: str | None = None, note: str | None = None,
                 scope: str = "tenant", tenant: str = "", model: str = "") -> Template:
-    runtime = _runtime(request)
+    runtime = runtime_of(request)
     snapshot = runtime.policy.snapshot
     state = await cache_state(runtime)
     counts = _counts(runtime)
@@ -85,7 +81,7 @@ async def cache_purge(request: HTMXRequest) -> Response[Any]:
     if error is None:
         actor, origin = console_origin(request)
         try:
-            removed = await purge_cache(_runtime(request), tenant=tenant if scope == "tenant" else None,
+            removed = await purge_cache(runtime_of(request), tenant=tenant if scope == "tenant" else None,
                                         model=model if scope == "model" else None, actor=actor, origin=origin)
         except ApiError as failed:
             error = str(failed)

@@ -20,7 +20,7 @@ from litestar.response import Template
 from pydantic import ValidationError
 from sqlmodel import Session
 
-from switchyard.admin.common import in_db
+from switchyard.admin.common import in_db, runtime_of
 from switchyard.decide.admit import LimitCharge, estimate, limit_charges
 from switchyard.decide.dryrun import DryRun, dry_run
 from switchyard.decide.flow import PRIORITY_HEADER
@@ -58,10 +58,6 @@ class Who:
     limits: Limits | None = None
 
 
-def _runtime(request: HTMXRequest) -> GatewayRuntime:
-    runtime: GatewayRuntime = request.app.state.runtime
-    return runtime
-
 
 def _choices(snapshot: PolicySnapshot, tenants: list[TenantPublic]) -> dict[str, Any]:
     return {
@@ -76,7 +72,7 @@ def _choices(snapshot: PolicySnapshot, tenants: list[TenantPublic]) -> dict[str,
 
 async def _page(request: HTMXRequest, values: dict[str, str], flags: set[str], status: int = 200,
                 error: str | None = None, result: dict[str, Any] | None = None) -> Template:
-    runtime = _runtime(request)
+    runtime = runtime_of(request)
     tenants = await in_db(runtime, list_tenants)
     context = {**_choices(runtime.policy.snapshot, tenants), "values": values, "flags": flags, "error": error,
                "result": result}
@@ -172,7 +168,7 @@ def _values(form: FormMultiDict) -> tuple[dict[str, str], set[str]]:
 @post("/dry-run", include_in_schema=False, status_code=200)
 async def dry_run_submit(request: HTMXRequest) -> Template:
     """Run the dry-run of the form's request and show every decision (400 with the form when it is wrong)."""
-    runtime = _runtime(request)
+    runtime = runtime_of(request)
     snapshot = runtime.policy.snapshot  # read once: the whole answer comes from one policy version
     values, flags = _values(await request.form())
     try:

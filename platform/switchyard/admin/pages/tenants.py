@@ -27,7 +27,7 @@ from litestar.plugins.htmx import HTMXRequest
 from litestar.response import Redirect, Template
 from sqlmodel import Session, col, select
 
-from switchyard.admin.common import in_db
+from switchyard.admin.common import PageError, in_db, runtime_of
 from switchyard.admin.session import console_origin, current_user
 from switchyard.decide.admit import LIMIT_PERIODS, Estimate, LimitCharge, limit_charges
 from switchyard.gateway.errors import ApiError
@@ -59,29 +59,17 @@ LIMIT_FIELDS = tuple(LIMIT_PERIODS)
 _PERIOD_WORDS = {60.0: "minute", 86_400.0: "day", 30 * 86_400.0: "30 days"}
 
 
-class FormError(Exception):
-    """Input the page refuses; shown in a role="alert" box with ``status``."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-
-
-def _runtime(request: HTMXRequest) -> GatewayRuntime:
-    runtime: GatewayRuntime = request.app.state.runtime
-    return runtime
 
 
 async def _db(runtime: GatewayRuntime, work: Callable[[Session], T]) -> T:
-    """``in_db`` with the store's refusals as :class:`FormError` (a duplicate is 409, a missing record 404)."""
+    """``in_db`` with the store's refusals as :class:`PageError` (a duplicate is 409, a missing record 404)."""
     try:
         return await in_db(runtime, work)
     except ApiError as exc:
         if exc.status_code >= 500:
             raise
         status = 409 if isinstance(exc.__context__, store_errors.Conflict) else exc.status_code
-        raise FormError(exc.message, status) from None
+        raise PageError(exc.message, status) from None
 
 
 def _text(form: FormMultiDict, name: str) -> str:
@@ -207,7 +195,7 @@ def _drawn(charge: LimitCharge, live: _Live) -> dict[str, Any] | None:
 
 
 async def _tenant_context(request: HTMXRequest, name: str) -> dict[str, Any]:
-    runtime = _runtime(request)
+    runtime = runtime_of(request)
     data = await _db(runtime, lambda s: _read_tenant(s, name))
     snapshot = runtime.policy.snapshot
     tenant = data.tenant
@@ -286,7 +274,7 @@ async def _tenant_context(request: HTMXRequest, name: str) -> dict[str, Any]:
 
 
 async def _list_context(request: HTMXRequest) -> dict[str, Any]:
-    runtime = _runtime(request)
+    runtime = runtime_of(request)
     context = await _db(runtime, _read_list)
     snapshot = runtime.policy.snapshot
     return context | {"tiers": list(snapshot.tiers), "regions": list(snapshot.document.regions),
@@ -304,7 +292,7 @@ async def _tenant_page(request: HTMXRequest, name: str, *, error: str | None = N
                        new_key: Mapping[str, Any] | None = None, values: Mapping[str, str] | None = None) -> Template:
     try:
         context = await _tenant_context(request, name)
-    except FormError as exc:  # no such tenant
+    except PageError as exc:  # no such tenant
         return await _list_page(request, error=exc.message, status=exc.status)
     context |= {"error": error, "new_key": new_key, "values": dict(values or {})}
     return Template(template_name="admin/tenant.html.j2", context=context, status_code=status)
@@ -319,9 +307,9 @@ def _tenant_url(name: str) -> str:
 def _check_tier(snapshot: PolicySnapshot, tier: str) -> str:
     """The CLI's check: a tier must be one of the active policy's."""
     if not tier:
-        raise FormError("choose a tier")
+        raise PageError("choose a tier")
     if tier not in snapshot.tiers:
-        raise FormError(f"unknown tier {tier!r}; the policy ({snapshot.label}) has: {', '.join(snapshot.tiers)}")
+        raise PageError(f"unknown tier {tier!r}; the policy ({snapshot.label}) has: {', '.join(snapshot.tiers)}")
     return tier
 
 
@@ -329,7 +317,7 @@ def _check_region(snapshot: PolicySnapshot, region: str) -> str | None:
     if not region:
         return None
     if region not in snapshot.document.regions:
-        raise FormError(f"unknown region {region!r}; the policy ({snapshot.label}) has: "
+        raise PageError(f"unknown region {region!r}; the policy ({snapshot.label}) has: "
                         f"{', '.join(snapshot.document.regions)}")
     return region
 
@@ -361,12 +349,12 @@ async def tenants_create(request: HTMXRequest) -> Response[Any]:
     """Create a tenant in a tier of the active policy (audited as ``tenant.create``)."""
     form = await request.form()
     values = {"name": _text(form, "name"), "tier": _text(form, "tier"), "region": _text(form, "region")}
-    snapshot = _runtime(request).policy.snapshot
+    snapshot = runtime_of(request).policy.snapshot
     actor, origin = console_origin(request)
     try:
         name = values["name"]
         if TENANT_NAME.fullmatch(name) is None:
-            raise FormError(f"invalid tenant name {name!r}: 1 to 64 letters, digits, '.', '_' or '-', "
+            raise PageError(f"invalid tenant name {name!r}: 1 to 64 letters, digits, '.', '_' or '-', "
                             "starting with a letter or digit")
         tier = _check_tier(snapshot, values["tier"])
         region = _check_region(snapshot, values["region"])
@@ -377,8 +365,8 @@ async def tenants_create(request: HTMXRequest) -> Response[Any]:
                          detail={"tier": tier, "region": region})
             return tenant
 
-        await _db(_runtime(request), create)
-    except FormError as exc:
+        await _db(runtime_of(request), create)
+    except PageError as exc:
         return await _list_page(request, error=exc.message, status=exc.status, values=values)
     return Redirect(path=_tenant_url(name), status_code=303)
 
@@ -395,7 +383,7 @@ async def tenant_tier(request: HTMXRequest, name: FromPath[str]) -> Response[Any
     form = await request.form()
     actor, origin = console_origin(request)
     try:
-        tier = _check_tier(_runtime(request).policy.snapshot, _text(form, "tier"))
+        tier = _check_tier(runtime_of(request).policy.snapshot, _text(form, "tier"))
 
         def move(session: Session) -> None:
             previous = get_tenant(session, name).tier
@@ -403,8 +391,8 @@ async def tenant_tier(request: HTMXRequest, name: FromPath[str]) -> Response[Any
             append_event(session, actor=actor, origin=origin, action="tenant.tier", target=f"tenant:{name}",
                          detail={"tier": tier, "previous": previous})
 
-        await _db(_runtime(request), move)
-    except FormError as exc:
+        await _db(runtime_of(request), move)
+    except PageError as exc:
         return await _tenant_page(request, name, error=exc.message, status=exc.status)
     return Redirect(path=_tenant_url(name), status_code=303)
 
@@ -416,8 +404,8 @@ async def tenant_limits(request: HTMXRequest, name: FromPath[str]) -> Response[A
     actor, origin = console_origin(request)
     try:
         limits = _limits_of(form)
-        await _db(_runtime(request), lambda s: set_limits(s, tenant=name, limits=limits, actor=actor, origin=origin))
-    except FormError as exc:
+        await _db(runtime_of(request), lambda s: set_limits(s, tenant=name, limits=limits, actor=actor, origin=origin))
+    except PageError as exc:
         values = {f: _text(form, f) for f in LIMIT_FIELDS}
         return await _tenant_page(request, name, error=exc.message, status=exc.status, values=values)
     return Redirect(path=_tenant_url(name), status_code=303)
@@ -431,8 +419,8 @@ async def tenant_key_create(request: HTMXRequest, name: FromPath[str]) -> Respon
     try:
         label = _text(form, "name") or None
         if label is not None and len(label) > KEY_NAME_MAX:
-            raise FormError(f"a key's name has at most {KEY_NAME_MAX} characters")
-        region = _check_region(_runtime(request).policy.snapshot, _text(form, "region"))
+            raise PageError(f"a key's name has at most {KEY_NAME_MAX} characters")
+        region = _check_region(runtime_of(request).policy.snapshot, _text(form, "region"))
 
         def create(session: Session) -> tuple[str, ApiKeyPublic]:
             secret, record = create_key(session, name, label, region)
@@ -440,8 +428,8 @@ async def tenant_key_create(request: HTMXRequest, name: FromPath[str]) -> Respon
                          detail={"tenant": name, "prefix": record.prefix, "name": label, "region": region})
             return secret, record
 
-        secret, record = await _db(_runtime(request), create)
-    except FormError as exc:
+        secret, record = await _db(runtime_of(request), create)
+    except PageError as exc:
         return await _tenant_page(request, name, error=exc.message, status=exc.status)
     return await _tenant_page(request, name, status=201,
                               new_key={"secret": secret, "id": record.id, "prefix": record.prefix,
@@ -453,10 +441,10 @@ async def _key_tenant(request: HTMXRequest, key_id: int) -> str | None:
         return session.exec(select(Tenant.name).join(ApiKey, col(ApiKey.tenant_id) == col(Tenant.id))
                             .where(ApiKey.id == key_id)).first()
 
-    return await _db(_runtime(request), find)
+    return await _db(runtime_of(request), find)
 
 
-async def _key_error(request: HTMXRequest, key_id: int, exc: FormError) -> Template:
+async def _key_error(request: HTMXRequest, key_id: int, exc: PageError) -> Template:
     tenant = await _key_tenant(request, key_id)
     if tenant is None:
         return await _list_page(request, error=exc.message, status=exc.status)
@@ -475,8 +463,8 @@ async def key_revoke(request: HTMXRequest, key_id: FromPath[int]) -> Response[An
         return record
 
     try:
-        record = await _db(_runtime(request), revoke)
-    except FormError as exc:
+        record = await _db(runtime_of(request), revoke)
+    except PageError as exc:
         return await _key_error(request, key_id, exc)
     return Redirect(path=_tenant_url(record.tenant), status_code=303)
 
@@ -488,10 +476,10 @@ async def key_limits(request: HTMXRequest, key_id: FromPath[int]) -> Response[An
     actor, origin = console_origin(request)
     try:
         limits = _limits_of(form)
-        await _db(_runtime(request), lambda s: set_limits(s, key_id=key_id, limits=limits, actor=actor,
+        await _db(runtime_of(request), lambda s: set_limits(s, key_id=key_id, limits=limits, actor=actor,
                                                           origin=origin))
         tenant = await _key_tenant(request, key_id)
-    except FormError as exc:
+    except PageError as exc:
         return await _key_error(request, key_id, exc)
     return Redirect(path=_tenant_url(tenant or ""), status_code=303)
 
