@@ -132,8 +132,11 @@ class BatchWorker:
                 claimed = []
             await asyncio.sleep(0.05 if claimed else self.poll_s)
 
-    def _done(self, row: int, _task: asyncio.Task[None]) -> None:
+    def _done(self, row: int, task: asyncio.Task[None]) -> None:
         self._running.pop(row, None)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            # Its lease runs out and another round tries it again (the database may have been down).
+            log.error("batch line %s: %s: %s", row, error.__class__.__name__, error)
 
     async def aclose(self) -> None:
         """Stop: lines still running are handed back at once (not after their lease)."""
