@@ -107,6 +107,52 @@ def run_quick(tmp_path_factory: pytest.TempPathFactory, scenario: str,
     return out, subprocess.run(args, capture_output=True, text=True, timeout=timeout)
 
 
+def quick_report(run: tuple[Path, subprocess.CompletedProcess[str]], name: str) -> dict[str, Any]:
+    """The report of scenario ``name`` from a :func:`run_quick` that succeeded."""
+    out, done = run
+    assert done.returncode == 0, done.stdout + done.stderr
+    return _json(out / name / "report.json")
+
+
+def assert_landed_alone(out: Path, done: subprocess.CompletedProcess[str], name: str,
+                        files: tuple[str, ...]) -> dict[str, Any]:
+    """A :func:`run_quick` of ``name`` said where its report is, left no process behind, landed, and wrote
+    ``files`` and every plot its report lists (PNGs, nothing more): the index (``report.json``)."""
+    assert f"report: {out / 'report.md'}" in done.stdout
+    assert not _ours(str(out)), "every process the bench started is stopped"
+    index = _json(out / "report.json")
+    assert [(s["name"], s["status"]) for s in index["scenarios"]] == [(name, "ok")]
+    assert not any(line.startswith(f"{name} (") for line in index["not_landed"])
+    folder = out / name
+    for file in files:
+        assert (folder / file).stat().st_size > 0, file
+    assert all(png.read_bytes()[:8] == PNG_MAGIC for png in folder.glob("*.png"))
+    assert sorted(_json(folder / "report.json")["plots"]) == sorted(p.name for p in folder.glob("*.png"))
+    return index
+
+
+def assert_same_numbers(out: Path, name: str, report: dict[str, Any], goals: int) -> str:
+    """A :func:`run_quick` of ``name``: its ``goals`` goals, its tables and its per-arm summary the same in
+    its Markdown, the index's and the JSON (``report``): the scenario's Markdown."""
+    md = (out / name / "report.md").read_text()
+    index_md = (out / "report.md").read_text()
+    index = _json(out / "report.json")["scenarios"][0]
+    assert index["goals"] == report["goals"] and len(report["goals"]) == goals
+    for g in report["goals"]:
+        assert render_goal_row(g) in md and render_goal_row(g) in index_md, g["goal"]
+    for data in report["tables"]:
+        for row in data["rows"]:
+            assert render_row(data, row) in md, (data["title"], row)
+    for data in index["tables"]:
+        assert data in report["tables"]
+        for row in data["rows"]:
+            assert render_row(data, row) in index_md
+    for key, label, mult, dec in TABLE_METRICS:
+        cells = [format_value(report["overall"][arm][key], mult, dec) for arm in report["arms"]]
+        assert f"| {label} | {' | '.join(cells)} |" in md, label
+    return md
+
+
 def test_the_run_succeeds_and_says_where_the_report_is(run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     out, done = run
     assert done.returncode == 0, done.stdout + done.stderr

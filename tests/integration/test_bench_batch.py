@@ -16,9 +16,7 @@ from typing import Any
 
 import pytest
 
-from switchyard.bench.report import TABLE_METRICS, format_value
-from switchyard.bench.tables import render_goal_row, render_row
-from tests.integration.test_bench import PNG_MAGIC, _json, _ours, run_quick
+from tests.integration.test_bench import assert_landed_alone, assert_same_numbers, quick_report, run_quick
 
 ARMS = ["without-batch", "with-batch"]
 
@@ -30,9 +28,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.Comp
 
 @pytest.fixture(scope="module")
 def report(run: tuple[Path, subprocess.CompletedProcess[str]]) -> dict[str, Any]:
-    out, done = run
-    assert done.returncode == 0, done.stdout + done.stderr
-    return _json(out / "batch" / "report.json")
+    return quick_report(run, "batch")
 
 
 def _tables(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -46,41 +42,16 @@ def _table(report: dict[str, Any], starts: str) -> dict[str, Any]:
 def test_the_run_writes_a_complete_report_and_stops_everything(
         run: tuple[Path, subprocess.CompletedProcess[str]], report: dict[str, Any]) -> None:
     out, done = run
-    assert f"report: {out / 'report.md'}" in done.stdout
-    assert not _ours(str(out)), "every process the bench started is stopped"
-    index = _json(out / "report.json")
-    assert [(s["name"], s["status"]) for s in index["scenarios"]] == [("batch", "ok")]
-    assert not any(line.startswith("batch (") for line in index["not_landed"])
-    folder = out / "batch"
-    for file in ("report.md", "report.json", "ttft_cdf.png", "load_over_time.png", "shed_fallback.png",
-                 "batch_progress.png"):
-        assert (folder / file).stat().st_size > 0, file
-    assert all(png.read_bytes()[:8] == PNG_MAGIC for png in folder.glob("*.png"))
-    assert sorted(report["plots"]) == sorted(p.name for p in folder.glob("*.png"))
+    index = assert_landed_alone(out, done, "batch", ("report.md", "report.json", "ttft_cdf.png", "load_over_time.png",
+                                                     "shed_fallback.png", "batch_progress.png"))
     assert sorted(index["scenarios"][0]["plots"]) == sorted(f"batch/{p}" for p in report["plots"])
-    md = (folder / "report.md").read_text()
+    md = (out / "batch" / "report.md").read_text()
     assert "![batch_progress](batch_progress.png)" in md
 
 
 def test_markdown_and_json_hold_the_same_numbers(run: tuple[Path, subprocess.CompletedProcess[str]],
                                                  report: dict[str, Any]) -> None:
-    out, _ = run
-    md = (out / "batch" / "report.md").read_text()
-    index_md = (out / "report.md").read_text()
-    index = _json(out / "report.json")["scenarios"][0]
-    assert index["goals"] == report["goals"] and len(report["goals"]) == 3
-    for g in report["goals"]:
-        assert render_goal_row(g) in md and render_goal_row(g) in index_md, g["goal"]
-    for data in report["tables"]:
-        for row in data["rows"]:
-            assert render_row(data, row) in md, (data["title"], row)
-    for data in index["tables"]:
-        assert data in report["tables"]
-        for row in data["rows"]:
-            assert render_row(data, row) in index_md
-    for key, label, mult, dec in TABLE_METRICS:
-        cells = [format_value(report["overall"][arm][key], mult, dec) for arm in report["arms"]]
-        assert f"| {label} | {' | '.join(cells)} |" in md, label
+    assert_same_numbers(run[0], "batch", report, goals=3)
 
 
 def test_both_arms_ran_the_same_schedule_at_half_the_measured_capacity_and_answered_it(

@@ -14,9 +14,7 @@ from typing import Any
 
 import pytest
 
-from switchyard.bench.report import TABLE_METRICS, format_value
-from switchyard.bench.tables import render_goal_row, render_row
-from tests.integration.test_bench import PNG_MAGIC, _json, _ours, run_quick
+from tests.integration.test_bench import assert_landed_alone, assert_same_numbers, quick_report, run_quick
 
 CLASSES = ("critical", "standard", "sheddable")
 
@@ -28,24 +26,13 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.Comp
 
 @pytest.fixture(scope="module")
 def report(run: tuple[Path, subprocess.CompletedProcess[str]]) -> dict[str, Any]:
-    out, done = run
-    assert done.returncode == 0, done.stdout + done.stderr
-    return _json(out / "overload" / "report.json")
+    return quick_report(run, "overload")
 
 
 def test_the_run_writes_a_complete_report_and_stops_everything(
         run: tuple[Path, subprocess.CompletedProcess[str]], report: dict[str, Any]) -> None:
-    out, done = run
-    assert f"report: {out / 'report.md'}" in done.stdout
-    assert not _ours(str(out)), "every process the bench started is stopped"
-    index = _json(out / "report.json")
-    assert [(s["name"], s["status"]) for s in index["scenarios"]] == [("overload", "ok")]
-    assert not any(line.startswith("overload (") for line in index["not_landed"])
-    folder = out / "overload"
-    for file in ("report.md", "report.json", "ttft_cdf.png", "load_over_time.png", "shed_fallback.png"):
-        assert (folder / file).stat().st_size > 0, file
-    assert all(png.read_bytes()[:8] == PNG_MAGIC for png in folder.glob("*.png"))
-    assert sorted(report["plots"]) == sorted(p.name for p in folder.glob("*.png"))
+    assert_landed_alone(*run, "overload",
+                        ("report.md", "report.json", "ttft_cdf.png", "load_over_time.png", "shed_fallback.png"))
     for arm in report["arms"]:
         extra = report["timeseries"][arm]["extra"]
         assert set(extra) == {"gateway queue", "engine queue (waiting)", "engine running"} and all(extra.values())
@@ -53,23 +40,7 @@ def test_the_run_writes_a_complete_report_and_stops_everything(
 
 def test_markdown_and_json_hold_the_same_numbers(run: tuple[Path, subprocess.CompletedProcess[str]],
                                                  report: dict[str, Any]) -> None:
-    out, _ = run
-    md = (out / "overload" / "report.md").read_text()
-    index_md = (out / "report.md").read_text()
-    index = _json(out / "report.json")["scenarios"][0]
-    assert index["goals"] == report["goals"] and len(report["goals"]) == 3
-    for g in report["goals"]:
-        assert render_goal_row(g) in md and render_goal_row(g) in index_md, g["goal"]
-    for data in report["tables"]:
-        for row in data["rows"]:
-            assert render_row(data, row) in md, (data["title"], row)
-    for data in index["tables"]:
-        assert data in report["tables"]
-        for row in data["rows"]:
-            assert render_row(data, row) in index_md
-    for key, label, mult, dec in TABLE_METRICS:
-        cells = [format_value(report["overall"][arm][key], mult, dec) for arm in report["arms"]]
-        assert f"| {label} | {' | '.join(cells)} |" in md, label
+    md = assert_same_numbers(run[0], "overload", report, goals=3)
     for cls in CLASSES:  # the SLOs are printed
         assert f"{cls} {report['parameters']['slo_ttft_s'][cls] * 1000:g} ms" in md
 

@@ -15,7 +15,7 @@ lines at a time) sends the lines in that class.
    prefix caches.
 2. **Capacity.** Before each arm's load its engines are called directly by a closed loop of
    ``MAX_NUM_SEQS`` clients per replica (every sequence slot busy) sending requests of the
-   workload's lengths back to back (``overload.measure_capacity``); output tokens (and requests) per
+   workload's lengths back to back (``arms.measure_capacity``); output tokens (and requests) per
    second after a warm-up are the pool's capacity. The first arm's sets the interactive rate and is
    the capacity the batch's share is computed from; the second's is a check.
 3. **Interactive load.** One seeded open-loop Poisson schedule of streaming requests at ``LOAD``
@@ -46,7 +46,6 @@ import json
 import math
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,20 +54,12 @@ import aiohttp
 import msgspec
 
 from switchyard.bench.loadgen import Target, run_open_loop
-from switchyard.bench.procs import (
-    GatewayHandle,
-    Proc,
-    Processes,
-    free_ports,
-    run_cli,
-    start_gateway,
-    state_env,
-    switchyard_command,
-)
+from switchyard.bench.procs import free_ports
 from switchyard.bench.report import build_report, render_markdown, write_report
 from switchyard.bench.results import Result
+from switchyard.bench.scenarios.arms import Arm, EngineShape, FreshArms, Stack, capacity_table
 from switchyard.bench.scenarios.base import Outcome, ScenarioContext
-from switchyard.bench.scenarios.overload import Capacity, by_label, measure_capacity, samples, wait_engines
+from switchyard.bench.scenarios.overload import by_label, samples
 from switchyard.bench.spec import Workload
 from switchyard.bench.stats import summarize
 from switchyard.bench.synthetic import RequestTemplate, poisson
@@ -100,15 +91,8 @@ MAX_QUEUE_MS = 5000
 DEFAULT_BATCH_CEILING = 0.8
 #: The interactive load, as a share of the measured capacity.
 LOAD = 0.5
-TIME_SCALE = 1.0
-DURATION_S = 30.0
+#: Seconds per arm with ``--quick`` (``arms.DURATION_S`` without; the other timings are ``arms``'s).
 QUICK_DURATION_S = 6.0
-CAPACITY_WARMUP_S = 1.0
-CAPACITY_S = 4.0
-QUICK_CAPACITY_WARMUP_S = 0.5
-QUICK_CAPACITY_S = 2.0
-CLIENT_TIMEOUT_S = 15.0
-QUICK_CLIENT_TIMEOUT_S = 10.0
 #: The batch has enough lines to keep the whole pool busy this much longer than the window.
 BATCH_MARGIN_S = 10.0
 #: How often the gateway's counters and the batch's progress are read.
@@ -228,23 +212,24 @@ class Progress:
                 "batch_failed": [s.failed for s in self.samples]}
 
 
+async def _answer(response: aiohttp.ClientResponse, what: str) -> dict[str, Any]:
+    """The JSON object of a 200 answer to ``what`` (``GET <url>``); anything else raises."""
+    body = await response.read()
+    if response.status != 200:
+        raise RuntimeError(f"{what} answered {response.status}: {body[:300].decode('utf-8', 'replace')}")
+    data: dict[str, Any] = json.loads(body)
+    return data
+
+
 async def _get_json(session: aiohttp.ClientSession, url: str, headers: Mapping[str, str]) -> dict[str, Any]:
     async with session.get(url, headers=headers) as response:
-        body = await response.read()
-        if response.status != 200:
-            raise RuntimeError(f"GET {url} answered {response.status}: {body[:300].decode('utf-8', 'replace')}")
-        data: dict[str, Any] = json.loads(body)
-        return data
+        return await _answer(response, f"GET {url}")
 
 
 async def _post_json(session: aiohttp.ClientSession, url: str, headers: Mapping[str, str],
                      payload: Mapping[str, Any] | None = None) -> dict[str, Any]:
     async with session.post(url, headers=headers, json=payload) as response:
-        body = await response.read()
-        if response.status != 200:
-            raise RuntimeError(f"POST {url} answered {response.status}: {body[:300].decode('utf-8', 'replace')}")
-        data: dict[str, Any] = json.loads(body)
-        return data
+        return await _answer(response, f"POST {url}")
 
 
 async def _read(session: aiohttp.ClientSession, base_url: str, headers: Mapping[str, str],
@@ -299,95 +284,53 @@ class BatchJob:
 
 
 @dataclass
-class ArmRun:
+class ArmRun(Arm):
     """What one arm measured."""
 
-    name: str
-    capacity: Capacity | None = None
-    results: list[Result] = field(default_factory=list)
     progress: Progress = field(default_factory=Progress)
-    queued: dict[str, tuple[int, float]] = field(default_factory=dict)
-    wall_s: float = 0.0
+    #: Requests that waited in the gateway's queue and their total wait, per class (None: /metrics not read).
+    queued: dict[str, tuple[int, float]] | None = None
 
 
-@dataclass
-class Stack:
-    """One arm's processes."""
-
-    name: str
-    ports: list[int]
-    engines: dict[int, Proc]
-    gateway: GatewayHandle | None = None
-
-
-def start_engine(procs: Processes, name: str, port: int, *, seed: int, time_scale: float) -> Proc:
-    """Start one simulated replica (``switchyard sim --model``: ``--max-num-seqs`` is the pool's)."""
-    return procs.start(name, [*switchyard_command(), "sim", "--model", SERVED, "--port", str(port),
-                              "--profile", PROFILE, "--max-num-seqs", str(MAX_NUM_SEQS),
-                              "--kv-cache-tokens", str(KV_TOKENS), "--max-model-len", str(CONTEXT),
-                              "--time-scale", f"{time_scale:g}", "--seed", str(seed)])
-
-
-class BatchRun:
+class BatchRun(FreshArms[ArmRun]):
     """The batch scenario's run."""
 
+    scenario = "batch"
+    arm_names = ARMS
+    arm_type = ArmRun
+    pool = "pool"
+    model = MODEL
+    served = SERVED
+    shape = EngineShape(PROFILE, MAX_NUM_SEQS, KV_TOKENS, CONTEXT)
+    load_factor = LOAD
+    quick_duration_s = QUICK_DURATION_S
+    key_workers = 2
+
     def __init__(self, ctx: ScenarioContext) -> None:
-        self.ctx = ctx
-        opts = ctx.options
-        self.duration_s = opts.duration_s or (QUICK_DURATION_S if opts.quick else DURATION_S)
-        self.time_scale = opts.time_scale or TIME_SCALE
-        self.timeout_s = QUICK_CLIENT_TIMEOUT_S if opts.quick else CLIENT_TIMEOUT_S
-        self.capacity_warmup_s = QUICK_CAPACITY_WARMUP_S if opts.quick else CAPACITY_WARMUP_S
-        self.capacity_s = QUICK_CAPACITY_S if opts.quick else CAPACITY_S
-        self.workload: Workload | None = None
-        self.keys: dict[str, str] = {}
-        self.arms: list[ArmRun] = []
+        super().__init__(ctx)
         self.job = BatchJob()
-
-    @property
-    def capacity(self) -> Capacity | None:
-        """The capacity the rate and the idle capacity are computed from (the first arm's engines)."""
-        return self.arms[0].capacity if self.arms else None
-
-    def env(self, name: str) -> dict[str, str]:
-        return state_env(self.ctx.state_dir / "switchyard", self.ctx.state_dir / f"policies-{name}.yaml")
 
     def start_engines(self, name: str) -> Stack:
         ctx = self.ctx
         ports = free_ports(REPLICAS)
-        (ctx.state_dir / f"policies-{name}.yaml").write_text(batch_policy(ports))
+        self.policy_path(name).write_text(batch_policy(ports))
         ctx.say(f"batch: {name}: starting {REPLICAS} simulated replicas and the gateway")
-        engines = {p: start_engine(ctx.procs, f"batch-{name}-{i}", p, seed=ctx.options.seed,
-                                   time_scale=self.time_scale) for i, p in enumerate(ports)}
+        engines = {p: self.engine(f"batch-{name}-{i}", p, SERVED) for i, p in enumerate(ports)}
         return Stack(name, ports, engines)
 
-    def start_gateway(self, stack: Stack) -> None:
-        stack.gateway = start_gateway(self.ctx.procs, f"batch-gateway-{stack.name}", self.env(stack.name))
+    def tenants(self) -> list[tuple[str, str]]:
+        """A key for the interactive tenant and one for the batch's."""
+        return [(INTERACTIVE_TENANT, TIER), (BATCH_TENANT, TIER)]
 
-    def create_keys(self, stack: Stack) -> None:
-        """A key for the interactive tenant and one for the batch's, while the first gateway starts."""
-        env = self.env(stack.name)
-        run_cli(["db", "upgrade"], env)
+    def mix(self, model: str) -> list[RequestTemplate]:
+        return interactive_mix(model)
 
-        def create(tenant: str) -> str:
-            return run_cli(["keys", "create", "--tenant", tenant, "--tier", TIER, "--name", "bench"], env).strip()
-
-        with ThreadPoolExecutor(2) as pool:
-            made = {tenant: pool.submit(create, tenant) for tenant in (INTERACTIVE_TENANT, BATCH_TENANT)}
-            self.start_gateway(stack)
-            self.keys = {tenant: future.result() for tenant, future in made.items()}
-
-    def measure(self, stack: Stack) -> Capacity:
-        """The pool's capacity: its engines called directly by a closed loop over every sequence slot."""
-        specs = poisson(100.0, 10.0, interactive_mix(SERVED), self.ctx.options.seed + 1, max_model_len=CONTEXT).specs
-        self.ctx.say(f"batch: {stack.name}: measuring the pool's capacity "
-                     f"({MAX_NUM_SEQS * REPLICAS} clients, {self.capacity_s:g} s)")
-        capacity = asyncio.run(measure_capacity(stack.ports, specs, clients_per_engine=MAX_NUM_SEQS,
-                                                warmup_s=self.capacity_warmup_s, duration_s=self.capacity_s,
-                                                timeout_s=self.timeout_s))
-        if capacity.completed == 0:
-            raise RuntimeError(f"{stack.name}: the capacity measurement completed no request")
-        return capacity
+    def load(self, stack: Stack, arm: ArmRun, workload: Workload) -> None:
+        self.ctx.say(f"batch: {arm.name}: {len(workload)} interactive requests over "
+                     f"{workload.duration_s:g} s" + (" with a batch running" if arm.name == WITH else ""))
+        wall = time.monotonic()
+        asyncio.run(self.drive(stack, arm, workload))
+        arm.wall_s = time.monotonic() - wall
 
     def batch_file(self) -> bytes:
         """The batch's input: lines enough to keep the whole pool busy past the window."""
@@ -505,33 +448,6 @@ class BatchRun:
                 raise RuntimeError(f"GET /v1/files/{file_id}/content answered {response.status}")
         return [json.loads(line) for line in body.splitlines() if line.strip()]
 
-    def stop(self, stack: Stack) -> None:
-        if stack.gateway is not None:
-            self.ctx.procs.stop(stack.gateway.proc)
-        for proc in stack.engines.values():
-            self.ctx.procs.stop(proc)
-
-    def run(self) -> None:
-        for name in ARMS:
-            stack = self.start_engines(name)
-            if not self.keys:
-                self.create_keys(stack)  # and the gateway, meanwhile
-            else:
-                self.start_gateway(stack)
-            wait_engines(stack.engines)
-            arm = ArmRun(name)
-            self.arms.append(arm)
-            arm.capacity = self.measure(stack)
-            if self.workload is None:
-                self.workload = poisson(LOAD * arm.capacity.rps, self.duration_s, interactive_mix(),
-                                        self.ctx.options.seed, max_model_len=CONTEXT)
-            self.ctx.say(f"batch: {name}: {len(self.workload)} interactive requests over "
-                         f"{self.workload.duration_s:g} s" + (" with a batch running" if name == WITH else ""))
-            wall = time.monotonic()
-            asyncio.run(self.drive(stack, arm, self.workload))
-            arm.wall_s = time.monotonic() - wall
-            self.stop(stack)
-
 
 # --- figures ----------------------------------------------------------------------------------
 
@@ -551,13 +467,13 @@ def arm_rows(b: BatchRun) -> list[dict[str, Any]]:
         batch = p.over(p.series(BATCH_MODEL), 0.0, window)
         completed = p.over(p.lines("completed"), 0.0, window)
         failed = p.over(p.lines("failed"), 0.0, window)
+        waited = arm.queued.get(INTERACTIVE_CLASS, (0, 0.0)) if arm.queued is not None else None
         rows.append({
             "arm": arm.name, "requests": s.count, "answered": s.ok, "failed": s.count - s.ok,
             "ttft_p50_s": s.ttft_p50_s, "ttft_p90_s": s.ttft_p90_s, "ttft_p99_s": s.ttft_p99_s,
             "failures": _failures(arm.results),
-            "queued": arm.queued.get(INTERACTIVE_CLASS, (0, 0.0))[0] if arm.queued else None,
-            "queue_wait_mean_s": _div(arm.queued.get(INTERACTIVE_CLASS, (0, 0.0))[1],
-                                      arm.queued.get(INTERACTIVE_CLASS, (0, 0.0))[0]) if arm.queued else None,
+            "queued": waited[0] if waited is not None else None,
+            "queue_wait_mean_s": _div(waited[1], waited[0]) if waited is not None else None,
             "client_output_tps": s.output_tps,
             "interactive_tps": None if interactive is None else interactive / window,
             "batch_tps": (None if batch is None else batch / window) if arm.name == WITH else 0.0,
@@ -645,22 +561,10 @@ def _share_table(row: Mapping[str, Any], b: BatchRun) -> dict[str, Any]:
 
 def _capacity_table(b: BatchRun) -> dict[str, Any]:
     assert b.workload is not None
-    rows = []
-    for i, arm in enumerate(b.arms):
-        c = arm.capacity
-        if c is None:
-            continue
-        rows.append({"arm": arm.name, "clients": c.clients, "completed": c.completed, "failed": c.failed,
-                     "rps": c.rps, "output_tps": c.output_tps, "e2e_mean_s": c.e2e_mean_s,
-                     "use": f"sets the interactive rate ({LOAD:g}x) and the idle capacity" if i == 0
-                     else "a check (and the same warm-up)"})
-    return table(
-        "Capacity of the pool (closed loop, before each arm's load)",
-        [text("arm", "engines of"), num("clients", "clients", 0), num("completed", "completed", 0),
-         num("failed", "failed", 0), num("rps", "capacity req/s", 2), num("output_tps", "capacity tok/s", 0),
-         ms("e2e_mean_s", "mean request ms", 0), text("use", "use")],
-        rows,
-        f"{REPLICAS} replicas x --max-num-seqs {MAX_NUM_SEQS}: one client per sequence slot, calling the engines "
+    return capacity_table(
+        b.arms, title="Capacity of the pool (closed loop, before each arm's load)", tps_label="capacity tok/s",
+        first_use=f"sets the interactive rate ({LOAD:g}x) and the idle capacity",
+        note=f"{REPLICAS} replicas x --max-num-seqs {MAX_NUM_SEQS}: one client per sequence slot, calling the engines "
         f"directly (no gateway), for {b.capacity_s:g} s after a {b.capacity_warmup_s:g} s warm-up, with requests of "
         f"the workload's lengths (prompt {PROMPT_TOKENS[0]}-{PROMPT_TOKENS[1]}, output {OUTPUT_TOKENS[0]}-"
         f"{OUTPUT_TOKENS[1]} tokens, exact): the most the pool serves with every slot busy.")

@@ -35,38 +35,24 @@ on; more goodput with flow control on than off; no error or hung request with fl
 from __future__ import annotations
 
 import asyncio
-import itertools
 import re
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-
-from switchyard.bench.loadgen import Target, run_open_loop, send_one
-from switchyard.bench.procs import (
-    GatewayHandle,
-    Proc,
-    Processes,
-    free_ports,
-    http_get,
-    run_cli,
-    start_gateway,
-    state_env,
-    switchyard_command,
-    wait_http,
-)
+from switchyard.bench.loadgen import Target, run_open_loop
+from switchyard.bench.procs import free_ports, http_get
 from switchyard.bench.report import build_report, write_report
 from switchyard.bench.results import Outcome as RequestOutcome
 from switchyard.bench.results import Result
 from switchyard.bench.sampler import MetricsSampler
+from switchyard.bench.scenarios.arms import Arm, EngineShape, FreshArms, Stack, capacity_table
 from switchyard.bench.scenarios.base import Outcome, ScenarioContext
-from switchyard.bench.spec import RequestSpec, Workload
+from switchyard.bench.spec import Workload
 from switchyard.bench.stats import Slo, slo_attainment, summarize
-from switchyard.bench.synthetic import RequestTemplate, poisson
+from switchyard.bench.synthetic import RequestTemplate
 from switchyard.bench.tables import goal, ms, num, pct, ratio, table, text
 
 ARMS = ("flow-control-on", "flow-control-off")
@@ -95,16 +81,8 @@ KV_TOKENS = 100_000
 CONTEXT = 8192
 PROMPT_TOKENS = (100, 400)
 OUTPUT_TOKENS = (16, 48)
-TIME_SCALE = 1.0
-DURATION_S = 30.0
+#: Seconds per arm with ``--quick`` (``arms.DURATION_S`` without; the other timings are ``arms``'s).
 QUICK_DURATION_S = 5.0
-CAPACITY_WARMUP_S = 1.0
-CAPACITY_S = 4.0
-QUICK_CAPACITY_WARMUP_S = 0.5
-QUICK_CAPACITY_S = 2.0
-#: A request unanswered after this long is given up (an error): a user has left by then.
-CLIENT_TIMEOUT_S = 15.0
-QUICK_CLIENT_TIMEOUT_S = 10.0
 GOAL_CRITICAL = 0.99
 #: Key creations run at once (each is a ``switchyard keys create`` process).
 KEY_WORKERS = 3
@@ -301,179 +279,60 @@ def gateway_view(metrics_text: str) -> dict[str, dict[str, Any]]:
             "queue_wait_mean_s": {k: waited.get(k, 0.0) / v for k, v in queued.items() if v}}
 
 
-# --- capacity ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Capacity:
-    """What the closed loop measured on the main pool.
-
-    Attributes:
-        clients: Clients sending back to back (every sequence slot of the pool).
-        window_s: The measuring window (after the warm-up).
-        completed: Successful requests that ended in the window.
-        failed: Failed requests that ended in the window.
-        rps: Successful completions per second of the window: the capacity.
-        output_tps: Output tokens per second of those.
-        e2e_mean_s: Their mean end-to-end time.
-    """
-
-    clients: int
-    window_s: float
-    completed: int
-    failed: int
-    rps: float
-    output_tps: float
-    e2e_mean_s: float | None
-
-
-async def measure_capacity(ports: Sequence[int], specs: Sequence[RequestSpec], *, clients_per_engine: int,
-                           warmup_s: float, duration_s: float, timeout_s: float) -> Capacity:
-    """``clients_per_engine`` clients per engine, each sending the next of ``specs`` when its last ends.
-
-    Requests that end inside ``[warmup_s, warmup_s + duration_s)`` are counted.
-    """
-    loop = asyncio.get_running_loop()
-    now = loop.time
-    order = itertools.count()
-    window: list[Result] = []
-    clients = clients_per_engine * len(ports)
-    connector = aiohttp.TCPConnector(limit=clients, limit_per_host=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-        start = now()
-        begin, end = warmup_s, warmup_s + duration_s
-
-        async def client(port: int) -> None:
-            target = Target(f"http://127.0.0.1:{port}", "capacity")
-            while now() - start < end:
-                spec = specs[next(order) % len(specs)]
-                result = Result(spec.index, target.name, spec.tenant, spec.request_class, spec.model, spec.kind,
-                                spec.stream, spec.prompt_tokens, spec.max_tokens, spec.prefix_group, now() - start)
-                await send_one(session, spec.encode(), target.url(spec.kind), target.headers_for(spec.tenant),
-                               result, now, start)
-                if begin <= result.done_s < end:
-                    window.append(result)
-
-        await asyncio.gather(*(client(port) for port in ports for _ in range(clients_per_engine)))
-    ok = [r for r in window if r.ok]
-    return Capacity(clients, duration_s, len(ok), len(window) - len(ok), len(ok) / duration_s,
-                    sum(r.output_tokens for r in ok) / duration_s,
-                    sum(r.e2e_s for r in ok) / len(ok) if ok else None)
-
-
 # --- the run ----------------------------------------------------------------------------------
 
 
 @dataclass
-class ArmRun:
+class ArmRun(Arm):
     """What one arm measured."""
 
-    name: str
-    capacity: Capacity | None = None
-    results: list[Result] = field(default_factory=list)
     gateway: dict[str, dict[str, Any]] = field(default_factory=dict)
     series: dict[str, list[float]] = field(default_factory=dict)
-    wall_s: float = 0.0
 
 
-@dataclass
-class Stack:
-    """One arm's processes: its engines (by port) and its gateway."""
-
-    name: str
-    main: list[int]
-    engines: dict[int, Proc]
-    gateway: GatewayHandle | None = None
-
-
-def start_engine(procs: Processes, name: str, port: int, served: str, *, seed: int, time_scale: float) -> Proc:
-    """Start one simulated replica (``switchyard sim --model``: ``--max-num-seqs`` is the pool's)."""
-    return procs.start(name, [*switchyard_command(), "sim", "--model", served, "--port", str(port),
-                              "--profile", PROFILE, "--max-num-seqs", str(MAX_NUM_SEQS),
-                              "--kv-cache-tokens", str(KV_TOKENS), "--max-model-len", str(CONTEXT),
-                              "--time-scale", f"{time_scale:g}", "--seed", str(seed)])
-
-
-def wait_engines(engines: Mapping[int, Proc]) -> None:
-    """Wait until every engine answers ``/health``."""
-    for port, proc in engines.items():
-        wait_http(f"http://127.0.0.1:{port}/health", proc, 60)
-
-
-class Overload:
+class Overload(FreshArms[ArmRun]):
     """The overload scenario's run."""
 
-    def __init__(self, ctx: ScenarioContext) -> None:
-        self.ctx = ctx
-        opts = ctx.options
-        self.duration_s = opts.duration_s or (QUICK_DURATION_S if opts.quick else DURATION_S)
-        self.time_scale = opts.time_scale or TIME_SCALE
-        self.timeout_s = QUICK_CLIENT_TIMEOUT_S if opts.quick else CLIENT_TIMEOUT_S
-        self.capacity_warmup_s = QUICK_CAPACITY_WARMUP_S if opts.quick else CAPACITY_WARMUP_S
-        self.capacity_s = QUICK_CAPACITY_S if opts.quick else CAPACITY_S
-        self.workload: Workload | None = None
-        self.keys: dict[str, str] = {}
-        self.arms: list[ArmRun] = []
-
-    @property
-    def capacity(self) -> Capacity | None:
-        """The capacity the offered rate is set from (measured on the first arm's engines)."""
-        return self.arms[0].capacity if self.arms else None
+    scenario = "overload"
+    arm_names = ARMS
+    arm_type = ArmRun
+    pool = "main pool"
+    model = MODEL
+    served = SERVED
+    shape = EngineShape(PROFILE, MAX_NUM_SEQS, KV_TOKENS, CONTEXT)
+    load_factor = OVERLOAD
+    quick_duration_s = QUICK_DURATION_S
+    key_workers = KEY_WORKERS
 
     def start_engines(self, name: str) -> Stack:
         """Start an arm's engines (fresh ones, on new ports) and write its policy; nothing waited for."""
         ctx = self.ctx
         ports = free_ports(MAIN_REPLICAS + SMALL_REPLICAS)
         main, small = ports[:MAIN_REPLICAS], ports[MAIN_REPLICAS:]
-        (ctx.state_dir / f"policies-{name}.yaml").write_text(
-            overload_policy(main, small, priority_scheduling=name == "flow-control-on"))
+        self.policy_path(name).write_text(overload_policy(main, small, priority_scheduling=name == "flow-control-on"))
         ctx.say(f"overload: {name}: starting {MAIN_REPLICAS}+{SMALL_REPLICAS} simulated replicas and the gateway")
-        engines = {p: start_engine(ctx.procs, f"overload-{name}-{'main' if p in main else 'small'}-{i}", p,
-                                   SERVED if p in main else SMALL_SERVED, seed=ctx.options.seed,
-                                   time_scale=self.time_scale)
+        engines = {p: self.engine(f"overload-{name}-{'main' if p in main else 'small'}-{i}", p,
+                                  SERVED if p in main else SMALL_SERVED)
                    for i, p in enumerate(ports)}
         return Stack(name, main, engines)
 
     def env(self, name: str) -> dict[str, str]:
         """The settings of an arm's Switchyard processes (one database for all: the keys outlive gateways)."""
-        return {**state_env(self.ctx.state_dir / "switchyard", self.ctx.state_dir / f"policies-{name}.yaml"),
-                "SWITCHYARD_FLOW_CONTROL": "true" if name == "flow-control-on" else "false"}
+        return {**super().env(name), "SWITCHYARD_FLOW_CONTROL": "true" if name == "flow-control-on" else "false"}
 
-    def start_gateway(self, stack: Stack) -> None:
-        stack.gateway = start_gateway(self.ctx.procs, f"overload-gateway-{stack.name}", self.env(stack.name))
+    def tenants(self) -> list[tuple[str, str]]:
+        """A key per tenant, its class's tier."""
+        return [(tenant_name(cls, kind), cls) for cls in CLASSES for kind, _ in TENANTS]
 
-    def create_keys(self, stack: Stack) -> None:
-        """A key per tenant, a few ``keys create`` at a time, while the first arm's processes start."""
-        env = self.env(stack.name)
-        run_cli(["db", "upgrade"], env)
-        tenants = [(tenant_name(cls, kind), cls) for cls in CLASSES for kind, _ in TENANTS]
-
-        def create(tenant: str, tier: str) -> str:
-            return run_cli(["keys", "create", "--tenant", tenant, "--tier", tier, "--name", "bench"], env).strip()
-
-        with ThreadPoolExecutor(KEY_WORKERS) as pool:
-            made = {tenant: pool.submit(create, tenant, tier) for tenant, tier in tenants}
-            self.start_gateway(stack)
-            self.keys = {tenant: future.result() for tenant, future in made.items()}
-
-    def measure(self, stack: Stack) -> Capacity:
-        """The main pool's capacity: its engines called directly by a closed loop over every sequence slot."""
-        specs = poisson(100.0, 10.0, mix(SERVED), self.ctx.options.seed + 1, max_model_len=CONTEXT).specs
-        self.ctx.say(f"overload: {stack.name}: measuring the main pool's capacity "
-                     f"({MAX_NUM_SEQS * MAIN_REPLICAS} clients, {self.capacity_s:g} s)")
-        capacity = asyncio.run(measure_capacity(stack.main, specs, clients_per_engine=MAX_NUM_SEQS,
-                                                warmup_s=self.capacity_warmup_s, duration_s=self.capacity_s,
-                                                timeout_s=self.timeout_s))
-        if capacity.completed == 0:
-            raise RuntimeError(f"{stack.name}: the capacity measurement completed no request")
-        return capacity
+    def mix(self, model: str) -> list[RequestTemplate]:
+        return mix(model)
 
     def load(self, stack: Stack, arm: ArmRun, workload: Workload) -> None:
         """Offer ``workload`` to the arm's gateway, sampling its queue and the main pool's engines."""
         ctx = self.ctx
         gateway = stack.gateway
         assert gateway is not None
-        engine_sampler = MetricsSampler([f"http://127.0.0.1:{p}/metrics" for p in stack.main], ENGINE_SERIES)
+        engine_sampler = MetricsSampler([f"http://127.0.0.1:{p}/metrics" for p in stack.pool], ENGINE_SERIES)
         queue_sampler = MetricsSampler([f"{gateway.base_url}/metrics"], [QUEUE_DEPTH])
 
         def started(at: float) -> None:
@@ -500,31 +359,6 @@ class Overload:
         arm.series = {"gateway queue": queue_sampler.series[QUEUE_DEPTH],
                       "engine queue (waiting)": engine_sampler.series[ENGINE_SERIES[0]],
                       "engine running": engine_sampler.series[ENGINE_SERIES[1]]}
-
-    def stop(self, stack: Stack) -> None:
-        if stack.gateway is not None:
-            self.ctx.procs.stop(stack.gateway.proc)
-        for proc in stack.engines.values():
-            self.ctx.procs.stop(proc)
-
-    def run(self) -> None:
-        for name in ARMS:
-            stack = self.start_engines(name)
-            if not self.keys:
-                self.create_keys(stack)  # and the gateway, meanwhile
-            else:
-                self.start_gateway(stack)
-            wait_engines(stack.engines)
-            arm = ArmRun(name)
-            self.arms.append(arm)
-            # Every arm's engines get the same closed loop first; the first arm's sets the offered rate.
-            arm.capacity = self.measure(stack)
-            if self.workload is None:
-                self.workload = poisson(OVERLOAD * arm.capacity.rps, self.duration_s, mix(), self.ctx.options.seed,
-                                        max_model_len=CONTEXT)
-            self.load(stack, arm, self.workload)
-            self.stop(stack)
-
 
 def _class_table(rows: Sequence[Mapping[str, Any]], o: Overload) -> dict[str, Any]:
     assert o.capacity is not None
@@ -572,21 +406,10 @@ def _shed_table(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 def _capacity_table(o: Overload) -> dict[str, Any]:
     assert o.workload is not None
-    rows = []
-    for i, arm in enumerate(o.arms):
-        c = arm.capacity
-        if c is None:
-            continue
-        rows.append({"arm": arm.name, "clients": c.clients, "completed": c.completed, "failed": c.failed,
-                     "rps": c.rps, "output_tps": c.output_tps, "e2e_mean_s": c.e2e_mean_s,
-                     "use": f"sets the offered rate ({OVERLOAD:g}x)" if i == 0 else "a check (and the same warm-up)"})
-    return table(
-        "Capacity of the main pool (closed loop, before each arm's load)",
-        [text("arm", "engines of"), num("clients", "clients", 0), num("completed", "completed", 0),
-         num("failed", "failed", 0), num("rps", "capacity req/s", 2), num("output_tps", "output tok/s", 0),
-         ms("e2e_mean_s", "mean request ms", 0), text("use", "use")],
-        rows,
-        f"{MAIN_REPLICAS} replicas x --max-num-seqs {MAX_NUM_SEQS}: one client per sequence slot, calling the "
+    return capacity_table(
+        o.arms, title="Capacity of the main pool (closed loop, before each arm's load)", tps_label="output tok/s",
+        first_use=f"sets the offered rate ({OVERLOAD:g}x)",
+        note=f"{MAIN_REPLICAS} replicas x --max-num-seqs {MAX_NUM_SEQS}: one client per sequence slot, calling the "
         f"engines directly, for {o.capacity_s:g} s after a {o.capacity_warmup_s:g} s warm-up, with requests of the "
         f"workload's lengths. Offered: {o.workload.offered_rate_per_s:.2f} requests/s ({len(o.workload)} requests, "
         f"Poisson, seed {o.ctx.options.seed}).")
