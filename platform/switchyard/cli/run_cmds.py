@@ -16,23 +16,18 @@ from switchyard.cli.context import cli_context
 from switchyard.policy import PolicyError, PolicySnapshot, compile_policy, read_policy_file
 
 if TYPE_CHECKING:
+    from litestar import Litestar
+
+    from switchyard.settings import Settings
     from switchyard.sim import EngineConfig
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
-@click.command()
-@click.option("--host", default=None, help="Listen address [env SWITCHYARD_HOST; default 127.0.0.1].")
-@click.option("--port", type=int, default=None, help="Listen port [env SWITCHYARD_PORT; default 8400].")
-@click.option("--policy-source", type=click.Choice(["file", "db"]), default=None,
-              help="Where the policy's truth is [env SWITCHYARD_POLICY_SOURCE; default file].")
-def serve(host: str | None, port: int | None, policy_source: str | None) -> None:
-    """Run the gateway (OpenAI-compatible API, console at /admin, /metrics)."""
-    import uvicorn
-
+def _prepared_app(settings: Settings) -> Litestar:
+    """The gateway app for ``settings`` with logging set up, its database migrated and its policy loaded."""
     from switchyard.gateway.app import create_app
 
-    settings = cli_context().settings(host=host, port=port, policy_source=policy_source)
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.log_level != "debug":
@@ -44,6 +39,20 @@ def serve(host: str | None, port: int | None, policy_source: str | None) -> None
         raise click.ClickException("no valid policy to serve:\n" + str(error)) from None
     except OperationalError as exc:
         raise click.ClickException(f"cannot reach the database: {exc.orig}") from None
+    return app
+
+
+@click.command()
+@click.option("--host", default=None, help="Listen address [env SWITCHYARD_HOST; default 127.0.0.1].")
+@click.option("--port", type=int, default=None, help="Listen port [env SWITCHYARD_PORT; default 8400].")
+@click.option("--policy-source", type=click.Choice(["file", "db"]), default=None,
+              help="Where the policy's truth is [env SWITCHYARD_POLICY_SOURCE; default file].")
+def serve(host: str | None, port: int | None, policy_source: str | None) -> None:
+    """Run the gateway (OpenAI-compatible API, console at /admin, /metrics)."""
+    import uvicorn
+
+    settings = cli_context().settings(host=host, port=port, policy_source=policy_source)
+    app = _prepared_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
                 loop="uvloop", http="httptools", lifespan="on", timeout_graceful_shutdown=10)
 
@@ -61,21 +70,10 @@ def worker(concurrency: int | None) -> None:
     import asyncio
     import signal
 
-    from switchyard.gateway.app import create_app
-
     overrides: dict[str, Any] = {"batch_worker": True}
     if concurrency is not None:
         overrides["batch_concurrency"] = concurrency
-    settings = cli_context().settings(**overrides)
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(settings)
-    try:
-        app.state.runtime.prepare()
-    except PolicyError as error:
-        raise click.ClickException("no valid policy:\n" + str(error)) from None
-    except OperationalError as exc:
-        raise click.ClickException(f"cannot reach the database: {exc.orig}") from None
+    app = _prepared_app(cli_context().settings(**overrides))
 
     async def run() -> None:
         stop = asyncio.Event()
