@@ -7,7 +7,6 @@ import hmac
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import anyio.to_thread
 import msgspec
 from litestar import Request
 from litestar.connection import ASGIConnection
@@ -17,7 +16,7 @@ from sqlmodel import Session
 from switchyard.gateway.errors import BadRequest, Forbidden, NotFound, Unauthorized
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.store import errors as store_errors
-from switchyard.store.db import session_scope
+from switchyard.store.db import in_transaction
 
 #: The environment variable of the admin token setting (``Settings.admin_token``), for messages.
 ADMIN_TOKEN_ENV = "SWITCHYARD_ADMIN_TOKEN"  # noqa: S105  (the name of a variable, not a secret)
@@ -55,12 +54,8 @@ def runtime_of(request: Request[Any, Any, Any]) -> GatewayRuntime:
 
 async def in_db(runtime: GatewayRuntime, work: Callable[[Session], T]) -> T:
     """Run ``work`` in one transaction on a worker thread (the database calls block)."""
-    def run() -> T:
-        with session_scope(runtime.engine) as session:
-            return work(session)
-
     try:
-        return await anyio.to_thread.run_sync(run)
+        return await in_transaction(runtime.engine, work)
     except store_errors.NotFound as exc:
         raise NotFound(str(exc)) from None
     except store_errors.StoreError as exc:

@@ -13,7 +13,6 @@ from collections.abc import AsyncGenerator, Callable
 from datetime import datetime
 from typing import Any, Literal, TypeVar
 
-import anyio.to_thread
 import msgspec
 from litestar import Request, Response, delete, get, post
 from litestar._multipart import parse_multipart_form  # the parser Request.form() uses, fed a size-limited stream
@@ -25,7 +24,7 @@ from switchyard.gateway.errors import BadRequest, NotFound, PayloadTooLarge
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.store import batches
 from switchyard.store import errors as store_errors
-from switchyard.store.db import session_scope
+from switchyard.store.db import in_transaction
 from switchyard.store.keys import KeyIdentity
 from switchyard.store.models import Batch
 
@@ -57,14 +56,8 @@ async def _identity(request: Request[Any, Any, Any]) -> KeyIdentity:
 
 async def _db(request: Request[Any, Any, Any], work: Callable[[Session], T]) -> T:
     """Run ``work`` in one transaction on a worker thread; the store's errors become API errors."""
-    engine = _runtime(request).engine
-
-    def run() -> T:
-        with session_scope(engine) as session:
-            return work(session)
-
     try:
-        return await anyio.to_thread.run_sync(run)
+        return await in_transaction(_runtime(request).engine, work)
     except store_errors.NotFound as exc:
         raise NotFound(str(exc)) from None
     except batches.TooLarge as exc:

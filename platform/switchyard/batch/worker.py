@@ -24,7 +24,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar
 
-import anyio.to_thread
 import msgspec
 from litestar import Response
 from sqlalchemy import Engine
@@ -36,7 +35,7 @@ from switchyard.gateway.request import Incoming, Kind, never
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy import PolicySnapshot
 from switchyard.store import batches
-from switchyard.store.db import session_scope
+from switchyard.store.db import in_transaction
 from switchyard.store.keys import KeyIdentity, identity_of
 
 log = logging.getLogger("switchyard.batch")
@@ -97,11 +96,7 @@ class BatchWorker:
         self._warned_no_lane = False
 
     async def _db(self, work: Callable[[Session], T]) -> T:
-        def run() -> T:
-            with session_scope(self.engine) as session:
-                return work(session)
-
-        return await anyio.to_thread.run_sync(run)
+        return await in_transaction(self.engine, work)
 
     async def run(self) -> None:
         """Work until cancelled. Database trouble is logged and retried; it never ends the loop."""

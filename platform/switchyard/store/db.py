@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import anyio.to_thread
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
@@ -15,6 +16,8 @@ from sqlalchemy import Engine, create_engine, event, make_url, text
 from sqlmodel import Session
 
 from switchyard.resources import migrations_dir
+
+T = TypeVar("T")
 
 
 def create_db_engine(url: str) -> Engine:
@@ -54,6 +57,15 @@ def session_scope(engine: Engine) -> Iterator[Session]:
         except BaseException:
             session.rollback()
             raise
+
+
+async def in_transaction(engine: Engine, work: Callable[[Session], T]) -> T:
+    """Run ``work`` in one :func:`session_scope` on a worker thread (database calls block the event loop)."""
+    def run() -> T:
+        with session_scope(engine) as session:
+            return work(session)
+
+    return await anyio.to_thread.run_sync(run)
 
 
 def _alembic_config(engine: Engine) -> Config:
