@@ -21,8 +21,8 @@ def _interrupt(_signum: int, _frame: FrameType | None) -> None:
 
 @click.command()
 @click.option("--scenario", "scenarios", multiple=True, metavar="NAME",
-              help="A scenario to run (repeatable): overhead, prefix, failover, overload, reload, auto; cache and "
-                   "batch are not landed yet and are reported as such [default: overhead prefix failover auto].")
+              help="A scenario to run (repeatable): overhead, prefix, failover (alias chaos), overload, reload, auto, "
+                   "cache, batch [default: overhead prefix failover auto].")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Report folder [default: ./reports/bench-YYYYmmdd-HHMMSS].")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds every workload and simulated engine.")
