@@ -280,6 +280,69 @@ def test_interactive_work_overtakes_batch_and_a_deadline_sheds(flow_gw: Gateway)
     assert err.response.headers["x-switchyard-class"] == "class standard (tier standard)"
 
 
+def test_a_batch_request_in_flight_gives_way_to_an_interactive_one_and_runs_again(flow_gw: Gateway) -> None:
+    """The gate's one slot holds a batch-lane request of ~1.8 s; an interactive one preempts it at once."""
+    gw = flow_gw
+    preempted_before = gateway_counter(gw, "switchyard_preemptions_total", pool="gate")
+    tokens_before = gateway_counter(gw, "switchyard_tokens_total", model="gated", kind="completion")
+    order: list[str] = []
+
+    async def bulk() -> tuple[openai.types.Completion, dict[str, str]]:
+        raw = await aclient(gw, "batch").completions.with_raw_response.create(
+            model="gated", prompt="a long batch job", max_tokens=400, extra_body={"ignore_eos": True})
+        order.append("batch")
+        return raw.parse(), dict(raw.headers)
+
+    async def chat() -> float:
+        sent = time.monotonic()
+        await aclient(gw, "standard-quiet").completions.create(model="gated", prompt="quick", max_tokens=5)
+        order.append("standard")
+        return time.monotonic() - sent
+
+    async def scenario() -> tuple[tuple[openai.types.Completion, dict[str, str]], float]:
+        job = asyncio.create_task(bulk())
+        await until_busy(gw)
+        await asyncio.sleep(0.3)  # well into its answer
+        took = await chat()
+        return await job, took
+
+    (answer, headers), took = asyncio.run(scenario())
+    assert order == ["standard", "batch"]
+    assert took < 1.0, f"the interactive request took {took:.2f} s: it waited for the batch request"
+    assert headers["x-switchyard-preempted"] == "1"
+    assert answer.usage is not None and answer.usage.completion_tokens == 400
+    assert gateway_counter(gw, "switchyard_preemptions_total", pool="gate") == preempted_before + 1
+    # Only what was answered is counted: the preempted try is charged nothing.
+    assert gateway_counter(gw, "switchyard_tokens_total", model="gated", kind="completion") == tokens_before + 405
+
+
+def test_a_streamed_batch_request_is_never_preempted(flow_gw: Gateway) -> None:
+    """A stream has sent bytes to its client: the interactive request waits for it instead."""
+    gw = flow_gw
+    preempted_before = gateway_counter(gw, "switchyard_preemptions_total", pool="gate")
+
+    async def scenario() -> float:
+        stream = await aclient(gw, "batch").completions.create(
+            model="gated", prompt="a long streamed batch job", max_tokens=200, stream=True,
+            extra_body={"ignore_eos": True})
+
+        async def drain() -> None:
+            async for _ in stream:
+                pass
+
+        job = asyncio.create_task(drain())
+        await until_busy(gw)
+        sent = time.monotonic()
+        await aclient(gw, "standard-quiet").completions.create(model="gated", prompt="quick", max_tokens=5)
+        took = time.monotonic() - sent
+        await job
+        return took
+
+    took = asyncio.run(scenario())
+    assert took > 0.4, "the interactive request did not wait for the streamed batch request"
+    assert gateway_counter(gw, "switchyard_preemptions_total", pool="gate") == preempted_before
+
+
 def test_a_request_may_lower_its_class_but_not_name_an_unknown_one(flow_gw: Gateway) -> None:
     gw = flow_gw
 

@@ -332,18 +332,23 @@ class PoolQueues:
         return lane == "batch" and len(self.batch) > 0
 
     def has_room(self, lane: Lane, utilisation: float, ceiling: float) -> bool:
-        """Whether a newcomer of ``lane`` may go now: not :meth:`saturated` and no grant in transit."""
-        return self.in_transit is None and not self.saturated(lane, utilisation, ceiling)
+        """Whether a newcomer of ``lane`` may go now: not :meth:`saturated` and no grant in transit (but
+        an interactive newcomer does not wait for a batch grant: that one gives way to it anyway)."""
+        transit = self.in_transit
+        if transit is not None and (lane == "batch" or transit.lane == "interactive"):
+            return False
+        return not self.saturated(lane, utilisation, ceiling)
 
-    def next_grant(self, utilisation: float) -> Ticket | None:
-        """The ticket to serve now that the pool is at ``utilisation``, if any (see the module doc)."""
+    def next_grant(self, interactive_u: float, batch_u: float) -> Ticket | None:
+        """The ticket to serve now, if any (see the module doc), with the pool's utilisation as each lane
+        sees it (the interactive lane leaves out work that would give way to it)."""
         if self.in_transit is not None:
             return None
         head = self.interactive.head()
         if head is not None:
-            return head if utilisation < head.ceiling else None
+            return head if interactive_u < head.ceiling else None
         head = self.batch.head()
-        if head is not None and utilisation < head.ceiling:
+        if head is not None and batch_u < head.ceiling:
             return head
         return None
 

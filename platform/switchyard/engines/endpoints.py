@@ -42,13 +42,16 @@ class EndpointState:
 
     __slots__ = ("breaker", "completed_since_scrape", "dispatched_since_scrape", "down_since", "failure", "outstanding",
                  "outstanding_at_scrape", "probe_streak", "probed_at", "reserved", "reserved_at_scrape",
-                 "scrape_error", "scraped_at", "signals", "up", "url")
+                 "scrape_error", "scraped_at", "signals", "up", "url", "yielding", "yielding_reserved")
 
     def __init__(self, url: str, breaker: CircuitBreaker) -> None:
         self.url = url
         self.outstanding = 0
         #: Tokens (prompt + expected output) of this process's in-flight requests here.
         self.reserved = 0
+        #: Of those, requests that give way to interactive ones (batch lane, preemptible), and their tokens.
+        self.yielding = 0
+        self.yielding_reserved = 0
         self.reserved_at_scrape = 0
         self.dispatched_since_scrape = 0
         self.completed_since_scrape = 0
@@ -79,7 +82,8 @@ class EndpointState:
         scraped = signals.running + signals.waiting + (self.outstanding - self.outstanding_at_scrape)
         return max(float(self.outstanding), scraped)
 
-    def utilisation(self, now: float, max_age: float, kv_cache_tokens: int, max_num_seqs: int | None) -> float:
+    def utilisation(self, now: float, max_age: float, kv_cache_tokens: int, max_num_seqs: int | None,
+                    preempting: bool = False) -> float:
         """How full the engine is, in [0, 1) while it has room and 1 or more when saturated.
 
         With ``C`` the replica's KV-cache tokens, ``R`` the tokens this process has reserved there
@@ -97,17 +101,22 @@ class EndpointState:
         Without a fresh scrape only the own terms count. Reservations count the whole output
         budget, so ``R / C`` reaches 1 before the engine's KV cache is really full: the gateway
         queues a little early rather than letting the engine preempt.
+
+        ``preempting``: as seen by a request that may preempt this process's *yielding* requests
+        there (its batch-lane work, which gives way to interactive requests): their ``N_y``
+        requests and ``R_y`` tokens are left out of every term but the engine's queue.
         """
         capacity = float(max(1, kv_cache_tokens))
-        u = self.reserved / capacity
+        n_y, r_y = (self.yielding, self.yielding_reserved) if preempting else (0, 0)
+        u = (self.reserved - r_y) / capacity
         if max_num_seqs:
-            u = max(u, self.outstanding / max_num_seqs)
+            u = max(u, (self.outstanding - n_y) / max_num_seqs)
         signals = self.signals
         if signals is None or now - self.scraped_at > max_age:
             return u
-        u = max(u, signals.kv_usage + (self.reserved - self.reserved_at_scrape) / capacity)
+        u = max(u, signals.kv_usage + (self.reserved - self.reserved_at_scrape - r_y) / capacity)
         if max_num_seqs:
-            u = max(u, (signals.running + signals.waiting + self.outstanding - self.outstanding_at_scrape)
+            u = max(u, (signals.running + signals.waiting + self.outstanding - self.outstanding_at_scrape - n_y)
                     / max_num_seqs)
         if signals.waiting > 0:
             backlog = signals.waiting + self.dispatched_since_scrape - self.completed_since_scrape
@@ -185,19 +194,28 @@ class EndpointRegistry:
         state = self._states.get(url)
         return state.outstanding if state is not None else 0
 
-    def acquire(self, url: str, tokens: int = 0) -> None:
-        """Count a request of ``tokens`` (prompt + expected output) dispatched to ``url``."""
+    def acquire(self, url: str, tokens: int = 0, yielding: bool = False) -> None:
+        """Count a request of ``tokens`` (prompt + expected output) dispatched to ``url``.
+
+        ``yielding``: it gives way to interactive requests (see :meth:`EndpointState.utilisation`).
+        """
         state = self.state(url)
         state.outstanding += 1
         state.reserved += tokens
         state.dispatched_since_scrape += 1
+        if yielding:
+            state.yielding += 1
+            state.yielding_reserved += tokens
 
-    def release(self, url: str, tokens: int = 0) -> None:
-        """Count a request of ``tokens`` at ``url`` as finished."""
+    def release(self, url: str, tokens: int = 0, yielding: bool = False) -> None:
+        """Count a request of ``tokens`` at ``url`` as finished (``yielding`` as it was acquired)."""
         state = self.state(url)
         state.outstanding = max(0, state.outstanding - 1)
         state.reserved = max(0, state.reserved - tokens)
         state.completed_since_scrape += 1
+        if yielding:
+            state.yielding = max(0, state.yielding - 1)
+            state.yielding_reserved = max(0, state.yielding_reserved - tokens)
 
     def record_scrape(self, url: str, signals: EngineSignals, now: float | None = None) -> None:
         """Store a successful scrape."""

@@ -21,6 +21,18 @@ picks an endpoint:
    leaves with 503 when its deadline passes, or quietly when its client disconnects; either way
    its reservation is released.
 
+**Batch gives way.** This process's batch-lane requests in flight that are answered as one JSON
+object (:attr:`~switchyard.gateway.request.PendingRequest.yields`) are *yielders*: interactive
+requests see every utilisation without them (``preempting``), so batch work never makes an
+interactive request wait. When an interactive request is sent to an endpoint that is at its
+class's ceiling with them counted, :meth:`FlowController.make_room` cancels the youngest yielders
+there (least work lost; the engine aborts a request whose connection closes) until it is under:
+vLLM's priority scheduling only orders its waiting queue and never preempts a running request for a
+waiting one, so without this an interactive request would wait for a batch sequence to end. A
+preempted request is charged nothing for that try and queues again in the batch lane (see
+:class:`~switchyard.gateway.proxy.Proxy`). Yielders of other processes (other replicas, a
+``switchyard worker``) are out of this process's reach: they count as plain load.
+
 A pool is pumped when a request it served finishes, when a granted request reaches its endpoint,
 and every ``TICK_S`` while anything waits (engine load read by the scraper, cool-downs ending).
 Queues are per gateway process; replicas each queue their own arrivals and share engine load
@@ -33,11 +45,11 @@ import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from switchyard.decide.flow import EXPIRED, GRANTED, LEFT, ClassDecision, PoolQueues, Ticket, downgrade_target
-from switchyard.decide.pick import pools_within
+from switchyard.decide.pick import Candidate, EndpointChoice, pools_within
 from switchyard.engines.endpoints import EndpointRegistry
 from switchyard.gateway.errors import ApiError, Overloaded
 from switchyard.gateway.metrics import GatewayMetrics
@@ -79,6 +91,33 @@ class Scheduled:
     ticket: Ticket | None = None
 
 
+@dataclass(slots=True, eq=False)
+class Yielder:
+    """A batch-lane request in flight at ``url`` that gives way to interactive requests.
+
+    Attributes:
+        release: Gives its place at the endpoint back (idempotent; the request calls it too).
+        task: The task serving it, cancelled to preempt it.
+        preempted: Set when flow control preempted it (its cancellation is flow control's).
+    """
+
+    pool: str
+    url: str
+    release: Callable[[], None]
+    task: asyncio.Task[Any]
+    #: When it was sent (monotonic): the youngest has done the least work.
+    started: float
+    preempted: bool = False
+
+
+class Preempted(Exception):
+    """The request was preempted by flow control for an interactive request; it should queue again."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(f"preempted at {url} for an interactive request")
+        self.url = url
+
+
 @dataclass(slots=True)
 class _Waiter:
     future: asyncio.Future[None]
@@ -117,16 +156,21 @@ class FlowController:
         self.enabled = enabled
         self._pools: dict[str, _PoolState] = {}
         self._kicked: set[str] = set()
+        #: Yielders by endpoint URL, oldest first.
+        self._yielders: dict[str, list[Yielder]] = {}
 
     # --- load ---------------------------------------------------------------------------------
 
-    def utilisation(self, pool: Pool, now: float) -> float:
-        """The pool's utilisation: that of its least-loaded endpoint out of cool-down (all, if none is)."""
+    def utilisation(self, pool: Pool, now: float, preempting: bool = False) -> float:
+        """The pool's utilisation: that of its least-loaded endpoint out of cool-down (all, if none is).
+
+        ``preempting``: as an interactive request sees it, without this process's yielders.
+        """
         registry = self.endpoints
         states = [registry.state(url) for url in pool.endpoints]
         healthy = [s for s in states if s.healthy(now)] or states
         age = registry.signal_max_age
-        return min(s.utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs) for s in healthy)
+        return min(s.utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs, preempting) for s in healthy)
 
     def _state(self, pool: Pool) -> _PoolState:
         state = self._pools.get(pool.name)
@@ -144,7 +188,7 @@ class FlowController:
         room, saturated, least = False, True, math.inf
         lane, ceiling = cls.cls.lane, cls.cls.dispatch_ceiling
         for pool in pools:
-            u = self.utilisation(pool, now)
+            u = self.utilisation(pool, now, preempting=lane == "interactive")
             least = min(least, u)
             queues = self._state(pool).queues
             room = room or queues.has_room(lane, u, ceiling)
@@ -260,17 +304,88 @@ class FlowController:
         if state is not None and state.queues.dispatched(ticket):
             self._kick(ticket.granted_by)
 
-    def released(self, pool: str, service_s: float) -> None:
-        """A request that was at ``pool`` for ``service_s`` finished: it counts towards the service time and
-        frees room."""
+    def released(self, pool: str, service_s: float | None) -> None:
+        """A request that was at ``pool`` for ``service_s`` finished: it counts towards the service time
+        (unless None: it was cut short) and frees room."""
         if not self.enabled:
             return
         state = self._pools.get(pool)
         if state is None:
             return
-        state.finished(service_s)
+        if service_s is not None:
+            state.finished(service_s)
         if state.queues.waiting():
             self._kick(pool)
+
+    # --- batch gives way ------------------------------------------------------------------------
+
+    def yielding(self, pool: str, url: str, release: Callable[[], None]) -> Yielder | None:
+        """Register the current task's request at ``url`` as a yielder (None: flow control is off)."""
+        task = asyncio.current_task()
+        if not self.enabled or task is None:
+            return None
+        yielder = Yielder(pool, url, release, task, time.monotonic())
+        self._yielders.setdefault(url, []).append(yielder)
+        return yielder
+
+    def finished_yielding(self, yielder: Yielder | None) -> None:
+        """``yielder``'s request left its endpoint (answered, failed or preempted)."""
+        if yielder is None:
+            return
+        at = self._yielders.get(yielder.url)
+        if at is not None and yielder in at:
+            at.remove(yielder)
+            if not at:
+                del self._yielders[yielder.url]
+
+    def _full(self, pool: Pool, url: str, ceiling: float, now: float, preempting: bool = False) -> bool:
+        age = self.endpoints.signal_max_age
+        u = self.endpoints.state(url).utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs, preempting)
+        return u >= ceiling
+
+    def steer(self, choice: EndpointChoice, options: Sequence[Candidate], tried: set[str], ceiling: float,
+              now: float) -> EndpointChoice:
+        """Where an interactive request picked for ``choice`` should go to lose the least batch work.
+
+        ``choice`` itself when it has room without preempting; otherwise the option (in service, not
+        ``tried``, with room once its yielders are gone) whose youngest yielder was sent last.
+        """
+        if not self._yielders or not self._full(choice.pool, choice.url, ceiling, now):
+            return choice
+        best: Candidate | None = None
+        youngest = -math.inf
+        for option in options:
+            at = self._yielders.get(option.url)
+            if (not at or option.url in tried or at[-1].started <= youngest
+                    or not self.endpoints.available(option.url, option.pool.name, now)
+                    or self._full(option.pool, option.url, ceiling, now, preempting=True)):
+                continue
+            best, youngest = option, at[-1].started
+        if best is None or best.url == choice.url:
+            return choice
+        return replace(choice, pool=best.pool, url=best.url,
+                       notes=(*choice.notes, "moved to the endpoint whose youngest batch request gives way"))
+
+    def make_room(self, pool: Pool, url: str, ceiling: float, now: float) -> int:
+        """Preempt the youngest yielders at ``url`` until it is under ``ceiling``; how many were preempted.
+
+        Their places are given back at once, so the caller's request is counted where they were.
+        """
+        at = self._yielders.get(url)
+        if not self.enabled or not at:
+            return 0
+        preempted = 0
+        while at and self._full(pool, url, ceiling, now):
+            yielder = at.pop()
+            yielder.preempted = True
+            yielder.release()
+            yielder.task.cancel("preempted for an interactive request")
+            preempted += 1
+        if not at:
+            self._yielders.pop(url, None)
+        if preempted:
+            self.metrics.preemptions.labels(pool.name).inc(preempted)
+        return preempted
 
     # --- the pools' side ---------------------------------------------------------------------
 
@@ -289,7 +404,7 @@ class FlowController:
         self._fail_expired(state, now)
         u = self.utilisation(state.pool, now)
         self.metrics.utilisation.labels(name).set(u)
-        ticket = state.queues.next_grant(u)
+        ticket = state.queues.next_grant(self.utilisation(state.pool, now, preempting=True), u)
         if ticket is None:
             return
         state.queues.grant(ticket, name)

@@ -48,7 +48,7 @@ from switchyard.gateway.attempts import (
 from switchyard.gateway.body import check_chat, check_completion, decode_json_object
 from switchyard.gateway.cache_hits import cache_lookup, serve_hit
 from switchyard.gateway.errors import ApiError, BadRequest, GatewayTimeout
-from switchyard.gateway.flow import Scheduled
+from switchyard.gateway.flow import Preempted, Scheduled, Yielder
 from switchyard.gateway.request import Incoming, Kind, PendingRequest, RequestIds
 from switchyard.gateway.response_cache import CACHE_HEADER
 from switchyard.gateway.runtime import GatewayRuntime
@@ -168,21 +168,31 @@ class Proxy:
                                        prompt_tokens, lease, cls, est.tokens, placement, cache=found,
                                        force_usage=stream and found is not None and found.plan.write
                                        and not _asked_usage(body), batch=incoming.batch)
+        waited_s = 0.0
         try:
-            try:
-                scheduled = await flow.schedule(snapshot, decision.model, cls, est.tokens, str(identity.tenant_id),
-                                                features.prompt_tokens + (features.max_tokens or 0),
-                                                incoming.disconnected, placement.allowed)
-            except ApiError as refused:
-                record.shed = refused.status_code == 503  # flow control's 503s are sheds (499: the client left)
-                runtime.finished(record, decision.model.name, "-", refused.status_code)
-                refused.headers = {"x-request-id": rid, **lease.headers, "x-switchyard-class": cls.trace,
-                                   **(refused.headers or {})}
-                raise
-            request_state.ticket = scheduled.ticket
-            if scheduled.waited_s:
-                record.queue_ms = round(scheduled.waited_s * 1000, 1)
-            return await self._dispatch(request_state, snapshot, decision, scheduled, record)
+            while True:  # once, unless flow control preempts it for interactive requests: then it queues again
+                try:
+                    scheduled = await flow.schedule(snapshot, decision.model, cls, est.tokens,
+                                                    str(identity.tenant_id),
+                                                    features.prompt_tokens + (features.max_tokens or 0),
+                                                    incoming.disconnected, placement.allowed)
+                except ApiError as refused:
+                    record.shed = refused.status_code == 503  # flow control's 503s are sheds (499: the client left)
+                    runtime.finished(record, decision.model.name, "-", refused.status_code)
+                    refused.headers = {"x-request-id": rid, **lease.headers, "x-switchyard-class": cls.trace,
+                                       **(refused.headers or {})}
+                    raise
+                request_state.ticket = scheduled.ticket
+                waited_s += scheduled.waited_s
+                scheduled.waited_s = waited_s
+                if waited_s:
+                    record.queue_ms = round(waited_s * 1000, 1)
+                try:
+                    return await self._dispatch(request_state, snapshot, decision, scheduled, record)
+                except Preempted as preempted:
+                    request_state.preemptions += 1
+                    record.trace.append(f"preempted at {preempted.url} for an interactive request "
+                                        f"({request_state.preemptions}); queued again")
         except BaseException:
             flow.dispatched(request_state.ticket)  # granted but never sent: the pool may grant again
             # It never ran (no usage to charge); a no-op once settled. In a task of its own: this
@@ -216,6 +226,8 @@ class Proxy:
             headers["x-switchyard-queue-ms"] = str(round(scheduled.waited_s * 1000))
         if scheduled.note is not None:
             headers["x-switchyard-degraded"] = scheduled.note
+        if req.preemptions:
+            headers["x-switchyard-preempted"] = str(req.preemptions)
         if req.cache is not None:
             headers[CACHE_HEADER] = req.cache.header
         needed = req.features.prompt_tokens + (req.features.max_tokens or 0)
@@ -226,6 +238,7 @@ class Proxy:
         attempts.failures += skipped
         tenant = str(req.identity.tenant_id)
         asked = scheduled.model.name
+        view = functools.partial(runtime.endpoint_view, preempting=req.cls.cls.lane == "interactive")
         for stage in stages:
             options = stage.candidates()
             profile = profile_for(snapshot, stage.model, strategy)
@@ -239,7 +252,7 @@ class Proxy:
                     else {},
                     runtime.sessions.get(session, now) if session is not None else None,
                     placement.home, req.cls.cls.dispatch_ceiling, runtime.next_rotation(), runtime.rng)
-                choice = pick_endpoint(profile, options, functools.partial(runtime.endpoint_view, now=now), pick,
+                choice = pick_endpoint(profile, options, functools.partial(view, now=now), pick,
                                        attempts.tried)
                 if choice is None:
                     if not any(o.url in attempts.tried for o in options):
@@ -248,6 +261,8 @@ class Proxy:
                         attempts.retry_in = min(retry_in, attempts.retry_in or retry_in)
                         runtime.metrics.fallbacks.labels(asked, "unavailable").inc()
                     break
+                if req.cls.cls.lane == "interactive":
+                    choice = runtime.flow.steer(choice, options, attempts.tried, req.cls.cls.dispatch_ceiling, now)
                 if attempts.count == 0:
                     runtime.retry_budget.request(now, resilience.retries)
                 elif not runtime.retry_budget.allow_retry(now, resilience.retries):
@@ -257,7 +272,12 @@ class Proxy:
                 attempts.tried.add(choice.url)
                 headers["x-switchyard-route"] = route_header(decision, stage, choice, snapshot, attempts.count,
                                                              req.cls.name, scheduled, attempts.moved_on)
-                response = await self._attempt(req, stage, choice, attempts, headers, record)
+                try:
+                    response = await self._attempt(req, stage, choice, attempts, headers, record)
+                except Preempted:
+                    if hashes and profile.prefix:  # its prompt is in that engine's prefix cache now
+                        runtime.prefixes.record(hashes, choice.url)
+                    raise
                 if response is not None:
                     if hashes and profile.prefix:
                         runtime.prefixes.record(hashes, choice.url)
@@ -284,7 +304,11 @@ class Proxy:
         metrics = runtime.metrics
         endpoints = runtime.endpoints
         resilience = endpoints.resilience
-        endpoints.acquire(url, req.cost)
+        flow = runtime.flow
+        if req.cls.cls.lane == "interactive":
+            flow.make_room(choice.pool, url, req.cls.cls.dispatch_ceiling, time.monotonic())
+        yielder = flow.yielding(pool, url, lambda: release()) if req.yields else None
+        endpoints.acquire(url, req.cost, yielder is not None)
         sent_at = time.perf_counter()
         trial = Trial.start(endpoints.state(url).breaker, endpoints.pool_breaker(pool), time.monotonic())
         if req.ticket is not None:
@@ -298,8 +322,10 @@ class Proxy:
             nonlocal released
             if not released:
                 released = True
-                endpoints.release(url, req.cost)
-                runtime.flow.released(pool, time.perf_counter() - sent_at)
+                endpoints.release(url, req.cost, yielder is not None)
+                flow.finished_yielding(yielder)
+                preempted = yielder is not None and yielder.preempted
+                flow.released(pool, None if preempted else time.perf_counter() - sent_at)
                 metrics.in_flight.labels(pool).dec()
 
         def done(status: int) -> None:
@@ -357,6 +383,8 @@ class Proxy:
         except BaseException:  # the client left (cancelled) or a client error was raised: nothing leaks
             release()
             trial.neutral()
+            if _preempted(yielder):
+                raise Preempted(url) from None
             raise
         metrics.attempts.labels(pool, "ok").inc()
         if req.stream:
@@ -403,6 +431,9 @@ class Proxy:
         except BaseException:
             release()
             trial.neutral()
+            if _preempted(yielder):
+                response.close()  # the engine aborts a request whose connection closes
+                raise Preempted(url) from None
             raise
         trial.succeeded(time.monotonic())
         record.ttft_s = time.perf_counter() - req.started
@@ -437,6 +468,15 @@ class Proxy:
         spend_total.inc(spend)
         if req.lease.reservation is not None:
             await req.lease.settle(prompt + completion, spend)
+
+
+def _preempted(yielder: Yielder | None) -> bool:
+    """Whether the cancellation being handled is flow control's preemption of ``yielder`` and nothing
+    else's (then it is taken back: the request goes on, to queue again)."""
+    if yielder is None or not yielder.preempted:
+        return False
+    task = asyncio.current_task()
+    return task is not None and task.uncancel() == 0
 
 
 def _tried(record: RequestRecord, attempts: Attempts, headers: dict[str, str]) -> None:

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from switchyard.gateway.response_cache import Lookup
 
 Kind = Literal["chat", "completion"]
+#: A batch-lane request preempted this many times runs to its end: every request makes progress.
+MAX_PREEMPTIONS = 8
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
@@ -108,7 +110,16 @@ class PendingRequest:
     force_usage: bool = False
     #: A batch job's line: charged at the model's batch price.
     batch: bool = False
+    #: Times flow control preempted it for interactive requests (each time it queued again).
+    preemptions: int = 0
     _payloads: dict[tuple[str, bool], bytes] = field(default_factory=dict)
+
+    @property
+    def yields(self) -> bool:
+        """Whether it gives way to interactive requests while in flight: a batch-lane request answered as
+        one JSON object (nothing has reached its client until it ends), preempted fewer than
+        ``MAX_PREEMPTIONS`` times."""
+        return self.cls.cls.lane == "batch" and not self.stream and self.preemptions < MAX_PREEMPTIONS
 
     def payload_for(self, pool: Pool) -> bytes:
         """The body for ``pool``: its served model name, and a ``priority`` only where it is honoured.

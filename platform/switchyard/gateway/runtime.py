@@ -159,16 +159,17 @@ class GatewayRuntime:
         self.rotation += 1
         return self.rotation
 
-    def endpoint_view(self, candidate: Candidate, now: float) -> EndpointView:
-        """What the picker knows of ``candidate`` at ``now`` (monotonic)."""
+    def endpoint_view(self, candidate: Candidate, now: float, preempting: bool = False) -> EndpointView:
+        """What the picker knows of ``candidate`` at ``now`` (monotonic); ``preempting``: for an interactive
+        request, which sees utilisation without this process's batch work that gives way to it."""
         registry = self.endpoints
         state = registry.state(candidate.url)
         age = registry.signal_max_age
         pool = candidate.pool
         healthy = state.healthy(now) and registry.pool_breaker(pool.name).allows(now)
         return EndpointView(healthy, state.load(now, age), state.queued(now, age),
-                            state.utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs), state.reserved,
-                            state.served_models(now, age))
+                            state.utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs, preempting),
+                            state.reserved, state.served_models(now, age))
 
     def out_of_service(self, options: Sequence[Candidate], now: float) -> tuple[str, float]:
         """Why none of ``options`` can take a request now, and in how many seconds one might again."""

@@ -264,7 +264,7 @@ class Route(Strict):
 #: How long a batch-lane request may wait when its class sets no max_queue_ms.
 BATCH_MAX_QUEUE_MS = 600_000
 #: The utilisation under which batch-lane work is dispatched when its class sets no max_utilisation.
-BATCH_MAX_UTILISATION = 0.8
+BATCH_MAX_UTILISATION = 0.95
 
 
 class PriorityClass(Strict):

@@ -235,14 +235,15 @@ def test_one_grant_in_transit_at_a_time() -> None:
     first, second = ticket(), ticket()
     pool.interactive.push(first)
     pool.interactive.push(second)
-    assert pool.next_grant(0.5) is first
+    assert pool.next_grant(0.5, 0.5) is first
     pool.grant(first, "p")
-    assert pool.next_grant(0.0) is None  # first has not reached its endpoint yet
+    assert pool.next_grant(0.0, 0.0) is None  # first has not reached its endpoint yet
     assert not pool.has_room("interactive", 0.0, 1.0)
     assert pool.dispatched(first)
     assert not pool.dispatched(first)
-    assert pool.next_grant(0.5) is second
-    assert pool.next_grant(1.0) is None  # saturated
+    assert pool.next_grant(0.5, 0.5) is second
+    assert pool.next_grant(1.0, 1.0) is None  # saturated
+    assert pool.next_grant(0.9, 1.0) is second  # saturated only by work that gives way to it
 
 
 def test_the_batch_lane_waits_for_an_empty_interactive_lane_and_its_ceiling() -> None:
@@ -251,15 +252,17 @@ def test_the_batch_lane_waits_for_an_empty_interactive_lane_and_its_ceiling() ->
     pool.batch.push(bulk)
     chat = ticket()
     pool.interactive.push(chat)
-    assert pool.next_grant(0.1) is chat
+    assert pool.next_grant(0.1, 0.1) is chat
     pool.grant(chat, "p")
     pool.dispatched(chat)
-    assert pool.next_grant(0.7) is None  # over the batch ceiling
-    assert pool.next_grant(0.5) is bulk
+    assert pool.next_grant(0.1, 0.7) is None  # over the batch ceiling (the batch lane sees all the load)
+    assert pool.next_grant(0.5, 0.5) is bulk
     # A newcomer of either lane waits while somebody waits before it.
     assert not pool.has_room("batch", 0.0, 0.6)
     assert pool.has_room("interactive", 0.0, 1.0)  # the batch lane never holds up interactive work
     pool.grant(bulk, "p")
+    assert pool.has_room("interactive", 0.0, 1.0)  # not even a batch grant in transit
+    assert not pool.has_room("batch", 0.0, 0.6)
     pool.dispatched(bulk)
     assert pool.has_room("batch", 0.5, 0.6)
     assert not pool.has_room("batch", 0.6, 0.6)

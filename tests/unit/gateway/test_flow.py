@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from switchyard.decide.flow import ClassDecision, classify
+from switchyard.decide.pick import Candidate, EndpointChoice
 from switchyard.engines.endpoints import EndpointRegistry, EngineSignals
 from switchyard.gateway.errors import Overloaded
 from switchyard.gateway.flow import ClientLeft, FlowController, Scheduled, never
@@ -327,3 +329,116 @@ async def test_the_tick_shows_every_known_pools_utilisation(flow: FlowController
     await asyncio.sleep(0.12)
     ticking.cancel()
     assert sample(flow, "switchyard_pool_utilisation", pool="big") == 0.5
+
+
+# --- batch gives way ------------------------------------------------------------------------------
+
+def test_utilisation_as_a_preempting_request_sees_it_leaves_the_yielders_out() -> None:
+    registry = EndpointRegistry(signal_max_age=3.0)
+    state = registry.state(BIG)
+    registry.acquire(BIG, 200)
+    registry.acquire(BIG, 300, yielding=True)
+    assert state.utilisation(0.0, 3.0, 1000, 4) == pytest.approx(0.5)
+    assert state.utilisation(0.0, 3.0, 1000, 4, preempting=True) == pytest.approx(0.25)
+    assert state.utilisation(0.0, 3.0, 1000, None, preempting=True) == pytest.approx(0.2)
+    # In a fresh scrape the yielder runs in the engine: it is left out of the engine's count too.
+    registry.record_scrape(BIG, EngineSignals(running=4, waiting=0, kv_usage=0.5, prefix_queries=0,
+                                              prefix_hits=0), now=10.0)
+    assert state.utilisation(10.0, 3.0, 1000, 4) == pytest.approx(1.0)
+    assert state.utilisation(10.0, 3.0, 1000, 4, preempting=True) == pytest.approx(0.75)
+    registry.release(BIG, 300, yielding=True)
+    assert (state.yielding, state.yielding_reserved) == (0, 0)
+    assert state.utilisation(10.0, 3.0, 1000, 4) == state.utilisation(10.0, 3.0, 1000, 4, preempting=True)
+
+
+class Running:
+    """A batch-lane request in flight at ``url`` as the proxy registers it."""
+
+    def __init__(self, flow: FlowController, url: str = BIG, pool: str = "big") -> None:
+        self.flow, self.url, self.pool = flow, url, pool
+        self.released = 0
+        self.task = asyncio.create_task(self.run())
+        self.outcome: str | None = None
+
+    async def run(self) -> None:
+        self.yielder = self.flow.yielding(self.pool, self.url, self.release)
+        self.flow.endpoints.acquire(self.url, 100, yielding=True)
+        try:
+            await asyncio.sleep(10)
+            self.outcome = "finished"
+        except asyncio.CancelledError:
+            self.outcome = "preempted" if self.yielder is not None and self.yielder.preempted else "cancelled"
+            raise
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        if not self.released:
+            self.released += 1
+            self.flow.endpoints.release(self.url, 100, yielding=True)
+            self.flow.finished_yielding(self.yielder)
+
+
+async def test_interactive_requests_preempt_the_youngest_batch_request_until_there_is_room(
+        flow: FlowController, snapshot: PolicySnapshot) -> None:
+    big = snapshot.pools["big"]
+    old = Running(flow)
+    await asyncio.sleep(0.01)
+    young = Running(flow)
+    await asyncio.sleep(0.01)
+    # Both slots hold batch work: the pool is saturated, but not for an interactive request.
+    assert flow.utilisation(big, 0.0) == 1.0
+    assert flow.utilisation(big, 0.0, preempting=True) == 0.0
+    done = await schedule(flow, snapshot, "standard")
+    assert done.ticket is None and done.downgraded_from is None  # neither queued nor downgraded
+    assert flow.make_room(big, BIG, 1.0, 0.0) == 1
+    assert young.released == 1  # its place is given back at once, before its task sees the cancellation
+    assert flow.utilisation(big, 0.0) == 0.5
+    await asyncio.sleep(0.01)
+    assert young.outcome == "preempted" and old.outcome is None
+    assert sample(flow, "switchyard_preemptions_total", pool="big") == 1
+    assert flow.make_room(big, BIG, 1.0, 0.0) == 0  # room now: nothing more is preempted
+    old.task.cancel()
+    await asyncio.gather(old.task, young.task, return_exceptions=True)
+    assert old.outcome == "cancelled" and flow.make_room(big, BIG, 0.0, 0.0) == 0  # nobody left to preempt
+
+
+async def test_batch_requests_see_the_whole_load_and_flow_control_off_preempts_nothing(
+        snapshot: PolicySnapshot) -> None:
+    flow = FlowController(EndpointRegistry(), GatewayMetrics())
+    running = Running(flow)
+    await asyncio.sleep(0.01)
+    bulk = asyncio.create_task(schedule(flow, snapshot, "batch"))
+    await asyncio.sleep(0.01)
+    assert not bulk.done()  # at the batch ceiling 0.5: its own kind counts
+    bulk.cancel()
+    running.task.cancel()
+    await asyncio.gather(bulk, running.task, return_exceptions=True)
+    off = FlowController(EndpointRegistry(), GatewayMetrics(), enabled=False)
+    assert off.yielding("big", BIG, lambda: None) is None
+    assert off.make_room(snapshot.pools["big"], BIG, 0.0, 0.0) == 0
+
+
+async def test_steering_sends_the_interactive_request_where_the_youngest_batch_request_is(
+        snapshot: PolicySnapshot) -> None:
+    doc = snapshot.document.model_dump(by_alias=True, exclude_none=True)
+    doc["pools"][0].update(endpoints=[BIG, SPARE], max_num_seqs=1)
+    doc["pools"][1]["endpoints"] = ["http://127.0.0.1:9103"]
+    snap = compile_policy(to_yaml(doc))
+    pool = snap.pools["big"]
+    flow = FlowController(EndpointRegistry(), GatewayMetrics())
+    older = Running(flow, BIG)
+    await asyncio.sleep(0.01)
+    younger = Running(flow, SPARE)
+    await asyncio.sleep(0.01)
+    choice = EndpointChoice(pool, BIG, 1.0, (), "max-score", 2, ())
+    options = [Candidate(pool, BIG), Candidate(pool, SPARE)]
+    steered = flow.steer(choice, options, set(), 1.0, time.monotonic())
+    assert steered.url == SPARE and "youngest batch request" in steered.notes[-1]
+    assert flow.steer(choice, options, {SPARE}, 1.0, time.monotonic()).url == BIG  # already tried there
+    younger.task.cancel()
+    await asyncio.gather(younger.task, return_exceptions=True)
+    free = EndpointChoice(pool, SPARE, 1.0, (), "max-score", 2, ())
+    assert flow.steer(free, options, set(), 1.0, time.monotonic()) is free  # room without preempting
+    older.task.cancel()
+    await asyncio.gather(older.task, return_exceptions=True)

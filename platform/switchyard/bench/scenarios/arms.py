@@ -210,13 +210,15 @@ class FreshArms(ABC, Generic[ArmT]):
     #: The offered rate, as a multiple of the first arm's capacity (requests per second).
     load_factor: float
     quick_duration_s: float
+    #: Seconds per arm without ``--quick`` or ``--duration``.
+    duration_default_s: float = DURATION_S
     #: Key creations run at once (each is a ``switchyard keys create`` process).
     key_workers: int
 
     def __init__(self, ctx: ScenarioContext) -> None:
         self.ctx = ctx
         opts = ctx.options
-        self.duration_s = opts.duration_s or (self.quick_duration_s if opts.quick else DURATION_S)
+        self.duration_s = opts.duration_s or (self.quick_duration_s if opts.quick else self.duration_default_s)
         self.time_scale = opts.time_scale or TIME_SCALE
         self.timeout_s = QUICK_CLIENT_TIMEOUT_S if opts.quick else CLIENT_TIMEOUT_S
         self.capacity_warmup_s = QUICK_CAPACITY_WARMUP_S if opts.quick else CAPACITY_WARMUP_S
