@@ -30,6 +30,15 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8400, ge=0, le=65535)
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="text: one readable line per record; json: one JSON object per line with "
+        "the request id of the request being served (see switchyard.logs).")
+    otlp_traces_endpoint: str | None = Field(
+        default=None, description="OTLP/HTTP endpoint for request traces, e.g. http://otel-collector:4318/v1/traces "
+        "(needs the otel extra); unset: no tracing.")
+    otel_service_name: str = Field(default="switchyard", description="service.name of the exported spans.")
+    log_requests: bool = Field(default=False, description="One INFO line per finished request (logger "
+                               "switchyard.requests): id, tenant, tier, models, pool, status, outcome, timings.")
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0, description="Largest request body.")
     batch_max_file_bytes: int = Field(
         default=100 * 1024 * 1024, gt=0, description="Largest file uploaded to /v1/files (its own limit: "
@@ -96,7 +105,7 @@ class Settings(BaseSettings):
     )
     console_login_window_s: float = Field(default=300.0, gt=0)
 
-    @field_validator("log_level", mode="before")
+    @field_validator("log_level", "log_format", mode="before")
     @classmethod
     def _lower(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value

@@ -274,13 +274,18 @@ GATEWAY_SETTINGS = {
 
 
 def start_gateway(engines: Engines, database_url: str, data_dir: Path, backend: str,
-                  extra_env: dict[str, str] | None = None) -> Gateway:
-    """Start `switchyard serve` on a free port and wait until it is ready."""
+                  extra_env: dict[str, str] | None = None, log_file: Path | None = None) -> Gateway:
+    """Start `switchyard serve` on a free port and wait until it is ready (its standard error to
+    ``log_file`` when given)."""
     port = free_port()
     env = {**os.environ, **GATEWAY_SETTINGS, "SWITCHYARD_DATA_DIR": str(data_dir),
            "SWITCHYARD_DATABASE_URL": database_url, "SWITCHYARD_POLICY_FILE": str(engines.policy_file),
            "SWITCHYARD_PORT": str(port), **(extra_env or {})}
-    proc = subprocess.Popen([SWITCHYARD, "serve"], env=env)
+    if log_file is None:
+        proc = subprocess.Popen([SWITCHYARD, "serve"], env=env)
+    else:
+        with log_file.open("ab") as log:  # the child keeps its own descriptor
+            proc = subprocess.Popen([SWITCHYARD, "serve"], env=env, stderr=log)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_http(f"{base}/readyz", proc)

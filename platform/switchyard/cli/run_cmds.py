@@ -27,9 +27,9 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 def _prepared_app(settings: Settings) -> Litestar:
     """The gateway app for ``settings`` with logging set up, its database migrated and its policy loaded."""
     from switchyard.gateway.app import create_app
+    from switchyard.logs import configure
 
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure(settings.log_level, settings.log_format)
     if settings.log_level != "debug":
         logging.getLogger("alembic").setLevel(logging.WARNING)
     app = create_app(settings)
@@ -54,7 +54,8 @@ def serve(host: str | None, port: int | None, policy_source: str | None) -> None
     settings = cli_context().settings(host=host, port=port, policy_source=policy_source)
     app = _prepared_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
-                loop="uvloop", http="httptools", lifespan="on", timeout_graceful_shutdown=10)
+                loop="uvloop", http="httptools", lifespan="on", timeout_graceful_shutdown=10,
+                log_config=None)  # the handlers of switchyard.logs.configure
 
 
 @click.command()

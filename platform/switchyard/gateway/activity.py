@@ -26,6 +26,7 @@ ids, names, numbers and the decision trace's sentences.
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -50,6 +51,11 @@ RECENT = 500
 #: The series key of answers from the response cache, and of requests refused before a pool was picked.
 CACHE_POOL = "cache"
 NO_POOL = "-"
+#: What a finished request's log line carries (``SWITCHYARD_LOG_REQUESTS``): no key, text or trace.
+LOGGED = ("request_id", "kind", "tenant", "tier", "model", "served_model", "pool", "region", "status", "outcome",
+          "error_code", "stream", "priority", "queue_ms", "attempts", "ttft_ms", "duration_ms", "cache")
+
+log = logging.getLogger("switchyard.requests")
 
 _OUTCOMES = frozenset({"ok", "error", "shed", "limited", "refused", "client_closed"})
 
@@ -117,6 +123,8 @@ class RequestRecord:
     trace: list[str] = field(default_factory=list)
     #: The engine broke the stream off after its first byte (counted as an error).
     broken: bool = False
+    #: Called once when the request is finished (its trace span ends there).
+    on_finish: Callable[[RequestRecord], None] | None = None
     #: Set where flow control refused it (a 503 that is a shed, not a failure).
     shed: bool = False
 
@@ -240,8 +248,10 @@ class Activity:
     """This process's recent activity (see the module doc); ``runtime.activity``."""
 
     def __init__(self, *, recent: int = RECENT, clock: Callable[[], float] = time.time,
-                 started: float | None = None, seed: int | None = None) -> None:
+                 started: float | None = None, seed: int | None = None, log_requests: bool = False) -> None:
         self._clock = clock
+        #: Log one line per finished request (logger ``switchyard.requests``, level INFO).
+        self.log_requests = log_requests
         self.started = clock() if started is None else started
         self._recent: deque[RequestRecord] = deque(maxlen=recent)
         self._series: dict[str, _Series] = {}
@@ -265,6 +275,12 @@ class Activity:
             record.duration_s = time.perf_counter() - record.started
         outcome = record.outcome = outcome_of(status, shed=record.shed, broken=record.broken)
         self._recent.append(record)
+        if record.on_finish is not None:
+            record.on_finish(record)
+        if self.log_requests:
+            data = record.as_dict()
+            log.info("%s %s %s %d %s", record.request_id, record.kind, record.served_model or record.model or "-",
+                     status, outcome, extra={name: data[name] for name in LOGGED})
         key = record.pool or NO_POOL
         series = self._series.get(key)
         if series is None:

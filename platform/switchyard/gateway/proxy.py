@@ -52,6 +52,8 @@ from switchyard.gateway.flow import Preempted, Scheduled, Yielder
 from switchyard.gateway.request import Incoming, Kind, PendingRequest, RequestIds
 from switchyard.gateway.response_cache import CACHE_HEADER
 from switchyard.gateway.runtime import GatewayRuntime
+from switchyard.gateway.tracing import RequestTrace, end
+from switchyard.logs import REQUEST_ID
 from switchyard.policy import PolicySnapshot
 from switchyard.policy.schema import Model
 
@@ -97,8 +99,12 @@ class Proxy:
         """
         activity = self.runtime.activity
         record = activity.begin(self.ids.for_request(incoming.headers), kind, time.perf_counter())
+        REQUEST_ID.set(record.request_id)  # on this task's log lines (switchyard.logs)
+        spans = self.runtime.tracing.request(kind, incoming.headers, {"switchyard.request_id": record.request_id})
+        if spans.enabled:
+            record.on_finish = functools.partial(_finish_trace, spans)
         try:
-            return await self._serve(incoming, kind, record)
+            return await self._serve(incoming, kind, record, spans)
         except ApiError as error:  # counted where it was raised, or refused before any count (401, 400)
             record.error_code = error.code
             activity.finish(record, error.status_code)
@@ -111,7 +117,7 @@ class Proxy:
             activity.finish(record, 500)
             raise
 
-    async def _serve(self, incoming: Incoming, kind: Kind, record: RequestRecord) -> Response[Any]:
+    async def _serve(self, incoming: Incoming, kind: Kind, record: RequestRecord, spans: RequestTrace) -> Response[Any]:
         started, rid = record.started, record.request_id
         runtime = self.runtime
         request_headers = incoming.headers
@@ -157,26 +163,32 @@ class Proxy:
         charges = limit_charges(snapshot, identity.tier, decision.model, est,
                                 tenant=str(identity.tenant_id), key=str(identity.key_id),
                                 tenant_limits=identity.tenant_limits, key_limits=identity.key_limits)
+        span = spans.child("admit")
         try:
             lease = await runtime.admitter.admit(charges, snapshot.document.resilience.dependencies.redis)
         except ApiError as refused:  # 429 (a limit), 503 (the limit store is unreachable and fails closed)
+            end(span, {"http.response.status_code": refused.status_code}, refused.code or refused.type)
             runtime.finished(record, decision.model.name, "-", refused.status_code)
             raise
+        end(span)
         flow = runtime.flow
         stream = bool(body.get("stream"))
         request_state = PendingRequest(kind, body, raw, stream, cls.engine_priority, features, rid, started, identity,
                                        prompt_tokens, lease, cls, est.tokens, placement, cache=found,
                                        force_usage=stream and found is not None and found.plan.write
-                                       and not _asked_usage(body), batch=incoming.batch)
+                                       and not _asked_usage(body), batch=incoming.batch, trace=spans)
         waited_s = 0.0
         try:
             while True:  # once, unless flow control preempts it for interactive requests: then it queues again
+                span = spans.child("queue", {"switchyard.class": cls.name})
                 try:
                     scheduled = await flow.schedule(snapshot, decision.model, cls, est.tokens,
                                                     str(identity.tenant_id),
                                                     features.prompt_tokens + (features.max_tokens or 0),
                                                     incoming.disconnected, placement.allowed)
+                    end(span, {"switchyard.queue_ms": round(scheduled.waited_s * 1000, 1)})
                 except ApiError as refused:
+                    end(span, {"http.response.status_code": refused.status_code}, refused.code or refused.type)
                     record.shed = refused.status_code == 503  # flow control's 503s are sheds (499: the client left)
                     runtime.finished(record, decision.model.name, "-", refused.status_code)
                     refused.headers = {"x-request-id": rid, **lease.headers, "x-switchyard-class": cls.trace,
@@ -252,9 +264,11 @@ class Proxy:
                     else {},
                     runtime.sessions.get(session, now) if session is not None else None,
                     placement.home, req.cls.cls.dispatch_ceiling, runtime.next_rotation(), runtime.rng)
+                span = req.trace.child("pick", {"switchyard.stage": stage.label})
                 choice = pick_endpoint(profile, options, functools.partial(view, now=now), pick,
                                        attempts.tried)
                 if choice is None:
+                    end(span, {"switchyard.endpoint": "none"})
                     if not any(o.url in attempts.tried for o in options):
                         reason, retry_in = runtime.out_of_service(options, now)
                         attempts.passed_over(stage.label, reason)
@@ -263,6 +277,7 @@ class Proxy:
                     break
                 if req.cls.cls.lane == "interactive":
                     choice = runtime.flow.steer(choice, options, attempts.tried, req.cls.cls.dispatch_ceiling, now)
+                end(span, {"switchyard.endpoint": choice.url, "switchyard.pool": choice.pool.name})
                 if attempts.count == 0:
                     runtime.retry_budget.request(now, resilience.retries)
                 elif not runtime.retry_budget.allow_retry(now, resilience.retries):
@@ -308,6 +323,9 @@ class Proxy:
         if req.cls.cls.lane == "interactive":
             flow.make_room(choice.pool, url, req.cls.cls.dispatch_ceiling, time.monotonic())
         yielder = flow.yielding(pool, url, lambda: release()) if req.yields else None
+        span = req.trace.child("upstream", {"switchyard.endpoint": url, "switchyard.pool": pool,
+                                            "switchyard.model": model, "switchyard.attempt": len(attempts.tried)})
+        outcome = "ok"
         endpoints.acquire(url, req.cost, yielder is not None)
         sent_at = time.perf_counter()
         trial = Trial.start(endpoints.state(url).breaker, endpoints.pool_breaker(pool), time.monotonic())
@@ -322,6 +340,7 @@ class Proxy:
             nonlocal released
             if not released:
                 released = True
+                end(span, {"switchyard.outcome": outcome}, None if outcome == "ok" else outcome)
                 endpoints.release(url, req.cost, yielder is not None)
                 flow.finished_yielding(yielder)
                 preempted = yielder is not None and yielder.preempted
@@ -329,12 +348,17 @@ class Proxy:
                 metrics.in_flight.labels(pool).dec()
 
         def done(status: int) -> None:
+            nonlocal outcome
+            if status >= 400:
+                outcome = str(status)
             release()
             metrics.duration.labels(model, pool).observe(time.perf_counter() - req.started)
             _tried(record, attempts, headers)
             runtime.finished(record, model, pool, status)
 
         def retry(kind: str, reason: str, error: ApiError, engine_fault: bool = True) -> None:
+            nonlocal outcome
+            outcome = kind
             release()
             if engine_fault:
                 trial.failed(time.monotonic(), reason)
@@ -346,6 +370,7 @@ class Proxy:
         # The engine gets an id of our own: clients may reuse theirs, and two in-flight requests
         # with one id would collide inside the engine.
         upstream_headers = {"Content-Type": "application/json", "X-Request-Id": self.ids.new()}
+        req.trace.inject(span, upstream_headers)
         payload = req.payload_for(choice.pool)
         first_token_s = stage.model.first_token_timeout or resilience.first_token_timeout
         try:
@@ -381,9 +406,11 @@ class Proxy:
             retry(failure.kind, str(failure), failure_error(failure, pool, dict(headers)))
             return None
         except BaseException:  # the client left (cancelled) or a client error was raised: nothing leaks
+            preempted = _preempted(yielder)
+            outcome = "preempted" if preempted else "cancelled"
             release()
             trial.neutral()
-            if _preempted(yielder):
+            if preempted:
                 raise Preempted(url) from None
             raise
         metrics.attempts.labels(pool, "ok").inc()
@@ -429,9 +456,11 @@ class Proxy:
                   failure_error(failure, pool, dict(headers)))
             return None
         except BaseException:
+            preempted = _preempted(yielder)
+            outcome = "preempted" if preempted else "cancelled"
             release()
             trial.neutral()
-            if _preempted(yielder):
+            if preempted:
                 response.close()  # the engine aborts a request whose connection closes
                 raise Preempted(url) from None
             raise
@@ -468,6 +497,16 @@ class Proxy:
         spend_total.inc(spend)
         if req.lease.reservation is not None:
             await req.lease.settle(prompt + completion, spend)
+
+
+def _finish_trace(spans: RequestTrace, record: RequestRecord) -> None:
+    """End the request's span with what became of it."""
+    spans.finish({"http.response.status_code": record.status, "switchyard.outcome": record.outcome,
+                  "switchyard.tier": record.tier, "switchyard.model": record.model,
+                  "switchyard.served_model": record.served_model, "switchyard.pool": record.pool,
+                  "switchyard.region": record.region, "switchyard.class": record.priority,
+                  "switchyard.attempts": record.attempts, "switchyard.cache": record.cache},
+                 error=(record.status or 0) >= 500)
 
 
 def _preempted(yielder: Yielder | None) -> bool:

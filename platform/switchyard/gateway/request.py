@@ -17,6 +17,7 @@ from switchyard.decide.features import RequestFeatures
 from switchyard.decide.flow import ClassDecision, Ticket
 from switchyard.decide.regions import Placement
 from switchyard.gateway.admission import Lease
+from switchyard.gateway.tracing import OFF, RequestTrace
 from switchyard.policy.schema import Pool
 from switchyard.store.keys import KeyIdentity
 
@@ -112,6 +113,8 @@ class PendingRequest:
     batch: bool = False
     #: Times flow control preempted it for interactive requests (each time it queued again).
     preemptions: int = 0
+    #: Its trace spans (:data:`~switchyard.gateway.tracing.OFF` when tracing is off).
+    trace: RequestTrace = OFF
     _payloads: dict[tuple[str, bool], bytes] = field(default_factory=dict)
 
     @property

@@ -36,6 +36,7 @@ from switchyard.gateway.policy_state import PolicyHolder, load_startup_policy
 from switchyard.gateway.reload import PolicyReloader, following
 from switchyard.gateway.response_cache import CacheRunner
 from switchyard.gateway.retries import RetryBudget
+from switchyard.gateway.tracing import Tracing
 from switchyard.settings import Settings
 from switchyard.store import db
 from switchyard.store.cache import create_response_cache
@@ -66,7 +67,8 @@ class GatewayRuntime:
         self.flow = FlowController(self.endpoints, self.metrics, settings.flow_control)
         self.started_at = time.time()
         #: What this process did lately (the console's Overview and Requests pages).
-        self.activity = Activity(started=self.started_at)
+        self.activity = Activity(started=self.started_at, log_requests=settings.log_requests)
+        self.tracing = Tracing(settings.otlp_traces_endpoint, settings.otel_service_name, settings.region)
         self._engine: Engine | None = None
         self._policy: PolicyHolder | None = None
         self._http: aiohttp.ClientSession | None = None
@@ -315,4 +317,5 @@ class GatewayRuntime:
             self._http = None
             await self._http_fresh.close()
             self._http_fresh = None
+            await anyio.to_thread.run_sync(self.tracing.shutdown)  # the last spans go out
             self.engine.dispose()

@@ -154,6 +154,9 @@ async def handle_generation(engine: EngineRuntime, chat: bool, scope: Scope, rec
             return
         headers = dict(scope.get("headers") or [])
         request_id = headers.get(b"x-request-id", b"").decode("latin-1") or None
+        traceparent = headers.get(b"traceparent")
+        if traceparent is not None:
+            engine.trace_contexts.append({"request_id": request_id, "traceparent": traceparent.decode("latin-1")})
         shaper = ResponseShaper(chat=chat, model=cfg.served_model, request_id=request_id,
                                 choices=len(spec.prompts) * spec.n, fingerprint=engine.fingerprint,
                                 include_usage=spec.include_usage, role=spec.role)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from typing import Any, Protocol
 
 from switchyard.sim.config import ResolvedConfig
@@ -27,6 +28,8 @@ from switchyard.sim.responses import system_fingerprint
 
 #: Most steps computed between two deliveries when catching up (bounds the loop's latency).
 MAX_STEPS_PER_WAKE = 2048
+#: Trace contexts kept for ``/sim/state``.
+TRACE_CONTEXTS = 32
 
 
 class Waker:
@@ -112,6 +115,9 @@ class EngineRuntime:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len)
         self.faults = FaultState(config.seed)
+        #: The W3C ``traceparent`` of the last requests that sent one, with their ``x-request-id``
+        #: (vLLM continues such a trace in its own spans when it exports any).
+        self.trace_contexts: deque[dict[str, str | None]] = deque(maxlen=TRACE_CONTEXTS)
         #: Set by the server that runs the app; None in process (``down`` then answers 503).
         self.listener: Listener | None = None
         self._listener_lock = asyncio.Lock()
@@ -278,4 +284,5 @@ class EngineRuntime:
             "faults": self.faults.as_dict(),
             "faulted": dict(self.faults.counts),
             "listening": self.listening,
+            "trace_contexts": list(self.trace_contexts),
         }
