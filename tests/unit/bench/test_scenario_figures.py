@@ -432,3 +432,11 @@ def test_trace_repeats_count_whole_hash_id_lists_seen_before(tmp_path: Path) -> 
                      + "\n")
     assert cache_scenario.trace_repeats(trace) == (5, 2)
     assert cache_scenario.public_repeats(trace)[0] == "t.jsonl: 2 of 5 rows (40.0%)"
+
+
+def test_the_batch_scenario_names_the_policys_default_batch_ceiling() -> None:
+    from switchyard.bench.scenarios.batch import DEFAULT_BATCH_CEILING, batch_policy
+    from switchyard.policy import compile_policy
+
+    snapshot = compile_policy(batch_policy([9001, 9002]))
+    assert snapshot.document.priorities["batch"].dispatch_ceiling == DEFAULT_BATCH_CEILING
