@@ -1,4 +1,4 @@
-"""The ``switchyard`` command: serve, demo, sim, bench, policy, db, keys, tenants, usage, admin."""
+"""The ``switchyard`` command: serve, demo, sim, bench, policy, db, keys, tenants, usage, admin, metrics."""
 
 from __future__ import annotations
 
@@ -24,7 +24,16 @@ def main(ctx: click.Context, data_dir: Path | None, database_url: str | None, po
 
 
 def _register() -> None:
-    from switchyard.cli import admin_cmds, bench_cmd, demo_cmd, policy_cmds, replay_cmd, run_cmds, store_cmds
+    from switchyard.cli import (
+        admin_cmds,
+        bench_cmd,
+        demo_cmd,
+        metrics_cmd,
+        policy_cmds,
+        replay_cmd,
+        run_cmds,
+        store_cmds,
+    )
 
     main.add_command(run_cmds.serve)
     main.add_command(run_cmds.worker)
@@ -38,6 +47,7 @@ def _register() -> None:
     main.add_command(store_cmds.usage_cmd)
     main.add_command(bench_cmd.bench)
     main.add_command(admin_cmds.admin)
+    main.add_command(metrics_cmd.metrics)
 
 
 _register()

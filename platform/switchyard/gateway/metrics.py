@@ -34,8 +34,9 @@ class GatewayMetrics:
             ["pool"], registry=self.registry)
         self.attempts = Counter(
             "switchyard_upstream_attempts",
-            "Requests sent to engines, by pool and outcome (ok, connect_error, timeout, body_error, "
-            "body_timeout, or the engine's HTTP status); a request that fell back counts once per try.",
+            "Requests sent to engines, by pool and outcome (ok, connect_error, timeout, first_token_timeout, "
+            "broken, body_error, body_timeout, or the engine's HTTP status); a request that fell back counts once "
+            "per try.",
             ["pool", "outcome"], registry=self.registry)
         self.policy_info = Gauge(
             "switchyard_policy_info", "The active policy: 1 for its version and hash.",
@@ -101,8 +102,9 @@ class GatewayMetrics:
             ["scope", "name", "to"], registry=self.registry)
         self.fallbacks = Counter(
             "switchyard_fallbacks", "Requests that moved on from an endpoint or stage before their first byte, by "
-            "the model asked for and why (connect_error, timeout, first_token_timeout, the engine's status, "
-            "breaker_open, unhealthy).", ["model", "reason"], registry=self.registry)
+            "the model asked for and why (unavailable: no endpoint of a stage in service, its breakers open or "
+            "its health probes failing; otherwise the failed try's outcome as in switchyard_upstream_attempts).",
+            ["model", "reason"], registry=self.registry)
         self.streams_broken = Counter(
             "switchyard_streams_broken", "Streams that broke off after their first byte (the client got an error "
             "event; no fallback is possible then), by pool.", ["pool"], registry=self.registry)
