@@ -29,7 +29,7 @@ class Receiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            def do_POST(self) -> None:  # http.server calls it by this name
                 body = self.rfile.read(int(self.headers["content-length"]))
                 request = ExportTraceServiceRequest()
                 request.ParseFromString(body)
