@@ -28,6 +28,7 @@ class Settings(BaseSettings):
     policy_file: Path = Field(default=Path("policies.yaml"))
     policy_source: Literal["file", "db"] = "file"
     host: str = "127.0.0.1"
+    workers: int = Field(default=1, ge=1, description="Gateway processes `switchyard serve` runs on its port.")
     port: int = Field(default=8400, ge=0, le=65535)
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
     log_format: Literal["text", "json"] = Field(

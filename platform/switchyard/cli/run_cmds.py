@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -47,15 +48,40 @@ def _prepared_app(settings: Settings) -> Litestar:
 @click.option("--port", type=int, default=None, help="Listen port [env SWITCHYARD_PORT; default 8400].")
 @click.option("--policy-source", type=click.Choice(["file", "db"]), default=None,
               help="Where the policy's truth is [env SWITCHYARD_POLICY_SOURCE; default file].")
-def serve(host: str | None, port: int | None, policy_source: str | None) -> None:
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Gateway processes on the one port, sharing the database and Redis (SWITCHYARD_REDIS_URL is "
+                   "then required) [env SWITCHYARD_WORKERS; default 1].")
+def serve(host: str | None, port: int | None, policy_source: str | None, workers: int | None) -> None:
     """Run the gateway (OpenAI-compatible API, console at /admin, /metrics)."""
     import uvicorn
 
-    settings = cli_context().settings(host=host, port=port, policy_source=policy_source)
-    app = _prepared_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
-                loop="uvloop", http="httptools", lifespan="on", timeout_graceful_shutdown=10,
-                log_config=None)  # the handlers of switchyard.logs.configure
+    context = cli_context()
+    settings = context.settings(host=host, port=port, policy_source=policy_source, workers=workers)
+    if settings.workers > 1 and not settings.redis_url:
+        raise click.ClickException(f"--workers {settings.workers} needs SWITCHYARD_REDIS_URL: limits, reservations "
+                                   "and caches must be shared by the processes, not counted in each")
+    app = _prepared_app(settings)  # migrates, checks the policy and makes the console secret, once
+    options: dict[str, Any] = {"host": settings.host, "port": settings.port, "log_level": settings.log_level,
+                               "access_log": False, "loop": "uvloop", "http": "httptools", "lifespan": "on",
+                               "timeout_graceful_shutdown": 10,
+                               "log_config": None}  # the handlers of switchyard.logs.configure
+    if settings.workers == 1:
+        uvicorn.run(app, **options)
+        return
+    # Each worker process builds its own app from the environment: the command line's choices go there.
+    given = {"SWITCHYARD_DATA_DIR": context.data_dir, "SWITCHYARD_DATABASE_URL": context.database_url,
+             "SWITCHYARD_POLICY_FILE": context.policy_file, "SWITCHYARD_HOST": host, "SWITCHYARD_PORT": port,
+             "SWITCHYARD_POLICY_SOURCE": policy_source}
+    os.environ.update({name: str(value) for name, value in given.items() if value is not None})
+    os.environ["SWITCHYARD_WORKERS"] = "1"  # a worker is one process
+    uvicorn.run("switchyard.cli.run_cmds:worker_app", factory=True, workers=settings.workers, **options)
+
+
+def worker_app() -> Litestar:
+    """The app of one ``switchyard serve --workers N`` process (settings from the environment)."""
+    from switchyard.settings import Settings
+
+    return _prepared_app(Settings())
 
 
 @click.command()
