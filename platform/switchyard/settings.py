@@ -38,6 +38,13 @@ class Settings(BaseSettings):
         default=None, description="OTLP/HTTP endpoint for request traces, e.g. http://otel-collector:4318/v1/traces "
         "(needs the otel extra); unset: no tracing.")
     otel_service_name: str = Field(default="switchyard", description="service.name of the exported spans.")
+    request_log: bool = Field(default=True, description="Keep finished requests in the database's request "
+                              "log (shown by the console across replicas).")
+    request_log_sample_rate: float = Field(default=1.0, ge=0, le=1, description="Share of successful requests "
+                                           "kept in the request log (every other outcome is kept).")
+    request_log_retention_days: float = Field(default=7.0, gt=0, description="How long request-log rows are kept.")
+    request_log_flush_interval_s: float = Field(default=1.0, gt=0, description="How often the request log is "
+                                                "written.")
     log_requests: bool = Field(default=False, description="One INFO line per finished request (logger "
                                "switchyard.requests): id, tenant, tier, models, pool, status, outcome, timings.")
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0, description="Largest request body.")

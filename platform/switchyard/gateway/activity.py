@@ -252,6 +252,8 @@ class Activity:
         self._clock = clock
         #: Log one line per finished request (logger ``switchyard.requests``, level INFO).
         self.log_requests = log_requests
+        #: Also hands each finished record to this (the request log's writer), when set.
+        self.sink: Callable[[RequestRecord], object] | None = None
         self.started = clock() if started is None else started
         self._recent: deque[RequestRecord] = deque(maxlen=recent)
         self._series: dict[str, _Series] = {}
@@ -277,6 +279,8 @@ class Activity:
         self._recent.append(record)
         if record.on_finish is not None:
             record.on_finish(record)
+        if self.sink is not None:
+            self.sink(record)
         if self.log_requests:
             data = record.as_dict()
             log.info("%s %s %s %d %s", record.request_id, record.kind, record.served_model or record.model or "-",
@@ -325,7 +329,7 @@ class Activity:
         Raises:
             ValueError: ``status`` is none of those.
         """
-        wanted = _status_filter(status) if status else None
+        wanted = status_filter(status) if status else None
         found: list[RequestRecord] = []
         for record in reversed(self._recent):
             if len(found) >= limit:
@@ -440,7 +444,12 @@ def _num(value: float) -> str:
     return "0" if text == "-0" else text
 
 
-def _status_filter(status: str) -> Callable[[RequestRecord], bool]:
+def status_filter(status: str) -> Callable[[RequestRecord], bool]:
+    """A test of a record's ``status``: a code (``429``), a class (``4xx``) or an outcome (``shed``).
+
+    Raises:
+        ValueError: ``status`` is none of those.
+    """
     text = status.strip().lower()
     if text in _OUTCOMES:
         return lambda r: r.outcome == text

@@ -42,6 +42,7 @@ from switchyard.store import db
 from switchyard.store.cache import create_response_cache
 from switchyard.store.keys import KeyIdentity, identify
 from switchyard.store.limits import create_limit_store
+from switchyard.store.request_log import RequestLogWriter
 from switchyard.store.usage import UsageRecorder
 
 log = logging.getLogger("switchyard.gateway")
@@ -293,6 +294,15 @@ class GatewayRuntime:
         prober = HealthProber(self.endpoints, self._http, self.probed_urls, self._health_changed, self.trial_targets)
         probing = asyncio.create_task(prober.run(), name="switchyard-health")
         ledger = asyncio.create_task(self._usage.run(self.settings.usage_flush_interval_s), name="switchyard-usage")
+        settings = self.settings
+        request_log: RequestLogWriter | None = None
+        logging_task: asyncio.Task[None] | None = None
+        if settings.request_log:
+            request_log = RequestLogWriter(self.engine, sample_rate=settings.request_log_sample_rate,
+                                           retention_days=settings.request_log_retention_days)
+            self.activity.sink = request_log.offer
+            logging_task = asyncio.create_task(request_log.run(settings.request_log_flush_interval_s),
+                                               name="switchyard-request-log")
         pumping = asyncio.create_task(self.flow.run(), name="switchyard-flow")
         gauges = asyncio.create_task(self._cache_gauges(), name="switchyard-cache-gauges")
         try:
@@ -309,6 +319,12 @@ class GatewayRuntime:
             with contextlib.suppress(asyncio.CancelledError):
                 await ledger
             await self._usage.aclose()  # nothing recorded is lost on a clean shutdown
+            if request_log is not None and logging_task is not None:
+                logging_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await logging_task
+                self.activity.sink = None
+                await request_log.aclose()
             await self.admitter.store.aclose()
             await self.cache.cache.aclose()
             self._classifiers.close()

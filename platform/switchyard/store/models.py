@@ -355,3 +355,47 @@ class BatchRequest(SQLModel, table=True):
     response: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON(none_as_null=True), nullable=True))
     error: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON(none_as_null=True), nullable=True))
     finished_at: datetime | None = _ts(nullable=True)
+
+
+# --- request log ---------------------------------------------------------------------------
+# Finished requests as the gateways saw them (``store.request_log``): sampled, kept for a while,
+# shown by the console across replicas. Never a key, a prompt or an answer.
+
+
+class RequestLogEntry(SQLModel, table=True):
+    """One finished request: who, what was asked and served where, how it ended, its decision trace."""
+
+    __tablename__ = "request_log"
+
+    id: int | None = Field(default=None, primary_key=True)
+    at: datetime = Field(sa_column=Column(UTCDateTime(), nullable=False, index=True))
+    request_id: str = Field(max_length=128, index=True)
+    #: The gateway process that served it (host:pid).
+    replica: str = Field(max_length=128)
+    kind: str = Field(max_length=16)
+    tenant: str | None = Field(default=None, max_length=128)
+    tenant_id: int | None = Field(default=None, index=True)
+    key_id: int | None = None
+    tier: str | None = Field(default=None, max_length=64)
+    model: str | None = Field(default=None, max_length=256)
+    resolved_model: str | None = Field(default=None, max_length=256)
+    served_model: str | None = Field(default=None, max_length=256)
+    pool: str | None = Field(default=None, max_length=128)
+    region: str | None = Field(default=None, max_length=64)
+    endpoint: str | None = Field(default=None, max_length=512)
+    status: int
+    outcome: str = Field(max_length=16)
+    error_code: str | None = Field(default=None, max_length=128)
+    stream: bool = False
+    priority: str | None = Field(default=None, max_length=64)
+    queue_ms: float | None = None
+    attempts: int = 0
+    ttft_ms: float | None = None
+    duration_ms: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    cache: str = Field(default="none", max_length=16)
+    cache_rule: str | None = Field(default=None, max_length=256)
+    #: JSON: ``{"moved_on": [...], "trace": [...]}``.
+    detail: str = Field(sa_column=Column(Text(), nullable=False))

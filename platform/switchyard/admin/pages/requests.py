@@ -1,9 +1,12 @@
 """Console page: requests.
 
-``/admin/requests`` lists the requests this gateway process finished lately, newest first, from its
-in-memory record (:mod:`switchyard.gateway.activity`: the last 500, gone after a restart; each
-replica shows its own), filtered by tenant, model and status; the table polls itself with htmx.
-``/admin/requests/{request_id}`` shows one of them whole, with its decision trace.
+``/admin/requests`` lists finished requests, newest first, filtered by tenant, model and status;
+the table polls itself with htmx. Two sources: ``source=live`` (the default), what this gateway
+process finished lately, from its in-memory record (:mod:`switchyard.gateway.activity`: the last
+500, gone after a restart; each replica shows its own), and ``source=log``, the request log in the
+database (:mod:`switchyard.store.request_log`: every replica's, sampled, kept for its retention,
+written about once a second). ``/admin/requests/{request_id}`` shows one whole, with its decision
+trace, from memory or else from the log.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from litestar.params import FromPath, FromQuery
 from litestar.plugins.htmx import HTMXRequest, HTMXTemplate
 from litestar.response import Template
 
-from switchyard.gateway.activity import RECENT, RequestRecord
+from switchyard.admin.common import in_db
+from switchyard.gateway.activity import RECENT, status_filter
 from switchyard.gateway.runtime import GatewayRuntime
+from switchyard.store import request_log
 
 #: Rows shown unless ``limit`` says otherwise.
 DEFAULT_LIMIT = 100
@@ -58,12 +63,11 @@ def _tokens(row: dict[str, Any]) -> str:
     return text + (f" ({cached} cached)" if cached else "")
 
 
-def _row(record: RequestRecord) -> dict[str, Any]:
-    """A record as the table shows it (never an API key: records hold none)."""
-    row = record.as_dict()
+def _row(row: dict[str, Any]) -> dict[str, Any]:
+    """A record (``as_dict()``) or a request-log entry as the table shows it (never an API key: neither holds one)."""
     tenant = row["tenant"] or NONE
     return row | {
-        "href": "/admin/requests/" + quote(record.request_id, safe=""),
+        "href": "/admin/requests/" + quote(row["request_id"], safe=""),
         "clock": row["time"][11:23],
         "tenant_text": tenant,
         "models": _models(row),
@@ -106,24 +110,43 @@ def _limit(text: str | None) -> int:
     return value
 
 
+async def _from_log(runtime: GatewayRuntime, filters: dict[str, str], limit: int) -> list[dict[str, Any]]:
+    """Request-log entries matching the page's filters."""
+    status = filters["status"]
+    wanted = status_filter(status) if status else None  # raises ValueError for a bad one, as the live view does
+    text = status.lower()
+    by = ({"status_class": int(text[0])} if text.endswith("xx") else {"statuses": [int(text)]} if text.isdigit()
+          else {"outcome": text}) if wanted is not None else {}
+    return await in_db(runtime, lambda s: request_log.search(s, tenant=filters["tenant"] or None,
+                                                            model=filters["model"] or None, limit=limit, **by))
+
+
 @get("/requests", name="admin:requests", include_in_schema=False)
 async def requests_page(request: HTMXRequest, tenant: FromQuery[str | None] = None,
                         model: FromQuery[str | None] = None, status: FromQuery[str | None] = None,
-                        limit: FromQuery[str | None] = None) -> Template:
+                        limit: FromQuery[str | None] = None, source: FromQuery[str | None] = None) -> Template:
     """The recent requests, filtered (or just the table, for htmx polling); a bad filter is a 400 page."""
     runtime: GatewayRuntime = request.app.state.runtime
     filters = {"tenant": (tenant or "").strip(), "model": (model or "").strip(), "status": (status or "").strip(),
-               "limit": (limit or "").strip()}
+               "limit": (limit or "").strip(), "source": (source or "").strip()}
     error: str | None = None
-    records: list[RequestRecord] = []
+    rows: list[dict[str, Any]] = []
     try:
-        records = runtime.activity.recent(tenant=filters["tenant"] or None, model=filters["model"] or None,
-                                          status=filters["status"] or None, limit=_limit(filters["limit"]))
+        if filters["source"] not in ("", "live", "log"):
+            raise ValueError(f"source must be live or log; got {filters['source']!r}")
+        count = _limit(filters["limit"])
+        if filters["source"] == "log":
+            rows = await _from_log(runtime, filters, count)
+        else:
+            rows = [r.as_dict() for r in runtime.activity.recent(
+                tenant=filters["tenant"] or None, model=filters["model"] or None, status=filters["status"] or None,
+                limit=count)]
     except ValueError as exc:
         error = str(exc)
     query = urlencode({k: v for k, v in filters.items() if v})
     context = {"filters": filters, "filtered": any(filters[k] for k in ("tenant", "model", "status")),
-               "records": [_row(r) for r in records], "error": error, "query": query, "keep": RECENT,
+               "from_log": filters["source"] == "log", "logging": runtime.settings.request_log,
+               "records": [_row(r) for r in rows], "error": error, "query": query, "keep": RECENT,
                "default_limit": DEFAULT_LIMIT, "status_options": STATUS_OPTIONS,
                "known_status": any(value == filters["status"] for value, _ in STATUS_OPTIONS)}
     if error is None and request.htmx:
@@ -134,14 +157,14 @@ async def requests_page(request: HTMXRequest, tenant: FromQuery[str | None] = No
 
 @get("/requests/{request_id:str}", name="admin:request", include_in_schema=False)
 async def request_page(request: HTMXRequest, request_id: FromPath[str]) -> Template:
-    """One recent request whole: every field, what it moved on from and its decision trace (404 when this
-    process no longer holds it)."""
+    """One request whole: every field, what it moved on from and its decision trace, from this process's
+    memory or else from the request log (404 when neither holds it)."""
     runtime: GatewayRuntime = request.app.state.runtime
     record = runtime.activity.get(request_id)
-    if record is None:
+    row = record.as_dict() if record is not None else await in_db(runtime, lambda s: request_log.find(s, request_id))
+    if row is None:
         return Template(template_name="admin/requests_detail.html.j2", status_code=404,
                         context={"record": None, "request_id": request_id, "keep": RECENT})
-    row = record.as_dict()
     return Template(template_name="admin/requests_detail.html.j2",
                     context={"record": row, "fields": _fields(row), "models": _models(row),
                              "request_id": request_id, "keep": RECENT})

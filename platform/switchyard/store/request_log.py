@@ -1,0 +1,188 @@
+"""The request log: finished requests in the database, sampled, kept ``retention_days``.
+
+The gateway hands each finished request to :meth:`RequestLogWriter.offer` on the hot path (its
+record appended to a bounded buffer; nothing touches the database there, and the record is read
+only when written, so a stream's usage, counted just after it ends, is in); a background task writes the
+buffer in one transaction every ``flush_interval_s`` and deletes rows older than the retention
+every ``PRUNE_EVERY_S``. Successful requests are kept at ``sample_rate`` (chosen at random); every
+request that did not succeed is kept, since those are what an operator looks for. A buffer that
+fills while the database is away drops its oldest entries (counted in ``dropped``) rather than grow.
+
+Entries hold ids, names, statuses, timings, token counts and the decision trace — never a key, a
+prompt or an answer. Every replica writes to the one table, so the console shows them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import socket
+import threading
+from collections import deque
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any, Protocol
+
+import anyio.to_thread
+from sqlalchemy import Engine, Table, delete, insert, or_
+from sqlmodel import Session, col, select
+
+from switchyard.store.models import RequestLogEntry
+
+log = logging.getLogger("switchyard.request_log")
+
+_TABLE: Table = RequestLogEntry.__table__  # type: ignore[attr-defined]
+#: How often rows past the retention are deleted.
+PRUNE_EVERY_S = 600.0
+#: Entries buffered at most between flushes.
+BUFFER = 20_000
+#: The columns copied from a request record's ``as_dict()`` as they are.
+COLUMNS = ("request_id", "kind", "tenant", "tenant_id", "key_id", "tier", "model", "resolved_model", "served_model",
+           "pool", "region", "endpoint", "status", "outcome", "error_code", "stream", "priority", "queue_ms",
+           "attempts", "ttft_ms", "duration_ms", "prompt_tokens", "completion_tokens", "cached_tokens", "cache",
+           "cache_rule")
+
+
+class Loggable(Protocol):
+    """A finished request's record (``switchyard.gateway.activity.RequestRecord``)."""
+
+    outcome: str | None
+
+    def as_dict(self) -> dict[str, Any]: ...
+
+
+def replica_name() -> str:
+    """This process, as the log names it: ``host:pid``."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class RequestLogWriter:
+    """Buffers finished requests and writes them in batches (see the module doc)."""
+
+    def __init__(self, engine: Engine, *, sample_rate: float = 1.0, retention_days: float = 7.0,
+                 seed: int | None = None) -> None:
+        self._engine = engine
+        self.sample_rate = sample_rate
+        self.retention = timedelta(days=retention_days)
+        self.replica = replica_name()
+        self.dropped = 0
+        self._buffer: deque[Loggable] = deque()
+        self._lock = threading.Lock()
+        self._rng = random.Random(seed)
+        self._pruned_at = 0.0
+
+    def offer(self, record: Loggable) -> bool:
+        """Keep a finished request's ``record`` for the next flush if sampled; whether it was."""
+        if record.outcome == "ok" and self.sample_rate < 1.0 and self._rng.random() >= self.sample_rate:
+            return False
+        with self._lock:
+            if len(self._buffer) >= BUFFER:
+                self._buffer.popleft()
+                self.dropped += 1
+            self._buffer.append(record)
+        return True
+
+    def _row(self, record: Loggable) -> dict[str, Any]:
+        data = record.as_dict()
+        row = {name: data[name] for name in COLUMNS}
+        row["at"] = datetime.fromisoformat(data["time"])
+        row["replica"] = self.replica
+        row["detail"] = json.dumps({"moved_on": data["moved_on"], "trace": data["trace"]})
+        return row
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._buffer)
+
+    def flush(self) -> int:
+        """Write what is buffered in one transaction; blocking. Returns the rows written.
+
+        Raises:
+            Whatever the database raised; the rows are then kept for the next flush (the oldest
+            dropped if the buffer overflows meanwhile).
+        """
+        with self._lock:
+            taken = list(self._buffer)
+            self._buffer.clear()
+        if not taken:
+            return 0
+        try:
+            rows = [self._row(record) for record in taken]
+            with self._engine.begin() as conn:
+                conn.execute(insert(_TABLE), rows)
+        except BaseException:
+            with self._lock:
+                room = BUFFER - len(self._buffer)
+                kept = taken[-room:] if room > 0 else []
+                self.dropped += len(taken) - len(kept)
+                self._buffer.extendleft(reversed(kept))
+            raise
+        return len(taken)
+
+    def prune(self, now: datetime | None = None) -> int:
+        """Delete the rows older than the retention; blocking. Returns how many."""
+        cutoff = (now or datetime.now(UTC)) - self.retention
+        with self._engine.begin() as conn:
+            return int(conn.execute(delete(_TABLE).where(_TABLE.c.at < cutoff)).rowcount or 0)
+
+    async def run(self, interval_s: float) -> None:
+        """Flush every ``interval_s`` and prune every :data:`PRUNE_EVERY_S` until cancelled; errors are logged."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await anyio.to_thread.run_sync(self.flush)
+                if loop.time() - self._pruned_at >= PRUNE_EVERY_S:
+                    self._pruned_at = loop.time()
+                    await anyio.to_thread.run_sync(self.prune)
+            except Exception as exc:  # the database may be away for a while: keep the rows, try again
+                log.warning("request log: writing failed (%s); %d entries wait", exc, self.pending)
+
+    async def aclose(self) -> None:
+        """Write what is left (a clean shutdown loses nothing the database takes)."""
+        try:
+            await anyio.to_thread.run_sync(self.flush)
+        except Exception as exc:
+            log.warning("request log: the last %d entries could not be written: %s", self.pending, exc)
+
+
+def _as_dict(entry: RequestLogEntry) -> dict[str, Any]:
+    """An entry in the shape of a request record's ``as_dict()`` (plus ``replica``)."""
+    detail = json.loads(entry.detail)
+    row = {name: getattr(entry, name) for name in COLUMNS}
+    return row | {"time": entry.at.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+                  "replica": entry.replica, "moved_on": detail.get("moved_on", []), "trace": detail.get("trace", [])}
+
+
+def search(session: Session, *, tenant: str | None = None, model: str | None = None,
+           statuses: Sequence[int] | None = None, outcome: str | None = None, status_class: int | None = None,
+           limit: int = 100) -> list[dict[str, Any]]:
+    """The newest entries first, filtered: ``tenant`` (name or id), ``model`` (asked, resolved or served),
+    an exact status among ``statuses``, an ``outcome``, or a ``status_class`` (2 for 2xx ...)."""
+    query = select(RequestLogEntry)
+    if tenant:
+        query = query.where(or_(col(RequestLogEntry.tenant) == tenant,
+                                col(RequestLogEntry.tenant_id) == (int(tenant) if tenant.isdigit() else -1)))
+    if model:
+        query = query.where(or_(col(RequestLogEntry.model) == model, col(RequestLogEntry.resolved_model) == model,
+                                col(RequestLogEntry.served_model) == model))
+    if statuses:
+        query = query.where(col(RequestLogEntry.status).in_(list(statuses)))
+    if outcome:
+        query = query.where(col(RequestLogEntry.outcome) == outcome)
+    if status_class is not None:
+        query = query.where(col(RequestLogEntry.status) >= status_class * 100,
+                            col(RequestLogEntry.status) < status_class * 100 + 100)
+    query = query.order_by(col(RequestLogEntry.at).desc(), col(RequestLogEntry.id).desc()).limit(limit)
+    return [_as_dict(e) for e in session.exec(query)]
+
+
+def find(session: Session, request_id: str) -> dict[str, Any] | None:
+    """The newest entry of ``request_id`` (clients may reuse their ids)."""
+    entry = session.exec(select(RequestLogEntry).where(col(RequestLogEntry.request_id) == request_id)
+                         .order_by(col(RequestLogEntry.id).desc()).limit(1)).first()
+    return None if entry is None else _as_dict(entry)

@@ -1,0 +1,149 @@
+"""The request log: the writer and queries on SQLite and PostgreSQL, and two real gateways on one
+database whose console shows each other's requests."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.exc import OperationalError, ProgrammingError
+from sqlmodel import Session
+
+from switchyard.gateway.activity import Activity, RequestRecord
+from switchyard.store import db, request_log
+from switchyard.store.request_log import RequestLogWriter
+from tests.integration.conftest import Engines, Gateway, client, eventually, start_gateway, stop
+
+
+def finished(activity: Activity, rid: str, status: int, *, tenant: str = "acme", model: str = "small",
+             at: float | None = None) -> RequestRecord:
+    record = activity.begin(rid, "chat", now=at)
+    record.tenant, record.tenant_id = tenant, 7 if tenant == "acme" else 8
+    record.model = record.served_model = model
+    record.pool, record.trace = "small-us", ["model: small (asked)", "route: pool=small-us"]
+    record.moved_on = ["http://127.0.0.1:1 connect_error"] if status >= 500 else []
+    activity.finish(record, status)
+    return record
+
+
+@pytest.fixture
+def engine(database_url: str) -> Iterator[Any]:
+    eng = db.create_db_engine(database_url)
+    db.upgrade(eng)
+    yield eng
+    eng.dispose()
+
+
+def test_entries_are_written_in_batches_and_found_by_the_console_filters(engine: Any) -> None:
+    writer = RequestLogWriter(engine)
+    activity = Activity()
+    activity.sink = writer.offer
+    finished(activity, "r-ok", 200)
+    finished(activity, "r-limited", 429, tenant="other")
+    bad = finished(activity, "r-bad", 502, model="large")
+    bad.prompt_tokens = 12  # set after it finished (a stream's usage is counted just after): still written
+    assert writer.pending == 3
+    assert writer.flush() == 3 and writer.pending == 0 and writer.flush() == 0
+    with Session(engine) as s:
+        assert [r["request_id"] for r in request_log.search(s)] == ["r-bad", "r-limited", "r-ok"]
+        assert [r["request_id"] for r in request_log.search(s, tenant="other")] == ["r-limited"]
+        assert [r["request_id"] for r in request_log.search(s, tenant="7")] == ["r-bad", "r-ok"]
+        assert [r["request_id"] for r in request_log.search(s, model="large")] == ["r-bad"]
+        assert [r["request_id"] for r in request_log.search(s, status_class=5)] == ["r-bad"]
+        assert [r["request_id"] for r in request_log.search(s, statuses=[429])] == ["r-limited"]
+        assert [r["request_id"] for r in request_log.search(s, outcome="ok")] == ["r-ok"]
+        assert len(request_log.search(s, limit=2)) == 2
+        row = request_log.find(s, "r-bad")
+        assert row is not None and request_log.find(s, "nope") is None
+    assert row["status"] == 502 and row["outcome"] == "error" and row["prompt_tokens"] == 12
+    assert row["trace"] == ["model: small (asked)", "route: pool=small-us"]
+    assert row["moved_on"] == ["http://127.0.0.1:1 connect_error"]
+    assert re.fullmatch(r".+:\d+", row["replica"]) and row["time"].endswith("Z")
+
+
+def test_sampling_keeps_every_failure_and_retention_deletes_old_rows(engine: Any) -> None:
+    writer = RequestLogWriter(engine, sample_rate=0.0, retention_days=1)
+    activity = Activity()
+    activity.sink = writer.offer
+    old = time.time() - 3 * 86400
+    for i in range(5):
+        finished(activity, f"ok-{i}", 200)
+    finished(activity, "shed", 503)
+    finished(activity, "old-fail", 500, at=old)
+    assert writer.flush() == 2  # no success at rate 0; both failures
+    assert writer.prune(datetime.now(UTC)) == 1
+    with Session(engine) as s:
+        assert [r["request_id"] for r in request_log.search(s)] == ["shed"]
+    half = RequestLogWriter(engine, sample_rate=0.5, seed=1)
+    kept = sum(half.offer(finished(Activity(), f"h{i}", 200)) for i in range(400))
+    assert 150 < kept < 250
+
+
+def test_a_failed_write_keeps_the_entries_for_the_next_one(engine: Any) -> None:
+    writer = RequestLogWriter(engine)
+    activity = Activity()
+    activity.sink = writer.offer
+    finished(activity, "kept", 200)
+    with engine.begin() as conn:
+        conn.execute(text("ALTER TABLE request_log RENAME TO request_log_away"))
+    with pytest.raises(OperationalError if engine.dialect.name == "sqlite" else ProgrammingError):
+        writer.flush()
+    assert writer.pending == 1
+    with engine.begin() as conn:
+        conn.execute(text("ALTER TABLE request_log_away RENAME TO request_log"))
+    assert writer.flush() == 1
+    with Session(engine) as s:
+        assert request_log.find(s, "kept") is not None
+
+
+@pytest.fixture(scope="module")
+def replicas(engines: Engines, tmp_path_factory: pytest.TempPathFactory,
+             pg_database: Callable[[], str]) -> Iterator[tuple[Gateway, Gateway]]:
+    url = pg_database()
+    started: list[Gateway] = []
+    try:
+        for name in ("a", "b"):
+            data_dir = tmp_path_factory.mktemp(f"gw-log-{name}")
+            started.append(start_gateway(engines, url, data_dir, "postgresql",
+                                         extra_env={"SWITCHYARD_REQUEST_LOG_FLUSH_INTERVAL_S": "0.2",
+                                                    "SWITCHYARD_CONSOLE_SECRET": "one-secret-for-both"}))
+        started[0].keys = {"pro": started[0].new_key("log-co", "pro")}
+        started[1].keys = started[0].keys
+        yield started[0], started[1]
+    finally:
+        for gw in started:
+            assert stop(gw.proc)
+
+
+def test_the_console_shows_another_replicas_requests_from_the_log(replicas: tuple[Gateway, Gateway]) -> None:
+    a, b = replicas
+    raw = client(b, "pro").chat.completions.with_raw_response.create(
+        model="small", messages=[{"role": "user", "content": "log me, secret-walrus-9"}], max_tokens=3)
+    rid = raw.headers["x-request-id"]
+    console = a.console("viewer")
+    live = console.get("/admin/requests")
+    assert live.status_code == 200 and rid not in live.text  # a's memory knows nothing of b's request
+
+    def listed() -> str | None:
+        page = console.get("/admin/requests", params={"source": "log", "tenant": "log-co"})
+        return page.text if page.status_code == 200 and rid in page.text else None
+
+    page = eventually(listed)
+    assert page, "b's request never showed in a's console from the request log"
+    assert "request log" in page
+    detail = console.get(f"/admin/requests/{rid}")  # not in a's memory: from the log, with its trace
+    assert detail.status_code == 200 and "small" in detail.text and "route:" in detail.text
+    assert "secret-walrus-9" not in page + detail.text
+    assert console.get("/admin/requests", params={"source": "nowhere"}).status_code == 400
+    assert console.get("/admin/requests", params={"source": "log", "status": "bogus"}).status_code == 400
+    # The stored row names the replica that served it.
+    with Session(db.create_db_engine(a.env["SWITCHYARD_DATABASE_URL"])) as s:
+        row = request_log.find(s, rid)
+    assert row is not None and row["served_model"] == "small" and row["completion_tokens"] == 3
+    old = datetime.now(UTC) - timedelta(minutes=5)
+    assert datetime.fromisoformat(row["time"]) > old
