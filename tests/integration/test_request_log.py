@@ -31,14 +31,6 @@ def finished(activity: Activity, rid: str, status: int, *, tenant: str = "acme",
     return record
 
 
-@pytest.fixture
-def engine(database_url: str) -> Iterator[Any]:
-    eng = db.create_db_engine(database_url)
-    db.upgrade(eng)
-    yield eng
-    eng.dispose()
-
-
 def test_entries_are_written_in_batches_and_found_by_the_console_filters(engine: Any) -> None:
     writer = RequestLogWriter(engine)
     activity = Activity()
