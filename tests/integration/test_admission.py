@@ -21,7 +21,7 @@ from switchyard.decide.features import chat_features
 from switchyard.decide.tokens import TokenCounter
 from switchyard.policy import compile_policy
 from switchyard.store import db
-from tests.integration.conftest import Engines, Gateway, http_json, start_gateway, stop
+from tests.integration.conftest import Engines, Gateway, gateway_counter, http_json, start_gateway, stop
 from tests.unit.decide.test_tokens import make_tokenizer
 
 REDIS = "redis://127.0.0.1:6379/0"
@@ -93,8 +93,9 @@ def test_limits_answer_429_with_openai_headers_and_settle_to_actual_usage(limite
     assert int(headers["retry-after"]) >= 1
     assert int(headers["x-ratelimit-remaining-tokens"]) < reserved(policy, 600)
     assert "Rate limit reached for tokens_per_minute (tier free): limit 2000" in body["error"]["message"]
-    metrics = http_json("GET", f"{gw.base_url}/metrics")[2]
-    assert 'switchyard_requests_total{model="small",pool="-",status="429"}' in metrics
+    assert gateway_counter(gw, "switchyard_requests_total", model="small", pool="-", status="429", tier="free",
+                           region="-", outcome="limited", **{"class": "sheddable"}) >= 1
+    assert gateway_counter(gw, "switchyard_limited_total", limit="tokens_per_minute", tier="free") >= 1
 
 
 def _ledger(gw: Gateway, tenant: str) -> list[Any]:

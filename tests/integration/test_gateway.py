@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import re
 import time
 from typing import Any
 
@@ -17,7 +16,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from tests.integration.conftest import Engines, Gateway, http_json
+from tests.integration.conftest import Engines, Gateway, gateway_counter, http_json
 
 
 def client(gateway: Gateway, tier: str = "pro", **kwargs: Any) -> OpenAI:
@@ -263,8 +262,12 @@ def test_health_ready_and_metrics(gateway: Gateway) -> None:
     client(gateway).chat.completions.create(model="small", messages=[{"role": "user", "content": "x"}], max_tokens=2)
     status, headers, text = http_json("GET", f"{gateway.base_url}/metrics")
     assert status == 200 and headers["content-type"].startswith("text/plain")
-    assert re.search(r'switchyard_requests_total\{model="small",pool="small-(us|eu)",status="200"\} [1-9]', text)
-    assert 'switchyard_requests_total{model="-",pool="-",status="404"}' in text
+    assert gateway_counter(gateway, "switchyard_requests_total", model="small", status="200", tier="pro",
+                           outcome="ok", **{"class": "standard"}) >= 1
+    assert gateway_counter(gateway, "switchyard_requests_total", model="small", pool="small-us", region="us-east") \
+        + gateway_counter(gateway, "switchyard_requests_total", model="small", pool="small-eu", region="eu-west") >= 1
+    assert gateway_counter(gateway, "switchyard_requests_total", model="-", pool="-", status="404",
+                           outcome="refused") >= 1
     assert 'switchyard_policy_info{sha256=' in text
     assert "switchyard_time_to_first_byte_seconds_bucket" in text
 

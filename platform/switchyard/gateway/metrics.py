@@ -19,8 +19,13 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
-            "switchyard_requests", "Requests answered, by resolved model, pool and HTTP status.",
-            ["model", "pool", "status"], registry=self.registry)
+            "switchyard_requests", "Requests answered, by resolved model, pool, HTTP status, tier, priority "
+            "class, region served in and outcome (ok, refused, limited, shed, error, client_closed).",
+            ["model", "pool", "status", "tier", "class", "region", "outcome"], registry=self.registry)
+        self.limited = Counter(
+            "switchyard_limited", "Requests refused with 429 by a token budget or rate limit, by limit "
+            "(tokens_per_minute, requests_per_minute, tokens_per_day, spend_per_month) and the request's tier.",
+            ["limit", "tier"], registry=self.registry)
         self.duration = Histogram(
             "switchyard_request_duration_seconds",
             "Time from the request's arrival to its last byte, by model and pool.",

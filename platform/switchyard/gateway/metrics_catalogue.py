@@ -19,12 +19,16 @@ from switchyard.gateway.metrics import GatewayMetrics
 #: What each label's values are. Every value set must be bounded by the code or the policy (no
 #: tenant id, key, user or request id), so that a scrape's size does not grow with traffic.
 LABEL_VALUES: dict[str, str] = {
-    "class": "A priority class name of the policy's `priorities`.",
+    "class": "A priority class name of the policy's `priorities` (`-` on `switchyard_requests_total` when the "
+             "request was refused before its class was known).",
     "classifier": "An embedding classifier name of the policy's `classifiers`.",
     "dependency": "`redis` (the limit store) or `database` (key lookups).",
     "endpoint": "An endpoint URL of the policy's pools.",
     "kind": "`prompt`, `completion` or `cached` (prompt tokens found in the engine's prefix cache).",
     "lane": "`interactive` or `batch` (the class's lane).",
+    "limit": "`tokens_per_minute`, `requests_per_minute`, `tokens_per_day` or `spend_per_month`.",
+    "region": "A region of the policy's `regions` (`-` when no engine served the request).",
+    "tier": "A tier name of the policy's `tiers` (`-` when the request was refused before its key was known).",
     "model": "A model name of the policy's `models` (`-` on `switchyard_requests_total` when the request was "
              "refused before its model was resolved).",
     "name": "The endpoint URL (scope `endpoint`) or the pool name (scope `pool`) of the policy.",
@@ -46,6 +50,9 @@ METRIC_LABEL_VALUES: dict[tuple[str, str], str] = {
         "`ok`, `connect_error`, `timeout`, `broken`, `first_token_timeout`, `body_error`, `body_timeout`, or "
         "the engine's HTTP status code.",
     ("switchyard_classifier_total", "outcome"): "`yes`, `no`, `error` or `timeout`.",
+    ("switchyard_requests_total", "outcome"):
+        "`ok`, `refused` (a 4xx other than 429), `limited` (429), `shed` (flow control's 503), `error` (5xx, or a "
+        "stream the engine broke off) or `client_closed` (499).",
     ("switchyard_shed_total", "reason"): "`utilisation`, `deadline` or `predicted_wait`.",
     ("switchyard_downgrades_total", "reason"): "`shed_threshold` or `saturated`.",
     ("switchyard_fallbacks_total", "reason"):

@@ -47,7 +47,7 @@ from switchyard.gateway.attempts import (
 )
 from switchyard.gateway.body import check_chat, check_completion, decode_json_object
 from switchyard.gateway.cache_hits import cache_lookup, serve_hit
-from switchyard.gateway.errors import ApiError, BadRequest, GatewayTimeout
+from switchyard.gateway.errors import ApiError, BadRequest, GatewayTimeout, RateLimited
 from switchyard.gateway.flow import Preempted, Scheduled, Yielder
 from switchyard.gateway.request import Incoming, Kind, PendingRequest, RequestIds
 from switchyard.gateway.response_cache import CACHE_HEADER
@@ -168,6 +168,8 @@ class Proxy:
             lease = await runtime.admitter.admit(charges, snapshot.document.resilience.dependencies.redis)
         except ApiError as refused:  # 429 (a limit), 503 (the limit store is unreachable and fails closed)
             end(span, {"http.response.status_code": refused.status_code}, refused.code or refused.type)
+            if isinstance(refused, RateLimited):
+                runtime.metrics.limited.labels(refused.limit, identity.tier).inc()
             runtime.finished(record, decision.model.name, "-", refused.status_code)
             raise
         end(span)

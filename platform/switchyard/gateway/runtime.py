@@ -26,7 +26,7 @@ from switchyard.engines.endpoints import EndpointRegistry
 from switchyard.engines.health import HealthProber, Target
 from switchyard.engines.scrape import MetricsScraper
 from switchyard.engines.upstream import UpstreamTimeouts, create_client_session
-from switchyard.gateway.activity import Activity, RequestRecord
+from switchyard.gateway.activity import Activity, RequestRecord, outcome_of
 from switchyard.gateway.admission import Admitter
 from switchyard.gateway.auth import KeyAuthenticator
 from switchyard.gateway.classifiers import ClassifierRunner
@@ -127,7 +127,9 @@ class GatewayRuntime:
     def finished(self, record: RequestRecord, model: str, pool: str, status: int) -> None:
         """A request was answered with ``status``: count it (``switchyard_requests{model, pool, status}``)
         and keep its record."""
-        self.metrics.requests.labels(model, pool, str(status)).inc()
+        outcome = outcome_of(status, shed=record.shed, broken=record.broken)
+        self.metrics.requests.labels(model, pool, str(status), record.tier or "-", record.priority or "-",
+                                     record.region or "-", outcome).inc()
         self.activity.finish(record, status)
 
     def spawn(self, work: Coroutine[Any, Any, None]) -> None:
