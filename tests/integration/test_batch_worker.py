@@ -49,14 +49,14 @@ def _sdk(gw: Gateway, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=gw.base_url + "/v1", api_key=key, max_retries=0, timeout=60)
 
 
-def _wait_done(client: openai.OpenAI, batch_id: str, timeout: float) -> Any:
+def wait_done(client: openai.OpenAI, batch_id: str, timeout: float) -> Any:
     done = eventually(lambda: (b := client.batches.retrieve(batch_id)).status in
                       ("completed", "failed", "expired", "cancelled") and b, timeout=timeout)
     assert done, client.batches.retrieve(batch_id)
     return done
 
 
-def _results(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+def batch_results(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
     if file_id is None:
         return []
     return [json.loads(line) for line in client.files.content(file_id).text.splitlines() if line.strip()]
@@ -81,18 +81,18 @@ def test_the_sdk_batch_flow_end_to_end(batch_gateway: Gateway) -> None:
     uploaded = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                   completion_window="24h", metadata={"job": "e2e"})
-    done = _wait_done(client, batch.id, timeout=60)
+    done = wait_done(client, batch.id, timeout=60)
     assert done.status == "completed", done
     assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (21, 20, 1)
     assert done.metadata == {"job": "e2e"} and done.completed_at and done.finalizing_at
-    out = _results(client, done.output_file_id)
+    out = batch_results(client, done.output_file_id)
     assert [r["custom_id"] for r in out] == [f"req-{i}" for i in range(20)]  # input order, once each
     for result in out:
         assert result["error"] is None and result["response"]["status_code"] == 200
         body = result["response"]["body"]
         assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] == 3
         assert result["response"]["request_id"]
-    (failed,) = _results(client, done.error_file_id)
+    (failed,) = batch_results(client, done.error_file_id)
     assert failed["custom_id"] == "req-20" and failed["response"]["status_code"] == 404
     assert "no-such-model" in json.dumps(failed)
     # Another tenant sees none of it.
@@ -116,9 +116,9 @@ def test_batch_lines_are_charged_at_the_batch_price(batch_gateway: Gateway, tmp_
     client = _sdk(gw, tenant_key)
     uploaded = client.files.create(file=("p.jsonl", io.BytesIO(_jsonl([_chat_line(i) for i in range(5)]))),
                                    purpose="batch")
-    done = _wait_done(client, client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+    done = wait_done(client, client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                                     completion_window="24h").id, timeout=60)
-    usage = [r["response"]["body"]["usage"] for r in _results(client, done.output_file_id)]
+    usage = [r["response"]["body"]["usage"] for r in batch_results(client, done.output_file_id)]
     prompt, completion = sum(u["prompt_tokens"] for u in usage), sum(u["completion_tokens"] for u in usage)
     expected = (prompt * 0.05 + completion * 0.1) / 1e6
     assert eventually(lambda: abs(_spend(gw, "price-co") - expected) < 1e-12, timeout=10), (_spend(gw, "price-co"),
@@ -134,11 +134,11 @@ def test_cancel_stops_dispatching_and_finalises_what_ran(batch_gateway: Gateway)
     assert eventually(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 10, timeout=60)
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
-    done = _wait_done(client, batch.id, timeout=60)
+    done = wait_done(client, batch.id, timeout=60)
     assert done.status == "cancelled" and done.cancelled_at, done
     ran = done.request_counts.completed
     assert 10 <= ran < 400 and done.request_counts.failed == 0, done.request_counts
-    out, errors = _results(client, done.output_file_id), _results(client, done.error_file_id)
+    out, errors = batch_results(client, done.output_file_id), batch_results(client, done.error_file_id)
     assert len(out) == ran and all(r["response"]["status_code"] == 200 for r in out)
     assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
     assert sorted(r["custom_id"] for r in out + errors) == sorted(f"req-{i}" for i in range(400))  # each once
@@ -179,15 +179,15 @@ def test_workers_killed_mid_batch_lose_and_duplicate_nothing(engines: Engines, t
             os.killpg(victim.pid, signal.SIGKILL)
             victim.wait(timeout=10)
             kills += 1
-        done = _wait_done(client, batch.id, timeout=240)
+        done = wait_done(client, batch.id, timeout=240)
         assert kills == 3 and done.status == "completed", done
         assert (done.request_counts.completed, done.request_counts.failed) == (LINES, 0), done.request_counts
-        out = _results(client, done.output_file_id)
+        out = batch_results(client, done.output_file_id)
         ids = [r["custom_id"] for r in out]
         assert len(ids) == LINES and len(set(ids)) == LINES, "every line exactly once"
         assert ids == [f"req-{i}" for i in range(LINES)]
         assert all(r["response"]["status_code"] == 200 for r in out)
-        assert _results(client, done.error_file_id) == []
+        assert batch_results(client, done.error_file_id) == []
     finally:
         for w in workers:
             if w.poll() is None:
