@@ -342,10 +342,11 @@ class Proxy:
             nonlocal released
             if not released:
                 released = True
-                end(span, {"switchyard.outcome": outcome}, None if outcome == "ok" else outcome)
+                preempted = yielder is not None and yielder.preempted  # (flow control may call this first)
+                ended = "preempted" if preempted else outcome
+                end(span, {"switchyard.outcome": ended}, None if ended == "ok" else ended)
                 endpoints.release(url, req.cost, yielder is not None)
                 flow.finished_yielding(yielder)
-                preempted = yielder is not None and yielder.preempted
                 flow.released(pool, None if preempted else time.perf_counter() - sent_at)
                 metrics.in_flight.labels(pool).dec()
 
