@@ -8,6 +8,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from switchyard.store import db
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -44,7 +46,7 @@ def test_wheel_carries_everything_and_runs_from_site_packages(tmp_path: Path) ->
     assert out.stdout.strip() == "ok", out.stderr
     cli = [sys.executable, "-m", "switchyard"]
     upgrade = subprocess.run([*cli, "db", "upgrade"], env=env, cwd=work, capture_output=True, text=True, timeout=60)
-    assert upgrade.returncode == 0 and "revision 0006" in upgrade.stdout, upgrade.stderr
+    assert upgrade.returncode == 0 and f"revision {db.head_revision()}" in upgrade.stdout, upgrade.stderr
     validate = subprocess.run([*cli, "policy", "validate", str(target / "switchyard" / "policies.yaml")], env=env,
                               cwd=work, capture_output=True, text=True, timeout=60)
     assert validate.returncode == 0, validate.stdout + validate.stderr

@@ -59,8 +59,12 @@ def test_configure_routes_every_logger_uvicorns_included(capsys: pytest.CaptureF
     root = logging.getLogger()
     saved = (list(root.handlers), root.level)
     uvicorn = logging.getLogger("uvicorn.error")
+    uvicorn_saved = (list(uvicorn.handlers), uvicorn.level, uvicorn.propagate, uvicorn.disabled)
+    # As uvicorn's own configuration leaves it (a handler of its own, not propagating); other tests
+    # may have left a level on it or disabled it.
     uvicorn.addHandler(logging.NullHandler())
-    uvicorn.propagate = False
+    uvicorn.propagate, uvicorn.disabled = False, False
+    uvicorn.setLevel(logging.INFO)
     try:
         configure("info", "json")
         logging.getLogger("switchyard.anything").info("first %d", 1)
@@ -78,3 +82,6 @@ def test_configure_routes_every_logger_uvicorns_included(capsys: pytest.CaptureF
         for handler in saved[0]:
             root.addHandler(handler)
         root.setLevel(saved[1])
+        uvicorn.handlers[:] = uvicorn_saved[0]
+        uvicorn.setLevel(uvicorn_saved[1])
+        uvicorn.propagate, uvicorn.disabled = uvicorn_saved[2], uvicorn_saved[3]
