@@ -101,7 +101,6 @@ class Yielder:
         preempted: Set when flow control preempted it (its cancellation is flow control's).
     """
 
-    pool: str
     url: str
     release: Callable[[], None]
     task: asyncio.Task[Any]
@@ -319,12 +318,12 @@ class FlowController:
 
     # --- batch gives way ------------------------------------------------------------------------
 
-    def yielding(self, pool: str, url: str, release: Callable[[], None]) -> Yielder | None:
+    def yielding(self, url: str, release: Callable[[], None]) -> Yielder | None:
         """Register the current task's request at ``url`` as a yielder (None: flow control is off)."""
         task = asyncio.current_task()
         if not self.enabled or task is None:
             return None
-        yielder = Yielder(pool, url, release, task, time.monotonic())
+        yielder = Yielder(url, release, task, time.monotonic())
         self._yielders.setdefault(url, []).append(yielder)
         return yielder
 

@@ -324,7 +324,7 @@ class Proxy:
         flow = runtime.flow
         if req.cls.cls.lane == "interactive":
             flow.make_room(choice.pool, url, req.cls.cls.dispatch_ceiling, time.monotonic())
-        yielder = flow.yielding(pool, url, lambda: release()) if req.yields else None
+        yielder = flow.yielding(url, lambda: release()) if req.yields else None
         span = req.trace.child("upstream", {"switchyard.endpoint": url, "switchyard.pool": pool,
                                             "switchyard.model": model, "switchyard.attempt": len(attempts.tried)})
         outcome = "ok"
@@ -410,7 +410,7 @@ class Proxy:
             return None
         except BaseException:  # the client left (cancelled) or a client error was raised: nothing leaks
             preempted = _preempted(yielder)
-            outcome = "preempted" if preempted else "cancelled"
+            outcome = "cancelled"  # (release() says "preempted" itself when it was)
             release()
             trial.neutral()
             if preempted:
@@ -460,7 +460,7 @@ class Proxy:
             return None
         except BaseException:
             preempted = _preempted(yielder)
-            outcome = "preempted" if preempted else "cancelled"
+            outcome = "cancelled"
             release()
             trial.neutral()
             if preempted:

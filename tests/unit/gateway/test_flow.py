@@ -361,7 +361,7 @@ class Running:
         self.outcome: str | None = None
 
     async def run(self) -> None:
-        self.yielder = self.flow.yielding(self.pool, self.url, self.release)
+        self.yielder = self.flow.yielding(self.url, self.release)
         self.flow.endpoints.acquire(self.url, 100, yielding=True)
         try:
             await asyncio.sleep(10)
@@ -415,7 +415,7 @@ async def test_batch_requests_see_the_whole_load_and_flow_control_off_preempts_n
     running.task.cancel()
     await asyncio.gather(bulk, running.task, return_exceptions=True)
     off = FlowController(EndpointRegistry(), GatewayMetrics(), enabled=False)
-    assert off.yielding("big", BIG, lambda: None) is None
+    assert off.yielding(BIG, lambda: None) is None
     assert off.make_room(snapshot.pools["big"], BIG, 0.0, 0.0) == 0
 
 
