@@ -670,20 +670,22 @@ def _finish_cancel(session: Session, batch_id: str, at: datetime) -> bool:
     moved = session.execute(update(_BATCHES).where(
         _BATCHES.c.id == batch_id, _BATCHES.c.status == "cancelling",
         ~_unfinished(batch_id, ("running",), live_at=at)).values(status="cancelled", cancelled_at=at))
-    if _changed(moved) != 1:
-        return False
-    _close_unfinished(session, batch_id, CANCELLED_ERROR, at)
-    _write_files(session, batch_id, at)
-    return True
+    return _ended(session, moved, batch_id, CANCELLED_ERROR, at)
 
 
 def _expire(session: Session, batch_id: str, at: datetime) -> bool:
     moved = session.execute(update(_BATCHES).where(
         _BATCHES.c.id == batch_id, _BATCHES.c.status == "in_progress", _BATCHES.c.expires_at <= at)
         .values(status="expired", expired_at=at))
+    return _ended(session, moved, batch_id, EXPIRED_ERROR, at)
+
+
+def _ended(session: Session, moved: Any, batch_id: str, error: dict[str, Any], at: datetime) -> bool:
+    """After a status update that ends a batch: if it took (``moved`` changed its row), close its
+    unfinished lines with ``error`` and write its files."""
     if _changed(moved) != 1:
         return False
-    _close_unfinished(session, batch_id, EXPIRED_ERROR, at)
+    _close_unfinished(session, batch_id, error, at)
     _write_files(session, batch_id, at)
     return True
 
