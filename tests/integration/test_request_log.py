@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import openai
 import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError, ProgrammingError
@@ -117,6 +118,10 @@ def test_the_console_shows_another_replicas_requests_from_the_log(replicas: tupl
     raw = client(b, "pro").chat.completions.with_raw_response.create(
         model="small", messages=[{"role": "user", "content": "log me, secret-walrus-9"}], max_tokens=3)
     rid = raw.headers["x-request-id"]
+    with pytest.raises(openai.NotFoundError) as refused:  # what a replay of the log needs, even of a refusal
+        client(b, "pro").chat.completions.create(model="no-such-model", max_tokens=7,
+                                                 messages=[{"role": "user", "content": "who am I?"}])
+    refused_id = refused.value.response.headers["x-request-id"]
     console = a.console("viewer")
     live = console.get("/admin/requests")
     assert live.status_code == 200 and rid not in live.text  # a's memory knows nothing of b's request
@@ -137,5 +142,10 @@ def test_the_console_shows_another_replicas_requests_from_the_log(replicas: tupl
     with Session(db.create_db_engine(a.env["SWITCHYARD_DATABASE_URL"])) as s:
         row = request_log.find(s, rid)
     assert row is not None and row["served_model"] == "small" and row["completion_tokens"] == 3
+    assert row["max_tokens"] == 3 and row["prompt_tokens"] > 0
+    with Session(db.create_db_engine(a.env["SWITCHYARD_DATABASE_URL"])) as s:
+        gone = eventually(lambda: request_log.find(s, refused_id))
+    assert gone is not None and (gone["status"], gone["tier"], gone["max_tokens"]) == (404, "pro", 7)
+    assert gone["prompt_tokens"] > 0 and gone["completion_tokens"] is None
     old = datetime.now(UTC) - timedelta(minutes=5)
     assert datetime.fromisoformat(row["time"]) > old

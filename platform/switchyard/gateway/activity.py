@@ -84,7 +84,9 @@ class RequestRecord:
         moved_on: Every endpoint or stage it moved on from, and why (``"<url or stage> <why>"``).
         ttft_ms: Time from arrival to the first byte of the answer.
         duration_ms: Time from arrival to the end (of the stream, for a stream).
-        prompt_tokens, completion_tokens, cached_tokens: Usage, when known.
+        prompt_tokens, completion_tokens, cached_tokens: Usage, when known (a request refused before it
+            ran keeps the prompt tokens counted at admission, and no completion).
+        max_tokens: The output budget the client asked for (None when it set none).
         cache: ``hit``, ``miss``, ``error`` (counted as a miss), ``bypass``, ``off`` or ``none`` (no rule).
         cache_rule: The cache rule that applied.
         trace: The decision trace: model decision, placement, class, cache plan, failed tries and the
@@ -118,6 +120,7 @@ class RequestRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+    max_tokens: int | None = None
     cache: str = "none"
     cache_rule: str | None = None
     trace: list[str] = field(default_factory=list)
@@ -164,7 +167,7 @@ class RequestRecord:
             "attempts": self.attempts, "moved_on": list(self.moved_on),
             "ttft_ms": _ms(self.ttft_s), "duration_ms": _ms(self.duration_s),
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-            "cached_tokens": self.cached_tokens, "cache": self.cache, "cache_rule": self.cache_rule,
+            "cached_tokens": self.cached_tokens, "max_tokens": self.max_tokens, "cache": self.cache, "cache_rule": self.cache_rule,
             "trace": list(self.trace),
         }
 

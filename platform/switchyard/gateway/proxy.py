@@ -135,6 +135,7 @@ class Proxy:
         else:
             check_completion(body)
             features = completion_features(body, request_headers)
+        record.prompt_tokens, record.max_tokens = features.prompt_tokens, features.max_tokens
         holder = runtime.policy
         snapshot, counters = holder.snapshot, holder.counters  # read once; this request keeps them to the end
         try:
@@ -159,6 +160,7 @@ class Proxy:
         counter = counters.get(decision.model.name)
         prompt_tokens = (count_prompt(counter, kind, body) if counter is not None and counter.exact
                          else features.prompt_tokens)
+        record.prompt_tokens = prompt_tokens
         est = estimate(decision.model, prompt_tokens, features.max_tokens)
         charges = limit_charges(snapshot, identity.tier, decision.model, est,
                                 tenant=str(identity.tenant_id), key=str(identity.key_id),

@@ -395,6 +395,8 @@ class RequestLogEntry(SQLModel, table=True):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+    #: The output budget the client asked for (what a replay of the log sends for a refused request).
+    max_tokens: int | None = None
     cache: str = Field(default="none", max_length=16)
     cache_rule: str | None = Field(default=None, max_length=256)
     #: JSON: ``{"moved_on": [...], "trace": [...]}``.

@@ -42,8 +42,8 @@ BUFFER = 20_000
 #: The columns copied from a request record's ``as_dict()`` as they are.
 COLUMNS = ("request_id", "kind", "tenant", "tenant_id", "key_id", "tier", "model", "resolved_model", "served_model",
            "pool", "region", "endpoint", "status", "outcome", "error_code", "stream", "priority", "queue_ms",
-           "attempts", "ttft_ms", "duration_ms", "prompt_tokens", "completion_tokens", "cached_tokens", "cache",
-           "cache_rule")
+           "attempts", "ttft_ms", "duration_ms", "prompt_tokens", "completion_tokens", "cached_tokens", "max_tokens",
+           "cache", "cache_rule")
 
 
 class Loggable(Protocol):
