@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from switchyard.policy.schema import Model, PriorityClass
+from switchyard.decide.pick import pools_within
+from switchyard.policy.schema import Model, Pool, PriorityClass
 from switchyard.policy.snapshot import PolicySnapshot
 
 #: The request header that lowers a request's class.
@@ -371,3 +374,109 @@ class PoolQueues:
     def waiting(self) -> int:
         """Tickets waiting in either lane."""
         return len(self.interactive) + len(self.batch)
+
+
+# --- a newcomer's fate ----------------------------------------------------------------------
+
+#: Weight of the newest finished request in a pool's moving average of service time.
+SERVICE_EWMA = 0.2
+#: Finished requests before the service time is trusted for predicting waits.
+SERVICE_MIN_SAMPLES = 5
+
+
+class ServiceTime:
+    """A pool's moving average of how long its requests are served (for predicting queue waits)."""
+
+    __slots__ = ("mean_s", "samples")
+
+    def __init__(self) -> None:
+        self.mean_s = 0.0
+        self.samples = 0
+
+    def finished(self, service_s: float) -> None:
+        """Count a request that was served for ``service_s``."""
+        self.samples += 1
+        weight = max(SERVICE_EWMA, 1.0 / self.samples)  # a plain mean until the average has enough samples
+        self.mean_s += weight * (service_s - self.mean_s)
+
+    def drain_rate(self, in_flight_tokens: int) -> float | None:
+        """Tokens per second the pool finishes while it holds ``in_flight_tokens`` (None: not known yet).
+
+        A saturated pool turns over the tokens it holds once per service time (Little's law).
+        """
+        if self.samples < SERVICE_MIN_SAMPLES or in_flight_tokens <= 0 or self.mean_s <= 0:
+            return None
+        return in_flight_tokens / self.mean_s
+
+
+def predicted_wait_s(pools: Sequence[tuple[PoolQueues, ServiceTime, int]], lane: Lane, tenant: str,
+                     rank: int) -> float | None:
+    """The shortest predicted wait of a newcomer over its pools, each given as (queues, service time,
+    tokens in flight there); None when a pool's service time is not known yet.
+
+    The wait at one pool is ``tokens served before it / drain rate``.
+    """
+    predictions = []
+    for queues, service, in_flight in pools:
+        rate = service.drain_rate(in_flight)
+        if rate is None:
+            return None
+        predictions.append(queues.lane(lane).tokens_before(tenant, rank) / rate)
+    return min(predictions) if predictions else None
+
+
+@dataclass(frozen=True, slots=True)
+class FlowDecision:
+    """What flow control does with a newcomer (before any wait).
+
+    Attributes:
+        action: ``go`` (a pool has room), ``downgrade`` (to ``model``), ``shed`` (above the class's
+            threshold) or ``queue`` (wait in the queues of ``pools``).
+        model: The model to serve it: the asked one, or the downgrade target.
+        pools: The model's pools within the request's regions.
+        least: The least utilisation among them, as the class sees it.
+        reason: A downgrade's reason (``shed_threshold`` or ``saturated``).
+    """
+
+    action: Literal["go", "downgrade", "shed", "queue"]
+    model: Model
+    pools: tuple[Pool, ...]
+    least: float
+    reason: str | None = None
+
+
+def plan_flow(snapshot: PolicySnapshot, model: Model, cls: ClassDecision, needed_tokens: int,
+              regions: frozenset[str] | None, utilisation: Callable[[Pool, bool], float],
+              queues: Callable[[Pool], PoolQueues]) -> FlowDecision:
+    """Flow control's decision for a newcomer of ``cls`` to ``model`` (steps 1-5 of ``gateway.flow``).
+
+    ``utilisation(pool, preempting)``: the pool's utilisation (``preempting``: as an interactive
+    request sees it); ``queues(pool)``: its queues. A newcomer that may not go now only because a
+    grant is in transit is queued (it waits a moment).
+    """
+    def room(pools: Sequence[Pool]) -> tuple[bool, bool, float]:
+        has, saturated, least = False, True, math.inf
+        lane, ceiling = cls.cls.lane, cls.cls.dispatch_ceiling
+        for pool in pools:
+            u = utilisation(pool, lane == "interactive")
+            least = min(least, u)
+            q = queues(pool)
+            has = has or q.has_room(lane, u, ceiling)
+            saturated = saturated and q.saturated(lane, u, ceiling)
+        return has, saturated, least
+
+    pools = pools_within(snapshot.model_pools[model.name], regions)
+    has, saturated, least = room(pools)
+    shed_at = cls.cls.shed_above_utilisation
+    above = shed_at is not None and least > shed_at
+    if above or saturated:
+        target = downgrade_target(snapshot, model, cls.name, needed_tokens)
+        target_pools = pools_within(snapshot.model_pools[target.name], regions) if target is not None else ()
+        if target is not None and target_pools:
+            _, target_saturated, target_least = room(target_pools)
+            if not target_saturated and not (shed_at is not None and target_least > shed_at):
+                return FlowDecision("downgrade", target, target_pools, least,
+                                    "shed_threshold" if above else "saturated")
+    if above:
+        return FlowDecision("shed", model, pools, least)
+    return FlowDecision("go" if has else "queue", model, pools, least)

@@ -48,8 +48,18 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from switchyard.decide.flow import EXPIRED, GRANTED, LEFT, ClassDecision, PoolQueues, Ticket, downgrade_target
-from switchyard.decide.pick import Candidate, EndpointChoice, pools_within
+from switchyard.decide.flow import (
+    EXPIRED,
+    GRANTED,
+    LEFT,
+    ClassDecision,
+    PoolQueues,
+    ServiceTime,
+    Ticket,
+    plan_flow,
+    predicted_wait_s,
+)
+from switchyard.decide.pick import Candidate, EndpointChoice
 from switchyard.engines.endpoints import EndpointRegistry
 from switchyard.gateway.errors import ApiError, Overloaded
 from switchyard.gateway.metrics import GatewayMetrics
@@ -58,10 +68,6 @@ from switchyard.policy.schema import Model, Pool
 
 #: How often pools with waiting requests are re-examined without another trigger.
 TICK_S = 0.05
-#: Weight of the newest finished request in a pool's moving average of service time.
-SERVICE_EWMA = 0.2
-#: Finished requests before the service time is trusted for predicting waits.
-SERVICE_MIN_SAMPLES = 5
 
 
 class ClientLeft(ApiError):
@@ -125,25 +131,12 @@ class _Waiter:
 
 
 class _PoolState:
-    __slots__ = ("pool", "queues", "service_s", "services")
+    __slots__ = ("pool", "queues", "service")
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.queues = PoolQueues()
-        self.service_s = 0.0
-        self.services = 0
-
-    def finished(self, service_s: float) -> None:
-        """Count a request that was served for ``service_s`` towards the mean service time."""
-        self.services += 1
-        weight = max(SERVICE_EWMA, 1.0 / self.services)  # a plain mean until the average has enough samples
-        self.service_s += weight * (service_s - self.service_s)
-
-    def drain_rate(self, in_flight_tokens: int) -> float | None:
-        """Tokens per second the pool finishes while it holds ``in_flight_tokens`` (None: not known yet)."""
-        if self.services < SERVICE_MIN_SAMPLES or in_flight_tokens <= 0 or self.service_s <= 0:
-            return None
-        return in_flight_tokens / self.service_s
+        self.service = ServiceTime()
 
 
 class FlowController:
@@ -179,21 +172,6 @@ class FlowController:
             state.pool = pool  # the latest policy's view of it
         return state
 
-    def _room(self, pools: Sequence[Pool], cls: ClassDecision, now: float) -> tuple[bool, bool, float]:
-        """For a newcomer of ``cls``: may it go now to one of ``pools``, are they all saturated, least utilisation.
-
-        (Neither, when the only obstacle is a grant in transit: the newcomer waits a moment.)
-        """
-        room, saturated, least = False, True, math.inf
-        lane, ceiling = cls.cls.lane, cls.cls.dispatch_ceiling
-        for pool in pools:
-            u = self.utilisation(pool, now, preempting=lane == "interactive")
-            least = min(least, u)
-            queues = self._state(pool).queues
-            room = room or queues.has_room(lane, u, ceiling)
-            saturated = saturated and queues.saturated(lane, u, ceiling)
-        return room, saturated, least
-
     # --- the request's side ---------------------------------------------------------------------
 
     async def schedule(self, snapshot: PolicySnapshot, model: Model, cls: ClassDecision, cost: int, tenant: str,
@@ -212,54 +190,43 @@ class FlowController:
         if not self.enabled:
             return Scheduled(model)
         now = time.monotonic()
-        klass = cls.cls
-        pools = pools_within(snapshot.model_pools[model.name], regions)
-        room, saturated, least = self._room(pools, cls, now)
-        shed_at = klass.shed_above_utilisation
-        above = shed_at is not None and least > shed_at
-        if above or saturated:
-            target = downgrade_target(snapshot, model, cls.name, needed_tokens)
-            target_pools = pools_within(snapshot.model_pools[target.name], regions) if target is not None else ()
-            if target is not None and target_pools:
-                _, target_saturated, target_least = self._room(target_pools, cls, now)
-                if not target_saturated and not (shed_at is not None and target_least > shed_at):
-                    reason = "shed_threshold" if above else "saturated"
-                    self.metrics.downgrades.labels(cls.name, reason, model.name).inc()
-                    why = f"above the {shed_at:g} threshold of class {cls.name}" if above else "saturated"
-                    # A response header: ASCII only.
-                    note = (f"{model.name} -> {target.name}: the pools of {model.name} are {why} "
-                            f"(utilisation {least:.2f})")
-                    return Scheduled(target, model, note)
-        if above:
+        decision = plan_flow(snapshot, model, cls, needed_tokens, regions,
+                             lambda pool, preempting: self.utilisation(pool, now, preempting),
+                             lambda pool: self._state(pool).queues)
+        least, shed_at = decision.least, cls.cls.shed_above_utilisation
+        if decision.action == "downgrade":
+            target = decision.model
+            self.metrics.downgrades.labels(cls.name, decision.reason, model.name).inc()
+            why = (f"above the {shed_at:g} threshold of class {cls.name}" if decision.reason == "shed_threshold"
+                   else "saturated")
+            # A response header: ASCII only.
+            note = f"{model.name} -> {target.name}: the pools of {model.name} are {why} (utilisation {least:.2f})"
+            return Scheduled(target, model, note)
+        if decision.action == "shed":
             assert shed_at is not None
             self.metrics.shed.labels(cls.name, "utilisation").inc()
             raise Overloaded(
                 f"Shed: the pools of model {model.name} are at utilisation {least:.2f}, above the {shed_at:g} "
                 f"threshold of priority class {cls.name}. Retry later or with a higher tier.",
                 code="shed_utilisation", headers={"Retry-After": "1"})
-        if room:
+        if decision.action == "go":
             return Scheduled(model)
+        pools = decision.pools
         return await self._wait(pools, cls, cost, tenant, now, model, disconnected)
 
     async def _wait(self, pools: Sequence[Pool], cls: ClassDecision, cost: int, tenant: str, now: float,
                     model: Model, disconnected: Callable[[], Awaitable[Any]]) -> Scheduled:
         klass = cls.cls
         deadline_s = klass.queue_deadline_s
-        predictions = []
-        for pool in pools:
-            state = self._state(pool)
-            rate = state.drain_rate(sum(self.endpoints.state(url).reserved for url in pool.endpoints))
-            if rate is None:
-                break
-            predictions.append(state.queues.lane(klass.lane).tokens_before(tenant, cls.rank) / rate)
-        else:
-            predicted = min(predictions)
-            if predicted > deadline_s:
-                self.metrics.shed.labels(cls.name, "predicted_wait").inc()
-                raise Overloaded(
-                    f"Shed: the predicted wait for model {model.name} ({predicted:.1f} s) exceeds the "
-                    f"{deadline_s * 1000:g} ms queue deadline of priority class {cls.name}.",
-                    code="queue_wait_too_long", headers={"Retry-After": str(max(1, math.ceil(predicted)))})
+        predicted = predicted_wait_s(
+            [(state.queues, state.service, sum(self.endpoints.state(url).reserved for url in pool.endpoints))
+             for pool in pools for state in (self._state(pool),)], klass.lane, tenant, cls.rank)
+        if predicted is not None and predicted > deadline_s:
+            self.metrics.shed.labels(cls.name, "predicted_wait").inc()
+            raise Overloaded(
+                f"Shed: the predicted wait for model {model.name} ({predicted:.1f} s) exceeds the "
+                f"{deadline_s * 1000:g} ms queue deadline of priority class {cls.name}.",
+                code="queue_wait_too_long", headers={"Retry-After": str(max(1, math.ceil(predicted)))})
         loop = asyncio.get_running_loop()
         ticket = Ticket(tenant, cls.name, cls.rank, klass.lane, cost, klass.dispatch_ceiling, now, now + deadline_s)
         names = tuple(p.name for p in pools)
@@ -312,7 +279,7 @@ class FlowController:
         if state is None:
             return
         if service_s is not None:
-            state.finished(service_s)
+            state.service.finished(service_s)
         if state.queues.waiting():
             self._kick(pool)
 
