@@ -6,12 +6,14 @@ import json
 import os
 import random
 import subprocess
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
 from switchyard.policy import policy_sha256
 from switchyard.store import db
+from switchyard.store.models import RequestLogEntry
 from switchyard.store.policy_versions import record_version
 from tests.integration.conftest import SWITCHYARD
 
@@ -90,3 +92,60 @@ def test_stored_versions_can_be_compared(files: Path, tmp_path: Path) -> None:
     assert report["arms"][0]["policy"] == "v1" and report["arms"][1]["requests"] == 50
     missing = run(tmp_path, "cand.yaml", "--against", "v9", "--trace", "trace.csv")
     assert missing.returncode == 1 and "no policy version 9" in missing.stderr
+
+
+def _log_db(tmp: Path, entries: list[dict[str, object]]) -> None:
+    """The embedded database of ``tmp``, migrated, with ``entries`` in its request log."""
+    engine = db.create_db_engine(f"sqlite:///{tmp / 'data' / 'switchyard.db'}")
+    db.upgrade(engine)
+    with db.session_scope(engine) as session:
+        for i, fields in enumerate(entries):
+            session.add(RequestLogEntry(request_id=f"r{i}", replica="test:1", outcome="ok", detail="{}",
+                                        **fields))  # type: ignore[arg-type]
+    engine.dispose()
+
+
+def test_the_request_log_is_replayed_with_each_requests_own_tier_and_lengths(tmp_path: Path) -> None:
+    """A minute of free-tier traffic (a request a second) meets the demo's 20 requests/minute limit; a
+    candidate that raises it would have served all of it. Entries of another hour, or with no tier, are not
+    replayed."""
+    now = datetime.now(UTC)
+    start = now - timedelta(minutes=5)
+    entries: list[dict[str, object]] = []
+    for i in range(60):
+        ran = i < 20
+        entries.append({"at": start + timedelta(seconds=i), "kind": "chat", "tier": "free", "model": "small",
+                        "status": 200 if ran else 429, "stream": False, "prompt_tokens": 200 + i,
+                        "completion_tokens": 20 if ran else None, "max_tokens": 20})
+    entries.append({"at": start, "kind": "chat", "tier": None, "model": "small", "status": 401, "stream": False})
+    entries.append({"at": now - timedelta(hours=3), "kind": "chat", "tier": "pro", "model": "small",
+                    "status": 200, "stream": False, "prompt_tokens": 100, "completion_tokens": 10})
+    _log_db(tmp_path, entries)
+    raised = POLICY.replace("requests_per_minute: 20,", "requests_per_minute: 100,")
+    assert raised != POLICY, "the demo policy's free tier changed: update this candidate"
+    (tmp_path / "raised.yaml").write_text(raised)
+    result = run(tmp_path, "raised.yaml", "--from-log", "--since", "60", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    source = report["workload"]
+    assert source["source"] == "request log" and source["entries"] == 61 and source["requests"] == 60
+    assert source["skipped"]["no_tier"] == 1 and source["refused_in_log"] == 40
+    [free] = report["refusals"]
+    assert (free["tier"], free["requests"], free["candidate_429"]) == ("free", 60, 0)
+    # The limiter refills as the minute goes (one request every 3 s): about 60 - 20 - 60/3 are refused.
+    assert 15 <= free["active_429"] <= 25
+    active, candidate = report["arms"]
+    assert active["served"] == 60 - free["active_429"] and candidate["served"] == 60
+    # Every replayed prompt has the logged length (the chat template included).
+    assert candidate["prompt_tokens"] == sum(200 + i for i in range(60))
+    assert candidate["output_tokens"] == 60 * 20
+    both = run(tmp_path, "raised.yaml", "--from-log", "--trace", "raised.yaml")
+    assert both.returncode == 2 and "exactly one of --trace FILE and --from-log" in both.stderr
+    tiers = run(tmp_path, "raised.yaml", "--from-log", "--tier", "pro")
+    assert tiers.returncode == 2 and "keeps its own tier" in tiers.stderr
+
+
+def test_an_empty_request_log_is_said_plainly(tmp_path: Path) -> None:
+    _log_db(tmp_path, [])
+    result = run(tmp_path, str(ROOT / "policies.yaml"), "--from-log", "--since", "5")
+    assert result.returncode == 1 and "the request log of the last 5 minutes: no requests to replay" in result.stderr

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 from typing import cast
 
@@ -21,8 +23,9 @@ from switchyard.settings import Settings
 from switchyard.store import db as store_db
 from switchyard.store.models import PolicyVersion
 from switchyard.store.policy_versions import active_version
-from switchyard.whatif import compare_arms, render_report, replay_policy
+from switchyard.whatif import render_report, replay_report
 from switchyard.whatif.fleet import FleetError
+from switchyard.whatif.logged import log_workload, read_log
 
 _VERSION = re.compile(r"^v?(\d+)$")
 
@@ -98,6 +101,29 @@ def _workload(trace: Path, labels: list[tuple[Labels, float]], rate_multiplier: 
         raise click.ClickException(str(error)) from None
 
 
+def _log_workload(settings: Settings, since_minutes: float, rate_multiplier: float, duration: float | None,
+                  limit: int | None, seed: int, model: str | None) -> Workload:
+    """The request log's last ``since_minutes`` as a workload (``--duration``, ``--limit`` applied after)."""
+    engine = store_db.create_db_engine(settings.resolved_database_url)
+    try:
+        if not store_db.is_current(engine):
+            raise click.ClickException("the database has no request log yet (run `switchyard db upgrade`)")
+        with store_db.session_scope(engine) as session:
+            entries = read_log(session, window=timedelta(minutes=since_minutes))
+    except OperationalError as exc:
+        raise click.ClickException(f"cannot reach the database: {exc.orig}") from None
+    finally:
+        engine.dispose()
+    try:
+        workload = log_workload(entries, rate_multiplier=rate_multiplier, seed=seed, default_model=model)
+    except WorkloadError as error:
+        raise click.ClickException(str(error)) from None
+    specs = [s for s in workload.specs if duration is None or s.arrival_s < duration][:limit]
+    if len(specs) == len(workload.specs):
+        return workload
+    return replace(workload, specs=tuple(specs), duration_s=specs[-1].arrival_s if specs else 0.0)
+
+
 def _default_model(snapshot: PolicySnapshot) -> str:
     """What requests ask for when ``--model`` is not given: the first route, else the first model."""
     doc = snapshot.document
@@ -108,8 +134,12 @@ def _default_model(snapshot: PolicySnapshot) -> str:
 @click.argument("candidate")
 @click.option("--against", default="active", show_default=True,
               help="The policy to compare with: 'active', a version (v7), or a file.")
-@click.option("--trace", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
+@click.option("--trace", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="The requests: a Mooncake trace (.jsonl) or an Azure LLM inference trace (.csv).")
+@click.option("--from-log", "from_log", is_flag=True,
+              help="The requests: the request log in the database (what clients sent; see --since).")
+@click.option("--since", "since_minutes", type=click.FloatRange(min=0, min_open=True), default=60.0,
+              show_default=True, help="With --from-log: the last this-many minutes of the log.")
 @click.option("--tier", "tiers", multiple=True, metavar="NAME[=WEIGHT]",
               help="Tier the trace's requests are sent as; repeat for a weighted mix [default: the first tier].")
 @click.option("--model", default=None, help="The model the requests ask for [default: the first route, "
@@ -125,7 +155,8 @@ def _default_model(snapshot: PolicySnapshot) -> str:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Also write report.md and report.json here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of Markdown.")
-def replay(candidate: str, against: str, trace: Path, tiers: tuple[str, ...], model: str | None,
+def replay(candidate: str, against: str, trace: Path | None, from_log: bool, since_minutes: float,
+           tiers: tuple[str, ...], model: str | None,
            rate_multiplier: float, duration: float | None, limit: int | None, seed: int, picker: str | None,
            out_dir: Path | None, as_json: bool) -> None:
     """Replay a trace against the active policy (or --against) and CANDIDATE, in simulated time,
@@ -134,21 +165,33 @@ def replay(candidate: str, against: str, trace: Path, tiers: tuple[str, ...], mo
 
     CANDIDATE is a policy file, or a stored version (v7). Both policies' engines are simulated
     from their pools (sim_profile, kv_cache_tokens); nothing is sent anywhere.
+
+    The requests come from a trace (--trace, sent as --tier and --model) or from the request log
+    (--from-log: each request's own tier, model, kind and lengths; its text is never logged, so
+    prompts are synthetic, sharing a prefix where the engine's prefix cache served one).
     """
     settings = cli_context().settings()
+    if (trace is None) == (not from_log):
+        raise click.UsageError("give exactly one of --trace FILE and --from-log")
     base, base_dir = load_policy(against, settings)
     cand, cand_dir = load_policy(candidate, settings)
-    labels = _labels(tiers or (base.document.tiers[0].name,), model or _default_model(base))
-    workload = _workload(trace, labels, rate_multiplier, duration, limit, seed)
+    if trace is not None:
+        labels = _labels(tiers or (base.document.tiers[0].name,), model or _default_model(base))
+        workload = _workload(trace, labels, rate_multiplier, duration, limit, seed)
+        what = str(trace)
+    else:
+        if tiers:
+            raise click.UsageError("--tier applies to --trace: a logged request keeps its own tier")
+        workload = _log_workload(settings, since_minutes, rate_multiplier, duration, limit, seed, model)
+        what = f"the request log of the last {since_minutes:g} minutes"
     if not workload.specs:
-        raise click.ClickException(f"{trace}: no requests to replay (check --duration and --limit)")
+        raise click.ClickException(f"{what}: no requests to replay (check --duration and --limit)")
     strategy = cast(Strategy, picker or settings.picker)  # click.Choice checked it
     try:
-        arms = [replay_policy(snapshot, workload, name=name, base_dir=folder, strategy=strategy, seed=seed)
-                for name, snapshot, folder in (("active", base, base_dir), ("candidate", cand, cand_dir))]
+        report = replay_report(base, cand, workload, active_dir=base_dir, candidate_dir=cand_dir,
+                               strategy=strategy, seed=seed)
     except FleetError as error:
         raise click.ClickException(f"cannot simulate the policy's engines: {error}") from None
-    report = compare_arms(arms[0], arms[1], workload.describe())
     markdown = render_report(report)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

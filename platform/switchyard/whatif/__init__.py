@@ -15,12 +15,16 @@ the engine model can be computed, not in wall-clock time.
 Also the offline fit of the built-in difficulty classifier's weights (``whatif.difficulty_fit``):
 like the replay, it runs the decisions' own code on bench's data.
 
-Must not touch: the gateway, the database or the network. It imports ``decide``, ``policy``,
-``sim``, the workload builders of ``bench`` and the in-process limit store (``store.limits``,
-driven on the simulated clock).
+Workloads come from a trace file (bench's builders) or from the request log (``whatif.logged``,
+read through the store by its callers' sessions).
+
+Must not touch: the gateway or the network; the database only through a session its caller
+gives. It imports ``decide``, ``policy``, ``sim``, the workload builders of ``bench``, the
+in-process limit store (``store.limits``, driven on the simulated clock) and the request log's
+table.
 """
 
 from switchyard.whatif.replay import ArmResult, ReplayOutcome, replay_policy
-from switchyard.whatif.report import compare_arms, render_report
+from switchyard.whatif.report import compare_arms, render_report, replay_report
 
-__all__ = ["ArmResult", "ReplayOutcome", "compare_arms", "render_report", "replay_policy"]
+__all__ = ["ArmResult", "ReplayOutcome", "compare_arms", "render_report", "replay_policy", "replay_report"]

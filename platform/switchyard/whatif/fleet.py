@@ -55,14 +55,18 @@ class SimEndpoint:
     pool: Pool
     config: ResolvedConfig
     core: EngineCore
+    #: Prompt + output budget of the replay's requests in this engine (the gateway's reservations).
+    reserved: int = 0
 
     def view(self) -> EndpointView:
-        """What the gateway's picker would know of this engine from a scrape taken now: requests in it and
-        those queued, and its utilisation from them (the scraped terms of the gateway's formula)."""
+        """What the gateway would know of this engine from a scrape taken now: requests in it and those
+        queued, and its utilisation from them and the gateway's own reservations there (the terms of
+        ``EndpointState.utilisation``)."""
         core = self.core
         queued = core.num_waiting + core.num_pending
         running = len(core.running)
-        utilisation = max(core.kv.usage, (running + queued) / core.max_num_seqs)
+        utilisation = max(core.kv.usage, self.reserved / max(1, self.config.kv_cache_tokens),
+                          (running + queued) / core.max_num_seqs)
         if queued:
             utilisation = max(utilisation, 1.0 + queued / max(running, 1))
         return EndpointView(True, float(running + queued), float(queued), utilisation)

@@ -9,13 +9,19 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+from switchyard.bench.spec import Workload
 from switchyard.bench.stats import percentile
 from switchyard.bench.tables import ms, num, render_table, table, text
-from switchyard.whatif.replay import ArmResult, ReplayOutcome
+from switchyard.decide.pick import Strategy
+from switchyard.policy.snapshot import PolicySnapshot
+from switchyard.whatif.replay import ArmResult, ReplayOutcome, replay_policy
 
-SCHEMA = 1
+SCHEMA = 2
+#: Error codes of requests flow control shed (a 503 of the gateway's queues).
+SHED_CODES = frozenset({"shed_utilisation", "queue_wait_too_long", "queue_deadline_exceeded"})
 #: Most placement moves listed one by one (the rest are summed in one line).
 TOP_MOVES = 15
 
@@ -46,6 +52,13 @@ def arm_summary(arm: ArmResult) -> dict[str, Any]:
         "output_tokens": sum(o.output_tokens for o in served),
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p99_s": percentile(ttfts, 99),
+        "cache_hits": sum(1 for o in served if o.cache_hit),
+        "response_cache_hit_ratio": sum(1 for o in served if o.cache_hit) / len(served) if served else None,
+        "downgraded": sum(1 for o in served if o.downgraded_from is not None),
+        "queued": sum(1 for o in outcomes if o.queued_s is not None),
+        "queue_wait_p99_s": percentile([o.queued_s for o in outcomes if o.queued_s is not None], 99),
+        "shed": sum(1 for o in outcomes if o.status == 503 and o.code in SHED_CODES),
+        "codes": dict(sorted(Counter(o.code for o in outcomes if o.code is not None).items())),
         "simulated_s": arm.simulated_s,
         "wall_s": arm.wall_s,
         "speedup": arm.speedup,
@@ -132,12 +145,49 @@ def compare_arms(base: ArmResult, cand: ArmResult, workload: Mapping[str, Any]) 
     }
 
 
+def replay_report(active: PolicySnapshot, candidate: PolicySnapshot, workload: Workload, *,
+                  active_dir: Path | None = None, candidate_dir: Path | None = None,
+                  strategy: Strategy = "prefix-aware", seed: int = 0) -> dict[str, Any]:
+    """Replay ``workload`` through both policies and compare them (:func:`compare_arms`'s data).
+
+    ``*_dir``: the folder a policy's relative ``sim_profile`` paths start from.
+
+    Raises:
+        FleetError: A pool of either policy cannot be simulated.
+    """
+    arms = [replay_policy(snapshot, workload, name=name, base_dir=folder, strategy=strategy, seed=seed)
+            for name, snapshot, folder in (("active", active, active_dir), ("candidate", candidate, candidate_dir))]
+    return compare_arms(arms[0], arms[1], workload.describe())
+
+
 def _delta(a: float | None, b: float | None) -> str:
     if a is None or b is None:
         return "-"
     if a == 0:
         return "same" if b == 0 else "new"
     return f"{100 * (b - a) / a:+.1f}%"
+
+
+#: The headline rows: (summary key, label, format: a format string or ``ms`` for seconds shown in ms).
+HEADLINE: tuple[tuple[str, str, str], ...] = (
+    ("served", "served", "{:.0f}"), ("cost_per_1000", "cost per 1,000 requests", "{:.4f}"),
+    ("prefix_cache_hit_ratio", "prefix-cache hit ratio (prompt tokens)", "{:.1%}"),
+    ("cache_hits", "answered from the response cache", "{:.0f}"),
+    ("ttft_p50_s", "TTFT p50 (ms)", "ms"), ("ttft_p99_s", "TTFT p99 (ms)", "ms"),
+    ("queued", "queued by flow control", "{:.0f}"), ("queue_wait_p99_s", "queue wait p99 (ms)", "ms"),
+    ("shed", "shed by flow control (503)", "{:.0f}"), ("downgraded", "downgraded to a cheaper model", "{:.0f}"),
+)
+
+
+def headline_rows(report: Mapping[str, Any]) -> list[dict[str, str]]:
+    """The headline figures of both arms, formatted, with the change (what Markdown and the console show)."""
+    base, cand = report["arms"]
+    rows = []
+    for key, label, fmt in HEADLINE:
+        a, b = base.get(key), cand.get(key)
+        shown = [("-" if v is None else (f"{1000 * v:.1f}" if fmt == "ms" else fmt.format(v))) for v in (a, b)]
+        rows.append({"figure": label, "active": shown[0], "candidate": shown[1], "change": _delta(a, b)})
+    return rows
 
 
 def render_report(report: Mapping[str, Any]) -> str:
@@ -150,13 +200,7 @@ def render_report(report: Mapping[str, Any]) -> str:
            f" over {wl.get('duration_s', 0):.0f} s, replayed in simulated time: "
            f"{base['wall_s']:.1f} s and {cand['wall_s']:.1f} s of wall-clock time for "
            f"{base['simulated_s']:.0f} s and {cand['simulated_s']:.0f} s simulated.", ""]
-    rows = []
-    for key, label, fmt in (("served", "served", "{:.0f}"), ("cost_per_1000", "cost per 1,000 requests", "{:.4f}"),
-                            ("prefix_cache_hit_ratio", "prefix-cache hit ratio (prompt tokens)", "{:.1%}"),
-                            ("ttft_p50_s", "TTFT p50 (ms)", "ms"), ("ttft_p99_s", "TTFT p99 (ms)", "ms")):
-        a, b = base[key], cand[key]
-        shown = [("-" if v is None else (f"{1000 * v:.1f}" if fmt == "ms" else fmt.format(v))) for v in (a, b)]
-        rows.append({"figure": label, "active": shown[0], "candidate": shown[1], "change": _delta(a, b)})
+    rows = headline_rows(report)
     out += render_table(level=2, data=table("Headline", [text("figure", "figure"), text("active", base["policy"]),
                                            text("candidate", cand["policy"]), text("change", "change")], rows))
     out += [f"**{changes['any_changed']} of {changes['requests']} requests change placement**: "
@@ -183,8 +227,14 @@ def render_report(report: Mapping[str, Any]) -> str:
                                            num("candidate", cand["policy"], 0)],
                               [{"status": s, "active": base["statuses"].get(s, 0),
                                 "candidate": cand["statuses"].get(s, 0)} for s in statuses]))
+    codes = sorted(set(base["codes"]) | set(cand["codes"]))
+    if codes:
+        out += render_table(level=2, data=table("Error codes", [text("code", "code"), num("active", base["policy"], 0),
+                                               num("candidate", cand["policy"], 0)],
+                                  [{"code": c, "active": base["codes"].get(c, 0),
+                                    "candidate": cand["codes"].get(c, 0)} for c in codes]))
     if report["not_modelled"]:
-        out += ["## Not modelled yet", "", *[f"- {line}" for line in report["not_modelled"]], ""]
+        out += ["## Not modelled", "", *[f"- {line}" for line in report["not_modelled"]], ""]
     out += [f"Active policy sha256 {base['sha256']}; candidate {cand['sha256']}.", ""]
     return "\n".join(out)
 

@@ -87,6 +87,7 @@ def test_refusals_are_the_gateways_statuses_per_tier() -> None:
     wl = workload(tenant="free", model="large")  # free may not call large
     doc = base()
     doc["tiers"][0]["models"] = ["*"]
+    del doc["priorities"]["sheddable"]["shed_above_utilisation"]  # flow control would shed a few
     a, b = replay_policy(snap(), wl, name="active"), replay_policy(snap(doc), wl)
     assert {(o.status, o.code) for o in a.outcomes} == {(403, "model_not_allowed")}
     assert {o.status for o in b.outcomes} == {200}
@@ -126,7 +127,9 @@ def test_a_class_raised_in_priority_starts_sooner_under_overload() -> None:
     wl = poisson(40.0, 10.0, mix, seed=3)  # far more than one engine with 20k tokens of KV can hold
     raised = doc | {"tiers": [dict(t, priority="critical" if t["name"] == "free" else "sheddable")
                               for t in doc["tiers"]]}
-    a, b = replay_policy(snap(doc), wl, name="active"), replay_policy(snap(raised), wl)
+    # The engine's own priority scheduling, without the gateway's queues (which would shed sheddable).
+    a = replay_policy(snap(doc), wl, name="active", flow_control=False)
+    b = replay_policy(snap(raised), wl, flow_control=False)
     rows = {r["class"]: r for r in compare_arms(a, b, wl.describe())["ttft"]}
     # Under the active policy free is sheddable (runs last); the candidate swaps the classes.
     free_a = [o.ttft_s for o in a.outcomes if o.tier == "free"]
@@ -136,7 +139,8 @@ def test_a_class_raised_in_priority_starts_sooner_under_overload() -> None:
     assert rows["critical"]["candidate_p50"] < rows["sheddable"]["candidate_p50"]
     # A pool without --scheduling-policy priority serves first come, first served: no difference.
     doc["pools"][0]["priority_scheduling"] = raised["pools"][0]["priority_scheduling"] = False
-    fcfs_a, fcfs_b = replay_policy(snap(doc), wl), replay_policy(snap(raised), wl)
+    fcfs_a, fcfs_b = (replay_policy(snap(doc), wl, flow_control=False),
+                      replay_policy(snap(raised), wl, flow_control=False))
     assert [o.ttft_s for o in fcfs_a.outcomes] == [o.ttft_s for o in fcfs_b.outcomes]
 
 
@@ -150,7 +154,7 @@ def test_the_report_renders_what_the_data_says() -> None:
     text = render_report(report)
     assert f"**{len(wl)} of {len(wl)} requests change placement**" in text
     assert "refused 403 (model_not_allowed)" in text
-    assert report["not_modelled"] == list(NOT_MODELLED) and "issue 5" in text
+    assert report["not_modelled"] == list(NOT_MODELLED) and "semantic cache rules" in text
     with pytest.raises(ValueError, match="different requests"):
         compare_arms(a, replay_policy(snap(), wl.specs[:3]), wl.describe())
 

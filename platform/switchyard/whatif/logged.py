@@ -1,0 +1,155 @@
+"""A workload from the request log: what clients actually sent, as a replay can send it again.
+
+The request log (``store.request_log``) keeps, per request, when it arrived, its tier, the model
+it asked for, its kind, whether it streamed, the prompt tokens (counted at admission, or the
+engine's usage), the tokens generated, the tokens the engine served from its prefix cache and the
+output budget asked for — never the text. :func:`log_workload` turns entries into
+:class:`~switchyard.bench.spec.RequestSpec` s:
+
+- **Arrivals** keep their spacing (divided by ``rate_multiplier``), from the first entry.
+- **Who**: the entry's tier is the replay's tenant (a replay runs each tier as one tenant).
+- **Prompt**: synthetic text of the logged length, less the simulated engine's template tokens.
+  The text is never logged, so prefix sharing is rebuilt from the cache hits: an entry whose
+  prompt was partly served from the engine's prefix cache starts with a shared segment of that
+  many tokens, the same segment for every entry of its tier and model (a system prompt, most
+  often). Prompts otherwise share nothing.
+- **Output**: the tokens the request generated when it ran (sent with ``ignore_eos``, as the
+  trace replays do); a request that never ran generates its ``max_tokens``, or, when it asked
+  for none, the median of what the requests that ran generated (``fill_output``).
+
+Entries that cannot be replayed are counted, not guessed: those with no tier (the key was
+refused) or no prompt count (refused before the body was read).
+
+The log keeps successes at its sample rate and every failure, so with a sample rate under 1 the
+replay's mix leans to the failures; ``describe()`` carries the counts so the report can say so.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal, Protocol, cast
+
+from sqlmodel import Session, col, select
+
+from switchyard.bench.prompts import SynthText, prompt_overhead_tokens, unique_key
+from switchyard.bench.spec import Labels, RequestSpec, Workload, WorkloadError
+from switchyard.store.models import RequestLogEntry
+
+#: Output tokens of a request that never ran and set no budget, when no request of the log ran either.
+DEFAULT_OUTPUT = 256
+#: Entries read at most for one replay.
+MAX_ENTRIES = 50_000
+
+
+class Logged(Protocol):
+    """The request log fields a replay reads (a ``RequestLogEntry`` has them all)."""
+
+    at: datetime
+    kind: str
+    tier: str | None
+    model: str | None
+    stream: bool
+    status: int
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    cached_tokens: int | None
+    max_tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class LogEntry:
+    """One request as the log has it (for callers that hold no ``RequestLogEntry`` rows)."""
+
+    at: datetime
+    kind: str
+    tier: str | None
+    model: str | None
+    stream: bool
+    status: int
+    prompt_tokens: int | None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    max_tokens: int | None = None
+
+
+def read_log(session: Session, *, since: datetime | None = None, window: timedelta | None = None,
+             limit: int = MAX_ENTRIES) -> list[RequestLogEntry]:
+    """The newest ``limit`` entries at or after ``since`` (or within ``window`` of now), oldest first."""
+    if since is None and window is not None:
+        since = datetime.now(UTC) - window
+    query = select(RequestLogEntry)
+    if since is not None:
+        query = query.where(col(RequestLogEntry.at) >= since)
+    query = query.order_by(col(RequestLogEntry.at).desc(), col(RequestLogEntry.id).desc()).limit(limit)
+    rows = list(session.exec(query))
+    rows.reverse()
+    return rows
+
+
+def fill_output(entries: Sequence[Logged]) -> int:
+    """What a request that never ran and asked for no budget generates: the median of those that ran."""
+    ran = [e.completion_tokens for e in entries if e.completion_tokens]
+    return int(statistics.median(ran)) if ran else DEFAULT_OUTPUT
+
+
+def _kind(value: str) -> Literal["chat", "completion"]:
+    return "completion" if value == "completion" else "chat"
+
+
+def log_workload(entries: Sequence[Logged], *, rate_multiplier: float = 1.0, seed: int = 0,
+                 default_model: str | None = None) -> Workload:
+    """The entries (any order) as a workload in arrival order (see the module doc).
+
+    ``default_model``: what an entry that named no model asks for (None: such entries are skipped).
+
+    Raises:
+        WorkloadError: ``rate_multiplier`` is not positive.
+    """
+    if rate_multiplier <= 0:
+        raise WorkloadError(f"rate_multiplier must be > 0, got {rate_multiplier}")
+    ordered = sorted(entries, key=lambda e: e.at)
+    usable: list[Logged] = []
+    skipped: dict[str, int] = {"no_tier": 0, "no_prompt_count": 0, "no_model": 0}
+    for entry in ordered:
+        if not entry.tier:
+            skipped["no_tier"] += 1
+        elif not entry.prompt_tokens:
+            skipped["no_prompt_count"] += 1
+        elif not entry.model and default_model is None:
+            skipped["no_model"] += 1
+        else:
+            usable.append(entry)
+    fill = fill_output(usable)
+    specs: list[RequestSpec] = []
+    t0 = usable[0].at if usable else None
+    for i, entry in enumerate(usable):
+        assert t0 is not None
+        assert entry.tier is not None
+        assert entry.prompt_tokens is not None
+        kind = _kind(entry.kind)
+        model = entry.model or cast(str, default_model)
+        text_tokens = max(1, entry.prompt_tokens - prompt_overhead_tokens(kind))
+        shared = min(max(0, (entry.cached_tokens or 0) - prompt_overhead_tokens(kind)), text_tokens)
+        segments: list[tuple[int, int]] = []
+        if shared:
+            segments.append((unique_key("log-prefix", entry.tier, model), shared))
+        if text_tokens - shared:
+            segments.append((unique_key("log", seed, i), text_tokens - shared))
+        ran = entry.completion_tokens is not None and entry.status == 200
+        output = max(1, entry.completion_tokens if ran and entry.completion_tokens else (entry.max_tokens or fill))
+        labels = Labels(tenant=entry.tier, request_class=entry.tier, model=model, kind=kind, stream=entry.stream,
+                        extra_body={"ignore_eos": True})
+        arrival = (entry.at - t0).total_seconds() / rate_multiplier
+        group = f"log:{entry.tier}:{model}" if shared else None
+        specs.append(RequestSpec(i, arrival, SynthText(tuple(segments), seed), output, labels, group))
+    duration = specs[-1].arrival_s if specs else 0.0
+    source: dict[str, Any] = {
+        "source": "request log", "entries": len(ordered), "skipped": skipped, "rate_multiplier": rate_multiplier,
+        "seed": seed, "first": ordered[0].at.isoformat() if ordered else None,
+        "last": ordered[-1].at.isoformat() if ordered else None,
+        "refused_in_log": sum(1 for e in usable if e.status != 200), "filled_output_tokens": fill,
+    }
+    return Workload(tuple(specs), duration, source)

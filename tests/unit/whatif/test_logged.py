@@ -1,0 +1,72 @@
+"""A workload from the request log: arrivals, tiers, lengths and shared prefixes as logged."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from switchyard.bench.spec import WorkloadError
+from switchyard.sim.chat import render_chat
+from switchyard.whatif.logged import DEFAULT_OUTPUT, LogEntry, log_workload
+from switchyard.whatif.replay import prompt_ids
+
+T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+
+
+def entry(second: float, **fields: object) -> LogEntry:
+    values: dict[str, object] = {"kind": "chat", "tier": "pro", "model": "small", "stream": False, "status": 200,
+                                 "prompt_tokens": 300, "completion_tokens": 40}
+    values.update(fields)
+    return LogEntry(at=T0 + timedelta(seconds=second), **values)  # type: ignore[arg-type]
+
+
+def test_arrivals_tiers_and_lengths_are_the_logs() -> None:
+    entries = [entry(3.0, tier="free", prompt_tokens=120, completion_tokens=9),
+               entry(1.0, kind="completion", prompt_tokens=50, completion_tokens=5, stream=True),
+               entry(2.5, model="auto", prompt_tokens=800, completion_tokens=200)]
+    wl = log_workload(entries, rate_multiplier=2.0)
+    assert [s.arrival_s for s in wl.specs] == [0.0, 0.75, 1.0]
+    assert [(s.tenant, s.model, s.kind, s.stream) for s in wl.specs] == [
+        ("pro", "small", "completion", True), ("pro", "auto", "chat", False), ("free", "small", "chat", False)]
+    # The engine sees exactly the logged prompt tokens (template included) and generates the logged output.
+    assert [len(prompt_ids(s.body())) for s in wl.specs] == [50, 800, 120]
+    assert [s.max_tokens for s in wl.specs] == [5, 200, 9]
+    assert all(s.body()["ignore_eos"] is True for s in wl.specs)
+    assert wl.describe()["entries"] == 3 and wl.duration_s == 1.0
+
+
+def test_prefix_sharing_is_rebuilt_from_the_prefix_cache_hits() -> None:
+    overhead = len(render_chat([{"role": "user", "content": ""}]))
+    entries = [entry(0, cached_tokens=0), entry(1, cached_tokens=200), entry(2, cached_tokens=200, prompt_tokens=900),
+               entry(3, cached_tokens=200, tier="free")]
+    wl = log_workload(entries)
+    texts = [s.prompt.text() for s in wl.specs]
+    shared = 200 - overhead
+    a, b, c = (wl.specs[i].prompt for i in (1, 2, 3))
+    assert a.truncated(shared).text() == b.truncated(shared).text()  # same tier and model: one shared prefix
+    assert a.truncated(shared).text() != c.truncated(shared).text()  # another tier's prompt is its own
+    assert texts[0] != texts[1] and wl.specs[1].prefix_group == "log:pro:small"
+    assert wl.specs[0].prefix_group is None
+
+
+def test_requests_that_never_ran_generate_their_budget_or_the_median() -> None:
+    entries = [entry(0, completion_tokens=10), entry(1, completion_tokens=30), entry(2, completion_tokens=50),
+               entry(3, status=429, completion_tokens=None, max_tokens=700),
+               entry(4, status=503, completion_tokens=None, max_tokens=None)]
+    wl = log_workload(entries)
+    assert [s.max_tokens for s in wl.specs] == [10, 30, 50, 700, 30]
+    assert wl.describe()["refused_in_log"] == 2 and wl.describe()["filled_output_tokens"] == 30
+    only_refused = log_workload([entry(0, status=429, completion_tokens=None)])
+    assert only_refused.specs[0].max_tokens == DEFAULT_OUTPUT
+
+
+def test_entries_that_cannot_be_replayed_are_counted_not_guessed() -> None:
+    entries = [entry(0, tier=None), entry(1, prompt_tokens=None), entry(2, model=None), entry(3)]
+    wl = log_workload(entries)
+    assert len(wl.specs) == 1
+    assert wl.describe()["skipped"] == {"no_tier": 1, "no_prompt_count": 1, "no_model": 1}
+    assert len(log_workload(entries, default_model="auto").specs) == 2
+    assert log_workload([]).specs == ()
+    with pytest.raises(WorkloadError, match="rate_multiplier"):
+        log_workload(entries, rate_multiplier=0)
