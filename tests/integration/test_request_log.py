@@ -143,9 +143,11 @@ def test_the_console_shows_another_replicas_requests_from_the_log(replicas: tupl
         row = request_log.find(s, rid)
     assert row is not None and row["served_model"] == "small" and row["completion_tokens"] == 3
     assert row["max_tokens"] == 3 and row["prompt_tokens"] > 0
+    assert re.fullmatch(r"[0-9a-f]{16}", row["digest"]) and row["deterministic"] is False
     with Session(db.create_db_engine(a.env["SWITCHYARD_DATABASE_URL"])) as s:
         gone = eventually(lambda: request_log.find(s, refused_id))
     assert gone is not None and (gone["status"], gone["tier"], gone["max_tokens"]) == (404, "pro", 7)
     assert gone["prompt_tokens"] > 0 and gone["completion_tokens"] is None
+    assert gone["digest"] not in (None, row["digest"])
     old = datetime.now(UTC) - timedelta(minutes=5)
     assert datetime.fromisoformat(row["time"]) > old

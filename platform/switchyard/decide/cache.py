@@ -143,6 +143,16 @@ def canonical_request(kind: RequestKind, model: str, body: Mapping[str, Any]) ->
     return _encode(_document(kind, model, body))
 
 
+def request_digest(kind: RequestKind, body: Mapping[str, Any]) -> str:
+    """A short fingerprint of a request: equal for requests the cache would answer alike.
+
+    64 bits of SHA-256 over :func:`canonical_request` with the model as asked. The request log
+    keeps it (never the text) so that a replay of the log knows which requests repeated.
+    """
+    model = body.get("model")
+    return hashlib.sha256(canonical_request(kind, model if isinstance(model, str) else "", body)).hexdigest()[:16]
+
+
 def _last_user(messages: Any) -> int | None:
     """The index of the last ``user`` message, or None."""
     if not isinstance(messages, list):

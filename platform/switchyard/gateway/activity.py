@@ -87,6 +87,8 @@ class RequestRecord:
         prompt_tokens, completion_tokens, cached_tokens: Usage, when known (a request refused before it
             ran keeps the prompt tokens counted at admission, and no completion).
         max_tokens: The output budget the client asked for (None when it set none).
+        digest: The request's fingerprint (``decide.cache.request_digest``), when the request log keeps it.
+        deterministic: Whether it asked for a reproducible answer (temperature 0 or a seed).
         cache: ``hit``, ``miss``, ``error`` (counted as a miss), ``bypass``, ``off`` or ``none`` (no rule).
         cache_rule: The cache rule that applied.
         trace: The decision trace: model decision, placement, class, cache plan, failed tries and the
@@ -121,6 +123,8 @@ class RequestRecord:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     max_tokens: int | None = None
+    digest: str | None = None
+    deterministic: bool | None = None
     cache: str = "none"
     cache_rule: str | None = None
     trace: list[str] = field(default_factory=list)
@@ -167,7 +171,9 @@ class RequestRecord:
             "attempts": self.attempts, "moved_on": list(self.moved_on),
             "ttft_ms": _ms(self.ttft_s), "duration_ms": _ms(self.duration_s),
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-            "cached_tokens": self.cached_tokens, "max_tokens": self.max_tokens, "cache": self.cache, "cache_rule": self.cache_rule,
+            "cached_tokens": self.cached_tokens, "max_tokens": self.max_tokens,
+            "digest": self.digest, "deterministic": self.deterministic, "cache": self.cache,
+            "cache_rule": self.cache_rule,
             "trace": list(self.trace),
         }
 

@@ -17,6 +17,7 @@ from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from switchyard.decide.admit import estimate, limit_charges, spend_of
+from switchyard.decide.cache import is_deterministic, request_digest
 from switchyard.decide.features import RequestFeatures, chat_features, completion_features, count_prompt
 from switchyard.decide.flow import PRIORITY_HEADER, BadPriority, classify
 from switchyard.decide.pick import EndpointChoice, Stage, fallback_plan, pick_endpoint, profile_for, usable_stages
@@ -136,6 +137,8 @@ class Proxy:
             check_completion(body)
             features = completion_features(body, request_headers)
         record.prompt_tokens, record.max_tokens = features.prompt_tokens, features.max_tokens
+        if runtime.activity.sink is not None:  # the request log keeps what a replay of it needs
+            record.digest, record.deterministic = request_digest(kind, body), is_deterministic(body)
         holder = runtime.policy
         snapshot, counters = holder.snapshot, holder.counters  # read once; this request keeps them to the end
         try:

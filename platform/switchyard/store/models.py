@@ -397,6 +397,10 @@ class RequestLogEntry(SQLModel, table=True):
     cached_tokens: int | None = None
     #: The output budget the client asked for (what a replay of the log sends for a refused request).
     max_tokens: int | None = None
+    #: 64 bits of SHA-256 of the request as the response cache keys it: which requests repeated.
+    digest: str | None = Field(default=None, max_length=16)
+    #: It asked for a reproducible answer (temperature 0 or a seed).
+    deterministic: bool | None = None
     cache: str = Field(default="none", max_length=16)
     cache_rule: str | None = Field(default=None, max_length=256)
     #: JSON: ``{"moved_on": [...], "trace": [...]}``.

@@ -8,7 +8,8 @@ every ``PRUNE_EVERY_S``. Successful requests are kept at ``sample_rate`` (chosen
 request that did not succeed is kept, since those are what an operator looks for. A buffer that
 fills while the database is away drops its oldest entries (counted in ``dropped``) rather than grow.
 
-Entries hold ids, names, statuses, timings, token counts and the decision trace — never a key, a
+Entries hold ids, names, statuses, timings, token counts, the decision trace and a 64-bit
+fingerprint of the request (so that a replay knows which requests repeated) — never a key, a
 prompt or an answer. Every replica writes to the one table, so the console shows them all.
 """
 
@@ -43,7 +44,7 @@ BUFFER = 20_000
 COLUMNS = ("request_id", "kind", "tenant", "tenant_id", "key_id", "tier", "model", "resolved_model", "served_model",
            "pool", "region", "endpoint", "status", "outcome", "error_code", "stream", "priority", "queue_ms",
            "attempts", "ttft_ms", "duration_ms", "prompt_tokens", "completion_tokens", "cached_tokens", "max_tokens",
-           "cache", "cache_rule")
+           "digest", "deterministic", "cache", "cache_rule")
 
 
 class Loggable(Protocol):

@@ -9,13 +9,18 @@ output budget asked for — never the text. :func:`log_workload` turns entries i
 - **Arrivals** keep their spacing (divided by ``rate_multiplier``), from the first entry.
 - **Who**: the entry's tier is the replay's tenant (a replay runs each tier as one tenant).
 - **Prompt**: synthetic text of the logged length, less the simulated engine's template tokens.
-  The text is never logged, so prefix sharing is rebuilt from the cache hits: an entry whose
-  prompt was partly served from the engine's prefix cache starts with a shared segment of that
+  The text is never logged, so prefix sharing is rebuilt from the prefix-cache hits: an entry
+  whose prompt was partly served from the engine's prefix cache starts with a shared segment of that
   many tokens, the same segment for every entry of its tier and model (a system prompt, most
   often). Prompts otherwise share nothing.
 - **Output**: the tokens the request generated when it ran (sent with ``ignore_eos``, as the
   trace replays do); a request that never ran generates its ``max_tokens``, or, when it asked
   for none, the median of what the requests that ran generated (``fill_output``).
+- **Repeats**: entries with the same fingerprint (``digest``: the request as the response cache
+  keys it) are the same request: they get one prompt and one output length (the first
+  occurrence's), and ``temperature: 0`` when the client asked for a reproducible answer, so that
+  the replay's response cache sees them repeat as the gateway's did. Entries logged before the
+  fingerprint was kept never repeat.
 
 Entries that cannot be replayed are counted, not guessed: those with no tier (the key was
 refused) or no prompt count (refused before the body was read).
@@ -57,6 +62,9 @@ class Logged(Protocol):
     completion_tokens: int | None
     cached_tokens: int | None
     max_tokens: int | None
+    digest: str | None
+    deterministic: bool | None
+    cache: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +81,9 @@ class LogEntry:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     max_tokens: int | None = None
+    digest: str | None = None
+    deterministic: bool | None = None
+    cache: str = "none"
 
 
 def read_log(session: Session, *, since: datetime | None = None, window: timedelta | None = None,
@@ -97,6 +108,25 @@ def fill_output(entries: Sequence[Logged]) -> int:
 
 def _kind(value: str) -> Literal["chat", "completion"]:
     return "completion" if value == "completion" else "chat"
+
+
+def _recipe(entry: Logged, index: int, kind: Literal["chat", "completion"], model: str, seed: int,
+            fill: int) -> tuple[SynthText, int, str | None]:
+    """An entry's prompt, output length and prefix group (see the module doc)."""
+    assert entry.prompt_tokens is not None
+    text_tokens = max(1, entry.prompt_tokens - prompt_overhead_tokens(kind))
+    # A response-cache hit's cached tokens are its whole prompt, not a prefix the engine kept.
+    cached = 0 if entry.cache == "hit" else (entry.cached_tokens or 0)
+    shared = min(max(0, cached - prompt_overhead_tokens(kind)), text_tokens)
+    segments: list[tuple[int, int]] = []
+    if shared:
+        segments.append((unique_key("log-prefix", entry.tier, model), shared))
+    if text_tokens - shared:
+        segments.append((unique_key("log", seed, entry.digest or index), text_tokens - shared))
+    ran = entry.completion_tokens is not None and entry.status == 200
+    output = max(1, entry.completion_tokens if ran and entry.completion_tokens else (entry.max_tokens or fill))
+    group = f"log:{entry.tier}:{model}" if shared else None
+    return SynthText(tuple(segments), seed), output, group
 
 
 def log_workload(entries: Sequence[Logged], *, rate_multiplier: float = 1.0, seed: int = 0,
@@ -125,31 +155,34 @@ def log_workload(entries: Sequence[Logged], *, rate_multiplier: float = 1.0, see
     fill = fill_output(usable)
     specs: list[RequestSpec] = []
     t0 = usable[0].at if usable else None
+    recipes: dict[str, tuple[SynthText, int, str | None]] = {}
+    repeats = 0
     for i, entry in enumerate(usable):
         assert t0 is not None
         assert entry.tier is not None
-        assert entry.prompt_tokens is not None
         kind = _kind(entry.kind)
         model = entry.model or cast(str, default_model)
-        text_tokens = max(1, entry.prompt_tokens - prompt_overhead_tokens(kind))
-        shared = min(max(0, (entry.cached_tokens or 0) - prompt_overhead_tokens(kind)), text_tokens)
-        segments: list[tuple[int, int]] = []
-        if shared:
-            segments.append((unique_key("log-prefix", entry.tier, model), shared))
-        if text_tokens - shared:
-            segments.append((unique_key("log", seed, i), text_tokens - shared))
-        ran = entry.completion_tokens is not None and entry.status == 200
-        output = max(1, entry.completion_tokens if ran and entry.completion_tokens else (entry.max_tokens or fill))
+        recipe = recipes.get(entry.digest) if entry.digest else None
+        if recipe is None:
+            recipe = _recipe(entry, i, kind, model, seed, fill)
+            if entry.digest:
+                recipes[entry.digest] = recipe
+        else:
+            repeats += 1
+        prompt, output, group = recipe
+        extra: dict[str, Any] = {"ignore_eos": True}
+        if entry.deterministic:
+            extra["temperature"] = 0
         labels = Labels(tenant=entry.tier, request_class=entry.tier, model=model, kind=kind, stream=entry.stream,
-                        extra_body={"ignore_eos": True})
+                        extra_body=extra)
         arrival = (entry.at - t0).total_seconds() / rate_multiplier
-        group = f"log:{entry.tier}:{model}" if shared else None
-        specs.append(RequestSpec(i, arrival, SynthText(tuple(segments), seed), output, labels, group))
+        specs.append(RequestSpec(i, arrival, prompt, output, labels, group))
     duration = specs[-1].arrival_s if specs else 0.0
     source: dict[str, Any] = {
         "source": "request log", "entries": len(ordered), "skipped": skipped, "rate_multiplier": rate_multiplier,
         "seed": seed, "first": ordered[0].at.isoformat() if ordered else None,
         "last": ordered[-1].at.isoformat() if ordered else None,
         "refused_in_log": sum(1 for e in usable if e.status != 200), "filled_output_tokens": fill,
+        "repeats": repeats,
     }
     return Workload(tuple(specs), duration, source)

@@ -15,6 +15,7 @@ from switchyard.decide.cache import (
     is_deterministic,
     parse_cache_control,
     plan_cache,
+    request_digest,
 )
 from switchyard.policy import PolicySnapshot, compile_policy
 from tests.unit.policy.base import base, to_yaml
@@ -283,3 +284,15 @@ def test_unknown_cache_control_tokens_are_refused(value: str) -> None:
     message = str(error.value)
     assert CACHE_CONTROL_HEADER in message and all(t in message for t in ("no-cache", "no-store", "bypass"))
     assert isinstance(error.value, ValueError)
+
+
+def test_the_request_digest_is_equal_for_requests_the_cache_answers_alike() -> None:
+    ask = {"model": "auto", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    same = {"temperature": 0.0, "stream": True, "user": "u1", "messages": [{"content": "hi", "role": "user"}],
+            "model": "auto"}
+    assert request_digest("chat", ask) == request_digest("chat", same)
+    assert len(request_digest("chat", ask)) == 16
+    for other in ({**ask, "model": "small"}, {**ask, "temperature": 0.5}, {**ask, "messages": [
+            {"role": "user", "content": "hi!"}]}):
+        assert request_digest("chat", other) != request_digest("chat", ask)
+    assert request_digest("completion", {"model": "auto", "prompt": "hi"}) != request_digest("chat", ask)

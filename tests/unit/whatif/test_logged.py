@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from switchyard.bench.spec import WorkloadError
 from switchyard.sim.chat import render_chat
+from switchyard.whatif import replay_policy
 from switchyard.whatif.logged import DEFAULT_OUTPUT, LogEntry, log_workload
 from switchyard.whatif.replay import prompt_ids
+from tests.unit.policy.base import base
+from tests.unit.whatif.test_replay import snap
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
@@ -70,3 +74,25 @@ def test_entries_that_cannot_be_replayed_are_counted_not_guessed() -> None:
     assert log_workload([]).specs == ()
     with pytest.raises(WorkloadError, match="rate_multiplier"):
         log_workload(entries, rate_multiplier=0)
+
+
+def test_repeated_requests_are_one_request_and_hit_a_candidates_response_cache() -> None:
+    """Three asks of one deterministic question (a fingerprint), one other: a candidate that adds an exact
+    cache rule answers the two repeats from the cache."""
+    entries = [entry(0, digest="aaaa", deterministic=True, prompt_tokens=300, completion_tokens=20),
+               entry(2, digest="aaaa", deterministic=True, prompt_tokens=300, completion_tokens=20, cached_tokens=300,
+                     cache="hit"),
+               entry(3, digest="bbbb", deterministic=True, prompt_tokens=300, completion_tokens=25),
+               entry(5, digest="aaaa", deterministic=True, prompt_tokens=300, completion_tokens=20)]
+    wl = log_workload(entries)
+    bodies = [s.body() for s in wl.specs]
+    assert bodies[0] == bodies[1] == bodies[3] != bodies[2]
+    assert bodies[0]["temperature"] == 0 and wl.describe()["repeats"] == 2
+    uncached, cached = base(), base()
+    uncached["cache"] = []
+    cached["cache"] = [{"match": {"models": ["small"]}, "mode": "exact", "ttl": "1m"}]
+    assert not any(o.cache_hit for o in replay_policy(snap(uncached), wl).outcomes)
+    assert [o.cache_hit for o in replay_policy(snap(cached), wl).outcomes] == [False, True, False, True]
+    # Not deterministic: a rule without nondeterministic: true does not cache them.
+    loose = log_workload([replace(e, deterministic=False) for e in entries])
+    assert not any(o.cache_hit for o in replay_policy(snap(cached), loose).outcomes)

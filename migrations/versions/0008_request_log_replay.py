@@ -1,4 +1,4 @@
-"""The request log keeps the output budget a request asked for (what a replay of the log sends).
+"""The request log keeps what a replay of it needs: the output budget asked for and which requests repeated.
 
 Revision ID: 0008
 Revises: 0007
@@ -21,8 +21,12 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     with op.batch_alter_table("request_log") as batch:
         batch.add_column(sa.Column("max_tokens", sa.Integer(), nullable=True))
+        batch.add_column(sa.Column("digest", sa.String(length=16), nullable=True))
+        batch.add_column(sa.Column("deterministic", sa.Boolean(), nullable=True))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("request_log") as batch:
+        batch.drop_column("deterministic")
+        batch.drop_column("digest")
         batch.drop_column("max_tokens")
