@@ -270,6 +270,8 @@ def test_health_ready_and_metrics(gateway: Gateway) -> None:
                            outcome="refused") >= 1
     assert 'switchyard_policy_info{sha256=' in text
     assert "switchyard_time_to_first_byte_seconds_bucket" in text
+    # The loop-lag probe runs every 10 ms from start-up: the gateway has been up for a while.
+    assert gateway_counter(gateway, "switchyard_event_loop_lag_seconds_count") > 10
 
 
 def test_console_overview_and_live_partial(gateway: Gateway) -> None:

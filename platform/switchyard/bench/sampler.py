@@ -38,6 +38,32 @@ def sum_series(text: str, name: str) -> float:
     return total
 
 
+def histogram_buckets(text: str, name: str) -> dict[float, float]:
+    """The cumulative bucket counts of histogram ``name`` (one without labels other than ``le``), by upper bound."""
+    prefix = f'{name}_bucket{{le="'
+    buckets: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            bound, _, rest = line[len(prefix):].partition('"}')
+            with contextlib.suppress(ValueError):
+                buckets[float(bound)] = float(rest.split()[0])
+    return buckets
+
+
+def bucket_quantile(before: dict[float, float], after: dict[float, float], q: float) -> tuple[float | None, int]:
+    """The upper bound of the bucket holding quantile ``q`` of the observations between two scrapes of one
+    histogram, and how many there were (None, 0: none)."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    total = counts[-1] if counts else 0.0
+    if total <= 0:
+        return None, 0
+    for bound, count in zip(bounds, counts, strict=True):
+        if count >= q * total:
+            return bound, int(total)
+    return bounds[-1], int(total)
+
+
 async def scrape_text(session: aiohttp.ClientSession, url: str, timeout_s: float = 2.0) -> str | None:
     """The text ``url`` (a ``/metrics``) answers with 200, or None (another status, a timeout, no connection)."""
     try:

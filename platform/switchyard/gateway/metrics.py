@@ -10,6 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 1.5, 2.5, 5, 10, 30, 60, 300, 600)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+#: Event-loop lag: how late a timer fired (the gateway's own added latency is in this range).
+LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 _CLASSIFIER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -53,6 +55,11 @@ class GatewayMetrics:
         self.spend = Counter(
             "switchyard_spend", "What answered requests cost at their model's prices (the policy's currency).",
             ["model"], registry=self.registry)
+        self.loop_lag = Histogram(
+            "switchyard_event_loop_lag_seconds",
+            "How late the event loop ran a timer due every 10 ms: time spent on other work (a long callback, a "
+            "garbage collection, the process not scheduled) before it could look. Every request waiting on the "
+            "loop then waited as long.", buckets=LOOP_LAG_BUCKETS, registry=self.registry)
         self._usage_children: dict[str, tuple[Counter, Counter, Counter, Counter]] = {}
         self.policy_version = Gauge(
             "switchyard_policy_active_version", "The number of the policy version this process serves "

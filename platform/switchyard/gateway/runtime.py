@@ -45,6 +45,8 @@ from switchyard.store.limits import create_limit_store
 from switchyard.store.request_log import RequestLogWriter
 from switchyard.store.usage import UsageRecorder
 
+#: The period of the event-loop lag probe.
+LOOP_LAG_PROBE_S = 0.01
 log = logging.getLogger("switchyard.gateway")
 #: How often the response cache's entry, byte and eviction gauges are refreshed.
 CACHE_GAUGES_INTERVAL_S = 5.0
@@ -242,6 +244,15 @@ class GatewayRuntime:
                 log.debug("response cache stats unavailable: %s", exc)
             await asyncio.sleep(CACHE_GAUGES_INTERVAL_S)
 
+    async def _watch_loop_lag(self) -> None:
+        """Time a 10 ms timer, forever: how late it fires is the event loop's lag (a metric)."""
+        loop = asyncio.get_running_loop()
+        observe = self.metrics.loop_lag.observe
+        while True:
+            due = loop.time() + LOOP_LAG_PROBE_S
+            await asyncio.sleep(LOOP_LAG_PROBE_S)
+            observe(max(0.0, loop.time() - due))
+
     def _lookup_key(self, key_hash: str) -> KeyIdentity | None:
         with db.session_scope(self.engine) as session:
             return identify(session, key_hash)
@@ -307,11 +318,12 @@ class GatewayRuntime:
                                                name="switchyard-request-log")
         pumping = asyncio.create_task(self.flow.run(), name="switchyard-flow")
         gauges = asyncio.create_task(self._cache_gauges(), name="switchyard-cache-gauges")
+        lag = asyncio.create_task(self._watch_loop_lag(), name="switchyard-loop-lag")
         try:
             async with following(self._reloader):
                 yield
         finally:
-            for task in (scraping, probing, pumping, gauges):
+            for task in (scraping, probing, pumping, gauges, lag):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from switchyard.bench.prompts import LiteralText, SynthText, block_key
 from switchyard.bench.results import Result
+from switchyard.bench.sampler import bucket_quantile, histogram_buckets
 from switchyard.bench.scenarios import SCENARIOS
 from switchyard.bench.scenarios import cache as cache_scenario
 from switchyard.bench.scenarios.failover import (
@@ -23,7 +25,7 @@ from switchyard.bench.scenarios.failover import (
     read_counters,
 )
 from switchyard.bench.scenarios.overhead import _shifted
-from switchyard.bench.scenarios.overhead_figures import service_latency
+from switchyard.bench.scenarios.overhead_figures import goals, lag_rows, service_latency
 from switchyard.bench.scenarios.prefix import unbounded_bound
 from switchyard.bench.spec import Labels, RequestSpec, Workload
 from switchyard.bench.traces import mooncake
@@ -440,3 +442,45 @@ def test_the_batch_scenario_names_the_policys_default_batch_ceiling() -> None:
 
     snapshot = compile_policy(batch_policy([9001, 9002]))
     assert snapshot.document.priorities["batch"].dispatch_ceiling == DEFAULT_BATCH_CEILING
+
+
+LAG = """\
+# TYPE switchyard_event_loop_lag_seconds histogram
+switchyard_event_loop_lag_seconds_bucket{{le="0.001"}} {a}
+switchyard_event_loop_lag_seconds_bucket{{le="0.002"}} {b}
+switchyard_event_loop_lag_seconds_bucket{{le="0.01"}} {c}
+switchyard_event_loop_lag_seconds_bucket{{le="+Inf"}} {d}
+switchyard_event_loop_lag_seconds_count {d}
+switchyard_event_loop_lag_seconds_sum 0.5
+"""
+
+
+def test_a_histograms_quantile_between_two_scrapes_is_a_bucket_bound() -> None:
+    before = histogram_buckets(LAG.format(a=100, b=100, c=100, d=100), "switchyard_event_loop_lag_seconds")
+    after = histogram_buckets(LAG.format(a=1050, b=1090, c=1099, d=1100), "switchyard_event_loop_lag_seconds")
+    assert after == {0.001: 1050.0, 0.002: 1090.0, 0.01: 1099.0, float("inf"): 1100.0}
+    assert bucket_quantile(before, after, 0.5) == (0.001, 1000)
+    assert bucket_quantile(before, after, 0.99) == (0.002, 1000)  # 990 of 1000 within 2 ms
+    assert bucket_quantile(before, after, 0.995) == (0.01, 1000)
+    assert bucket_quantile(before, after, 0.9995) == (float("inf"), 1000)
+    assert bucket_quantile(after, after, 0.99) == (None, 0)
+    assert histogram_buckets("", "switchyard_event_loop_lag_seconds") == {}
+
+
+def test_a_missed_latency_goal_names_the_loops_lag_and_the_hosts_jitter() -> None:
+    run = SimpleNamespace(lag={"stream": [
+        (histogram_buckets(LAG.format(a=0, b=0, c=0, d=0), "switchyard_event_loop_lag_seconds"),
+         histogram_buckets(LAG.format(a=900, b=950, c=999, d=1000), "switchyard_event_loop_lag_seconds"))]})
+    lag = lag_rows(run)  # type: ignore[arg-type]
+    assert lag == [{"mode": "stream", "checks": 1000, "late_share": pytest.approx(0.05), "p99_bucket_s": 0.01,
+                    "p999_bucket_s": 0.01}]
+    latency = [{"mode": "stream", "rate": 500.0, "arm": "direct", "p50_s": 0.0011, "p99_s": 0.0052},
+               {"mode": "stream", "rate": 500.0, "arm": "switchyard", "added_p99_s": 0.0061},
+               {"mode": "non-stream", "rate": 500.0, "arm": "switchyard", "added_p99_s": 0.0015}]
+    non_stream, stream = (g for g in goals(latency, [], lag) if "added latency" in g["goal"])
+    assert stream["met"] is False and non_stream["met"] is True
+    assert non_stream["note"] == ""
+    assert stream["note"] == ("In the way: the gateway's event loop ran a 10 ms timer more than 2 ms late in 5.0% of "
+                              "1000 checks (p99 ≤ 10 ms, p99.9 ≤ 10 ms): a request arriving then waits as long; the "
+                              "engine called directly jitters too (p50 1.10 ms, p99 5.20 ms): the host's "
+                              "scheduling, which the gateway's process meets as well.")

@@ -39,6 +39,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
+
 from switchyard.bench import litellm_env
 from switchyard.bench.closedloop import Saturation, run_closed_loop
 from switchyard.bench.loadgen import Target, run_open_loop
@@ -56,6 +58,7 @@ from switchyard.bench.procs import (
 )
 from switchyard.bench.profile import ProfileSummary, record_profile
 from switchyard.bench.results import Result
+from switchyard.bench.sampler import histogram_buckets, scrape_text
 from switchyard.bench.scenarios.base import Outcome, ScenarioContext, cpu_plan
 from switchyard.bench.scenarios.overhead_figures import (
     CONCURRENCY,
@@ -76,6 +79,8 @@ QUICK_RATES = (500.0,)
 REPEATS = 3
 #: A step whose send lateness p99 is above this ran on a stalled machine and is run again.
 STALL_S = 0.05
+#: The gateway's event-loop lag histogram (it names what stands between the gateway and the p99 goal).
+LOOP_LAG_METRIC = "switchyard_event_loop_lag_seconds"
 
 
 @dataclass
@@ -142,6 +147,8 @@ class Overhead:
         self.notes: list[str] = []
         self.profiles: dict[str, ProfileSummary] = {}
         self.watched: Arm | None = None
+        #: The gateway's event-loop lag histogram (cumulative buckets) before and after each of its goal-rate steps.
+        self.lag: dict[str, list[tuple[dict[float, float], dict[float, float]]]] = {}
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -245,10 +252,13 @@ class Overhead:
         workload = poisson(rate, self.warmup_s + self.step_s, [_template(stream)],
                            self.ctx.options.seed + 1000 * rep + int(rate))
         self.focus(arm)
+        watch_lag = arm.name == "switchyard" and rate == GOAL_RATE
         for attempt in range(2):
             gc.collect()
+            before = await self._loop_lag(arm) if watch_lag else {}
             results = await run_open_loop(workload, arm.target, progress=self.ctx.options.progress,
                                           timeout_s=10.0, request_id_prefix=None)
+            after = await self._loop_lag(arm) if watch_lag else {}
             kept = [_shifted(r, self.warmup_s) for r in results if r.scheduled_s >= self.warmup_s]
             late = percentiles([r.lateness_s for r in kept], (99,))["p99"]
             if late is None or late <= STALL_S or attempt:
@@ -256,6 +266,16 @@ class Overhead:
             self.stalls.append(f"{arm.name} {mode} at {rate:g} requests/s (repeat {rep + 1}): send lateness p99 "
                                f"{late * 1000:.0f} ms, the step was run again")
         self.runs.setdefault(key, []).append(kept)
+        if watch_lag and after:
+            self.lag.setdefault(mode, []).append((before, after))
+
+    @staticmethod
+    async def _loop_lag(arm: Arm) -> dict[float, float]:
+        """The gateway's event-loop lag histogram now (empty when it cannot be read)."""
+        assert arm.target is not None
+        async with aiohttp.ClientSession() as session:
+            text = await scrape_text(session, f"{arm.target.base_url}/metrics")
+        return histogram_buckets(text or "", LOOP_LAG_METRIC)
 
     async def watch(self) -> None:
         """Check the LiteLLM proxy's sockets twice a second while it is measured (never during other arms)."""
