@@ -14,6 +14,7 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import httpx
@@ -22,11 +23,14 @@ import pytest
 from axe_playwright_python.sync_playwright import Axe
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
+from switchyard.store import db
+from switchyard.whatif.logged import read_log
 from tests.integration.conftest import (
     CONSOLE_PASSWORD,
     CONSOLE_USERS,
     Engines,
     Gateway,
+    eventually,
     start_gateway,
     stop,
 )
@@ -319,3 +323,54 @@ def test_the_console_works_from_the_keyboard(browser: Browser, live: Gateway) ->
         expect(tab).to_have_url(re.compile(r"/admin/policy$"))
     finally:
         context.close()
+
+
+def _logged_requests(live: Gateway) -> int:
+    engine = db.create_db_engine(live.env["SWITCHYARD_DATABASE_URL"])
+    try:
+        with db.session_scope(engine) as session:
+            return len(read_log(session, window=timedelta(hours=1)))
+    finally:
+        engine.dispose()
+
+
+def test_the_review_shows_what_the_change_would_do_then_publish(page: Page, live: Gateway) -> None:
+    """A candidate from the editor: the review loads the replay of the request log by itself (htmx, after the
+    page), above the publish button; re-validating the same text does not replay it again, a new window does."""
+    assert _ask(live, live.keys["pro"]) == 200
+    assert eventually(lambda: _logged_requests(live) > 0, timeout=10), "the request never reached the request log"
+    replays: list[str] = []
+    page.on("request", lambda r: replays.append(r.url) if r.url.endswith("/admin/policy/replay") else None)
+    page.goto("/admin/policy/edit")
+    editor = page.locator("#policy-editor")
+    lines = editor.input_value().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("tiers:")) + 1
+    lines.insert(at, "  - {name: trial, priority: sheddable, models: [small]}")  # no logged request is in it
+    editor.fill("\n".join(lines) + "\n")
+    page.locator("#publish-message").fill("a trial tier")
+    page.locator("#validate").click()  # the whole review page
+    expect(page.locator("#validation-status")).to_contain_text("Valid")
+    expect(page.locator("#replay-heading")).to_have_text("What this change would do")
+    expect(page.locator("#replay-headline")).to_be_visible(timeout=30_000)
+    # a new tier moves none of the logged requests
+    expect(page.locator("#replay-placement")).to_contain_text(re.compile(r"^0 of [1-9]\d* requests change placement"))
+    panel, publish = page.locator("#replay-headline").bounding_box(), page.locator("#publish").bounding_box()
+    assert panel is not None and publish is not None and panel["y"] < publish["y"]  # seen before publishing
+    page.wait_for_load_state("networkidle")
+    assert len(replays) == 1, replays  # validating on load kept the panel of the same candidate
+    check_page(page, "14-policy-replay")
+    with page.expect_response(re.compile(r"/admin/policy/replay$")):
+        page.locator("#replay-window").select_option("15m")
+    expect(page.locator("#replay-summary")).to_contain_text("the last 15 minutes")
+    expect(page.locator("#replay-window")).to_have_value("15m")
+    # typing makes another candidate: validated as typed, and replayed again (over the default window)
+    before = page.locator("section.replay").get_attribute("id")
+    editor.press("Control+End")  # the end of the document
+    editor.type("# trial: for the pilot customers\n")
+    expect(page.locator("section.replay")).not_to_have_id(before or "", timeout=10_000)
+    expect(page.locator("#replay-headline")).to_be_visible(timeout=30_000)
+    expect(page.locator("#replay-window")).to_have_value("1h")
+    assert len(replays) == 3, replays
+    page.locator("#publish").click()
+    expect(page).to_have_url(re.compile(r"/admin/policy\?published=\d+$"))
+    expect(page.locator("#history")).to_contain_text("a trial tier")

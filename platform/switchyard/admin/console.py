@@ -20,7 +20,7 @@ from litestar.response import Template
 
 from switchyard.admin.api import endpoint_row
 from switchyard.admin.login import logout
-from switchyard.admin.pages import audit, batches, cache, dryrun, policy, requests, tenants, usage
+from switchyard.admin.pages import audit, batches, cache, dryrun, policy, policy_replay, requests, tenants, usage
 from switchyard.admin.session import CONSOLE_EXCEPTION_HANDLERS, console_guard, security_headers
 from switchyard.gateway.activity import CACHE_POOL, NO_POOL, sparkline_points
 from switchyard.gateway.runtime import GatewayRuntime
@@ -170,8 +170,8 @@ async def overview(request: HTMXRequest) -> Template:
     return Template(template_name="admin/overview.html.j2", context=context)
 
 
-PAGES = [overview, logout, *policy.ROUTES, *tenants.ROUTES, *usage.ROUTES, *requests.ROUTES, *dryrun.ROUTES,
-         *cache.ROUTES, *audit.ROUTES, *batches.ROUTES]
+PAGES = [overview, logout, *policy.ROUTES, *policy_replay.ROUTES, *tenants.ROUTES, *usage.ROUTES, *requests.ROUTES,
+         *dryrun.ROUTES, *cache.ROUTES, *audit.ROUTES, *batches.ROUTES]
 
 admin_router = Router(path="/admin", route_handlers=PAGES, request_class=HTMXRequest, guards=[console_guard],
                       exception_handlers=CONSOLE_EXCEPTION_HANDLERS, after_request=security_headers)

@@ -67,7 +67,7 @@ class Logged(Protocol):
     cache: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class LogEntry:
     """One request as the log has it (for callers that hold no ``RequestLogEntry`` rows)."""
 

@@ -244,6 +244,8 @@ def _base_context(request: HTMXRequest) -> dict[str, Any]:
     runtime: GatewayRuntime = request.app.state.runtime
     return {"settings": runtime.settings, "snapshot": runtime.policy.snapshot,
             "file_mode": runtime.settings.policy_source == "file", "can_write": _can_write(request),
+            # the candidate-check view's replay panel (pages.policy_replay): operators, drafts in file mode too
+            "can_replay": current_user(request).may("operator"),
             "fmt_duration": fmt_duration, "fmt_value": fmt_value}
 
 
