@@ -272,6 +272,7 @@ def test_health_ready_and_metrics(gateway: Gateway) -> None:
     assert "switchyard_time_to_first_byte_seconds_bucket" in text
     # The loop-lag probe runs every 10 ms from start-up: the gateway has been up for a while.
     assert gateway_counter(gateway, "switchyard_event_loop_lag_seconds_count") > 10
+    assert gateway_counter(gateway, "switchyard_gc_pause_seconds_count", generation="0") > 0  # every collection timed
 
 
 def test_console_overview_and_live_partial(gateway: Gateway) -> None:

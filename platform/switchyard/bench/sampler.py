@@ -38,9 +38,10 @@ def sum_series(text: str, name: str) -> float:
     return total
 
 
-def histogram_buckets(text: str, name: str) -> dict[float, float]:
-    """The cumulative bucket counts of histogram ``name`` (one without labels other than ``le``), by upper bound."""
-    prefix = f'{name}_bucket{{le="'
+def histogram_buckets(text: str, name: str, labels: str = "") -> dict[float, float]:
+    """The cumulative bucket counts of histogram ``name``, by upper bound; ``labels``: the series' other labels
+    as the exposition writes them before ``le`` (``generation="2",``)."""
+    prefix = f'{name}_bucket{{{labels}le="'
     buckets: dict[float, float] = {}
     for line in text.splitlines():
         if line.startswith(prefix):

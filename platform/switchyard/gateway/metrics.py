@@ -60,6 +60,11 @@ class GatewayMetrics:
             "How late the event loop ran a timer due every 10 ms: time spent on other work (a long callback, a "
             "garbage collection, the process not scheduled) before it could look. Every request waiting on the "
             "loop then waited as long.", buckets=LOOP_LAG_BUCKETS, registry=self.registry)
+        self.gc_pause = Histogram(
+            "switchyard_gc_pause_seconds",
+            "Garbage collections of this process and how long each held the interpreter, by generation (0, 1, 2: "
+            "2 is a full collection). The event loop stops for as long.",
+            ["generation"], buckets=LOOP_LAG_BUCKETS, registry=self.registry)
         self._usage_children: dict[str, tuple[Counter, Counter, Counter, Counter]] = {}
         self.policy_version = Gauge(
             "switchyard_policy_active_version", "The number of the policy version this process serves "

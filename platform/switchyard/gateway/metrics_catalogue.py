@@ -24,6 +24,7 @@ LABEL_VALUES: dict[str, str] = {
     "classifier": "An embedding classifier name of the policy's `classifiers`.",
     "dependency": "`redis` (the limit store) or `database` (key lookups).",
     "endpoint": "An endpoint URL of the policy's pools.",
+    "generation": "The garbage collector's generation: `0`, `1` or `2` (a full collection).",
     "kind": "`prompt`, `completion` or `cached` (prompt tokens found in the engine's prefix cache).",
     "lane": "`interactive` or `batch` (the class's lane).",
     "limit": "`tokens_per_minute`, `requests_per_minute`, `tokens_per_day` or `spend_per_month`.",

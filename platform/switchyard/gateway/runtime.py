@@ -8,7 +8,7 @@ import gc
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -244,6 +244,21 @@ class GatewayRuntime:
                 log.debug("response cache stats unavailable: %s", exc)
             await asyncio.sleep(CACHE_GAUGES_INTERVAL_S)
 
+    def _gc_timer(self) -> Callable[[str, dict[str, Any]], None]:
+        """A ``gc.callbacks`` hook that times each collection into ``switchyard_gc_pause_seconds``."""
+        pauses = [self.metrics.gc_pause.labels(str(g)) for g in range(3)]
+        started = 0.0
+
+        def on_gc(phase: str, info: dict[str, Any]) -> None:
+            nonlocal started
+            if phase == "start":
+                started = time.perf_counter()
+            elif started:
+                pauses[min(int(info.get("generation", 0)), 2)].observe(time.perf_counter() - started)
+                started = 0.0
+
+        return on_gc
+
     async def _watch_loop_lag(self) -> None:
         """Time a 10 ms timer, forever: how late it fires is the event loop's lag (a metric)."""
         loop = asyncio.get_running_loop()
@@ -294,11 +309,17 @@ class GatewayRuntime:
         self._http = create_client_session(timeouts, self.settings.upstream_max_connections)
         self._http_fresh = create_client_session(timeouts, self.settings.upstream_max_connections, fresh=True)
         self._classifiers = ClassifierRunner(self._http, self.endpoints, self.metrics)
-        # Objects made during start-up live as long as the process: keep them out of the
-        # collector's way, and collect young objects less often (DESIGN.md: +13% requests/s).
+        # Objects made during start-up live as long as the process: keep them out of the collector's
+        # way. Young objects are collected at Python's default pace: a higher gen-0 threshold (DESIGN.md:
+        # +13% requests/s for a bare proxy) made each collection of the full gateway's streams long
+        # (`switchyard bench --scenario overhead`, 500 requests/s: gen-0 pauses up to 100 ms, stream
+        # p99 added 54-92 ms at 50,000 against 13-19 ms at 700; max sustained requests/s the same
+        # within the runs' noise).
         gc.collect()
         gc.freeze()
-        gc.set_threshold(50_000, 20, 20)
+        gc.set_threshold(700, 10, 10)
+        gc_hook = self._gc_timer()
+        gc.callbacks.append(gc_hook)
         log.info("gateway ready on %s with policy %s (%s)", self.settings.listen, snapshot.label,
                  self.settings.policy_source)
         scraper = MetricsScraper(self.endpoints, self._http, self.engine_urls, self.settings.scrape_interval_s,
@@ -323,6 +344,8 @@ class GatewayRuntime:
             async with following(self._reloader):
                 yield
         finally:
+            with contextlib.suppress(ValueError):
+                gc.callbacks.remove(gc_hook)
             for task in (scraping, probing, pumping, gauges, lag):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -455,6 +455,14 @@ switchyard_event_loop_lag_seconds_sum 0.5
 """
 
 
+GC = """\
+switchyard_gc_pause_seconds_bucket{{generation="{g}",le="0.001"}} {a}
+switchyard_gc_pause_seconds_bucket{{generation="{g}",le="0.002"}} {b}
+switchyard_gc_pause_seconds_bucket{{generation="{g}",le="0.01"}} {c}
+switchyard_gc_pause_seconds_bucket{{generation="{g}",le="+Inf"}} {d}
+"""
+
+
 def test_a_histograms_quantile_between_two_scrapes_is_a_bucket_bound() -> None:
     before = histogram_buckets(LAG.format(a=100, b=100, c=100, d=100), "switchyard_event_loop_lag_seconds")
     after = histogram_buckets(LAG.format(a=1050, b=1090, c=1099, d=1100), "switchyard_event_loop_lag_seconds")
@@ -468,19 +476,25 @@ def test_a_histograms_quantile_between_two_scrapes_is_a_bucket_bound() -> None:
 
 
 def test_a_missed_latency_goal_names_the_loops_lag_and_the_hosts_jitter() -> None:
-    run = SimpleNamespace(lag={"stream": [
-        (histogram_buckets(LAG.format(a=0, b=0, c=0, d=0), "switchyard_event_loop_lag_seconds"),
-         histogram_buckets(LAG.format(a=900, b=950, c=999, d=1000), "switchyard_event_loop_lag_seconds"))]})
-    lag = lag_rows(run)  # type: ignore[arg-type]
+    gc_text = (GC.format(g=0, a=10, b=300, c=300, d=300) + GC.format(g=1, a=0, b=0, c=0, d=0)
+               + GC.format(g=2, a=0, b=0, c=2, d=2))
+    before = {"lag": histogram_buckets(LAG.format(a=0, b=0, c=0, d=0), "switchyard_event_loop_lag_seconds"),
+              "gc0": {}, "gc1": {}, "gc2": {}}
+    after = {"lag": histogram_buckets(LAG.format(a=900, b=950, c=999, d=1000), "switchyard_event_loop_lag_seconds")}
+    for g in range(3):
+        after[f"gc{g}"] = histogram_buckets(gc_text, "switchyard_gc_pause_seconds", f'generation="{g}",')
+    lag = lag_rows(SimpleNamespace(lag={"stream": [(before, after)]}))  # type: ignore[arg-type]
     assert lag == [{"mode": "stream", "checks": 1000, "late_share": pytest.approx(0.05), "p99_bucket_s": 0.01,
-                    "p999_bucket_s": 0.01}]
+                    "p999_bucket_s": 0.01, "gc0": 300, "gc0_max_bucket_s": 0.002, "gc1": 0,
+                    "gc1_max_bucket_s": None, "gc2": 2, "gc2_max_bucket_s": 0.01}]
     latency = [{"mode": "stream", "rate": 500.0, "arm": "direct", "p50_s": 0.0011, "p99_s": 0.0052},
                {"mode": "stream", "rate": 500.0, "arm": "switchyard", "added_p99_s": 0.0061},
                {"mode": "non-stream", "rate": 500.0, "arm": "switchyard", "added_p99_s": 0.0015}]
     non_stream, stream = (g for g in goals(latency, [], lag) if "added latency" in g["goal"])
     assert stream["met"] is False and non_stream["met"] is True
     assert non_stream["note"] == ""
-    assert stream["note"] == ("In the way: the gateway's event loop ran a 10 ms timer more than 2 ms late in 5.0% of "
-                              "1000 checks (p99 ≤ 10 ms, p99.9 ≤ 10 ms): a request arriving then waits as long; the "
-                              "engine called directly jitters too (p50 1.10 ms, p99 5.20 ms): the host's "
-                              "scheduling, which the gateway's process meets as well.")
+    assert stream["note"] == (
+        "In the way: the gateway's event loop ran a 10 ms timer more than 2 ms late in 5.0% of 1000 checks (p99 ≤ "
+        "10 ms, p99.9 ≤ 10 ms): a request arriving then waits as long; garbage collections stopped it meanwhile: "
+        "300 of generation 0 (each ≤ 2 ms), 2 of generation 2 (each ≤ 10 ms); the engine called directly jitters "
+        "too (p50 1.10 ms, p99 5.20 ms): the host's scheduling, which the gateway's process meets as well.")

@@ -81,6 +81,7 @@ REPEATS = 3
 STALL_S = 0.05
 #: The gateway's event-loop lag histogram (it names what stands between the gateway and the p99 goal).
 LOOP_LAG_METRIC = "switchyard_event_loop_lag_seconds"
+GC_PAUSE_METRIC = "switchyard_gc_pause_seconds"
 
 
 @dataclass
@@ -147,8 +148,9 @@ class Overhead:
         self.notes: list[str] = []
         self.profiles: dict[str, ProfileSummary] = {}
         self.watched: Arm | None = None
-        #: The gateway's event-loop lag histogram (cumulative buckets) before and after each of its goal-rate steps.
-        self.lag: dict[str, list[tuple[dict[float, float], dict[float, float]]]] = {}
+        #: The gateway's event-loop lag and GC pause histograms (cumulative buckets, by series) before and after
+        #: each of its goal-rate steps.
+        self.lag: dict[str, list[tuple[dict[str, dict[float, float]], dict[str, dict[float, float]]]]] = {}
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -270,12 +272,17 @@ class Overhead:
             self.lag.setdefault(mode, []).append((before, after))
 
     @staticmethod
-    async def _loop_lag(arm: Arm) -> dict[float, float]:
-        """The gateway's event-loop lag histogram now (empty when it cannot be read)."""
+    async def _loop_lag(arm: Arm) -> dict[str, dict[float, float]]:
+        """The gateway's event-loop lag and GC pause histograms now, by series (empty when unreadable)."""
         assert arm.target is not None
         async with aiohttp.ClientSession() as session:
             text = await scrape_text(session, f"{arm.target.base_url}/metrics")
-        return histogram_buckets(text or "", LOOP_LAG_METRIC)
+        if not text:
+            return {}
+        series = {"lag": histogram_buckets(text, LOOP_LAG_METRIC)}
+        for generation in range(3):
+            series[f"gc{generation}"] = histogram_buckets(text, GC_PAUSE_METRIC, f'generation="{generation}",')
+        return series
 
     async def watch(self) -> None:
         """Check the LiteLLM proxy's sockets twice a second while it is measured (never during other arms)."""

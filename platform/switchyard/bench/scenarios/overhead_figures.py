@@ -117,18 +117,31 @@ def lag_rows(run: Overhead) -> list[dict[str, Any]]:
         pairs = run.lag.get(mode, [])
         if not pairs:
             continue
-        before: dict[float, float] = {}
-        after: dict[float, float] = {}
-        for b, a in pairs:  # the repeats' observations pooled
-            for bound in a:
-                before[bound] = before.get(bound, 0.0) + b.get(bound, 0.0)
-                after[bound] = after.get(bound, 0.0) + a[bound]
+        before, after = _pooled(pairs, "lag")
         p99, checks = bucket_quantile(before, after, 0.99)
         p999, _ = bucket_quantile(before, after, 0.999)
         within = after.get(GOAL_ADDED_P99_S, 0.0) - before.get(GOAL_ADDED_P99_S, 0.0)
-        rows.append({"mode": mode, "checks": checks, "late_share": 1 - within / checks if checks else None,
-                     "p99_bucket_s": p99, "p999_bucket_s": p999})
+        row: dict[str, Any] = {"mode": mode, "checks": checks, "late_share": 1 - within / checks if checks else None,
+                               "p99_bucket_s": p99, "p999_bucket_s": p999}
+        for generation in range(3):
+            gc_before, gc_after = _pooled(pairs, f"gc{generation}")
+            worst, count = bucket_quantile(gc_before, gc_after, 1.0)
+            row[f"gc{generation}"], row[f"gc{generation}_max_bucket_s"] = count, worst
+        rows.append(row)
     return rows
+
+
+def _pooled(pairs: Sequence[tuple[dict[str, dict[float, float]], dict[str, dict[float, float]]]],
+            series: str) -> tuple[dict[float, float], dict[float, float]]:
+    """One histogram series' buckets before and after, summed over the repeats (their observations pooled)."""
+    before: dict[float, float] = {}
+    after: dict[float, float] = {}
+    for b, a in pairs:
+        got, had = a.get(series, {}), b.get(series, {})
+        for bound, count in got.items():
+            before[bound] = before.get(bound, 0.0) + had.get(bound, 0.0)
+            after[bound] = after.get(bound, 0.0) + count
+    return before, after
 
 
 def _in_the_way(mode: str, latency: list[dict[str, Any]], lag: list[dict[str, Any]]) -> str:
@@ -140,6 +153,10 @@ def _in_the_way(mode: str, latency: list[dict[str, Any]], lag: list[dict[str, An
                      f"{100 * lagged['late_share']:.1f}% of {lagged['checks']} checks (p99 ≤ "
                      f"{1000 * lagged['p99_bucket_s']:g} ms, p99.9 ≤ {1000 * lagged['p999_bucket_s']:g} ms): a "
                      "request arriving then waits as long")
+        collections = [f"{lagged[f'gc{g}']} of generation {g} (each ≤ {1000 * lagged[f'gc{g}_max_bucket_s']:g} ms)"
+                       for g in range(3) if lagged.get(f"gc{g}")]
+        if collections:
+            parts.append("garbage collections stopped it meanwhile: " + ", ".join(collections))
     direct = next((r for r in latency if r["mode"] == mode and r["rate"] == GOAL_RATE and r["arm"] == "direct"), None)
     if direct is not None and direct.get("p50_s") is not None and direct.get("p99_s") is not None:
         parts.append(f"the engine called directly jitters too (p50 {1000 * direct['p50_s']:.2f} ms, p99 "
@@ -216,10 +233,14 @@ def write(ctx: ScenarioContext, run_: Overhead) -> Outcome:
             f"Gateway event-loop lag at {GOAL_RATE:g} requests/s", [
                 text("mode", "mode"), num("checks", "timer checks", 0),
                 pct("late_share", f"> {GOAL_ADDED_P99_S * 1000:g} ms late %", 1),
-                ms("p99_bucket_s", "p99 ≤ ms"), ms("p999_bucket_s", "p99.9 ≤ ms")], lag,
+                ms("p99_bucket_s", "p99 ≤ ms"), ms("p999_bucket_s", "p99.9 ≤ ms"),
+                num("gc0", "GC gen 0", 0), ms("gc0_max_bucket_s", "longest ≤ ms"),
+                num("gc1", "GC gen 1", 0), ms("gc1_max_bucket_s", "longest ≤ ms"),
+                num("gc2", "GC gen 2", 0), ms("gc2_max_bucket_s", "longest ≤ ms")], lag,
             "From the gateway's own `switchyard_event_loop_lag_seconds` (a 10 ms timer; its histogram scraped before "
             "and after each of its steps at the goal rate, warm-up included): how long the loop was busy or not "
-            "scheduled before it could look. Bucket bounds, not exact values."))
+            "scheduled before it could look; and its garbage collections (`switchyard_gc_pause_seconds`), each of "
+            "which stops the loop. Bucket bounds, not exact values."))
     notes = [f"CPU placement: {describe_plan(run_.plan)}.",
              "The engine is `switchyard.bench.instant`: it answers every request at once from pre-encoded bytes "
              "(a measuring device, not a simulator).",
