@@ -35,7 +35,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Literal, cast
 
 from sqlmodel import Session, col, select
 
@@ -49,27 +49,10 @@ DEFAULT_OUTPUT = 256
 MAX_ENTRIES = 50_000
 
 
-class Logged(Protocol):
-    """The request log fields a replay reads (a ``RequestLogEntry`` has them all)."""
-
-    at: datetime
-    kind: str
-    tier: str | None
-    model: str | None
-    stream: bool
-    status: int
-    prompt_tokens: int | None
-    completion_tokens: int | None
-    cached_tokens: int | None
-    max_tokens: int | None
-    digest: str | None
-    deterministic: bool | None
-    cache: str
-
-
 @dataclass(slots=True)
 class LogEntry:
-    """One request as the log has it (for callers that hold no ``RequestLogEntry`` rows)."""
+    """One request as the log has it: the fields of a ``RequestLogEntry`` a replay reads (plain data, so it
+    can travel to a worker process)."""
 
     at: datetime
     kind: str
@@ -87,7 +70,7 @@ class LogEntry:
 
 
 def read_log(session: Session, *, since: datetime | None = None, window: timedelta | None = None,
-             limit: int = MAX_ENTRIES) -> list[RequestLogEntry]:
+             limit: int = MAX_ENTRIES) -> list[LogEntry]:
     """The newest ``limit`` entries at or after ``since`` (or within ``window`` of now), oldest first."""
     if since is None and window is not None:
         since = datetime.now(UTC) - window
@@ -95,12 +78,13 @@ def read_log(session: Session, *, since: datetime | None = None, window: timedel
     if since is not None:
         query = query.where(col(RequestLogEntry.at) >= since)
     query = query.order_by(col(RequestLogEntry.at).desc(), col(RequestLogEntry.id).desc()).limit(limit)
-    rows = list(session.exec(query))
-    rows.reverse()
-    return rows
+    return [LogEntry(at=r.at, kind=r.kind, tier=r.tier, model=r.model, stream=r.stream, status=r.status,
+                     prompt_tokens=r.prompt_tokens, completion_tokens=r.completion_tokens,
+                     cached_tokens=r.cached_tokens, max_tokens=r.max_tokens, digest=r.digest,
+                     deterministic=r.deterministic, cache=r.cache) for r in reversed(list(session.exec(query)))]
 
 
-def fill_output(entries: Sequence[Logged]) -> int:
+def fill_output(entries: Sequence[LogEntry]) -> int:
     """What a request that never ran and asked for no budget generates: the median of those that ran."""
     ran = [e.completion_tokens for e in entries if e.completion_tokens]
     return int(statistics.median(ran)) if ran else DEFAULT_OUTPUT
@@ -110,7 +94,7 @@ def _kind(value: str) -> Literal["chat", "completion"]:
     return "completion" if value == "completion" else "chat"
 
 
-def _recipe(entry: Logged, index: int, kind: Literal["chat", "completion"], model: str, seed: int,
+def _recipe(entry: LogEntry, index: int, kind: Literal["chat", "completion"], model: str, seed: int,
             fill: int) -> tuple[SynthText, int, str | None]:
     """An entry's prompt, output length and prefix group (see the module doc)."""
     assert entry.prompt_tokens is not None
@@ -129,7 +113,7 @@ def _recipe(entry: Logged, index: int, kind: Literal["chat", "completion"], mode
     return SynthText(tuple(segments), seed), output, group
 
 
-def log_workload(entries: Sequence[Logged], *, rate_multiplier: float = 1.0, seed: int = 0,
+def log_workload(entries: Sequence[LogEntry], *, rate_multiplier: float = 1.0, seed: int = 0,
                  default_model: str | None = None) -> Workload:
     """The entries (any order) as a workload in arrival order (see the module doc).
 
@@ -141,7 +125,7 @@ def log_workload(entries: Sequence[Logged], *, rate_multiplier: float = 1.0, see
     if rate_multiplier <= 0:
         raise WorkloadError(f"rate_multiplier must be > 0, got {rate_multiplier}")
     ordered = sorted(entries, key=lambda e: e.at)
-    usable: list[Logged] = []
+    usable: list[LogEntry] = []
     skipped: dict[str, int] = {"no_tier": 0, "no_prompt_count": 0, "no_model": 0}
     for entry in ordered:
         if not entry.tier:

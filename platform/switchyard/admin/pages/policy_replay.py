@@ -38,7 +38,6 @@ from switchyard.admin.pages.policy import CANDIDATE, _text_of
 from switchyard.decide.pick import Strategy
 from switchyard.decide.policy_tests import compile_checked
 from switchyard.policy import PolicyError, compile_policy
-from switchyard.store.models import RequestLogEntry
 from switchyard.whatif import replay_report
 from switchyard.whatif.fleet import FleetError
 from switchyard.whatif.logged import LogEntry, log_workload, read_log
@@ -321,14 +320,6 @@ def _replay(active: tuple[str, int | None], candidate: str, entries: list[LogEnt
     return Replayed(report, report["workload"])
 
 
-def _plain(rows: list[RequestLogEntry]) -> list[LogEntry]:
-    """Log rows as the replay reads them (plain data, to send to a worker process)."""
-    return [LogEntry(at=r.at, kind=r.kind, tier=r.tier, model=r.model, stream=r.stream, status=r.status,
-                     prompt_tokens=r.prompt_tokens, completion_tokens=r.completion_tokens,
-                     cached_tokens=r.cached_tokens, max_tokens=r.max_tokens, digest=r.digest,
-                     deterministic=r.deterministic, cache=r.cache) for r in rows]
-
-
 def _limiter(state: State) -> anyio.CapacityLimiter:
     """This process's one-replay-at-a-time limiter (made on first use, kept on the app's state)."""
     limiter = state.get(LIMITER_KEY)
@@ -373,8 +364,7 @@ async def policy_replay(request: HTMXRequest) -> Template:
         return _respond(request, text, base | {
             "alert": True, "message": f"The candidate is not valid ({count} issue{'s' if count != 1 else ''}), "
                                       "so it was not replayed: fix it first."})
-    entries = await in_db(runtime, lambda session: _plain(read_log(session, window=window.span,
-                                                                   limit=MAX_LOG_ENTRIES + 1)))
+    entries = await in_db(runtime, lambda session: read_log(session, window=window.span, limit=MAX_LOG_ENTRIES + 1))
     capped = len(entries) > MAX_LOG_ENTRIES
     entries = entries[-MAX_LOG_ENTRIES:]  # oldest first: keep the newest
     folder = settings.policy_file.resolve().parent  # where relative sim_profile paths start, as the CLI does
