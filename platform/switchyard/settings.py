@@ -86,6 +86,10 @@ class Settings(BaseSettings):
         default=None, description="Bearer token for the admin API (/admin/api); unset: the admin API "
         "answers 403 (the console, with its own logins, works either way).",
     )
+    stall_sampler_ms: float | None = Field(
+        default=None, gt=0, description="Diagnostics: log where the event loop's thread was each time the loop "
+        "ran this many ms late (a watchdog thread; one warning line per stall; see `gateway/stalls.py`). Unset: off.",
+    )
     usage_flush_interval_s: float = Field(
         default=2.0, gt=0, description="How often the usage ledger's counts are written to the database.",
     )

@@ -232,6 +232,17 @@ def test_overhead_says_litellm_was_not_measured_and_its_figures_agree(
     added = next(g for g in report["goals"] if "added latency" in g["goal"] and "non-stream" in g["goal"])
     sy = next(r for r in latency if r["arm"] == "switchyard" and r["mode"] == "non-stream" and r["rate"] == 500)
     assert added["value"] == sy["added_p99_s"]
+    # What stands in the way: the gateway's own loop lag and GC pauses around its goal-rate steps, and where an
+    # uncounted second gateway with the stall sampler on found its loop thread.
+    tables = {t["title"]: t for t in report["tables"]}
+    [lag] = [t for name, t in tables.items() if name.startswith("Gateway event-loop lag")]
+    assert {r["mode"] for r in lag["rows"]} == {"non-stream", "stream"}
+    assert all(r["checks"] > 0 and r["gc0"] >= 0 for r in lag["rows"])
+    stalls = tables["Where the gateway's event loop stalled (diagnostic step, not counted)"]
+    logged = [line for line in (out / "logs" / "gateway-stalls.log").read_text().splitlines()
+              if "event loop stalled" in line]
+    assert f"; {len(logged)} stalls of 3 ms or more were logged" in stalls["note"]
+    assert sum(r["stalls"] for r in stalls["rows"]) <= len(logged)
 
 
 def test_prefix_figures_agree_with_the_engines_and_the_bound(

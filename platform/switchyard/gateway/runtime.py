@@ -36,6 +36,7 @@ from switchyard.gateway.policy_state import PolicyHolder, load_startup_policy
 from switchyard.gateway.reload import PolicyReloader, following
 from switchyard.gateway.response_cache import CacheRunner
 from switchyard.gateway.retries import RetryBudget
+from switchyard.gateway.stalls import StallSampler
 from switchyard.gateway.tracing import Tracing
 from switchyard.settings import Settings
 from switchyard.store import db
@@ -263,10 +264,20 @@ class GatewayRuntime:
         """Time a 10 ms timer, forever: how late it fires is the event loop's lag (a metric)."""
         loop = asyncio.get_running_loop()
         observe = self.metrics.loop_lag.observe
-        while True:
-            due = loop.time() + LOOP_LAG_PROBE_S
-            await asyncio.sleep(LOOP_LAG_PROBE_S)
-            observe(max(0.0, loop.time() - due))
+        threshold = self.settings.stall_sampler_ms
+        sampler = StallSampler(threshold / 1000, LOOP_LAG_PROBE_S) if threshold else None
+        if sampler is not None:
+            sampler.start()
+        try:
+            while True:
+                due = loop.time() + LOOP_LAG_PROBE_S
+                await asyncio.sleep(LOOP_LAG_PROBE_S)
+                observe(max(0.0, loop.time() - due))
+                if sampler is not None:
+                    sampler.beat()
+        finally:
+            if sampler is not None:
+                sampler.stop()
 
     def _lookup_key(self, key_hash: str) -> KeyIdentity | None:
         with db.session_scope(self.engine) as session:

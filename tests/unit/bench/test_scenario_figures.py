@@ -25,7 +25,7 @@ from switchyard.bench.scenarios.failover import (
     read_counters,
 )
 from switchyard.bench.scenarios.overhead import _shifted
-from switchyard.bench.scenarios.overhead_figures import goals, lag_rows, service_latency
+from switchyard.bench.scenarios.overhead_figures import goals, lag_rows, service_latency, stall_rows
 from switchyard.bench.scenarios.prefix import unbounded_bound
 from switchyard.bench.spec import Labels, RequestSpec, Workload
 from switchyard.bench.traces import mooncake
@@ -498,3 +498,27 @@ def test_a_missed_latency_goal_names_the_loops_lag_and_the_hosts_jitter() -> Non
         "10 ms, p99.9 ≤ 10 ms): a request arriving then waits as long; garbage collections stopped it meanwhile: "
         "300 of generation 0 (each ≤ 2 ms), 2 of generation 2 (each ≤ 10 ms); the engine called directly jitters "
         "too (p50 1.10 ms, p99 5.20 ms): the host's scheduling, which the gateway's process meets as well.")
+
+
+def test_stalls_are_grouped_by_where_the_loop_thread_was() -> None:
+    lines = ["2026-11-30 22:00:01 WARNING switchyard.stalls: event loop stalled 12.5 ms at a.py:1 f < b.py:2 g",
+             "2026-11-30 22:00:02 WARNING switchyard.stalls: event loop stalled 30.0 ms at a.py:1 f < c.py:3 h",
+             "2026-11-30 22:00:03 WARNING switchyard.stalls: event loop stalled 6.0 ms at selectors.py:9 select",
+             "an unrelated line"]
+    rows = stall_rows(lines)
+    assert [(r["where"], r["stalls"]) for r in rows] == [("a.py:1 f", 2), ("selectors.py:9 select", 1)]
+    assert rows[0]["total_s"] == pytest.approx(0.0425) and rows[0]["longest_s"] == pytest.approx(0.03)
+    assert rows[0]["stack"] == "a.py:1 f < c.py:3 h"
+    latency = [{"mode": "stream", "rate": 500.0, "arm": "switchyard", "added_p99_s": 0.01}]
+    [stream] = [g for g in goals(latency, [], [], rows) if "(stream, first chunk)" in g["goal"]]
+    assert stream["note"].endswith("a stall sampler in an uncounted step found the loop thread most often at "
+                                   "a.py:1 f (2 stalls, 42 ms; see the stall table).")
+
+
+def test_a_stall_inside_the_event_loop_itself_is_said_so() -> None:
+    rows = stall_rows(["x WARNING switchyard.stalls: event loop stalled 8.0 ms at 3.11/asyncio/runners.py:118 run "
+                       "< uvicorn/server.py:86 run"])
+    latency = [{"mode": "stream", "rate": 500.0, "arm": "switchyard", "added_p99_s": 0.01}]
+    [stream] = [g for g in goals(latency, [], [], rows) if "(stream, first chunk)" in g["goal"]]
+    assert "3.11/asyncio/runners.py:118 run (inside the event loop itself: no Python callback was running" in \
+        stream["note"]

@@ -65,6 +65,7 @@ from switchyard.bench.scenarios.overhead_figures import (
     GOAL_RATE,
     MAX_ERROR_RATE,
     MODES,
+    STALL_SAMPLER_MS,
     write,
 )
 from switchyard.bench.spec import RequestSpec
@@ -82,6 +83,9 @@ STALL_S = 0.05
 #: The gateway's event-loop lag histogram (it names what stands between the gateway and the p99 goal).
 LOOP_LAG_METRIC = "switchyard_event_loop_lag_seconds"
 GC_PAUSE_METRIC = "switchyard_gc_pause_seconds"
+#: The line the gateway logs per stall (``gateway/stalls.py``; bench runs the gateway as a process and reads
+#: its log, it does not import it).
+STALL_PREFIX = "event loop stalled"
 
 
 @dataclass
@@ -151,6 +155,10 @@ class Overhead:
         #: The gateway's event-loop lag and GC pause histograms (cumulative buckets, by series) before and after
         #: each of its goal-rate steps.
         self.lag: dict[str, list[tuple[dict[str, dict[float, float]], dict[str, dict[float, float]]]]] = {}
+        #: The stall lines a second gateway, with the stall sampler on, logged in the uncounted diagnostic step.
+        self.stall_lines: list[str] = []
+        self.gateway_env: dict[str, str] = {}
+        self.gateway_key = ""
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -164,6 +172,7 @@ class Overhead:
         policy.write_text(overhead_policy(engine_port, SERVED, MODEL))
         env = state_env(ctx.state_dir / "switchyard", policy)
         key = create_key(env, TENANT, TIER)
+        self.gateway_env, self.gateway_key = env, key
         ctx.say("overhead: starting the gateway")
         gateway = start_gateway(procs, "gateway", env, cpus=self.plan["proxy"])
         self.arms = [
@@ -316,6 +325,31 @@ class Overhead:
                                 self._check_outside(arm.name, arm.proc)
         self.focus(None)
 
+    async def find_stalls(self) -> None:
+        """The diagnostic step (not counted): a second gateway with the stall sampler on takes the goal rate in
+        each mode while the measured proxies are paused; its log says where its event loop was when it stalled."""
+        if not self.gateway_env:
+            return
+        ctx = self.ctx
+        ctx.say(f"overhead: where the gateway's event loop stalls ({STALL_SAMPLER_MS:g} ms sampler, not counted)")
+        env = {**self.gateway_env, "SWITCHYARD_STALL_SAMPLER_MS": f"{STALL_SAMPLER_MS:g}"}
+        handle = start_gateway(ctx.procs, "gateway-stalls", env, cpus=self.plan["proxy"])
+        paused = [a.proc for a in self.arms if a.name != "direct" and a.proc is not None and a.proc.alive()]
+        for proc in paused:
+            proc.popen.send_signal(signal.SIGSTOP)
+        try:
+            target = Target(handle.base_url, "switchyard-stalls", default_api_key=self.gateway_key)
+            for mode in MODES:
+                workload = poisson(GOAL_RATE, self.warmup_s + self.step_s, [_template(mode == "stream")],
+                                   self.ctx.options.seed + 7)
+                await run_open_loop(workload, target, progress=False, timeout_s=10.0, request_id_prefix=None)
+        finally:
+            for proc in paused:
+                proc.popen.send_signal(signal.SIGCONT)
+            ctx.procs.stop(handle.proc)
+        text = handle.proc.log_path.read_text(errors="replace")
+        self.stall_lines = [line for line in text.splitlines() if STALL_PREFIX in line]
+
     async def profile(self) -> None:
         """A py-spy profile of the gateway under closed-loop saturation (its figures are not used)."""
         arm = self.arms[1]
@@ -355,6 +389,7 @@ def run(ctx: ScenarioContext) -> Outcome:
         if run_.plan["loadgen"]:
             os.sched_setaffinity(0, run_.plan["loadgen"])
         asyncio.run(run_.measure())
+        asyncio.run(run_.find_stalls())
         if ctx.options.profile:
             asyncio.run(run_.profile())
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,8 @@ GOAL_RATIO = 5.0
 CONCURRENCY = 32
 MAX_ERROR_RATE = 0.001
 MODES = ("non-stream", "stream")
+#: The uncounted diagnostic step's stall threshold (the gateway's ``SWITCHYARD_STALL_SAMPLER_MS``).
+STALL_SAMPLER_MS = 3.0
 
 
 def service_latency(result: Result, stream: bool) -> float | None:
@@ -144,7 +147,33 @@ def _pooled(pairs: Sequence[tuple[dict[str, dict[float, float]], dict[str, dict[
     return before, after
 
 
-def _in_the_way(mode: str, latency: list[dict[str, Any]], lag: list[dict[str, Any]]) -> str:
+#: Innermost frames that mean the loop thread was in the event loop's own code (uvloop's is C, so Python sees
+#: only the runner), not in a callback.
+LOOP_FRAMES = ("asyncio/runners.py:", "/selectors.py:")
+_STALL = re.compile(r"event loop stalled ([0-9.]+) ms at (.*)$")
+#: Places listed in the stall table.
+TOP_STALLS = 8
+
+
+def stall_rows(lines: Sequence[str]) -> list[dict[str, Any]]:
+    """The diagnostic step's stalls by where the loop thread was (its innermost frame), most time first."""
+    places: dict[str, dict[str, Any]] = {}
+    for line in lines:
+        found = _STALL.search(line)
+        if found is None:
+            continue
+        ms_, stack = float(found.group(1)), found.group(2).strip()
+        where = stack.split(" < ")[0]
+        row = places.setdefault(where, {"where": where, "stalls": 0, "total_s": 0.0, "longest_s": 0.0, "stack": ""})
+        row["stalls"] += 1
+        row["total_s"] += ms_ / 1000
+        if ms_ / 1000 >= row["longest_s"]:
+            row["longest_s"], row["stack"] = ms_ / 1000, stack
+    return sorted(places.values(), key=lambda r: -r["total_s"])[:TOP_STALLS]
+
+
+def _in_the_way(mode: str, latency: list[dict[str, Any]], lag: list[dict[str, Any]],
+                stalls: Sequence[dict[str, Any]] = ()) -> str:
     """What the run measured that stands between the gateway and the p99 goal in ``mode``."""
     parts = []
     lagged = next((r for r in lag if r["mode"] == mode), None)
@@ -162,11 +191,17 @@ def _in_the_way(mode: str, latency: list[dict[str, Any]], lag: list[dict[str, An
         parts.append(f"the engine called directly jitters too (p50 {1000 * direct['p50_s']:.2f} ms, p99 "
                      f"{1000 * direct['p99_s']:.2f} ms): the host's scheduling, which the gateway's process meets "
                      "as well")
+    if stalls:
+        top = stalls[0]
+        inside = (" (inside the event loop itself: no Python callback was running, so the process was not scheduled "
+                  "or was in C code)" if any(f in top["where"] for f in LOOP_FRAMES) else "")
+        parts.append(f"a stall sampler in an uncounted step found the loop thread most often at {top['where']}{inside} "
+                     f"({top['stalls']} stalls, {1000 * top['total_s']:.0f} ms; see the stall table)")
     return "In the way: " + "; ".join(parts) + "." if parts else ""
 
 
 def goals(latency: list[dict[str, Any]], saturation: list[dict[str, Any]],
-          lag: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+          lag: list[dict[str, Any]] | None = None, stalls: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     """The issue's two goals, per mode (a missed latency goal says what the run saw in its way)."""
     goals = []
     for mode in MODES:
@@ -177,7 +212,7 @@ def goals(latency: list[dict[str, Any]], saturation: list[dict[str, Any]],
         met = None if value is None else value <= GOAL_ADDED_P99_S
         note = "" if row is None or value is not None else (row.get("note") or "")
         if met is False:
-            note = _in_the_way(mode, latency, lag or [])
+            note = _in_the_way(mode, latency, lag or [], stalls)
         goals.append(goal(f"gateway p99 added latency at {GOAL_RATE:.0f} requests/s ({mode}, {what})",
                           f"≤ {GOAL_ADDED_P99_S * 1000:g} ms", value, met, unit="ms", multiplier=1000, note=note))
     for mode in MODES:
@@ -225,7 +260,8 @@ def _saturation_table(rows: Sequence[dict[str, Any]], seconds: float) -> dict[st
 def write(ctx: ScenarioContext, run_: Overhead) -> Outcome:
     """Write the scenario's report; its outcome for the run's index."""
     latency, saturation, lag = latency_rows(run_), saturation_rows(run_), lag_rows(run_)
-    goals_ = goals(latency, saturation, lag)
+    stalls = stall_rows(run_.stall_lines)
+    goals_ = goals(latency, saturation, lag, stalls)
     tables = [_latency_table(latency, run_.step_s, run_.warmup_s, run_.repeats),
               _saturation_table(saturation, run_.saturation_s)]
     if lag:
@@ -241,6 +277,16 @@ def write(ctx: ScenarioContext, run_: Overhead) -> Outcome:
             "and after each of its steps at the goal rate, warm-up included): how long the loop was busy or not "
             "scheduled before it could look; and its garbage collections (`switchyard_gc_pause_seconds`), each of "
             "which stops the loop. Bucket bounds, not exact values."))
+    if run_.stall_lines or run_.gateway_env:
+        tables.append(table(
+            "Where the gateway's event loop stalled (diagnostic step, not counted)", [
+                text("where", "loop thread at"), num("stalls", "stalls", 0), ms("total_s", "total ms"),
+                ms("longest_s", "longest ms"), text("stack", "longest stall's stack (innermost first)")], stalls,
+            f"A second gateway with `SWITCHYARD_STALL_SAMPLER_MS={STALL_SAMPLER_MS:g}` took {GOAL_RATE:g} requests/s "
+            f"in each mode while the measured proxies were paused; {len(run_.stall_lines)} stalls of "
+            f"{STALL_SAMPLER_MS:g} ms or more were logged. A stall inside one Python call is caught in that call; "
+            "one of the whole process (not scheduled, or a garbage collection) is caught where the loop thread "
+            "was when it ran again, often its poll for I/O."))
     notes = [f"CPU placement: {describe_plan(run_.plan)}.",
              "The engine is `switchyard.bench.instant`: it answers every request at once from pre-encoded bytes "
              "(a measuring device, not a simulator).",
