@@ -120,9 +120,10 @@ def _jsonl(lines: list[dict[str, Any]]) -> bytes:
     return "".join(json.dumps(line) + "\n" for line in lines).encode()
 
 
-def _lines(count: int, tag: str) -> list[dict[str, Any]]:
+def _lines(count: int, tag: str, max_tokens: int = 4) -> list[dict[str, Any]]:
     return [{"custom_id": f"{tag}-{i}", "method": "POST", "url": "/v1/chat/completions",
-             "body": {"model": "small", "max_tokens": 4, "messages": [{"role": "user", "content": f"{tag} {i}"}]}}
+             "body": {"model": "small", "max_tokens": max_tokens,
+                      "messages": [{"role": "user", "content": f"{tag} {i}"}]}}
             for i in range(count)]
 
 
@@ -279,7 +280,9 @@ def test_an_answer_cached_by_one_replica_is_served_by_the_others(cluster: Cluste
 def test_a_batch_created_on_a_replica_without_worker_is_run_by_the_others(cluster: Cluster) -> None:
     a, b, c = cluster.replicas
     key = a.new_key("batch-co", "pro")
-    lines = _lines(48, "spread")
+    # Long enough that one worker alone cannot finish before the other's next idle poll (every 1 s): 48
+    # four-token lines took one worker 1.0 s once, and the other never claimed one.
+    lines = _lines(96, "spread", max_tokens=16)
     started = time.monotonic()
     client, batch_id = _submit(a, key, lines)
     done = wait_done(client, batch_id, timeout=40)
