@@ -2,4 +2,5 @@
 
 from switchyard.cli import main
 
-main()
+if __name__ == "__main__":  # not when a worker process re-runs the parent's main module (anyio.to_process)
+    main()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,3 +46,17 @@ def test_dependency_direction() -> None:
         for path in (ROOT / "platform" / "switchyard" / package).rglob("*.py"):
             for imported in re.findall(r"^\s*(?:from|import) switchyard\.(\w+)", path.read_text(), flags=re.M):
                 assert imported in ok, f"{path.relative_to(ROOT)} imports switchyard.{imported}"
+
+
+def test_python_m_switchyard_can_be_re_run_by_a_worker_process() -> None:
+    """A gateway started as ``python -m switchyard serve`` (the demo does) hands the console's replay to an
+    ``anyio.to_process`` worker, which re-runs the parent's main module as ``__mp_main__`` with no
+    ``__main__`` in ``sys.modules``: the module must not start the command line then (it did, and click
+    failed looking for ``__main__``)."""
+    entry = ROOT / "platform" / "switchyard" / "__main__.py"
+    script = ("import runpy, sys\n"
+              "del sys.modules['__main__']\n"
+              f"runpy.run_path({str(entry)!r}, run_name='__mp_main__')\n"
+              "print('imported, not run')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert (done.returncode, done.stdout.strip()) == (0, "imported, not run"), done.stderr
