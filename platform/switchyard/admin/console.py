@@ -19,6 +19,7 @@ from litestar.plugins.htmx import HTMXRequest, HTMXTemplate
 from litestar.response import Template
 
 from switchyard.admin.api import endpoint_row
+from switchyard.admin.common import DASH, percent
 from switchyard.admin.login import logout
 from switchyard.admin.pages import audit, batches, cache, dryrun, policy, policy_replay, requests, tenants, usage
 from switchyard.admin.session import CONSOLE_EXCEPTION_HANDLERS, console_guard, security_headers
@@ -37,7 +38,6 @@ POINT_S = 10
 SPARK_WIDTH, SPARK_HEIGHT = 120, 24
 #: What the special series keys stand for.
 POOL_LABELS = {CACHE_POOL: "response cache", NO_POOL: "no pool (refused before placement)"}
-DASH = "\u2013"  # an en dash: no value
 
 
 def per_second(value: float | None) -> str:
@@ -58,11 +58,6 @@ def millis(value: float | None) -> str:
     if value is None:
         return DASH
     return f"{value:.0f} ms" if value >= 10 else f"{value:.1f} ms"
-
-
-def percent(value: float | None) -> str:
-    """A fraction as a percentage."""
-    return DASH if value is None else f"{value * 100:.1f}%"
 
 
 def _sparkline(values: list[float | None], what: str, fmt: Callable[[float | None], str]) -> dict[str, str]:

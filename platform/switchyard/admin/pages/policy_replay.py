@@ -33,7 +33,7 @@ from litestar.datastructures import State
 from litestar.plugins.htmx import HTMXRequest, HTMXTemplate
 from litestar.response import Template
 
-from switchyard.admin.common import in_db, runtime_of
+from switchyard.admin.common import DASH, in_db, percent, runtime_of
 from switchyard.admin.pages.policy import CANDIDATE, _text_of
 from switchyard.decide.pick import Strategy
 from switchyard.decide.policy_tests import compile_checked
@@ -50,7 +50,6 @@ MAX_LOG_ENTRIES = 20_000
 LIMITER_KEY = "policy_replay_limiter"
 #: Placement moves listed one by one (the report may list more; the rest are summed).
 TOP_MOVES = 10
-DASH = "\u2014"
 MINUS = "\u2212"
 
 
@@ -98,10 +97,6 @@ def _seconds(seconds: float | None) -> str:
     if seconds is None:
         return DASH
     return f"{seconds:,.0f} s" if seconds >= 10 else f"{seconds:.2f} s"
-
-
-def _ratio(value: float | None) -> str:
-    return DASH if value is None else f"{100 * value:.1f}%"
 
 
 def _cost(value: float | None) -> str:
@@ -189,7 +184,7 @@ TTFT_COLUMNS = [("class", "class"), ("active_served", "served active"), ("candid
 def _figure(key: str, a: Any, b: Any) -> tuple[str, str, str]:
     """(active, candidate, change) of one figure, formatted by what its key says it is."""
     if key.endswith("_ratio"):
-        return _ratio(a), _ratio(b), _relative_change(a, b)
+        return percent(a), percent(b), _relative_change(a, b)
     if key.endswith("_s"):
         return _ms(a), _ms(b), _relative_change(a, b)
     if key.startswith("cost"):
