@@ -105,6 +105,37 @@ def shed_over_time(report: Mapping[str, Any], path: Path) -> Path:
     return _save(fig, path)
 
 
+def memory_over_time(report: Mapping[str, Any], path: Path) -> Path:
+    """A soak's resource readings (``report["samples"]``): the gateway's RSS with its fitted trend, the engines'
+    RSS, and the gateway's open file descriptors and threads."""
+    samples = report["samples"]
+    t = [s["t_s"] for s in samples]
+    fig = Figure(figsize=(9, 7))
+    axes = fig.subplots(2, 1, sharex=True, gridspec_kw=_GRID)
+    axes[0].plot(t, [s["rss_mib"] for s in samples], "-", label="gateway RSS")
+    axes[0].plot(t, [s["engines_rss_mib"] for s in samples], ":", label="simulated engines' RSS")
+    trend = report.get("trend") or {}
+    if trend.get("slope_mib_per_h") is not None:
+        t0, t1 = trend["steady_from_s"], trend["steady_to_s"]
+        slope = trend["slope_mib_per_h"] / 3600
+        mid = (t0 + t1) / 2
+        steady = [s["rss_mib"] for s in samples if s["t_s"] >= t0]
+        centre = sum(steady) / len(steady)
+        axes[0].plot([t0, t1], [centre + slope * (t0 - mid), centre + slope * (t1 - mid)], "--",
+                     label=f"gateway trend ({trend['slope_mib_per_h']:+.2f} MiB/h)")
+        axes[0].axvspan(0, t0, color="0.93", zorder=0)
+    axes[0].set_ylabel("MiB")
+    axes[1].plot(t, [s["fds"] for s in samples], "-", label="gateway open file descriptors")
+    axes[1].plot(t, [s["threads"] for s in samples], "--", label="gateway threads")
+    axes[1].set_ylabel("count")
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small", loc="upper left")
+    axes[0].set_title("Soak: memory and descriptors over time (shaded: warm-up, outside the trend)")
+    axes[1].set_xlabel("time since start (s)")
+    return _save(fig, path)
+
+
 def write_plots(report: Mapping[str, Any], out_dir: Path) -> dict[str, Path]:
     """Write every plot into ``out_dir``; returns plot name -> path."""
     return {

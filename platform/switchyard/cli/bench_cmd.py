@@ -20,9 +20,11 @@ def _interrupt(_signum: int, _frame: FrameType | None) -> None:
 
 
 @click.command()
+@click.argument("names", nargs=-1, metavar="[SCENARIO]...")
 @click.option("--scenario", "scenarios", multiple=True, metavar="NAME",
-              help="A scenario to run (repeatable): overhead, prefix, failover (alias chaos), overload, reload, auto, "
-                   "cache, batch [default: overhead prefix failover auto].")
+              help="A scenario to run (repeatable; the same as naming it as an argument): overhead, prefix, failover "
+                   "(alias chaos), overload, reload, auto, cache, batch, soak [default: overhead prefix failover "
+                   "auto].")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Report folder [default: ./reports/bench-YYYYmmdd-HHMMSS].")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds every workload and simulated engine.")
@@ -35,15 +37,17 @@ def _interrupt(_signum: int, _frame: FrameType | None) -> None:
 @click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Simulated seconds per wall-clock second of the simulated engines [scenario defaults].")
 @click.option("--duration", "duration_s", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Seconds per arm (per step in the overhead scenario) [scenario defaults].")
+              help="Seconds per arm (per step in the overhead scenario; the whole run in soak) [scenario defaults].")
 @click.option("--no-litellm", is_flag=True, help="Do not install or measure the LiteLLM arm of the overhead scenario.")
 @click.option("--profile", "profile", is_flag=True,
               help="Also record a py-spy profile of the gateway under saturation (overhead scenario).")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
-def bench(scenarios: tuple[str, ...], out_dir: Path | None, seed: int, quick: bool, trace: Path | None,
-          rate_multiplier: float | None, time_scale: float | None, duration_s: float | None, no_litellm: bool,
-          profile: bool, no_progress: bool) -> None:
+def bench(names: tuple[str, ...], scenarios: tuple[str, ...], out_dir: Path | None, seed: int, quick: bool,
+          trace: Path | None, rate_multiplier: float | None, time_scale: float | None, duration_s: float | None,
+          no_litellm: bool, profile: bool, no_progress: bool) -> None:
     """Measure Switchyard against baselines, side by side, with real processes on loopback.
+
+    Scenarios are named as arguments or with --scenario (``switchyard bench soak --duration 1800``).
 
     Starts the gateway, simulated engines and baselines as processes on 127.0.0.1, drives an
     open-loop load, and writes report.md, report.json and PNG plots. Exits 1 if a scenario could
@@ -52,11 +56,12 @@ def bench(scenarios: tuple[str, ...], out_dir: Path | None, seed: int, quick: bo
     from switchyard.bench.runner import run_bench
     from switchyard.bench.scenarios import DEFAULT_SCENARIOS, SCENARIOS, BenchOptions
 
-    unknown = [s for s in scenarios if s not in SCENARIOS]
+    asked = names + scenarios
+    unknown = [s for s in asked if s not in SCENARIOS]
     if unknown:
         raise click.BadParameter(f"unknown scenario {', '.join(unknown)}; known: {', '.join(SCENARIOS)}",
                                  param_hint="--scenario")
-    names = list(dict.fromkeys(scenarios)) or list(DEFAULT_SCENARIOS)
+    chosen = list(dict.fromkeys(asked)) or list(DEFAULT_SCENARIOS)
     out = out_dir or Path("reports") / time.strftime("bench-%Y%m%d-%H%M%S")
     options = BenchOptions(out_dir=out, seed=seed, quick=quick, trace=trace, rate_multiplier=rate_multiplier,
                            time_scale=time_scale, duration_s=duration_s, litellm=not no_litellm, profile=profile,
@@ -72,7 +77,7 @@ def bench(scenarios: tuple[str, ...], out_dir: Path | None, seed: int, quick: bo
     previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _interrupt),
                 signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
     try:
-        run = run_bench(options, names, say)
+        run = run_bench(options, chosen, say)
     except KeyboardInterrupt:
         click.echo("bench: interrupted; every process it started is stopped", err=True)
         sys.exit(EXIT_INTERRUPTED)

@@ -13,7 +13,9 @@ sent each, the difficulty classifier's accuracy, cost per 1,000 requests against
 paraphrases: hit ratio against the repeat bound, hit latency p50/p99 against misses and against
 the same gateway told to skip the cache, engine requests saved, entries and bytes), ``batch``
 (interactive load at half the pool's capacity with and without a large batch through the Batch API:
-the batch lane's share of the idle capacity, interactive TTFT p50/p99 against the run without it).
+the batch lane's share of the idle capacity, interactive TTFT p50/p99 against the run without it),
+``soak`` (a steady mixed load with streams, hang-ups, refusals, cache hits and policy rewrites for
+``--duration`` seconds: the gateway's memory over time and its trend, and every unexpected error).
 
 Not landed (none at present): scenarios whose feature does not exist yet. They are listed with
 the issue that brings the feature, and every report names them instead of showing a figure.
@@ -24,7 +26,7 @@ Must not touch: the gateway's or the simulator's internals. Scenarios start real
 
 from __future__ import annotations
 
-from switchyard.bench.scenarios import auto, batch, cache, failover, overhead, overload, prefix, reload
+from switchyard.bench.scenarios import auto, batch, cache, failover, overhead, overload, prefix, reload, soak
 from switchyard.bench.scenarios.base import BenchOptions, Outcome, Scenario, ScenarioContext
 
 SCENARIOS: dict[str, Scenario] = {
@@ -43,6 +45,8 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("reload", "policy lifecycle: publishes and rollbacks under load on two replicas", reload.run),
         Scenario("auto", "routing cheap requests to cheap models: the auto route on a labelled prompt set, "
                  "cost per 1,000 requests vs all-large", auto.run),
+        Scenario("soak", "a steady mixed load (streams, hang-ups, errors, cache hits, policy rewrites) for "
+                 "--duration seconds: the gateway's RSS trend and unexpected errors", soak.run),
     )
 }
 #: Other names of a scenario: ``--scenario chaos`` runs ``failover`` (its report keeps that name).
