@@ -52,6 +52,19 @@ def test_prefix_index_is_bounded() -> None:
     assert index.affinity(hashes, [U1], now=1) == {U1: 0.0}
 
 
+def test_prefix_index_drops_blocks_older_than_its_ttl() -> None:
+    index = PrefixIndex(capacity=1000, ttl_s=60)
+    old, kept = block_hashes("o" * BLOCK_CHARS * 4), block_hashes("k" * BLOCK_CHARS * 3)
+    index.record(old, U1, now=0)
+    index.record(kept[:1], U1, now=10)
+    index.record(old[:1], U2, now=30)  # served again: that block stays, the rest of `old` goes at 61
+    index.record(kept, U2, now=61)
+    assert len(index) == 1 + 3  # old[0] (U2 at 30) and the three of `kept`
+    assert index.affinity(old, [U1, U2], now=62) == {U1: 0.0, U2: 0.25}
+    index.record(kept, U1, now=200)
+    assert len(index) == 3
+
+
 def test_prompt_text_renders_chat_and_completions() -> None:
     chat = {"messages": [{"role": "system", "content": "be brief"},
                          {"role": "user", "content": [{"type": "text", "text": "hello"}]}]}

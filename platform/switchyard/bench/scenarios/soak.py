@@ -16,7 +16,7 @@ of simulated engines gets an open-loop Poisson load of a fixed mix for ``--durat
 
 Every few seconds the scenario reads the gateway's resident memory (``VmRSS``), threads and open
 file descriptors from ``/proc`` (and the engines' memory, for comparison). After a warm-up (the
-first fifth of the run: caches, pools and buffers fill to their bounds) a least-squares line through
+first third of the run: the prefix index and caches fill to their age bounds) a least-squares line through
 the gateway's RSS gives its trend; the goal is no growing trend: the line's rise over the steady part
 at most 3% of the median RSS (or 4 MiB, whichever is larger). Each request's status is checked
 against what its kind must get; anything else (a 5xx, a dropped connection, a timeout, a stream
@@ -62,8 +62,10 @@ TIME_SCALE = 10.0
 ENGINES = 2
 PROFILE = "h100-8b"
 SERVED = "sim-8b"
-#: Share of the run left out of the trend: caches, connection pools and buffers fill to their bounds.
-WARMUP_SHARE = 0.2
+#: Share of the run left out of the trend, while state that is bounded by age fills to its bound: the prefix
+#: index remembers 10 minutes of traffic (``decide.prefix``), the response cache 2 (this policy's TTL), and
+#: connection pools and the request log's buffer fill too. A third of a 30-minute run covers the longest.
+WARMUP_SHARE = 1 / 3
 #: The goal: the RSS trend's rise over the steady part at most this share of the median RSS ...
 GROWTH_SHARE = 0.03
 #: ... or this many MiB, whichever is larger (allocator noise on a small process).
