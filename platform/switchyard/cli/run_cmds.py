@@ -55,14 +55,18 @@ def serve(host: str | None, port: int | None, policy_source: str | None, workers
     """Run the gateway (OpenAI-compatible API, console at /admin, /metrics)."""
     import uvicorn
 
+    from switchyard.gateway.server import protocol_factory
+
     context = cli_context()
     settings = context.settings(host=host, port=port, policy_source=policy_source, workers=workers)
     if settings.workers > 1 and not settings.redis_url:
         raise click.ClickException(f"--workers {settings.workers} needs SWITCHYARD_REDIS_URL: limits, reservations "
                                    "and caches must be shared by the processes, not counted in each")
     app = _prepared_app(settings)  # migrates, checks the policy and makes the console secret, once
+    # httptools with the limits on what a client controls (head size, slow heads and bodies: gateway.server).
     options: dict[str, Any] = {"host": settings.host, "port": settings.port, "log_level": settings.log_level,
-                               "access_log": False, "loop": "uvloop", "http": "httptools", "lifespan": "on",
+                               "access_log": False, "loop": "uvloop", "http": protocol_factory(settings),
+                               "lifespan": "on", "timeout_keep_alive": settings.client_keepalive_timeout_s,
                                "timeout_graceful_shutdown": 10,
                                "log_config": None}  # the handlers of switchyard.logs.configure
     if settings.workers == 1:
@@ -206,8 +210,10 @@ _CONTROL = click.option("--control", "control", required=True, metavar="URL",
 @click.option("--region", default=None, help="Only the engines of this region.")
 @click.option("--pool", default=None, help="Only the engines of this pool.")
 @click.option("--port", type=int, default=None, help="Only the engine on this port.")
-@click.option("--mode", type=click.Choice(["none", "slow", "hang", "down", "unavailable"]), default=None,
-              help="down: connection refused; unavailable: 503 everywhere; hang: no answer; slow: slower steps.")
+@click.option("--mode", type=click.Choice(["none", "slow", "hang", "down", "unavailable", "invalid_json", "truncate",
+                                          "wrong_type", "huge"]), default=None,
+              help="down: connection refused; unavailable: 503 everywhere; hang: no answer; slow: slower steps; "
+                   "invalid_json, truncate, wrong_type, huge: 200 answers that are garbage.")
 @click.option("--slow-factor", type=float, default=None, help="Step-time multiplier in mode slow.")
 @click.option("--error-rate", type=float, default=None, help="Fraction of inference requests answered 500.")
 @click.option("--throttle-rate", type=float, default=None, help="Fraction answered 429 (Retry-After: 1).")

@@ -10,6 +10,11 @@ The amount reserved before a request runs is an estimate: its prompt tokens plus
 may produce (``max_tokens``, else the model's ``default_max_tokens``, capped by the model's output
 cap and what the context window leaves), and for spend, that estimate at the model's prices.
 When the request ends the gateway reconciles with what the engine reports it used.
+
+Before that, :func:`check_fits` refuses (400, in vLLM's words) a request the model cannot serve:
+``max_tokens`` above the model's output cap, a prompt longer than its context window, or prompt
+plus ``max_tokens`` beyond it. The caps are never applied silently to what a client asked for;
+the reservation's own capping only matters where the prompt is estimated (see :func:`check_fits`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from switchyard.decide.tokens import TEMPLATE_TOKENS_PER_PROMPT
 from switchyard.policy.schema import Limits, Model
 from switchyard.policy.snapshot import PolicySnapshot
 
@@ -69,8 +75,87 @@ class Estimate:
         return self.prompt_tokens + self.output_tokens
 
 
+class DoesNotFit(Exception):
+    """A request its model cannot serve (:func:`check_fits`): the gateway answers 400 with ``code``."""
+
+    def __init__(self, code: str, message: str, param: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+
+
+#: A prompt counted by the estimate (four characters a token: no tokenizer) is refused as too long only
+#: when a quarter of its estimate is: its text would have to average sixteen characters a token to
+#: fit, which no natural text does (English runs at about four, code at three, and CJK text at one
+#: or two, where the estimate is low: a prompt it lets through is then the engine's 400). Refusing
+#: on the plain estimate would refuse prompts the engine serves.
+ESTIMATE_MARGIN = 4
+#: A chat prompt counted with the model's tokenizer is exact but for the chat template, which is
+#: estimated (Llama-3's; ChatML's is two tokens shorter, and a request without the generation prompt
+#: five): a prompt is taken as certainly too long only when it is, with this much taken off.
+CHAT_TEMPLATE_SLACK = TEMPLATE_TOKENS_PER_PROMPT
+
+
+def check_fits(model: Model, kind: str, prompt_tokens: int, exact: bool, max_tokens: int | None,
+               max_tokens_param: str = "max_tokens") -> None:
+    """Refuse, before any engine sees it, a request ``model`` cannot serve; the messages read like vLLM's.
+
+    Args:
+        model: The model the request resolved to (a fallback never serves a request its own model
+            refuses as a client error, so this is the model that decides).
+        kind: ``chat`` or ``completion``.
+        prompt_tokens: Its (longest) prompt's tokens: each of a completion's prompts is a sequence of
+            its own.
+        exact: Whether ``prompt_tokens`` was counted (a tokenizer, token ids) rather than estimated.
+        max_tokens: The output it asked for, if it did.
+        max_tokens_param: The body field ``max_tokens`` came from.
+
+    Raises:
+        DoesNotFit: ``invalid_value`` when ``max_tokens`` is above the model's output cap
+            (``max_output_tokens``, else its context window: certain, whatever the prompt);
+            ``context_length_exceeded`` when the prompt alone, or the prompt plus
+            ``max_tokens``, is certainly longer than the context window: counted exactly
+            (less :data:`CHAT_TEMPLATE_SLACK` for a chat), or estimated and longer even at
+            1/:data:`ESTIMATE_MARGIN` of the estimate. An estimated prompt that may fit goes on;
+            its engine then has the last word (and the reservation counts only what the window
+            leaves for output: :func:`expected_output`).
+    """
+    window = model.context_window
+    if max_tokens is not None:
+        if model.max_output_tokens is not None and max_tokens > model.max_output_tokens:
+            raise DoesNotFit("invalid_value", f"{max_tokens_param}={max_tokens} cannot be greater than "
+                             f"{model.max_output_tokens}, the most output tokens model {model.name} produces. "
+                             "Please request fewer output tokens.", max_tokens_param)
+        if max_tokens > window:
+            raise DoesNotFit("invalid_value", f"{max_tokens_param}={max_tokens} cannot be greater than "
+                             f"max_model_len={window}. Please request fewer output tokens.", max_tokens_param)
+    if exact:
+        least = prompt_tokens - CHAT_TEMPLATE_SLACK if kind == "chat" else prompt_tokens
+        stated, about = prompt_tokens, ""
+    else:
+        least = prompt_tokens // ESTIMATE_MARGIN
+        stated, about = least, "at least "
+    where = "messages" if kind == "chat" else "prompt"
+    if least > window:
+        count = f"{prompt_tokens}" if exact else f"an estimated {prompt_tokens} (at least {least})"
+        raise DoesNotFit("context_length_exceeded", f"This model's maximum context length is {window} tokens. "
+                         f"However, your prompt contains {count} input tokens, which exceeds this limit even "
+                         "without any output tokens. Please reduce the length of the input prompt.", where)
+    if max_tokens is not None and least + max_tokens > window:
+        raise DoesNotFit("context_length_exceeded", f"This model's maximum context length is {window} tokens. "
+                         f"However, you requested {about}{stated + max_tokens} tokens ({about}{stated} in the "
+                         f"{where}, {max_tokens} in the completion). Please reduce the length of the {where} "
+                         "or completion.", where)
+
+
 def expected_output(model: Model, prompt_tokens: int, max_tokens: int | None) -> int:
-    """The output a request may produce: its ``max_tokens`` or the model's default, within the model's caps."""
+    """The output a request may produce: its ``max_tokens`` or the model's default, within the model's caps.
+
+    On the request path :func:`check_fits` has refused a ``max_tokens`` above the caps; what is
+    capped here is what an estimated prompt leaves of the window (the engine cuts the output to
+    that), and the default of a request that names no ``max_tokens``.
+    """
     cap = model.max_output_tokens or model.context_window
     wanted = max_tokens if max_tokens is not None else model.default_max_tokens
     return max(0, min(wanted, cap, model.context_window - prompt_tokens))
@@ -90,9 +175,10 @@ def spend_of(model: Model, prompt_tokens: int, output_tokens: int, cached_tokens
     return (uncached * input_rate + cached_tokens * cached_rate + output_tokens * output_rate) / 1e6
 
 
-def estimate(model: Model, prompt_tokens: int, max_tokens: int | None) -> Estimate:
-    """The reservation's basis for one request."""
-    output = expected_output(model, prompt_tokens, max_tokens)
+def estimate(model: Model, prompt_tokens: int, max_tokens: int | None, choices: int = 1) -> Estimate:
+    """The reservation's basis for one request (``choices``: its ``n``; each choice may generate the whole
+    expected output, and the engine reports all of them in ``usage.completion_tokens``)."""
+    output = expected_output(model, prompt_tokens, max_tokens) * choices
     return Estimate(prompt_tokens, output, spend_of(model, prompt_tokens, output))
 
 

@@ -27,6 +27,19 @@ class RequestFeatures:
     json_mode: bool = False
     has_images: bool = False
     headers: Mapping[str, str] = field(default_factory=dict)
+    #: Tokens of the longest of a completion's several prompts (each is a sequence of its own, which
+    #: must fit the context window by itself); None: one prompt, ``prompt_tokens``.
+    longest_prompt: int | None = None
+    #: Whether ``prompt_tokens`` is exact (the prompts were token ids), not the estimate.
+    prompt_exact: bool = False
+    #: Choices asked for (``n``): each generates up to ``max_tokens`` of its own.
+    choices: int = 1
+
+
+def _choices(body: Mapping[str, Any]) -> int:
+    """``n`` (checked a positive integer by ``gateway.body``), else 1."""
+    n = body.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
 
 
 def _content_text(content: Any) -> tuple[str, bool]:
@@ -73,6 +86,7 @@ def chat_features(body: Mapping[str, Any], headers: Mapping[str, str]) -> Reques
         last_user_text=last_user[-MAX_MATCH_CHARS:],
         system_text=system[:MAX_MATCH_CHARS],
         max_tokens=body.get("max_completion_tokens") or body.get("max_tokens"),
+        choices=_choices(body),
         has_tools=bool(body.get("tools")),
         json_mode=isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"),
         has_images=images,
@@ -83,30 +97,44 @@ def chat_features(body: Mapping[str, Any], headers: Mapping[str, str]) -> Reques
 def completion_features(body: Mapping[str, Any], headers: Mapping[str, str]) -> RequestFeatures:
     """Features of a validated ``/v1/completions`` body."""
     prompt = body["prompt"]
+    longest: int | None = None
     if isinstance(prompt, str):
-        text, tokens = prompt, estimate_text_tokens(prompt)
+        text, tokens, exact = prompt, estimate_text_tokens(prompt), False
     elif prompt and all(isinstance(p, int) for p in prompt):
-        text, tokens = "", len(prompt)
+        text, tokens, exact = "", len(prompt), True
     else:
         parts = [p for p in prompt if isinstance(p, str)]
         text = parts[-1] if parts else ""
-        tokens = sum(estimate_text_tokens(p) if isinstance(p, str) else len(p) for p in prompt)
+        counts = [estimate_text_tokens(p) if isinstance(p, str) else len(p) for p in prompt]
+        tokens, longest, exact = sum(counts), max(counts, default=0), not parts
     return RequestFeatures(
         model=body["model"],
         prompt_tokens=tokens,
         last_user_text=text[-MAX_MATCH_CHARS:],
         max_tokens=body.get("max_tokens"),
+        choices=_choices(body),
         headers=headers,
+        longest_prompt=longest,
+        prompt_exact=exact,
     )
 
 
 def count_prompt(counter: TokenCounter, kind: str, body: Mapping[str, Any]) -> int:
     """The prompt's tokens under the model's own tokenizer (``kind``: ``chat`` or ``completion``)."""
+    return count_prompts(counter, kind, body)[0]
+
+
+def count_prompts(counter: TokenCounter, kind: str, body: Mapping[str, Any]) -> tuple[int, int]:
+    """The prompt's tokens under the model's own tokenizer, and those of its longest prompt (a
+    completion may send several; a chat has one)."""
     if kind == "chat":
-        return counter.count_chat(message_texts(body["messages"]))
+        tokens = counter.count_chat(message_texts(body["messages"]))
+        return tokens, tokens
     prompt = body["prompt"]
     if isinstance(prompt, str):
-        return counter.count_text(prompt)
+        tokens = counter.count_text(prompt)
+        return tokens, tokens
     if prompt and all(isinstance(p, int) for p in prompt):
-        return len(prompt)
-    return sum(counter.count_text(p) if isinstance(p, str) else len(p) for p in prompt)
+        return len(prompt), len(prompt)
+    counts = [counter.count_text(p) if isinstance(p, str) else len(p) for p in prompt]
+    return sum(counts), max(counts, default=0)

@@ -11,20 +11,66 @@ import msgspec
 
 from switchyard.gateway.errors import BadRequest
 
+#: Most choices one request may ask for (``n``), as OpenAI allows: each is a sequence of its own, and
+#: admission reserves output for every one of them.
+MAX_CHOICES = 128
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+#: Defaults of ``Settings.max_json_depth`` and ``Settings.max_messages``.
+MAX_JSON_DEPTH = 64
+MAX_MESSAGES = 2048
+#: ``bytes.translate`` deletes every byte but these: what is left is one byte per array or object opened.
+_NOT_OPENERS = bytes(b for b in range(256) if b not in b"[{")
 
 
-def decode_json_object(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object, or a 400."""
+def decode_json_object(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+    """The body as a JSON object nested at most ``max_depth`` deep, or a 400.
+
+    The depth costs one pass in C over the raw bytes for an ordinary body (about half of what
+    decoding it costs): a document cannot nest deeper than it has ``[`` and ``{`` (those inside
+    strings counted too), so only a body with more of them than ``max_depth`` (a long
+    conversation, many tool definitions) has its decoded containers walked (about twice what
+    decoding costs; a sound bound from the raw bytes would have to tell strings apart, which
+    costs more). msgspec itself gives up, with a ``RecursionError``, at about the interpreter's
+    recursion limit; a body nested less deeply than that but deeper than ``max_depth`` is refused
+    before anything recursive downstream (re-encoding it, the cache's digest) meets it.
+    """
     if not raw:
         raise BadRequest("The request body is empty; send a JSON object.")
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise BadRequest(f"We could not parse the JSON body of your request: {exc}.") from None
+    except RecursionError:
+        raise _too_deep(max_depth) from None
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object.")
+    if len(raw.translate(None, _NOT_OPENERS)) > max_depth and nested_deeper(body, max_depth):
+        raise _too_deep(max_depth)
     return body
+
+
+def nested_deeper(value: Any, limit: int) -> bool:
+    """Whether arrays and objects in ``value`` nest more than ``limit`` deep (``value`` itself is depth 1).
+
+    Level by level, not recursive: it is the guard against recursion.
+    """
+    level = [value]
+    for _ in range(limit):
+        below = []
+        for container in level:
+            for item in container.values() if type(container) is dict else container:
+                kind = type(item)
+                if kind is dict or kind is list:
+                    below.append(item)
+        if not below:
+            return False
+        level = below
+    return True
+
+
+def _too_deep(limit: int) -> BadRequest:
+    return BadRequest(f"The JSON body of your request nests arrays and objects more than {limit} deep.",
+                      code="json_too_deep")
 
 
 def _positive_int(body: dict[str, Any], key: str) -> None:
@@ -51,22 +97,28 @@ def _common(body: dict[str, Any]) -> None:
                              param="stream_options")
     for key in ("max_tokens", "n"):
         _positive_int(body, key)
+    n = body.get("n")
+    if isinstance(n, int) and n > MAX_CHOICES:
+        raise BadRequest(f"'n' must be at most {MAX_CHOICES}, got {n}.", param="n", code="invalid_value")
     # 'priority' (an integer in vLLM's sense, or a priority class's name) is checked where the
     # request's class is decided (decide.flow.classify).
 
 
-def check_chat(body: dict[str, Any]) -> None:
-    """Check a ``/v1/chat/completions`` body in place."""
+def check_chat(body: dict[str, Any], max_messages: int = MAX_MESSAGES) -> None:
+    """Check a ``/v1/chat/completions`` body in place (at most ``max_messages`` messages)."""
     _common(body)
     _positive_int(body, "max_completion_tokens")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty array of messages.", param="messages")
+    if len(messages) > max_messages:
+        raise BadRequest(f"'messages' has {len(messages)} messages; at most {max_messages} are allowed.",
+                         param="messages", code="too_many_messages")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise BadRequest(f"messages[{i}] must be an object.", param=f"messages[{i}]")
         role = message.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:  # (an unhashable role cannot be looked up)
             raise BadRequest(f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}.",
                              param=f"messages[{i}].role")
         content = message.get("content")

@@ -1,0 +1,227 @@
+"""The gateway's HTTP server: uvicorn's httptools protocol with limits on what a client controls.
+
+uvicorn (0.54, httptools) bounds neither a request's head nor the time a client takes to send
+it: a head may grow without end, and a client that sends one header line a second (slowloris),
+or stops half-way through a body, holds its connection (and its buffers) for ever. This protocol
+adds, per connection:
+
+* **head size**: a request line plus headers longer than ``max_header_bytes`` is answered 431
+  and the connection closed. The parsed URL and headers are counted as they come, and so are
+  the raw bytes of a head still incomplete (the parser buffers a header until its end), so a
+  head never holds more than the limit plus one read;
+* **head time**: a head not complete ``header_timeout_s`` after the connection opened, or after
+  the first byte of the next request on a kept-alive connection, is answered 408 (or, when
+  nothing of it came, the connection is just closed). An idle kept-alive connection is uvicorn's
+  ``timeout_keep_alive``'s;
+* **body pauses**: a client that sends nothing of a started body for ``body_timeout_s`` is
+  answered 408 (the application sees the client leave) and the connection closed. The clock does
+  not run while the server itself holds back: reading paused for a slow application, a
+  pipelined request waiting its turn, or a ``100-continue`` not yet sent.
+
+Every answer is OpenAI's error object, followed by a lingering close (as nginx's): the server
+stops writing, reads and drops what the client still sends for up to :data:`LINGER_S`, then
+closes. Closing a socket with unread data in it resets the connection, and the reset can destroy
+the answer before the client reads it.
+
+Bodies' own limits (size, JSON depth) are the application's (``gateway.app``, ``gateway.body``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from asyncio import TimerHandle
+from dataclasses import dataclass
+from typing import Any, cast
+
+from uvicorn.config import Config
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.server import ServerState
+
+from switchyard.gateway.errors import error_body
+from switchyard.settings import Settings
+
+log = logging.getLogger("switchyard.gateway.server")
+#: How long a refused connection is read (and what comes dropped) before it is closed.
+LINGER_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class ClientLimits:
+    """What a client may take of a connection (see the module doc)."""
+
+    max_header_bytes: int = 64 * 1024
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 30.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ClientLimits:
+        """The limits ``settings`` name."""
+        return cls(settings.max_header_bytes, settings.client_header_timeout_s, settings.client_body_timeout_s)
+
+
+class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with :class:`ClientLimits` (made by :func:`protocol_factory`).
+
+    An ordinary request (its head, and its body if any, in one read) costs a few attribute checks
+    more than uvicorn's own protocol: the clocks are started only for a head or a body left
+    incomplete by a read (and once per connection, for a connection that sends nothing).
+    """
+
+    def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None, *, limits: ClientLimits | None = None) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self.limits = limits or ClientLimits()
+        #: Between a request's head and its end the connection carries a body; otherwise a head.
+        self._in_head = True
+        #: Raw bytes received of the head being read.
+        self._head_raw = 0
+        self._head_timer: TimerHandle | None = None
+        self._body_timer: TimerHandle | None = None
+        #: When body bytes last came (loop time; kept while a body is incomplete).
+        self._body_seen = 0.0
+        #: Set when the head is too large: the request is not started, and it is answered 431.
+        self._refused = False
+        #: Answered and closing: what still comes is dropped (see the module doc).
+        self._lingering: TimerHandle | None = None
+
+    # --- connection -----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer(self.limits.header_timeout_s)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timers()
+        if self._lingering is not None:
+            self._lingering.cancel()
+            self._lingering = None
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering is not None:
+            return
+        if self._in_head:
+            self._head_raw += len(data)
+        elif self._body_timer is not None:  # more of a body
+            self._body_seen = self.loop.time()
+        super().data_received(data)
+        if self.transport.is_closing():
+            return
+        limits = self.limits
+        if self._in_head:
+            if self._refused or self._head_raw > limits.max_header_bytes:
+                self._refuse(431, f"The request's headers are larger than the {limits.max_header_bytes} bytes "
+                             "allowed.", "headers_too_large")
+            elif self._head_raw and self._head_timer is None:  # part of a head came: its clock starts
+                self._arm_head_timer(limits.header_timeout_s)
+        elif self._body_timer is None:  # part of a body came: its clock starts
+            self._body_seen = self.loop.time()
+            self._body_timer = self.loop.call_later(limits.body_timeout_s, self._body_timeout)
+
+    # --- parser callbacks -----------------------------------------------------------------
+
+    def on_headers_complete(self) -> None:
+        if self._refused:
+            return
+        most = self.limits.max_header_bytes
+        if self._head_raw > most and self._head_size() > most:
+            self._refused = True  # never started: data_received answers 431
+            return
+        self._in_head = False
+        self._head_raw = 0
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._refused:
+            return
+        self._in_head = True
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        super().on_message_complete()
+
+    # --- limits ---------------------------------------------------------------------------
+
+    def _head_size(self) -> int:
+        """The parsed head's size: its URL and its headers, with separators."""
+        return len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+
+    def _arm_head_timer(self, delay: float) -> None:
+        self._head_timer = self.loop.call_later(delay, self._head_timeout)
+
+    def _head_timeout(self) -> None:
+        self._head_timer = None
+        if not self._in_head or self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:  # a pipelined head waits for the answer before it
+            self._arm_head_timer(self.limits.header_timeout_s)
+            return
+        if self._head_raw:
+            self._refuse(408, f"The request's headers did not arrive within {self.limits.header_timeout_s:g} s.",
+                         "request_timeout")
+        else:  # nothing of a request came: nobody to answer
+            self.transport.close()
+
+    def _body_timeout(self) -> None:
+        self._body_timer = None
+        cycle = self.cycle
+        if self._in_head or cycle is None or not cycle.more_body or self.transport.is_closing():
+            return
+        now = self.loop.time()
+        if self.flow.read_paused or cycle.waiting_for_100_continue:
+            self._body_seen = now  # the server holds the body back, not the client
+        left = self._body_seen + self.limits.body_timeout_s - now
+        if left > 0:
+            self._body_timer = self.loop.call_later(left, self._body_timeout)
+            return
+        if cycle.response_started:  # answered already (say, a 413): nothing more can be said
+            self.transport.close()
+            return
+        # The application reading the body sees the client leave; what it answers is dropped.
+        cycle.disconnected = True
+        cycle.message_event.set()
+        self._refuse(408, f"The request body stopped arriving for {self.limits.body_timeout_s:g} s.",
+                     "request_timeout")
+
+    def _refuse(self, status: int, message: str, code: str) -> None:
+        """Answer ``status`` with OpenAI's error object and close the connection, lingering (see the module doc)."""
+        log.debug("%s:%s: %s", *(self.client or ("-", 0)), message)
+        self._cancel_timers()
+        body = error_body(message, "invalid_request_error", code)
+        head = [STATUS_LINE[status]]
+        for name, value in self.server_state.default_headers:
+            head += [name, b": ", value, b"\r\n"]
+        head += [b"content-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
+                 b"\r\nconnection: close\r\n\r\n", body]
+        transport = self.transport
+        transport.write(b"".join(head))
+        if transport.can_write_eof():
+            transport.write_eof()
+            self._lingering = self.loop.call_later(LINGER_S, transport.close)
+        else:
+            transport.close()
+
+    def _cancel_timers(self) -> None:
+        for timer in (self._head_timer, self._body_timer):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._body_timer = None
+
+
+def protocol_factory(settings: Settings) -> type[asyncio.Protocol]:
+    """What to pass uvicorn as ``http=``: :class:`LimitedHttpToolsProtocol` with ``settings``' limits.
+
+    (A partial, not a class: uvicorn only calls it, and it pickles for ``--workers`` processes.)
+    """
+    factory = functools.partial(LimitedHttpToolsProtocol, limits=ClientLimits.from_settings(settings))
+    return cast("type[asyncio.Protocol]", factory)
