@@ -7,6 +7,10 @@ that may use it (``viewer`` when unset). The JSON admin API (``/admin/api``) doe
 cookies at all: it wants the admin token (:func:`switchyard.admin.common.admin_token_guard`), so
 no browser can be tricked into calling it and it needs no CSRF token. Console forms and htmx
 writes carry Litestar's CSRF token (double-submit cookie signed with the console secret).
+
+The security headers go on every console response however it was made (a page, a guard's redirect, a
+refused CSRF check, an unknown path, a validation or server error): :func:`console_security_headers` is
+a ``before_send`` hook of the whole app.
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ import anyio.to_thread
 from litestar import Request, Response
 from litestar.config.csrf import CSRFConfig
 from litestar.connection import ASGIConnection
+from litestar.datastructures import MutableScopeHeaders
+from litestar.enums import ScopeType
 from litestar.exceptions import NotAuthorizedException, PermissionDeniedException
 from litestar.handlers import BaseRouteHandler
 from litestar.response import Redirect, Template
-from litestar.types import ExceptionHandlersMap
+from litestar.types import ExceptionHandlersMap, Message, Scope
 
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.settings import Settings
@@ -142,6 +148,25 @@ async def security_headers(response: Response[Any]) -> Response[Any]:
     for name, value in SECURITY_HEADERS.items():
         response.headers.setdefault(name, value)
     return response
+
+
+def is_console_path(path: str) -> bool:
+    """Whether ``path`` is the console's: under ``/admin`` but not the JSON admin API."""
+    return (path == "/admin" or path.startswith("/admin/")) and not (path == "/admin/api"
+                                                                     or path.startswith("/admin/api/"))
+
+
+async def console_security_headers(message: Message, scope: Scope) -> None:
+    """``before_send`` hook of the app: :data:`SECURITY_HEADERS` on every response to a console path that does
+    not set them itself, whatever answered it (even a request no console route matched)."""
+    if message["type"] != "http.response.start" or scope["type"] != ScopeType.HTTP:
+        return
+    if not is_console_path(scope["path"]):
+        return
+    headers = MutableScopeHeaders.from_message(message)
+    for name, value in SECURITY_HEADERS.items():
+        if name not in headers:
+            headers[name] = value
 
 
 class LoginThrottle:

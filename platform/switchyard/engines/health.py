@@ -25,6 +25,7 @@ import msgspec
 
 from switchyard.engines.breakers import Trial
 from switchyard.engines.endpoints import EndpointRegistry
+from switchyard.engines.upstream import UpstreamFailure, read_body
 
 log = logging.getLogger("switchyard.health")
 _JSON = {"Content-Type": "application/json"}
@@ -33,6 +34,8 @@ _JSON = {"Content-Type": "application/json"}
 Change = Callable[[str, bool, str | None], None]
 #: How often half-open breakers are looked at for trials to send (seconds).
 TRIAL_TICK_S = 0.1
+#: The largest answer to a one-token trial request (anything larger is garbage and fails the trial).
+TRIAL_MAX_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +74,7 @@ class HealthProber:
         reason: str | None = None
         refused = False
         try:
-            async with self.session.get(url + "/health",
+            async with self.session.get(url + "/health", allow_redirects=False,
                                         timeout=aiohttp.ClientTimeout(total=health.probe_timeout)) as response:
                 if response.status != 200:
                     reason = f"/health answered {response.status}"
@@ -115,10 +118,14 @@ class HealthProber:
         reason: str | None = None
         try:
             async with self.session.post(target.url + "/v1/completions", data=payload, headers=_JSON,
+                                         allow_redirects=False,
                                          timeout=aiohttp.ClientTimeout(total=resilience.first_token_timeout)) as r:
-                await r.read()
-                if r.status >= 500 or r.status in (404, 408):
+                if r.status >= 500 or r.status in (404, 408) or 300 <= r.status < 400:
                     reason = f"trial request answered {r.status}"
+                elif r.status < 300:
+                    await read_body(r, TRIAL_MAX_BYTES)  # garbage (not a JSON object) fails the trial
+        except UpstreamFailure as failure:
+            reason = f"trial request: {failure}"
         except TimeoutError:
             reason = f"trial request: no answer within {resilience.first_token_timeout:g} s"
         except aiohttp.ClientError as exc:

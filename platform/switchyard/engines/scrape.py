@@ -122,7 +122,7 @@ class MetricsScraper:
     async def scrape(self, url: str) -> None:
         """Read one endpoint's metrics and record what they say."""
         try:
-            async with self.session.get(url + "/metrics", timeout=self._timeout) as response:
+            async with self.session.get(url + "/metrics", timeout=self._timeout, allow_redirects=False) as response:
                 if response.status != 200:
                     self.registry.record_scrape_error(url, f"/metrics answered {response.status}")
                     return

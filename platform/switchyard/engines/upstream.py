@@ -16,6 +16,14 @@ import msgspec
 
 # Error texts from an engine are shown to clients; never forward more than this of them.
 MAX_ERROR_BODY = 16_384
+#: The defaults of ``Settings.upstream_max_response_bytes`` and ``upstream_max_event_bytes``: the largest
+#: complete answer, and the largest single SSE event of a stream, the gateway reads from an engine.
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+MAX_EVENT_BYTES = 16 * 1024 * 1024
+#: What an answer's first bytes may be, as a stream: an SSE field or comment.
+_SSE_STARTS = (b"data:", b":", b"event:", b"id:", b"retry:")
+#: The last event of every engine stream that ran to its end.
+_DONE = b"data: [DONE]"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,20 +56,29 @@ def create_client_session(timeouts: UpstreamTimeouts, max_connections: int,
 
 
 class UpstreamFailure(Exception):
-    """The engine could not be reached or did not answer in time.
+    """The engine could not be reached, did not answer in time, or answered something that is no answer.
 
     ``refused``: no connection could be made at all (the engine is gone, not just slow or broken).
+    ``invalid``: the engine answered 200 with garbage: not JSON, the wrong content type, too large, or a
+    stream that is not SSE.
     """
 
-    def __init__(self, message: str, *, timeout: bool, refused: bool = False) -> None:
+    def __init__(self, message: str, *, timeout: bool, refused: bool = False, invalid: bool = False) -> None:
         super().__init__(message)
         self.timeout = timeout
         self.refused = refused
+        self.invalid = invalid
 
     @property
     def kind(self) -> str:
-        """``connect_error``, ``timeout`` or ``broken`` (a connection that broke off)."""
-        return "timeout" if self.timeout else "connect_error" if self.refused else "broken"
+        """``connect_error``, ``timeout``, ``invalid_response`` or ``broken`` (a connection that broke off)."""
+        return ("timeout" if self.timeout else "connect_error" if self.refused else
+                "invalid_response" if self.invalid else "broken")
+
+
+def invalid(url: object, what: str) -> UpstreamFailure:
+    """The failure of an engine at ``url`` that answered garbage (``what`` says which)."""
+    return UpstreamFailure(f"{url} answered {what}", timeout=False, invalid=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,12 +103,15 @@ async def post(session: aiohttp.ClientSession, url: str, payload: bytes, headers
     pool more than :data:`KEEPALIVE_S`'s margin after the engine's idle timer started, and the
     connections released with it are as stale, so the retry must not take another pooled one. An
     engine that is really gone refuses the second try.
+
+    Redirects are never followed: the gateway connects only to the endpoints of its policy, so an
+    engine's 3xx is answered like any other error status (the caller's to judge).
     """
     try:
         try:
-            return await session.post(url, data=payload, headers=headers)
+            return await session.post(url, data=payload, headers=headers, allow_redirects=False)
         except aiohttp.ServerDisconnectedError:
-            return await (fresh or session).post(url, data=payload, headers=headers)
+            return await (fresh or session).post(url, data=payload, headers=headers, allow_redirects=False)
     except TimeoutError:
         raise UpstreamFailure(f"{url} did not answer in time", timeout=True) from None
     except aiohttp.ClientConnectorError as exc:
@@ -101,16 +121,55 @@ async def post(session: aiohttp.ClientSession, url: str, payload: bytes, headers
         raise UpstreamFailure(f"{url}: {exc.__class__.__name__}: {exc}", timeout=False) from None
 
 
-async def read_body(response: aiohttp.ClientResponse) -> bytes:
-    """The whole body of a non-streaming answer."""
+async def read_body(response: aiohttp.ClientResponse, max_bytes: int = MAX_RESPONSE_BYTES) -> bytes:
+    """The whole body of a non-streaming 2xx answer: a JSON object of at most ``max_bytes``.
+
+    Raises:
+        UpstreamFailure: The answer broke off or stopped (timeout); or (``invalid``) it is not
+            ``application/json``, is larger than ``max_bytes`` (the rest is never read: the connection is
+            closed), or is not a JSON object.
+    """
+    ok = False
     try:
-        return await response.read()
+        if response.content_type != "application/json":
+            raise invalid(response.url, f"{response.status} with content type {response.content_type!r}, "
+                                        "not application/json")
+        if response.content_length is not None and response.content_length > max_bytes:
+            raise invalid(response.url, f"{response.content_length} bytes, more than the gateway's limit "
+                                        f"of {max_bytes} (upstream_max_response_bytes)")
+        parts: list[bytes] = []
+        size = 0
+        while chunk := await response.content.readany():
+            size += len(chunk)
+            if size > max_bytes:
+                raise invalid(response.url, f"more than the gateway's limit of {max_bytes} bytes "
+                                            "(upstream_max_response_bytes)")
+            parts.append(chunk)
+        data = b"".join(parts)
+        check_json_object(response.url, data)
+        ok = True
+        return data
     except TimeoutError:
         raise UpstreamFailure(f"{response.url} stopped answering mid-response", timeout=True) from None
     except aiohttp.ClientError as exc:
         raise UpstreamFailure(f"{response.url} broke off its answer: {exc}", timeout=False) from None
     finally:
-        response.release()
+        if ok:
+            response.release()
+        else:
+            response.close()  # what is left unread must not stay on a pooled connection
+
+
+def check_json_object(url: object, data: bytes) -> None:
+    """Check that ``data`` is one JSON object (its members are not looked at beyond their syntax).
+
+    Raises:
+        UpstreamFailure: (``invalid``) It is not.
+    """
+    try:
+        msgspec.json.decode(data, type=_UsageOnly)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise invalid(url, f"200 with a body that is not a JSON object ({exc})") from None
 
 
 async def read_engine_error(response: aiohttp.ClientResponse) -> EngineError:
@@ -141,8 +200,12 @@ async def first_chunk(response: aiohttp.ClientResponse) -> bytes:
 
     Raises:
         UpstreamFailure: The stream ended or broke before any byte, or carried an error event first
-            (vLLM reports some failures inside a 200 stream).
+            (vLLM reports some failures inside a 200 stream); or (``invalid``) it is not
+            ``text/event-stream``, does not begin like SSE, or its first whole event's data is not JSON.
     """
+    if response.content_type != "text/event-stream":
+        raise invalid(response.url, f"{response.status} to a streamed request with content type "
+                                    f"{response.content_type!r}, not text/event-stream")
     try:
         chunk = await response.content.readany()
     except (aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
@@ -152,6 +215,15 @@ async def first_chunk(response: aiohttp.ClientResponse) -> bytes:
     if chunk.startswith((b'data: {"error"', b'data: {"object":"error"', b'data: {"object": "error"')):
         raise UpstreamFailure(f"{response.url} sent an error event first: "
                               f"{chunk[6:400].decode('utf-8', 'replace').strip()}", timeout=False)
+    start = chunk.lstrip(b"\r\n")
+    if not start.startswith(_SSE_STARTS):
+        raise invalid(response.url, f"a stream that is not SSE: {chunk[:80]!r}")
+    event, ended, _ = start.partition(b"\n\n")
+    if ended and event.startswith(b"data:") and event.rstrip() != _DONE:
+        try:
+            msgspec.json.decode(event[5:])
+        except msgspec.DecodeError:
+            raise invalid(response.url, f"a stream whose first event is not JSON: {event[:80]!r}") from None
     return chunk
 
 
@@ -232,21 +304,37 @@ class StreamUsage:
         return None
 
 
-class StreamRelay:
-    """Passes an engine's SSE stream to the client chunk by chunk, never buffering the answer.
+class _EventTooLarge(Exception):
+    """An event of a stream grew past the relay's limit."""
 
-    :meth:`finish` runs exactly once however the stream ends: completed (the connection goes
-    back to the pool), broken upstream (``broken`` is set; the client gets a well-formed error
-    event), or abandoned by the client (the upstream connection is closed, so the engine sees the
-    disconnect and aborts the request). ``first`` is the stream's first chunk, already read (see
-    :func:`first_chunk`).
+
+def _events_end(data: bytearray, start: int) -> int:
+    """Where the last whole SSE event in ``data`` ends (0: none ends), looking from ``start`` on."""
+    lf = data.rfind(b"\n\n", start)
+    crlf = data.rfind(b"\r\n\r\n", start)
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+class StreamRelay:
+    """Passes an engine's SSE stream to the client event by event, never buffering the answer.
+
+    Whole events only: a chunk that ends inside an event passes on what it completes, and the rest
+    waits for the event's end (engines write whole events, so nothing usually waits), so however the
+    stream ends the client never gets half an event.
+
+    :meth:`finish` runs exactly once however the stream ends: completed (``data: [DONE]`` came and
+    the connection goes back to the pool), broken upstream (``broken`` is set; the client gets a
+    well-formed error event): the connection broke off or timed out, the stream ended without
+    ``[DONE]`` or inside an event, or an event grew past ``max_event_bytes``; or abandoned by the
+    client (the upstream connection is closed, so the engine sees the disconnect and aborts the
+    request). ``first`` is the stream's first chunk, already read (see :func:`first_chunk`).
     """
 
-    __slots__ = ("_capture_limit", "_completed", "_finished", "_first", "_on_finish", "_pending", "_response",
-                 "_strip_usage", "broken", "captured", "usage")
+    __slots__ = ("_capture_limit", "_completed", "_done", "_finished", "_first", "_max_event", "_on_finish",
+                 "_pending", "_response", "_strip_usage", "broken", "captured", "usage")
 
     def __init__(self, response: aiohttp.ClientResponse, first: bytes, on_finish: Callable[[bool], None], *,
-                 capture_limit: int = 0, strip_usage: bool = False) -> None:
+                 capture_limit: int = 0, strip_usage: bool = False, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
         self._response = response
         self._first = first
         self._on_finish = on_finish
@@ -260,37 +348,66 @@ class StreamRelay:
         self._capture_limit = capture_limit
         #: The gateway asked for a usage chunk the client did not: it is left out of what the client gets.
         self._strip_usage = strip_usage
-        self._pending = b""
+        self._max_event = max_event_bytes
+        #: The start of an event whose end has not come yet.
+        self._pending = bytearray()
+        #: Whether the last whole event was ``data: [DONE]``.
+        self._done = False
 
     def _take(self, chunk: bytes) -> bytes:
-        """Account for ``chunk``; what of it goes to the client."""
+        """Account for ``chunk``; the whole events it completes, for the client (see :meth:`_check`)."""
         self.usage.feed(chunk)
         if self.captured is not None:
             self.captured += chunk
             if len(self.captured) > self._capture_limit:
                 self.captured = None
+        pending = self._pending
+        if not pending and chunk.endswith(b"\n\n"):
+            whole: bytes = chunk  # the usual case: the engine wrote whole events
+        else:
+            searched = max(0, len(pending) - 3)  # an event's end may straddle the chunks
+            pending += chunk
+            cut = _events_end(pending, searched)
+            whole = bytes(pending[:cut])
+            del pending[:cut]
+        if not whole:
+            return whole
+        self._done = whole.rstrip().endswith(_DONE)
         if not self._strip_usage:
-            return chunk
-        # Whole events only (an event may be split across chunks), without the usage-only one.
-        data = self._pending + chunk
-        cut = data.rfind(b"\n\n") + 2
-        self._pending = data[cut:]
-        events = data[:cut].split(b"\n\n")
+            return whole
+        events = whole.split(b"\n\n")
         return b"".join(e + b"\n\n" for e in events if e and not _usage_only(e))
 
+    def _check(self) -> None:
+        """Raise :class:`_EventTooLarge` when the event being read has grown past ``max_event_bytes`` (after
+        the whole events before it went out)."""
+        if len(self._pending) > self._max_event:
+            raise _EventTooLarge
+
     async def chunks(self) -> AsyncIterator[bytes]:
-        """The stream's bytes as they arrive."""
+        """The stream's bytes as they arrive (whole events)."""
         try:
             out = self._take(self._first)
             if out:
                 yield out
+            self._check()
             async for chunk in self._response.content.iter_any():
                 out = self._take(chunk)
                 if out:
                     yield out
-            if self._pending:
-                yield self._pending
-            self._completed = True
+                self._check()
+            if self._done and not self._pending.strip():
+                self._completed = True
+            else:
+                self.broken = True
+                where = "inside an event" if self._pending.strip() else "without its last event ([DONE])"
+                yield sse_error_event(f"The engine ended its stream {where}; the answer is incomplete.",
+                                      "upstream_error", "upstream_stream_broken")
+        except _EventTooLarge:
+            self.broken = True
+            yield sse_error_event(f"The engine sent an event larger than the gateway's limit of {self._max_event} "
+                                  "bytes (upstream_max_event_bytes); the answer is incomplete.",
+                                  "upstream_error", "upstream_invalid_response")
         except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError) as exc:
             self.broken = True
             kind = "timed out" if isinstance(exc, TimeoutError) else "broke off"

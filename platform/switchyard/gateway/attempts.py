@@ -32,10 +32,14 @@ def engine_error(err: EngineError, choice: EndpointChoice, headers: dict[str, st
 
     The engine's 400s are the client's mistakes (context too long, bad parameter) and pass
     through; a 404 means the policy names a model the engine does not serve (a configuration
-    error, so 502); 429/503 mean the engine is overloaded.
+    error, so 502); 429/503 mean the engine is overloaded. A redirect is never followed (the gateway
+    connects only to the policy's endpoints): the engine is misbehaving, so 502.
     """
     where = f"pool {choice.pool.name} ({choice.url})"
     code = str(err.code) if isinstance(err.code, str) else None
+    if 300 <= err.status < 400:
+        return BadGateway(f"The engine of {where} answered {err.status}, a redirect; the gateway never follows "
+                          "one", code="upstream_invalid_response", headers=headers)
     if err.status in (400, 422):
         return BadRequest(err.message, code=code or "invalid_request", param=err.param, headers=headers)
     if err.status == 413:
@@ -50,14 +54,19 @@ def engine_error(err: EngineError, choice: EndpointChoice, headers: dict[str, st
 
 
 def failure_error(failure: UpstreamFailure, pool: str, headers: dict[str, str]) -> ApiError:
-    """504 when the engine did not answer in time, 502 when it could not be reached or broke off."""
+    """504 when the engine did not answer in time, 502 when it could not be reached, broke off or answered
+    garbage (``upstream_invalid_response``)."""
+    if failure.invalid:
+        return BadGateway(f"Upstream failure in pool {pool}: {failure}", code="upstream_invalid_response",
+                          headers=headers)
     cls = GatewayTimeout if failure.timeout else BadGateway
     return cls(f"Upstream failure in pool {pool}: {failure}", headers=headers)
 
 
-#: Engine answers that say "try elsewhere": the engine is overloaded or broken, or does not serve
-#: the model it should (a misconfigured replica). Other 4xx are the client's mistakes and pass through.
-RETRYABLE_STATUS = frozenset({404, 429, 500, 502, 503, 504})
+#: Engine answers that say "try elsewhere": the engine is overloaded or broken, redirects (which are never
+#: followed), or does not serve the model it should (a misconfigured replica). Other 4xx are the client's
+#: mistakes and pass through.
+RETRYABLE_STATUS = frozenset({*range(300, 400), 404, 429, 500, 502, 503, 504})
 #: Of those, the answers that do not count against the engine's breaker: it is busy, not broken.
 BUSY_STATUS = frozenset({429})
 

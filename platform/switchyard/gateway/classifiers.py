@@ -297,7 +297,8 @@ class ClassifierRunner:
 
     async def _post(self, url: str, payload: bytes, expected: int) -> list[list[float]]:
         try:
-            async with self.http.post(url + "/v1/embeddings", data=payload, headers=_HEADERS) as response:
+            async with self.http.post(url + "/v1/embeddings", data=payload, headers=_HEADERS,
+                                      allow_redirects=False) as response:
                 if response.status >= 300:
                     error = await read_engine_error(response)
                     raise ClassifierError(f"{url} answered {error.status}: {error.message[:200]}")

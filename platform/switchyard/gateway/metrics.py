@@ -42,7 +42,8 @@ class GatewayMetrics:
         self.attempts = Counter(
             "switchyard_upstream_attempts",
             "Requests sent to engines, by pool and outcome (ok, connect_error, timeout, first_token_timeout, "
-            "broken, body_error, body_timeout, or the engine's HTTP status); a request that fell back counts once "
+            "broken, body_error, body_timeout, invalid_response, or the engine's HTTP status); a request that fell "
+            "back counts once "
             "per try.",
             ["pool", "outcome"], registry=self.registry)
         self.policy_info = Gauge(

@@ -17,7 +17,8 @@ Layout: ``tokens`` (tokenizer, generated text) · ``chat`` (chat template) · ``
 pool, prefix cache) · ``request`` / ``core`` (the synchronous scheduler: ``step()``) ·
 ``profiles`` (hardware cost models) · ``runtime`` (the asyncio engine loop on an anchored
 clock) · ``protocol`` / ``responses`` / ``generate`` (the OpenAI surface) · ``metrics`` ·
-``faults`` · ``app`` (Litestar app) · ``listener`` (closing and reopening a socket: fault ``down``)
+``faults`` · ``garbage`` (the garbage fault modes' answers) · ``app`` (Litestar app) · ``listener``
+(closing and reopening a socket: fault ``down``)
 · ``control`` (the fault control app) · ``fault_client`` (its client, for the CLI) · ``serve`` (uvicorn
 servers, signals) · ``measured``
 (profile files: coefficients measured on a real engine) · ``calibrate`` (``switchyard sim

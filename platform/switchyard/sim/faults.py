@@ -15,6 +15,19 @@ One *mode* at a time:
 - ``unavailable``: every endpoint but ``/sim/*`` answers 503 in vLLM's error shape, ``/health``
   included.
 
+And the *garbage* modes: generation requests (``/v1/completions``, ``/v1/chat/completions``) are
+answered 200 with something that is no answer, as a broken engine or a misconfigured proxy in front
+of one could (``garbage.py``); ``/health`` and every other route stay fine, and no request reaches
+the scheduler:
+
+- ``invalid_json``: a body that is not JSON (a stream: a first event whose data is not JSON).
+- ``truncate``: a complete HTTP answer whose content is cut short: a JSON body cut halfway (its
+  ``Content-Length`` that of the cut body); a stream of a few token events that ends inside an
+  event, without ``data: [DONE]``.
+- ``wrong_type``: an HTML page (``text/html``), streamed or not.
+- ``huge``: an answer of :data:`HUGE_BYTES` (more than the gateway reads): a JSON object sent
+  without ``Content-Length``; a stream of a few token events and then one event that large.
+
 And independent *rates*, each in [0, 1] (default 0), drawn per inference request
 (``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``) while the mode is ``none``
 or ``slow``, from one RNG seeded with the engine's seed, checked in this order:
@@ -40,8 +53,13 @@ import random
 from collections.abc import Mapping
 from typing import Any, Literal
 
-FaultMode = Literal["none", "slow", "hang", "down", "unavailable"]
-MODES: tuple[FaultMode, ...] = ("none", "slow", "hang", "down", "unavailable")
+FaultMode = Literal["none", "slow", "hang", "down", "unavailable", "invalid_json", "truncate", "wrong_type", "huge"]
+MODES: tuple[FaultMode, ...] = ("none", "slow", "hang", "down", "unavailable", "invalid_json", "truncate",
+                                "wrong_type", "huge")
+#: The modes whose generation answers are garbage (see the module doc).
+GARBAGE_MODES: frozenset[FaultMode] = frozenset({"invalid_json", "truncate", "wrong_type", "huge"})
+#: The size of a ``huge`` answer (the gateway's default limits are 64 MiB for a body, 16 MiB for an event).
+HUGE_BYTES = 80 * 1024 * 1024
 #: What a draw can do to one request.
 Outcome = Literal["error", "throttle", "overload", "abort"]
 #: The rates, in the order they are checked, and what each one does.

@@ -5,7 +5,8 @@ a client that disconnects while nothing is being written (to abort its request a
 KV blocks, as vLLM does), and writing every token that piled up while a slow consumer was
 busy in a single ``send``. The fault rates (``faults.py``) are applied here too, to the
 generation and embeddings handlers alike: rejections before the request reaches the scheduler,
-broken-off answers while they are written.
+broken-off answers while they are written; and the garbage modes to generation requests
+(``garbage.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from switchyard.sim.faults import GARBAGE_MODES
+from switchyard.sim.garbage import send_garbage
 from switchyard.sim.logprobs import chat_logprobs, completion_logprobs
 from switchyard.sim.protocol import (
     ApiError,
@@ -160,6 +163,9 @@ async def handle_generation(engine: EngineRuntime, chat: bool, scope: Scope, rec
         shaper = ResponseShaper(chat=chat, model=cfg.served_model, request_id=request_id,
                                 choices=len(spec.prompts) * spec.n, fingerprint=engine.fingerprint,
                                 include_usage=spec.include_usage, role=spec.role)
+        if engine.faults.mode in GARBAGE_MODES:
+            await send_garbage(send, engine.faults.mode, shaper, spec.stream, watch.gone.is_set)
+            return
         waker = Waker()
         # Choice p * n + j is the j-th sample of prompt p, as vLLM numbers them.
         channels = [_submit(engine, spec, shaper.id, p * spec.n + j, j, prompt, waker, requests)

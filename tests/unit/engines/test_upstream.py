@@ -1,12 +1,25 @@
-"""The upstream POST against a loopback server that closes connections without answering."""
+"""The upstream client against loopback servers: connections closed without an answer, redirects (never
+followed), and answers that are no answer (wrong type, not JSON, too large, streams cut short)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
+import aiohttp
+import msgspec
 import pytest
 
-from switchyard.engines.upstream import UpstreamFailure, UpstreamTimeouts, create_client_session, post
+from switchyard.engines.upstream import (
+    StreamRelay,
+    UpstreamFailure,
+    UpstreamTimeouts,
+    create_client_session,
+    first_chunk,
+    post,
+    read_body,
+    read_engine_error,
+)
 
 BODY = b'{"ok": true}'
 ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(BODY), BODY)
@@ -64,3 +77,192 @@ async def test_a_second_close_is_a_broken_upstream_not_a_third_try() -> None:
     assert failure.value.kind == "broken" and "ServerDisconnected" in str(failure.value)
     assert server.requests == 2
 
+
+
+# --- answers that are no answer -------------------------------------------------------------------------------
+
+
+class ScriptedServer:
+    """Answers every request with ``pieces``, written one by one (a short pause between them), then
+    closes the connection; counts the connections it was given."""
+
+    def __init__(self, *pieces: bytes) -> None:
+        self.pieces = pieces
+        self.connections = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            await reader.readexactly(length)
+            for piece in self.pieces:
+                writer.write(piece)
+                await writer.drain()
+                await asyncio.sleep(0.01)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+
+def http_answer(content_type: str | None, body: bytes, status: str = "200 OK", length: bool = True,
+                extra: str = "") -> bytes:
+    """A raw HTTP/1.1 answer (``length`` False: close-delimited, no Content-Length)."""
+    head = f"HTTP/1.1 {status}\r\n" + (f"content-type: {content_type}\r\n" if content_type else "") + extra
+    head += f"content-length: {len(body)}\r\n" if length else "connection: close\r\n"
+    return head.encode() + b"\r\n" + body
+
+
+def chunked(content_type: str, *parts: bytes, end: bool = True) -> list[bytes]:
+    """A chunked answer's pieces: the head, each part as a chunk, and (``end``) the last chunk."""
+    head = f"HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ntransfer-encoding: chunked\r\n\r\n".encode()
+    return [head, *(b"%x\r\n%s\r\n" % (len(p), p) for p in parts), *([b"0\r\n\r\n"] if end else [])]
+
+
+class Upstream:
+    """Servers on loopback and the gateway's two client sessions."""
+
+    def __init__(self) -> None:
+        timeouts = UpstreamTimeouts(connect_s=2, read_s=5)
+        self.session = create_client_session(timeouts, max_connections=4)
+        self.fresh = create_client_session(timeouts, max_connections=4, fresh=True)
+        self.listeners: list[asyncio.Server] = []
+
+    async def serve(self, server: ScriptedServer) -> str:
+        listener = await asyncio.start_server(server.handle, "127.0.0.1", 0)
+        self.listeners.append(listener)
+        return f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
+
+    async def post(self, *pieces: bytes) -> aiohttp.ClientResponse:
+        url = await self.serve(ScriptedServer(*pieces))
+        return await post(self.session, url + "/v1/completions", b"{}", {"content-type": "application/json"},
+                          self.fresh)
+
+    async def close(self) -> None:
+        await self.session.close()
+        await self.fresh.close()
+        for listener in self.listeners:
+            listener.close()
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[Upstream]:
+    up = Upstream()
+    yield up
+    await up.close()
+
+
+async def test_a_redirect_is_never_followed(upstream: Upstream) -> None:
+    trap = ScriptedServer(http_answer("application/json", b'{"stolen": true}'))
+    trap_url = await upstream.serve(trap)
+    for status in ("301 Moved Permanently", "302 Found", "303 See Other", "307 Temporary Redirect",
+                   "308 Permanent Redirect"):
+        response = await upstream.post(http_answer(None, b"", status, extra=f"location: {trap_url}/v1/completions\r\n"))
+        assert response.status == int(status[:3])
+        error = await read_engine_error(response)
+        assert error.status == int(status[:3])
+    assert trap.connections == 0
+
+
+@pytest.mark.parametrize(("answer", "why"), [
+    (http_answer("text/html", b"<html>It works!</html>"), "content type 'text/html'"),
+    (http_answer(None, b'{"ok": true}'), "not application/json"),
+    (http_answer("application/json", b"{'id': 'x'}"), "not a JSON object"),
+    (http_answer("application/json", b'{"id": "x", "choices": [{"text": "cut'), "not a JSON object"),
+    (http_answer("application/json", b"[1, 2]"), "not a JSON object"),
+    (http_answer("application/json", b'{"pad": "' + b"x" * 2000 + b'"}'), "more than the gateway's limit of 1000"),
+    (http_answer("application/json", b'{"pad": "' + b"x" * 2000 + b'"}', length=False), "more than the gateway's"),
+    (b"".join(chunked("application/json", b'{"pad": "', b"x" * 600, b"x" * 600, b'"}')), "more than the gateway's"),
+])
+async def test_a_body_that_is_no_answer_is_an_invalid_response(upstream: Upstream, answer: bytes, why: str) -> None:
+    response = await upstream.post(answer)
+    with pytest.raises(UpstreamFailure) as failure:
+        await read_body(response, max_bytes=1000)
+    assert failure.value.invalid and failure.value.kind == "invalid_response" and not failure.value.timeout
+    assert why in str(failure.value)
+    assert response.closed  # what was left unread never goes back to the pool
+
+
+async def test_a_good_body_is_read_whole(upstream: Upstream) -> None:
+    body = b'{"id": "cmpl-1", "choices": [{"text": "' + b"y" * 900 + b'"}]}'
+    for answer in (http_answer("application/json; charset=utf-8", body),
+                   b"".join(chunked("application/json", body[:500], body[500:]))):
+        assert await read_body(await upstream.post(answer), max_bytes=1000) == body
+
+
+EVENT = b'data: {"id":"c","choices":[{"index":0,"text":"hi"}]}\n\n'
+DONE = b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize(("pieces", "why"), [
+    ([http_answer("text/html", b"<html>It works!</html>")], "content type 'text/html'"),
+    ([http_answer("application/json", b'{"id": "x"}')], "not text/event-stream"),
+    (chunked("text/event-stream", b"<html>It works!</html>"), "a stream that is not SSE"),
+    (chunked("text/event-stream", b"data: {'id': 'x'}\n\n", DONE), "first event is not JSON"),
+])
+async def test_a_stream_that_is_no_stream_fails_before_its_first_byte(upstream: Upstream, pieces: list[bytes],
+                                                                     why: str) -> None:
+    response = await upstream.post(*pieces)
+    with pytest.raises(UpstreamFailure) as failure:
+        await first_chunk(response)
+    assert failure.value.kind == "invalid_response" and why in str(failure.value)
+    response.close()
+
+
+async def _relay(upstream: Upstream, *pieces: bytes, max_event_bytes: int = 1000,
+                 strip_usage: bool = False) -> tuple[bytes, list[bool], StreamRelay]:
+    response = await upstream.post(*pieces)
+    outcomes: list[bool] = []
+    relay = StreamRelay(response, await first_chunk(response), outcomes.append, max_event_bytes=max_event_bytes,
+                        strip_usage=strip_usage)
+    out = [chunk async for chunk in relay.chunks()]
+    assert all(chunk.endswith(b"\n\n") for chunk in out)  # whole events only, always
+    return b"".join(out), outcomes, relay
+
+
+async def test_a_stream_that_ends_with_done_is_relayed_whole(upstream: Upstream) -> None:
+    # An event split across chunks is passed on once its end has come.
+    out, outcomes, relay = await _relay(upstream, *chunked("text/event-stream", EVENT + EVENT[:10], EVENT[10:],
+                                                           EVENT[:-1], b"\n" + DONE))
+    assert out == EVENT * 3 + DONE and outcomes == [True] and not relay.broken
+
+
+@pytest.mark.parametrize(("parts", "where"), [
+    ((EVENT, EVENT), "without its last event ([DONE])"),
+    ((EVENT, EVENT[:20]), "inside an event"),
+])
+async def test_a_stream_cut_short_ends_with_an_error_event_and_is_broken(upstream: Upstream, parts: tuple[bytes, ...],
+                                                                        where: str) -> None:
+    out, outcomes, relay = await _relay(upstream, *chunked("text/event-stream", *parts))
+    events = out.split(b"\n\n")[:-1]
+    assert events[:-1] == [EVENT[:-2]] * (len(events) - 1)  # the half event never reached the client
+    error = msgspec.json.decode(events[-1].removeprefix(b"data: "))["error"]
+    assert error["code"] == "upstream_stream_broken" and where in error["message"]
+    assert relay.broken and outcomes == [False]
+
+
+async def test_an_event_past_the_limit_ends_the_stream(upstream: Upstream) -> None:
+    huge = b'data: {"id":"c","choices":[{"index":0,"text":"' + b"x" * 600
+    out, outcomes, relay = await _relay(upstream, *chunked("text/event-stream", EVENT, huge, b"x" * 600, b'"}]}\n\n',
+                                                           DONE, end=False))
+    events = out.split(b"\n\n")[:-1]
+    assert events[0] == EVENT[:-2] and len(events) == 2
+    error = msgspec.json.decode(events[1].removeprefix(b"data: "))["error"]
+    assert error["code"] == "upstream_invalid_response" and "upstream_max_event_bytes" in error["message"]
+    assert relay.broken and outcomes == [False]
+
+
+async def test_a_broken_connection_mid_stream_is_still_broken(upstream: Upstream) -> None:
+    out, outcomes, relay = await _relay(upstream, *chunked("text/event-stream", EVENT, EVENT, end=False))
+    assert out.startswith(EVENT * 2) and b"upstream_stream_broken" in out
+    assert relay.broken and outcomes == [False]
+
+
+async def test_the_events_before_one_past_the_limit_go_out_even_in_the_same_chunk(upstream: Upstream) -> None:
+    huge = b'data: {"id":"c","choices":[{"index":0,"text":"' + b"x" * 2000
+    out, outcomes, relay = await _relay(upstream, *chunked("text/event-stream", EVENT + EVENT + huge, end=False))
+    events = out.split(b"\n\n")[:-1]
+    assert events[:2] == [EVENT[:-2]] * 2 and b"upstream_invalid_response" in events[2] and len(events) == 3
+    assert relay.broken and outcomes == [False]
