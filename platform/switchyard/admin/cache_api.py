@@ -8,7 +8,9 @@ import msgspec
 from litestar import Request, get, post
 from sqlmodel import Session
 
+from switchyard.admin import openapi_docs as docs
 from switchyard.admin.common import in_db, json_body, origin_of, runtime_of
+from switchyard.admin.policy_api import Author
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.store.audit import append_event
 from switchyard.store.tenants import get_tenant
@@ -19,10 +21,11 @@ class PurgeRequest(msgspec.Struct, forbid_unknown_fields=True):
 
     tenant: str | None = None
     model: str | None = None
-    author: str | None = None
+    author: Author = None
 
 
-@get("/cache", operation_id="adminCache")
+@get("/cache", operation_id="adminCache",
+     operation_class=docs.admin_operation(docs.ok("The response cache's figures.", docs.CACHE)))
 async def cache_stats(request: Request[Any, Any, Any]) -> dict[str, Any]:
     """The response cache's backend, entries, bytes and evictions by reason."""
     return await cache_state(runtime_of(request))
@@ -36,7 +39,9 @@ async def cache_state(runtime: GatewayRuntime) -> dict[str, Any]:
             "rules": [rule.name or f"cache[{i}]" for i, rule in enumerate(runtime.policy.snapshot.document.cache)]}
 
 
-@post("/cache/purge", operation_id="adminCachePurge", status_code=200)
+@post("/cache/purge", operation_id="adminCachePurge", status_code=200,
+      operation_class=docs.admin_operation(docs.ok("How many entries were removed.", docs.PURGED), 400, 404, 413,
+                                           body=docs.PURGE_BODY))
 async def purge(request: Request[Any, Any, Any]) -> dict[str, Any]:
     """Remove cached answers: ``{"tenant": NAME}``, ``{"model": NAME}``, both, or ``{}`` for everything.
 
@@ -69,7 +74,8 @@ async def purge_cache(runtime: GatewayRuntime, *, tenant: str | None, model: str
     what = ", ".join(f"{k} {v}" for k, v in (("tenant", tenant), ("model", model)) if v) or "everything"
 
     def audit(session: Session) -> None:
-        append_event(session, actor=actor, origin=origin, action="cache.purge", target=f"cache:{what}",
+        target = f"cache:{what}"[:128]  # (the audit log's column holds no more)
+        append_event(session, actor=actor, origin=origin, action="cache.purge", target=target,
                      detail={"removed": removed, "tenant": tenant, "model": model})
 
     await in_db(runtime, audit)

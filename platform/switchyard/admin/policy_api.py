@@ -12,12 +12,15 @@ from typing import Annotated, Any
 
 import msgspec
 from litestar import Request, Response, get, post
-from litestar.params import FromPath, QueryParameter
+from litestar.openapi.spec import OpenAPIType, Schema
+from litestar.params import PathParameter, QueryParameter
 from sqlmodel import Session
 
+from switchyard.admin import openapi_docs as docs
 from switchyard.admin.common import in_db, json_body, origin_of, runtime_of
 from switchyard.decide.policy_tests import compile_checked
 from switchyard.gateway.errors import ApiError, BadRequest
+from switchyard.gateway.openapi_docs import json_request_body, obj
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy import PolicyError, policy_sha256, read_policy_file
 from switchyard.policy.diff import diff_documents
@@ -25,9 +28,20 @@ from switchyard.settings import Settings
 from switchyard.store import errors as store_errors
 from switchyard.store.audit import list_events
 from switchyard.store.models import PolicyVersion, PolicyVersionPublic
-from switchyard.store.policy_versions import active_version, get_version, list_versions, publish, rollback
+from switchyard.store.policy_versions import MAX_AUTHOR, active_version, get_version, list_versions, publish, rollback
 
 Limit = Annotated[int, QueryParameter(ge=1, le=500, description="How many, newest first.")]
+#: The largest id (a version number, a key's id) the database's integer columns hold: a larger one is refused
+#: here, before it reaches a driver that cannot bind it.
+MAX_ID = 2**31 - 1
+Id = Annotated[int, PathParameter(ge=1, le=MAX_ID)]
+#: Who made a change, for the audit log (whose column holds no more).
+Author = Annotated[str, msgspec.Meta(max_length=MAX_AUTHOR)] | None
+_VERSION_REF = r"^(active|v?[0-9]+)$"
+ROLLBACK_BODY = json_request_body(obj({"version": Schema(type=OpenAPIType.INTEGER, minimum=1, maximum=MAX_ID),
+                                      "message": Schema(type=[OpenAPIType.STRING, OpenAPIType.NULL], max_length=1000),
+                                      "author": docs.AUTHOR},
+                                     ["version"], extra=False))
 
 
 class Conflict(ApiError):
@@ -49,15 +63,16 @@ class PublishRequest(msgspec.Struct, forbid_unknown_fields=True):
 
     yaml: str
     message: str = ""
-    author: str | None = None
+    author: Author = None
 
 
 class RollbackRequest(msgspec.Struct, forbid_unknown_fields=True):
     """A version whose content becomes active again."""
 
-    version: int
+    #: A JSON number (``5`` or ``5.0``: JSON, and its schema, do not tell them apart), whole.
+    version: Annotated[float, msgspec.Meta(ge=1, le=MAX_ID)]
     message: str | None = None
-    author: str | None = None
+    author: Author = None
 
 
 def _meta(row: PolicyVersion | PolicyVersionPublic) -> dict[str, Any]:
@@ -118,13 +133,18 @@ def _version_ref(session: Session, ref: str) -> tuple[str, str]:
             raise store_errors.NotFound("no policy version has been recorded yet")
     else:
         digits = ref.removeprefix("v")
-        if not digits.isdigit():
+        if not (digits.isascii() and digits.isdigit()):  # (str.isdigit alone takes '²', which int() refuses)
             raise store_errors.StoreError(f"{ref!r} is not a version: give a number (7 or v7) or 'active'")
-        row = get_version(session, int(digits))
+        number = int(digits)
+        if not 1 <= number <= MAX_ID:
+            raise store_errors.NotFound(f"no policy version {number}")
+        row = get_version(session, number)
     return f"v{row.number}", row.yaml_text
 
 
-@get("/policy", operation_id="adminPolicy")
+@get("/policy", operation_id="adminPolicy",
+     operation_class=docs.admin_operation(docs.ok("The active version, and what this process serves.", docs.POLICY),
+                                          404))
 async def policy_overview(request: Request[Any, Any, Any]) -> dict[str, Any]:
     """The active version (metadata and text), what this process serves, and drift from the file."""
     runtime = runtime_of(request)
@@ -169,15 +189,17 @@ def _rejected_state(runtime: GatewayRuntime) -> dict[str, Any] | None:
     return {"source": holder.error_source, "issues": [i.as_dict() for i in holder.last_error.issues]}
 
 
-@get("/policy/versions", operation_id="adminPolicyVersions")
+@get("/policy/versions", operation_id="adminPolicyVersions",
+     operation_class=docs.admin_operation(docs.ok("Versions, newest first.", docs.VERSIONS), 400))
 async def versions(request: Request[Any, Any, Any], limit: Limit = 50) -> dict[str, Any]:
     """Versions, newest first."""
     rows = await in_db(runtime_of(request), lambda s: list_versions(s, limit))
     return {"versions": [_meta(r) for r in rows]}
 
 
-@get("/policy/versions/{number:int}", operation_id="adminPolicyVersion")
-async def version(request: Request[Any, Any, Any], number: FromPath[int]) -> dict[str, Any]:
+@get("/policy/versions/{number:int}", operation_id="adminPolicyVersion",
+     operation_class=docs.admin_operation(docs.ok("The version and its text.", docs.VERSION_WITH_TEXT), 400, 404))
+async def version(request: Request[Any, Any, Any], number: Id) -> dict[str, Any]:
     """One version: metadata and its YAML text."""
     def read(session: Session) -> dict[str, Any]:
         row = get_version(session, number)
@@ -186,9 +208,12 @@ async def version(request: Request[Any, Any, Any], number: FromPath[int]) -> dic
     return await in_db(runtime_of(request), read)
 
 
-@get("/policy/diff", operation_id="adminPolicyDiff")
-async def diff(request: Request[Any, Any, Any], from_: Annotated[str, QueryParameter(name="from")],
-               to: Annotated[str, QueryParameter(name="to")] = "active") -> dict[str, Any]:
+@get("/policy/diff", operation_id="adminPolicyDiff",
+     operation_class=docs.admin_operation(docs.ok("What changes.", docs.DIFF), 400, 404))
+async def diff(request: Request[Any, Any, Any],
+               from_: Annotated[str, QueryParameter(name="from", schema_extra={"pattern": _VERSION_REF})],
+               to: Annotated[str, QueryParameter(name="to", schema_extra={"pattern": _VERSION_REF})] = "active",
+               ) -> dict[str, Any]:
     """What changes from version ``from`` to version ``to`` (numbers, or ``active``)."""
     def compare(session: Session) -> dict[str, Any]:
         (old_label, old_text), (new_label, new_text) = _version_ref(session, from_), _version_ref(session, to)
@@ -208,7 +233,9 @@ async def _document(request: Request[Any, Any, Any]) -> str:
         raise BadRequest("the policy document is not UTF-8 text") from None
 
 
-@post("/policy/validate", operation_id="adminPolicyValidate", status_code=200)
+@post("/policy/validate", operation_id="adminPolicyValidate", status_code=200,
+      operation_class=docs.admin_operation(docs.ok("Whether the document is valid, and why not.", docs.VALIDATION),
+                                           400, 413, body=docs.VALIDATE_BODY))
 async def validate(request: Request[Any, Any, Any]) -> dict[str, Any]:
     """Check a document (schema, references, policy tests) without writing anything.
 
@@ -231,7 +258,8 @@ async def validate(request: Request[Any, Any, Any]) -> dict[str, Any]:
         return {"valid": False, "issues": [i.as_dict() for i in error.issues]}
 
 
-@post("/policy/versions", operation_id="adminPolicyPublish")
+@post("/policy/versions", operation_id="adminPolicyPublish",
+      operation_class=docs.admin_operation(docs.WRITTEN_RESPONSES, 400, 409, 413, 422, body=docs.PUBLISH_BODY))
 async def publish_version(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     """Validate a document and make it the active version (201; 200 when it is the active content).
 
@@ -250,7 +278,8 @@ async def publish_version(request: Request[Any, Any, Any]) -> Response[dict[str,
     return await _write_version(runtime, write)
 
 
-@post("/policy/rollback", operation_id="adminPolicyRollback")
+@post("/policy/rollback", operation_id="adminPolicyRollback",
+      operation_class=docs.admin_operation(docs.WRITTEN_RESPONSES, 400, 404, 409, 413, 422, body=ROLLBACK_BODY))
 async def rollback_version(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     """Make an earlier version's content active again, as a new version (201; 200 when it already is).
 
@@ -259,15 +288,19 @@ async def rollback_version(request: Request[Any, Any, Any]) -> Response[dict[str
     runtime = runtime_of(request)
     refuse_in_file_mode(runtime)
     data = await json_body(request, RollbackRequest)
+    if not data.version.is_integer():
+        raise BadRequest(f"version must be a whole number, got {data.version}", param="version")
+    number = int(data.version)
     origin = origin_of(request)
 
     def write(session: Session) -> tuple[PolicyVersionPublic, bool]:
-        return rollback(session, data.version, author=data.author or "api", message=data.message, origin=origin)
+        return rollback(session, number, author=data.author or "api", message=data.message, origin=origin)
 
     return await _write_version(runtime, write)
 
 
-@get("/policy/audit", operation_id="adminPolicyAudit")
+@get("/policy/audit", operation_id="adminPolicyAudit",
+     operation_class=docs.admin_operation(docs.ok("The policy's audit entries, newest first.", docs.EVENTS), 400))
 async def audit(request: Request[Any, Any, Any], limit: Limit = 50) -> dict[str, Any]:
     """The policy's entries in the audit log, newest first."""
     rows = await in_db(runtime_of(request), lambda s: list_events(s, limit, action="policy."))

@@ -11,22 +11,45 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable
 from datetime import datetime
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from litestar import Request, Response, delete, get, post
 from litestar._multipart import parse_multipart_form  # the parser Request.form() uses, fed a size-limited stream
 from litestar.datastructures import UploadFile
 from litestar.exceptions import ClientException
+from litestar.openapi.spec import (
+    Encoding,
+    OpenAPIFormat,
+    OpenAPIMediaType,
+    OpenAPIResponse,
+    OpenAPIType,
+    RequestBody,
+    Schema,
+)
+from litestar.params import QueryParameter
 from sqlmodel import Session
 
 from switchyard.gateway.errors import BadRequest, NotFound, PayloadTooLarge
+from switchyard.gateway.openapi_docs import (
+    API_KEY,
+    BOOLEAN,
+    INTEGER,
+    STRING,
+    array,
+    documented,
+    json_request_body,
+    json_response,
+    nullable,
+    obj,
+    v1_errors,
+)
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.store import batches
 from switchyard.store import errors as store_errors
 from switchyard.store.db import in_transaction
 from switchyard.store.keys import KeyIdentity
-from switchyard.store.models import Batch
+from switchyard.store.models import BATCH_STATUSES, Batch
 
 T = TypeVar("T")
 
@@ -106,10 +129,86 @@ def _page(data: list[dict[str, Any]], has_more: bool) -> Response[bytes]:
                   "last_id": data[-1]["id"] if data else None, "has_more": has_more})
 
 
+# ``limit``'s bounds, for the document (:func:`_limit` checks them, to name the parameter in its 400).
+FilesPage = Annotated[int, QueryParameter(schema_extra={"minimum": 1, "maximum": MAX_FILES_PAGE})]
+BatchesPage = Annotated[int, QueryParameter(schema_extra={"minimum": 1, "maximum": MAX_BATCHES_PAGE})]
+
+
 def _limit(limit: int, most: int) -> int:
     if not 1 <= limit <= most:
         raise BadRequest(f"limit must be between 1 and {most}.", param="limit")
     return limit
+
+
+# --- what the OpenAPI document says of them ------------------------------------------------
+
+_FILE = obj({"id": STRING, "object": Schema(type=OpenAPIType.STRING, const="file"), "bytes": INTEGER,
+             "created_at": INTEGER, "filename": STRING, "purpose": STRING, "status": STRING,
+             "expires_at": nullable(OpenAPIType.INTEGER), "status_details": nullable(OpenAPIType.STRING)},
+            ["id", "object", "bytes", "created_at", "filename", "purpose", "status"],
+            description="OpenAI's FileObject.")
+_NULLABLE_TIME = nullable(OpenAPIType.INTEGER)
+_BATCH = obj({
+    "id": STRING, "object": Schema(type=OpenAPIType.STRING, const="batch"), "endpoint": STRING,
+    "errors": obj({"object": STRING, "data": array(obj({"line": nullable(OpenAPIType.INTEGER), "message": STRING,
+                                                         "param": nullable(OpenAPIType.STRING),
+                                                         "code": nullable(OpenAPIType.STRING)}))},
+                  nullable_=True),
+    "input_file_id": STRING, "completion_window": STRING,
+    "status": Schema(type=OpenAPIType.STRING, enum=list(BATCH_STATUSES)),
+    "output_file_id": nullable(OpenAPIType.STRING), "error_file_id": nullable(OpenAPIType.STRING),
+    "created_at": INTEGER, **{f"{at}_at": _NULLABLE_TIME for at in (
+        "in_progress", "expires", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled")},
+    "request_counts": obj({"total": INTEGER, "completed": INTEGER, "failed": INTEGER},
+                          ["total", "completed", "failed"]),
+    "metadata": obj({}, extra=True, nullable_=True),
+}, ["id", "object", "endpoint", "input_file_id", "completion_window", "status", "created_at", "request_counts"],
+    description="OpenAI's Batch.")
+
+
+def _list_of(item: Schema) -> Schema:
+    return obj({"object": Schema(type=OpenAPIType.STRING, const="list"), "data": array(item),
+                "first_id": nullable(OpenAPIType.STRING), "last_id": nullable(OpenAPIType.STRING),
+                "has_more": BOOLEAN}, ["object", "data", "first_id", "last_id", "has_more"])
+
+
+_UPLOAD = RequestBody(required=True, content={"multipart/form-data": OpenAPIMediaType(
+    schema=obj({"file": Schema(type=OpenAPIType.STRING, format=OpenAPIFormat.BINARY,
+                               description="The JSONL file: one request per line."),
+                "purpose": Schema(type=OpenAPIType.STRING, enum=list(batches.UPLOAD_PURPOSES))},
+               ["file", "purpose"]),
+    encoding={"file": Encoding(content_type="application/octet-stream")})})
+_BATCH_CREATE = json_request_body(obj({
+    "input_file_id": STRING,
+    "endpoint": Schema(type=OpenAPIType.STRING, enum=list(batches.ENDPOINTS)),
+    "completion_window": Schema(type=OpenAPIType.STRING, enum=list(batches.COMPLETION_WINDOWS)),
+    "metadata": Schema(type=[OpenAPIType.OBJECT, OpenAPIType.NULL], additional_properties=STRING,
+                       max_properties=batches.MAX_METADATA_KEYS),
+}, ["input_file_id", "endpoint", "completion_window"]))
+_CONTENT = OpenAPIResponse(description="The file's bytes.", content={"application/octet-stream": OpenAPIMediaType(
+    schema=Schema(type=OpenAPIType.STRING, format=OpenAPIFormat.BINARY))})
+#: Every route: a bad parameter, no valid key, a bug, key lookups down (fail closed).
+_ERRORS = v1_errors(400, 401, 500, 503)
+_ONE = v1_errors(404)
+
+CREATE_FILE = documented(security=API_KEY, body=_UPLOAD, responses={
+    200: json_response("The file, stored.", _FILE), **_ERRORS, **v1_errors(413)})
+#: (``after`` naming no file or batch of the caller's is a 404.)
+LIST_FILES = documented(security=API_KEY, responses={200: json_response("A page of files.", _list_of(_FILE)),
+                                                     **_ERRORS, **_ONE})
+RETRIEVE_FILE = documented(security=API_KEY, responses={200: json_response("The file.", _FILE), **_ERRORS, **_ONE})
+DOWNLOAD_FILE = documented(security=API_KEY, responses={200: _CONTENT, **_ERRORS, **_ONE})
+DELETE_FILE = documented(security=API_KEY, responses={
+    200: json_response("The file is deleted.", obj({"id": STRING, "object": Schema(type=OpenAPIType.STRING,
+                                                                                    const="file"),
+                                                     "deleted": BOOLEAN}, ["id", "object", "deleted"])),
+    **_ERRORS, **_ONE})
+CREATE_BATCH = documented(security=API_KEY, body=_BATCH_CREATE, responses={
+    200: json_response("The batch (failed at once, with its errors, when its input is refused).", _BATCH),
+    **_ERRORS, **_ONE, **v1_errors(413)})
+LIST_BATCHES = documented(security=API_KEY, responses={200: json_response("A page of batches.", _list_of(_BATCH)),
+                                                       **_ERRORS, **_ONE})
+ONE_BATCH = documented(security=API_KEY, responses={200: json_response("The batch.", _BATCH), **_ERRORS, **_ONE})
 
 
 # --- files ---------------------------------------------------------------------------------
@@ -153,7 +252,8 @@ async def _upload(request: Request[Any, Any, Any], max_bytes: int) -> tuple[Uplo
     return upload, purpose
 
 
-@post("/v1/files", operation_id="createFile", status_code=200, request_max_body_size=None)
+@post("/v1/files", operation_id="createFile", status_code=200, request_max_body_size=None,
+      operation_class=CREATE_FILE)
 async def create_file(request: Request[Any, Any, Any]) -> Response[bytes]:
     """Upload a JSONL file (purpose ``batch``) for batches. The body limit is ``batch_max_file_bytes``
     (checked here while streaming: the app-wide limit is lifted for this route alone)."""
@@ -169,8 +269,8 @@ async def create_file(request: Request[Any, Any, Any]) -> Response[bytes]:
     return _json(file_object(info))
 
 
-@get("/v1/files", operation_id="listFiles")
-async def list_files(request: Request[Any, Any, Any], after: str | None = None, limit: int = MAX_FILES_PAGE,
+@get("/v1/files", operation_id="listFiles", operation_class=LIST_FILES)
+async def list_files(request: Request[Any, Any, Any], after: str | None = None, limit: FilesPage = MAX_FILES_PAGE,
                      order: Literal["asc", "desc"] = "desc", purpose: str | None = None) -> Response[bytes]:
     """The caller's tenant's files, newest first (``order=asc``: oldest first), paginated by ``after``."""
     identity = await _identity(request)
@@ -180,14 +280,14 @@ async def list_files(request: Request[Any, Any, Any], after: str | None = None, 
     return _page([file_object(f) for f in found], more)
 
 
-@get("/v1/files/{file_id:str}", operation_id="retrieveFile")
+@get("/v1/files/{file_id:str}", operation_id="retrieveFile", operation_class=RETRIEVE_FILE)
 async def retrieve_file(request: Request[Any, Any, Any], file_id: str) -> Response[bytes]:
     """One of the caller's tenant's files."""
     identity = await _identity(request)
     return _json(file_object(await _db(request, lambda s: batches.get_file(s, identity.tenant_id, file_id))))
 
 
-@get("/v1/files/{file_id:str}/content", operation_id="downloadFile")
+@get("/v1/files/{file_id:str}/content", operation_id="downloadFile", operation_class=DOWNLOAD_FILE)
 async def file_content(request: Request[Any, Any, Any], file_id: str) -> Response[bytes]:
     """The content of one of the caller's tenant's files."""
     identity = await _identity(request)
@@ -195,7 +295,7 @@ async def file_content(request: Request[Any, Any, Any], file_id: str) -> Respons
     return Response(content, media_type="application/octet-stream")
 
 
-@delete("/v1/files/{file_id:str}", operation_id="deleteFile", status_code=200)
+@delete("/v1/files/{file_id:str}", operation_id="deleteFile", status_code=200, operation_class=DELETE_FILE)
 async def delete_file(request: Request[Any, Any, Any], file_id: str) -> Response[bytes]:
     """Delete one of the caller's tenant's files (batches made from it are not affected)."""
     identity = await _identity(request)
@@ -205,7 +305,7 @@ async def delete_file(request: Request[Any, Any, Any], file_id: str) -> Response
 
 # --- batches -------------------------------------------------------------------------------
 
-@post("/v1/batches", operation_id="createBatch", status_code=200)
+@post("/v1/batches", operation_id="createBatch", status_code=200, operation_class=CREATE_BATCH)
 async def create_batch(request: Request[Any, Any, Any]) -> Response[bytes]:
     """Create a batch from an uploaded file; its input is validated at once (a bad line makes a
     ``failed`` batch whose ``errors`` say which and why)."""
@@ -220,8 +320,9 @@ async def create_batch(request: Request[Any, Any, Any]) -> Response[bytes]:
     return _json(batch_object(batch))
 
 
-@get("/v1/batches", operation_id="listBatches")
-async def list_batches(request: Request[Any, Any, Any], after: str | None = None, limit: int = 20) -> Response[bytes]:
+@get("/v1/batches", operation_id="listBatches", operation_class=LIST_BATCHES)
+async def list_batches(request: Request[Any, Any, Any], after: str | None = None,
+                       limit: BatchesPage = 20) -> Response[bytes]:
     """The caller's tenant's batches, newest first, paginated by ``after``."""
     identity = await _identity(request)
     limit = _limit(limit, MAX_BATCHES_PAGE)
@@ -229,14 +330,14 @@ async def list_batches(request: Request[Any, Any, Any], after: str | None = None
     return _page([batch_object(x) for x in found], more)
 
 
-@get("/v1/batches/{batch_id:str}", operation_id="retrieveBatch")
+@get("/v1/batches/{batch_id:str}", operation_id="retrieveBatch", operation_class=ONE_BATCH)
 async def retrieve_batch(request: Request[Any, Any, Any], batch_id: str) -> Response[bytes]:
     """One of the caller's tenant's batches."""
     identity = await _identity(request)
     return _json(batch_object(await _db(request, lambda s: batches.get_batch(s, identity.tenant_id, batch_id))))
 
 
-@post("/v1/batches/{batch_id:str}/cancel", operation_id="cancelBatch", status_code=200)
+@post("/v1/batches/{batch_id:str}/cancel", operation_id="cancelBatch", status_code=200, operation_class=ONE_BATCH)
 async def cancel_batch(request: Request[Any, Any, Any], batch_id: str) -> Response[bytes]:
     """Cancel a batch: ``cancelling`` while lines still run, then ``cancelled`` (at once when none does)."""
     identity = await _identity(request)

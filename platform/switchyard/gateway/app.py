@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from litestar import Litestar
 from litestar.exceptions import HTTPException
-from litestar.openapi import OpenAPIConfig
 from litestar.plugins.jinja import JinjaTemplateEngine
 from litestar.static_files import create_static_files_router
 from litestar.template import TemplateConfig
@@ -13,11 +12,12 @@ import switchyard
 from switchyard.admin.api import admin_api_router
 from switchyard.admin.console import admin_router
 from switchyard.admin.login import login_router
-from switchyard.admin.session import csrf_config
+from switchyard.admin.session import console_security_headers, csrf_config
 from switchyard.batch import api as batch_api
 from switchyard.batch.worker import worker_lifespan
 from switchyard.gateway import openai_api, ops
 from switchyard.gateway.errors import ApiError, api_error_handler, http_exception_handler, internal_error_handler
+from switchyard.gateway.openapi_docs import openapi_config
 from switchyard.gateway.proxy import Proxy
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.resources import static_dir, templates_dir
@@ -46,8 +46,9 @@ def create_app(settings: Settings) -> Litestar:
         },
         request_max_body_size=settings.max_body_bytes,
         csrf_config=csrf_config(settings),
+        before_send=[console_security_headers],
         template_config=TemplateConfig(directory=templates_dir(), engine=JinjaTemplateEngine),
-        openapi_config=OpenAPIConfig(title="Switchyard", version=switchyard.__version__, path="/openapi"),
+        openapi_config=openapi_config(title="Switchyard", version=switchyard.__version__, path="/openapi"),
         logging_config=None,
         debug=False,
     )

@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 from litestar import Request, Response, get, post
 
+from switchyard.gateway.openapi_docs import CHAT_OPERATION, COMPLETION_OPERATION, MODELS_OPERATION
 from switchyard.gateway.proxy import Proxy
 from switchyard.gateway.runtime import GatewayRuntime
 
@@ -21,19 +22,19 @@ def _runtime(request: Request[Any, Any, Any]) -> GatewayRuntime:
     return runtime
 
 
-@post("/v1/chat/completions", operation_id="createChatCompletion", status_code=200)
+@post("/v1/chat/completions", operation_id="createChatCompletion", status_code=200, operation_class=CHAT_OPERATION)
 async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
     """Create a chat completion (streaming with ``stream: true``)."""
     return await _proxy(request).handle(request, "chat")
 
 
-@post("/v1/completions", operation_id="createCompletion", status_code=200)
+@post("/v1/completions", operation_id="createCompletion", status_code=200, operation_class=COMPLETION_OPERATION)
 async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
     """Create a text completion (streaming with ``stream: true``)."""
     return await _proxy(request).handle(request, "completion")
 
 
-@get("/v1/models", operation_id="listModels")
+@get("/v1/models", operation_id="listModels", operation_class=MODELS_OPERATION)
 async def list_models(request: Request[Any, Any, Any]) -> Response[bytes]:
     """The models and routes the caller's tier may use."""
     runtime = _runtime(request)

@@ -12,10 +12,11 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event, make_url, text
+from sqlalchemy import Engine, create_engine, event, exc, make_url, text
 from sqlmodel import Session
 
 from switchyard.resources import migrations_dir
+from switchyard.store.errors import StoreError
 
 T = TypeVar("T")
 
@@ -60,10 +61,19 @@ def session_scope(engine: Engine) -> Iterator[Session]:
 
 
 async def in_transaction(engine: Engine, work: Callable[[Session], T]) -> T:
-    """Run ``work`` in one :func:`session_scope` on a worker thread (database calls block the event loop)."""
+    """Run ``work`` in one :func:`session_scope` on a worker thread (database calls block the event loop).
+
+    Raises:
+        StoreError: a value does not fit the database (text with a NUL or longer than its column, a number
+            out of its column's range: PostgreSQL refuses them); nothing was written.
+    """
     def run() -> T:
-        with session_scope(engine) as session:
-            return work(session)
+        try:
+            with session_scope(engine) as session:
+                return work(session)
+        except exc.DataError as error:
+            first_line = (str(error.orig).strip().splitlines() or ["?"])[0]  # (not the statement's text)
+            raise StoreError(f"a value does not fit the database: {first_line}") from None
 
     return await anyio.to_thread.run_sync(run)
 

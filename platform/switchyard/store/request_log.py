@@ -28,7 +28,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
 import anyio.to_thread
-from sqlalchemy import Engine, Table, delete, insert, or_
+from sqlalchemy import BigInteger, Engine, Integer, Table, delete, insert, or_
 from sqlmodel import Session, col, select
 
 from switchyard.store.models import RequestLogEntry
@@ -45,6 +45,10 @@ COLUMNS = ("request_id", "kind", "tenant", "tenant_id", "key_id", "tier", "model
            "pool", "region", "endpoint", "status", "outcome", "error_code", "stream", "priority", "queue_ms",
            "attempts", "ttft_ms", "duration_ms", "prompt_tokens", "completion_tokens", "cached_tokens", "max_tokens",
            "digest", "deterministic", "cache", "cache_rule")
+#: The longest text each column holds, or the largest integer (None: no limit to keep to).
+_LIMITS: dict[str, int | None] = {
+    c.name: (2**63 - 1 if isinstance(c.type, BigInteger) else 2**31 - 1) if isinstance(c.type, Integer)
+    else getattr(c.type, "length", None) for c in _TABLE.columns}
 
 
 class Loggable(Protocol):
@@ -88,7 +92,7 @@ class RequestLogWriter:
 
     def _row(self, record: Loggable) -> dict[str, Any]:
         data = record.as_dict()
-        row = {name: data[name] for name in COLUMNS}
+        row = {name: _fit(data[name], _LIMITS[name]) for name in COLUMNS}
         row["at"] = datetime.fromisoformat(data["time"])
         row["replica"] = self.replica
         row["detail"] = json.dumps({"moved_on": data["moved_on"], "trace": data["trace"]})
@@ -149,6 +153,20 @@ class RequestLogWriter:
             await anyio.to_thread.run_sync(self.flush)
         except Exception as exc:
             log.warning("request log: the last %d entries could not be written: %s", self.pending, exc)
+
+
+def _fit(value: Any, limit: int | None) -> Any:
+    """``value`` as its column can hold it: text cut to the column's length, with no NUL (which PostgreSQL
+    refuses); an integer within the column's range. What a client sent (the model it asked for, its
+    ``max_tokens``) reaches the log as it came, and one row the database refuses would fail every flush
+    after it."""
+    if limit is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return max(-limit - 1, min(value, limit))
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")[:limit]
+    return value
 
 
 def _as_dict(entry: RequestLogEntry) -> dict[str, Any]:

@@ -1,0 +1,184 @@
+"""What the OpenAPI document says of the admin JSON API (``/admin/api``): request bodies, answers and
+errors (see :mod:`switchyard.gateway.openapi_docs`, whose building blocks these are).
+
+The admin API's error shape is the gateway's error object, ``{"error": {"message", "type", "param",
+"code"}}``; a policy document that was not accepted (422) adds ``"issues"``, every reason with its
+YAML path and line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from litestar.openapi.spec import (
+    OpenAPIFormat,
+    OpenAPIMediaType,
+    OpenAPIResponse,
+    OpenAPIType,
+    Operation,
+    RequestBody,
+    Schema,
+)
+
+from switchyard.gateway.openapi_docs import (
+    ADMIN_TOKEN,
+    ANY_OBJECT,
+    BOOLEAN,
+    DATE_TIME,
+    ERROR_DETAIL,
+    INTEGER,
+    NUMBER,
+    STRING,
+    array,
+    documented,
+    header,
+    json_request_body,
+    json_response,
+    nullable,
+    obj,
+)
+from switchyard.store.policy_versions import MAX_AUTHOR
+from switchyard.store.regions import REGION_PATTERN
+
+#: One reason a policy document was refused.
+ISSUE = obj({"path": STRING, "message": STRING, "line": nullable(OpenAPIType.INTEGER), "source": STRING},
+            ["path", "message", "line", "source"])
+
+#: The admin API's error object.
+ADMIN_ERROR = obj({"error": ERROR_DETAIL, "issues": array(ISSUE)}, ["error"], extra=False,
+                  description='{"error": {"message", "type", "param", "code"}}, and "issues" when a policy '
+                              "document was refused (422).")
+
+ADMIN_ERRORS: dict[int, OpenAPIResponse] = {
+    400: json_response("A malformed body or parameter.", ADMIN_ERROR),
+    401: json_response("No admin token, or a wrong one (Authorization: Bearer <SWITCHYARD_ADMIN_TOKEN>).",
+                       ADMIN_ERROR, {"WWW-Authenticate": header("Bearer")}),
+    403: json_response("The admin API is disabled: SWITCHYARD_ADMIN_TOKEN is not set.", ADMIN_ERROR),
+    404: json_response("No such version, tenant, key or request.", ADMIN_ERROR),
+    409: json_response("The policy file is the truth (policy_source=file): the policy changes only through it.",
+                       ADMIN_ERROR),
+    413: json_response("The request body is too large.", ADMIN_ERROR),
+    422: json_response("The policy document was refused (every issue, with its path and line); nothing was "
+                       "written.", obj({"error": ERROR_DETAIL, "issues": array(ISSUE)}, ["error", "issues"],
+                                       extra=False)),
+    500: json_response("A bug in the gateway (logged with its traceback).", ADMIN_ERROR),
+}
+
+
+def admin_operation(ok: Mapping[int, OpenAPIResponse], *errors: int,
+                    body: RequestBody | None = None) -> type[Operation]:
+    """The ``operation_class`` of an admin API route: ``ok`` and ``errors`` besides those of the token guard."""
+    statuses = sorted({401, 403, 500, *errors})
+    return documented(security=ADMIN_TOKEN, body=body,
+                      responses={**ok, **{status: ADMIN_ERRORS[status] for status in statuses}})
+
+
+def ok(description: str, schema: Schema) -> dict[int, OpenAPIResponse]:
+    """A 200 answer."""
+    return {200: json_response(description, schema)}
+
+
+# --- /admin/api/endpoints -----------------------------------------------------------------------
+
+_BREAKER = obj({"state": Schema(type=OpenAPIType.STRING, enum=["closed", "open", "half_open"]),
+                "reopens_in_s": nullable(OpenAPIType.NUMBER), "consecutive_failures": INTEGER,
+                "window": obj({"ok": INTEGER, "failed": INTEGER}, ["ok", "failed"]),
+                "trials_in_flight": nullable(OpenAPIType.INTEGER), "last_reason": nullable(OpenAPIType.STRING)},
+               ["state", "consecutive_failures", "window"])
+ENDPOINTS = obj({
+    "policy": STRING,
+    "endpoints": array(obj({"url": STRING, "pool": STRING, "region": STRING, "healthy": BOOLEAN, "up": BOOLEAN,
+                            "failure": nullable(OpenAPIType.STRING), "down_for_s": nullable(OpenAPIType.NUMBER),
+                            "probe_streak": INTEGER, "breaker": _BREAKER, "in_flight": INTEGER,
+                            "load": nullable(OpenAPIType.NUMBER), "scrape": ANY_OBJECT},
+                           ["url", "pool", "region", "healthy", "up", "breaker", "in_flight", "scrape"])),
+    "pools": array(obj({"pool": STRING, "region": STRING, "breaker": _BREAKER}, ["pool", "region", "breaker"])),
+}, ["policy", "endpoints", "pools"])
+
+# --- the policy ---------------------------------------------------------------------------------
+
+VERSION_FIELDS: dict[str, Schema] = {
+    "number": INTEGER, "sha256": STRING, "parent": nullable(OpenAPIType.INTEGER), "active": BOOLEAN,
+    "created_at": DATE_TIME, "author": STRING, "source": STRING, "message": STRING,
+}
+VERSION = obj(VERSION_FIELDS, list(VERSION_FIELDS), description="A policy version's metadata.")
+VERSION_WITH_TEXT = obj({**VERSION_FIELDS, "text": STRING}, [*VERSION_FIELDS, "text"])
+POLICY = obj({
+    "policy_source": Schema(type=OpenAPIType.STRING, enum=["file", "db"]),
+    "version": VERSION, "text": STRING,
+    "serving": obj({"version": STRING, "sha256": STRING}, ["version", "sha256"]),
+    "file": obj({"path": STRING, "sha256": nullable(OpenAPIType.STRING), "error": nullable(OpenAPIType.STRING)},
+                nullable_=True),
+    "matches_file": nullable(OpenAPIType.BOOLEAN),
+    "rejected": obj({"source": nullable(OpenAPIType.STRING), "issues": array(ISSUE)}, nullable_=True),
+}, ["policy_source", "version", "text", "serving", "file", "matches_file", "rejected"])
+VERSIONS = obj({"versions": array(VERSION)}, ["versions"])
+DIFF = obj({"from": STRING, "to": STRING, "semantic": BOOLEAN, "changes": array(STRING), "unified": STRING},
+           ["from", "to", "semantic", "changes", "unified"])
+VALIDATION = obj({"valid": BOOLEAN, "issues": array(ISSUE), "sha256": STRING,
+                  "changes_from_active": Schema(type=[OpenAPIType.ARRAY, OpenAPIType.NULL], items=STRING)},
+                 ["valid", "issues"])
+WRITTEN = obj({"created": BOOLEAN, "version": VERSION}, ["created", "version"])
+WRITTEN_RESPONSES = {201: json_response("A new version is active (this process serves it already).", WRITTEN),
+                     200: json_response("That content was already active: nothing new.", WRITTEN)}
+EVENTS = obj({"events": array(obj({"id": INTEGER, "at": DATE_TIME, "actor": STRING, "origin": STRING,
+                                   "action": STRING, "target": STRING, "detail": ANY_OBJECT},
+                                  ["id", "at", "actor", "origin", "action", "target", "detail"]))}, ["events"])
+
+_YAML = Schema(type=OpenAPIType.STRING, description="The policy document (YAML).")
+VALIDATE_BODY = RequestBody(description="The document (an empty body is an empty, invalid document).", content={
+    "application/json": OpenAPIMediaType(schema=obj({"yaml": _YAML}, ["yaml"], extra=False)),
+    "application/yaml": OpenAPIMediaType(schema=Schema(description="The policy document (any YAML: what is not a "
+                                                                   "policy is answered valid: false).")),
+    "text/plain": OpenAPIMediaType(schema=_YAML),
+})
+AUTHOR = Schema(type=[OpenAPIType.STRING, OpenAPIType.NULL], max_length=MAX_AUTHOR,
+                description="Who (for the audit log); default api.")
+#: (``store.policy_versions``' limit of a version's message.)
+MESSAGE = Schema(type=OpenAPIType.STRING, max_length=1000)
+PUBLISH_BODY = json_request_body(obj({"yaml": _YAML, "message": MESSAGE, "author": AUTHOR}, ["yaml"],
+                                     extra=False))
+
+# --- usage, limits, regions, audit ----------------------------------------------------------------
+
+_COUNTS: dict[str, Schema] = {"requests": INTEGER, "prompt_tokens": INTEGER, "completion_tokens": INTEGER,
+                              "cached_tokens": INTEGER, "spend": NUMBER}
+USAGE = obj({"rows": array(obj({**_COUNTS, "tenant": STRING, "key_id": INTEGER, "model": STRING,
+                                "day": Schema(type=OpenAPIType.STRING, format=OpenAPIFormat.DATE)},
+                               ["tenant", "key_id", "model", "day"])),
+             "totals": obj(_COUNTS)}, ["rows", "totals"])
+LIMITS = obj({"limits": obj({}, nullable_=True, description="The override, as validated (null: none).")},
+             ["limits"])
+_PER = Schema(type=[OpenAPIType.INTEGER, OpenAPIType.NULL], minimum=1)
+LIMITS_BODY = json_request_body(obj({
+    "limits": obj({"tokens_per_minute": _PER, "requests_per_minute": _PER, "tokens_per_day": _PER,
+                   "spend_per_month": Schema(type=[OpenAPIType.NUMBER, OpenAPIType.NULL], exclusive_minimum=0)},
+                  extra=False, nullable_=True,
+                  description="The shape of a tier's limits in the policy (a null field lifts that limit; "
+                              "tokens_per_minute at most tokens_per_day); null clears the override."),
+    "author": AUTHOR}, ["limits"], extra=False))
+REGION_BODY = json_request_body(obj({
+    "region": Schema(type=[OpenAPIType.STRING, OpenAPIType.NULL], pattern=REGION_PATTERN,
+                     description="A region name (it need not be in the active policy), or null for none."),
+    "author": AUTHOR}, ["region"], extra=False))
+TENANT_REGION = obj({"region": nullable(OpenAPIType.STRING)}, ["region"])
+KEY_REGION = obj({"region": nullable(OpenAPIType.STRING), "home_region": nullable(OpenAPIType.STRING)},
+                 ["region", "home_region"])
+
+# --- the response cache ---------------------------------------------------------------------------
+
+CACHE = obj({"backend": Schema(type=OpenAPIType.STRING, enum=["memory", "redis"]), "entries": INTEGER,
+             "bytes": INTEGER, "evictions": obj({}, extra=True), "rules": array(STRING)},
+            ["backend", "entries", "bytes", "evictions", "rules"])
+PURGE_BODY = json_request_body(obj({"tenant": nullable(OpenAPIType.STRING), "model": nullable(OpenAPIType.STRING),
+                                    "author": AUTHOR}, extra=False))
+PURGED = obj({"purged": INTEGER, "tenant": nullable(OpenAPIType.STRING), "model": nullable(OpenAPIType.STRING)},
+             ["purged", "tenant", "model"])
+
+# --- recent activity ------------------------------------------------------------------------------
+
+ACTIVITY = obj({"window_s": INTEGER, "point_s": INTEGER, "since": STRING, "now": STRING, "pools": array(ANY_OBJECT),
+                "total": ANY_OBJECT}, ["window_s", "point_s", "since", "now", "pools", "total"])
+REQUEST = obj({"time": STRING, "request_id": STRING, "kind": STRING, "status": nullable(OpenAPIType.INTEGER),
+               "trace": array(STRING)}, ["time", "request_id", "kind", "status", "trace"])
+REQUESTS = obj({"requests": array(REQUEST)}, ["requests"])
