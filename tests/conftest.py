@@ -1,13 +1,15 @@
-"""Shared fixtures: fresh databases on SQLite and on the real PostgreSQL server, and real vLLM
-servers on the CPU for the ``vllm`` tier."""
+"""Shared fixtures: fresh databases on SQLite and on the real PostgreSQL server, real vLLM servers on the
+CPU for the ``vllm`` tier, and the session's check that no secret was ever logged."""
 
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -122,3 +124,124 @@ def vllm_servers(vllm_env: Path, tiny_model: Path,
     finally:
         for server in (servers.a, servers.b):
             server.stop()
+
+
+# --- no secret is ever logged ------------------------------------------------------------------------------------
+#
+# Every API key the session makes in this process (``store.keys.generate_key`` is wrapped at session start),
+# every console password set in this process (``store.admin_users._check_password`` is wrapped), every key a
+# test makes through the CLI (``Gateway.new_key`` registers it) and the admin tokens and passwords the tests
+# use (``SECRETS.add``) must appear in nothing the session's processes logged: the output pytest captured
+# for each test (the gateways, workers and engines the fixtures start inherit pytest's standard output and
+# error, and the in-process apps' log records are captured too) and every ``*.log`` file under the session's
+# temporary directory (gateways started with ``log_file=``, the bench's process logs). Any whole API key
+# (``sk-sy-`` and 43 characters, registered or not) counts too. The check runs when the session ends and
+# fails it, naming the file or test and the line (the secret itself shown only by its first characters).
+
+#: A whole API key as ``generate_key`` makes them (an unregistered one in a log is a leak as well).
+WHOLE_KEY = r"sk-sy-[A-Za-z0-9_-]{43}"
+
+
+@dataclass
+class SecretWatch:
+    """The session's secrets and where they were found."""
+
+    secrets: set[str] = field(default_factory=set)
+    leaks: list[str] = field(default_factory=list)
+    sections: int = 0
+    files: int = 0
+    basetemp: Path | None = None
+    _pattern: re.Pattern[str] | None = None
+    _seen: set[tuple[str, str]] = field(default_factory=set)
+
+    def add(self, secret: str | None) -> None:
+        """Watch ``secret`` from now on (too short a value would match by chance, and is no secret)."""
+        if secret and len(secret) >= 6 and secret not in self.secrets:
+            self.secrets.add(secret)
+            self._pattern = None
+
+    def pattern(self) -> re.Pattern[str]:
+        if self._pattern is None:
+            alternatives = [re.escape(s) for s in sorted(self.secrets, key=len, reverse=True)] + [WHOLE_KEY]
+            self._pattern = re.compile("|".join(alternatives))
+        return self._pattern
+
+    def scan(self, where: str, text: str) -> list[str]:
+        """Record (and return) each line of ``text`` holding a secret, as ``where:line: ...``."""
+        pattern = self.pattern()
+        if not pattern.search(text):
+            return []
+        found = []
+        for number, line in enumerate(text.splitlines(), 1):
+            match = pattern.search(line)
+            if match:
+                shown = match.group(0)[:8] + "…"
+                found.append(f"{where}:{number}: a secret ({shown}) in: {pattern.sub('<SECRET>', line)[:300]}")
+        self.leaks.extend(found)
+        return found
+
+    def scan_report(self, report: pytest.TestReport) -> None:
+        for title, content in report.sections:
+            if title.startswith("Captured") and (report.nodeid, title) not in self._seen:
+                self._seen.add((report.nodeid, title))
+                self.sections += 1
+                self.scan(f"{report.nodeid} [{title}]", content)
+
+    def scan_files(self) -> None:
+        if self.basetemp is None or not self.basetemp.exists():
+            return
+        for path in sorted(self.basetemp.rglob("*.log")):
+            if path.is_file():
+                self.files += 1
+                self.scan(str(path), path.read_text(errors="replace"))
+
+
+SECRETS = SecretWatch()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Wrap what makes keys and sets console passwords in this process, so that each is watched."""
+    from switchyard.store import admin_users, keys
+
+    make_key = keys.generate_key
+    check_password = admin_users._check_password
+
+    def generate_key() -> str:
+        secret = make_key()
+        SECRETS.add(secret)
+        return secret
+
+    def _check_password(password: str) -> None:
+        SECRETS.add(password)
+        check_password(password)
+
+    keys.generate_key = generate_key
+    admin_users._check_password = _check_password
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _secret_watch(tmp_path_factory: pytest.TempPathFactory) -> SecretWatch:
+    """Where the session's ``*.log`` files are (scanned when the session ends)."""
+    SECRETS.basetemp = tmp_path_factory.getbasetemp()
+    return SECRETS
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    SECRETS.scan_report(report)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the session if a secret reached a captured output or a log file."""
+    SECRETS.scan_files()
+    reporter: Any = session.config.pluginmanager.get_plugin("terminalreporter")
+    if SECRETS.leaks:
+        if reporter is not None:
+            reporter.write("\n")
+            reporter.write_sep("=", "secrets found in logs", red=True)
+            for leak in SECRETS.leaks[:50]:
+                reporter.write_line(leak)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    elif reporter is not None and reporter.verbosity >= 0:
+        reporter.write_line(f"no secret in logs: {len(SECRETS.secrets)} secrets and whole keys checked in "
+                            f"{SECRETS.sections} captured outputs and {SECRETS.files} log files")

@@ -35,11 +35,13 @@ from switchyard.store.admin_users import create_user
 from switchyard.store.keys import create_key
 from switchyard.store.models import TenantCreate
 from switchyard.store.tenants import create_tenant
+from tests.conftest import SECRETS
 from tests.helpers import free_port
 from tests.unit.policy.base import base, to_yaml
 
 ADMIN_TOKEN = "s3cret"  # the test gateways' admin token
 ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+SECRETS.add(ADMIN_TOKEN)  # never logged (tests/conftest.py checks the session's logs)
 BIN = Path(sys.executable).parent
 SWITCHYARD = str(BIN / "switchyard") if (BIN / "switchyard").exists() else shutil.which("switchyard") or "switchyard"
 SIM_TIME_SCALE = 20
@@ -220,8 +222,11 @@ class Gateway:
         return result
 
     def new_key(self, tenant: str, tier: str) -> str:
-        """A new API key for ``tenant`` (created in ``tier`` if new), made with the real CLI."""
-        return self.cli("keys", "create", "--tenant", tenant, "--tier", tier).stdout.strip()
+        """A new API key for ``tenant`` (created in ``tier`` if new), made with the real CLI (and watched: it
+        must never be logged)."""
+        secret = self.cli("keys", "create", "--tenant", tenant, "--tier", tier).stdout.strip()
+        SECRETS.add(secret)
+        return secret
 
     def console(self, role: str = "admin") -> httpx.Client:
         """An HTTP client logged in to this gateway's console as a user of ``role`` (made once, with the
@@ -325,6 +330,7 @@ def admin_client(tmp_path: Path, database_url: str) -> Iterator[TestClient[Any]]
 # --- the console -------------------------------------------------------------------------------
 
 CONSOLE_PASSWORD = "correct horse battery"  # a test user's password
+SECRETS.add(CONSOLE_PASSWORD)
 CONSOLE_USERS = {"viewer": "vera", "operator": "otto", "admin": "ada"}
 
 

@@ -52,9 +52,13 @@ def runtime_of(request: Request[Any, Any, Any]) -> GatewayRuntime:
     return runtime
 
 
-async def in_db(runtime: GatewayRuntime, work: Callable[[Session], T]) -> T:
-    """Run ``work`` in one transaction on a worker thread (the database calls block)."""
+async def in_db(runtime: GatewayRuntime, work: Callable[[Session], T], *, keys: bool = False) -> T:
+    """Run ``work`` in one transaction on a worker thread (the database calls block); ``keys``: it changes
+    what key lookups answer (a revocation, a tenant's deletion or tier), so return only once every gateway
+    process dropped it from its key cache (``GatewayRuntime.change_keys``)."""
     try:
+        if keys:
+            return (await runtime.change_keys(work))[0]
         return await in_transaction(runtime.engine, work)
     except store_errors.NotFound as exc:
         raise NotFound(str(exc)) from None

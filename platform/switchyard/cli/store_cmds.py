@@ -4,10 +4,10 @@ usage ledger."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 from sqlalchemy import Engine
@@ -20,13 +20,24 @@ from switchyard.policy import PolicyError, PolicySnapshot, read_policy_file
 from switchyard.policy.schema import Limits
 from switchyard.settings import Settings
 from switchyard.store import db as store_db
+from switchyard.store.audit import append_event
 from switchyard.store.errors import StoreError
+from switchyard.store.key_changes import ACK_WAIT_S, Propagation, changing_keys
 from switchyard.store.keys import create_key, list_keys, revoke_key, set_key_region
-from switchyard.store.models import TenantCreate
+from switchyard.store.models import ApiKeyPublic, TenantCreate
 from switchyard.store.policy_versions import active_version
 from switchyard.store.regions import check_region
-from switchyard.store.tenants import create_tenant, get_tenant, list_tenants, set_tenant_region, set_tier
+from switchyard.store.tenants import (
+    create_tenant,
+    delete_tenant,
+    get_tenant,
+    list_tenants,
+    set_tenant_region,
+    set_tier,
+)
 from switchyard.store.usage import set_limits, usage
+
+T = TypeVar("T")
 
 
 def _engine(settings: Settings) -> Engine:
@@ -50,6 +61,36 @@ def open_session() -> Iterator[Session]:
         raise click.ClickException(str(exc)) from None
     finally:
         engine.dispose()
+
+
+def change_keys(work: Callable[[Session], T]) -> T:
+    """Run ``work`` (it revokes a key, deletes a tenant, moves one) in one transaction and wait until every
+    running gateway process dropped what it changed from its key cache; says so on stderr."""
+    engine = _engine(cli_context().settings())
+    try:
+        result, propagation = changing_keys(engine, work)
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        engine.dispose()
+    _propagated(propagation, engine.dialect.name)
+    return result
+
+
+def _propagated(propagation: Propagation, dialect: str) -> None:
+    if not propagation.targets:
+        return
+    if dialect != "postgresql":
+        click.echo("gateway processes on this database see the change at their next request", err=True)
+    elif propagation.listeners == 0:
+        click.echo("no gateway process listens on this database now (those that start see the change)", err=True)
+    elif propagation.complete:
+        click.echo(f"{propagation.listeners} gateway process(es) dropped it from their key cache "
+                   f"({propagation.waited_s * 1000:.0f} ms)", err=True)
+    else:
+        click.echo(f"warning: {propagation.listeners - propagation.confirmed} of {propagation.listeners} gateway "
+                   f"processes did not confirm within {ACK_WAIT_S:.0f} s; they may answer from their key cache until "
+                   "it expires (SWITCHYARD_KEY_CACHE_TTL_S)", err=True)
 
 
 def _policy(settings: Settings, session: Session) -> PolicySnapshot:
@@ -168,12 +209,37 @@ def tenants_create(name: str, tier: str, region: str | None) -> None:
 @tenants.command("set-tier")
 @click.argument("name")
 @click.argument("tier")
-def tenants_set_tier(name: str, tier: str) -> None:
-    """Move tenant NAME to TIER."""
-    with open_session() as session:
+@click.option("--author", default=None, help="Who changes it, for the audit log [default: cli:<OS user>].")
+def tenants_set_tier(name: str, tier: str, author: str | None) -> None:
+    """Move tenant NAME to TIER (every running gateway process applies it from its next request)."""
+    actor, origin = cli_author(author), cli_origin()
+
+    def move(session: Session) -> tuple[str, str]:
         _check_tier(session, tier)
-        tenant = set_tier(session, name, tier)
-    click.echo(f"tenant {tenant.name} is now in tier {tenant.tier}")
+        previous = get_tenant(session, name).tier
+        moved = set_tier(session, name, tier)
+        append_event(session, actor=actor, origin=origin, action="tenant.tier", target=f"tenant:{name}",
+                     detail={"tier": tier, "previous": previous})
+        return moved.name, moved.tier
+
+    moved_name, moved_tier = change_keys(move)
+    click.echo(f"tenant {moved_name} is now in tier {moved_tier}")
+
+
+@tenants.command("delete")
+@click.argument("name")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--author", default=None, help="Who deletes it, for the audit log [default: cli:<OS user>].")
+def tenants_delete(name: str, yes: bool, author: str | None) -> None:
+    """Delete tenant NAME and everything it owns: keys (they stop working at the next request on every
+    gateway process), files, batches, usage ledger rows, request-log rows. Refused while one of its
+    batches may still run lines."""
+    if not yes:
+        click.confirm(f"delete tenant {name!r} with its keys, files, batches, usage and request log?", abort=True)
+    actor, origin = cli_author(author), cli_origin()
+    gone = change_keys(lambda session: delete_tenant(session, name, actor=actor, origin=origin))
+    click.echo(f"deleted tenant {name}: {gone['keys']} key(s), {gone['files']} file(s), {gone['batches']} batch(es), "
+               f"{gone['usage_rows']} usage row(s), {gone['request_log_rows']} request-log row(s)")
 
 
 @tenants.command("set-region")
@@ -273,10 +339,18 @@ def keys_list(tenant: str | None, as_json: bool) -> None:
 
 @keys.command("revoke")
 @click.argument("key_id", type=int)
-def keys_revoke(key_id: int) -> None:
-    """Revoke key KEY_ID for good."""
-    with open_session() as session:
+@click.option("--author", default=None, help="Who revokes it, for the audit log [default: cli:<OS user>].")
+def keys_revoke(key_id: int, author: str | None) -> None:
+    """Revoke key KEY_ID for good: every running gateway process refuses it from its next request."""
+    actor, origin = cli_author(author), cli_origin()
+
+    def revoke(session: Session) -> ApiKeyPublic:
         record = revoke_key(session, key_id)
+        append_event(session, actor=actor, origin=origin, action="key.revoke", target=f"key:{key_id}",
+                     detail={"tenant": record.tenant, "prefix": record.prefix})
+        return record
+
+    record = change_keys(revoke)
     click.echo(f"revoked key {record.id} ({record.prefix}…) of tenant {record.tenant}")
 
 

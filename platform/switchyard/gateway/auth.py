@@ -1,17 +1,46 @@
 """API-key authentication: ``Authorization: Bearer <key>`` → tenant → tier.
 
-Lookups are cached for ``key_cache_ttl_s`` (so a revocation takes effect within that time) and
-misses for the same key share one database query. The cache is bounded so a flood of random
-keys cannot grow it without limit; an expired entry stays in it until it is looked up again or
-pushed out, because it is what a key falls back on while the database cannot be reached.
+Lookups are cached (at most ``key_cache_ttl_s``), bounded so that a flood of random keys cannot grow
+the cache without limit, and misses for the same key share one database query. An expired entry
+stays until it is looked up again or pushed out: it is what a key falls back on while the database
+cannot be reached.
+
+**A change takes effect at the next request, in every process.** Revoking a key, deleting a tenant,
+moving it to another tier or changing a region or a limit override is announced in the change's own
+transaction (``store/key_changes.py`` has the protocol):
+
+- *PostgreSQL*: each gateway process LISTENs (``gateway/reload.py``, the connection that also hears
+  policy publishes) and drops the identities of a key or tenant as soon as its notification arrives,
+  then acknowledges it; the call that made the change (admin API, console, CLI) waits until every
+  listening process acknowledged (at most 2 s, then it logs a warning and says so). While its
+  listening connection is down a process trusts no cached answer: every request is looked up, so a
+  process that cannot hear a revocation cannot miss one either.
+- *SQLite*: before answering from the cache a process reads the database's key-change marker
+  (``PRAGMA user_version``, bumped in the change's transaction; about 5 µs, through a connection of
+  its own with a 20 ms busy timeout, a busy database meaning a lookup instead). Every process on the
+  file (``serve --workers N``, a CLI change while a gateway runs) therefore sees a change at its next
+  request; a change through a gateway process also drops that process's entries at once.
+
+So ``key_cache_ttl_s`` only bounds a change made behind Switchyard's back (SQL by hand) and a
+PostgreSQL listener that died without its connection breaking (it is probed every few seconds). A
+lookup that was in flight when entries were dropped answers its own request but is not cached.
+
+**Constant time.** The presented key is hashed (SHA-256 of a fixed-length string takes the same time
+whatever its bytes) and only the digest is compared: in this cache's dict and in the database's
+unique index. Such comparisons stop at the first differing byte of the *digests*, so their timing
+can tell at most how many leading bytes of a guess's digest a stored digest shares; that says nothing
+about the 256-bit random key behind the stored digest (finding inputs whose digests share a chosen
+prefix is a preimage search), so no guess gets an attacker closer to a key.
 
 **The database unreachable.** A lookup that fails with a database error (connection refused,
 dropped, timed out) falls back by the policy's ``resilience.dependencies.database``:
 
 - ``fail_open``: a key with an (expired) cache entry keeps its cached answer, counted as
   ``switchyard_dependency_failures_total{dependency="database",mode="fail_open"}``; revocations
-  wait for the database. A key never seen cannot be checked: 503 ``auth_unavailable``.
-- ``fail_closed``: every key whose entry expired is refused: 503 ``auth_unavailable``.
+  wait for the database (a revocation a process heard of deletes the key's entries: they never fall
+  back). A key never seen cannot be checked: 503 ``auth_unavailable``.
+- ``fail_closed``: every key whose entry expired is refused: 503 ``auth_unavailable`` (on PostgreSQL,
+  while the process cannot hear key changes, every entry counts as expired).
 
 A refusal carries ``Retry-After`` and is counted with ``mode="fail_closed"`` (what was done). After
 a failure the database is left alone for a short back-off (one lookup then tries it again), so an
@@ -25,7 +54,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import anyio.to_thread
 from sqlalchemy.exc import DBAPIError, DisconnectionError
@@ -33,11 +62,14 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from switchyard.gateway.errors import Overloaded, Unauthorized
 from switchyard.policy.resilience import FailureMode
+from switchyard.store.key_changes import parse_notice
 from switchyard.store.keys import KeyIdentity, hash_key
 
 log = logging.getLogger("switchyard.auth")
 
 Lookup = Callable[[str], KeyIdentity | None]
+#: Reads a database's key-change marker (raises when it cannot be read now).
+Marker = Callable[[], int]
 
 #: Errors of a lookup that mean the database cannot answer now (not a bug).
 DATABASE_ERRORS: tuple[type[BaseException], ...] = (DBAPIError, DisconnectionError, PoolTimeoutError, OSError)
@@ -61,12 +93,14 @@ class KeyAuthenticator:
         backoff_s: How long the database is left alone after a failed lookup.
         warn_every_s: Least seconds between two warnings about the fallback.
         clock: Monotonic seconds (tests pass their own).
+        needs_listener: Trust cached answers only while :meth:`listening` says key changes are heard
+            (PostgreSQL: the LISTEN connection is up).
     """
 
     def __init__(self, lookup: Lookup, ttl_s: float, max_entries: int = 50_000,
                  counted: Callable[[FailureMode], None] = lambda _mode: None, *,
                  backoff_s: float = LOOKUP_BACKOFF_S, warn_every_s: float = WARN_EVERY_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, needs_listener: bool = False) -> None:
         self._lookup = lookup
         self._ttl = ttl_s
         self._max = max_entries
@@ -81,6 +115,12 @@ class KeyAuthenticator:
         self._warned_at = -math.inf
         self._unwarned = 0
         self._error = ""
+        self._needs_listener = needs_listener
+        self._listening = False
+        self._marker: Marker | None = None
+        self._marker_seen = 0
+        #: Bumped whenever entries are dropped: a lookup that started before is not cached.
+        self._generation = 0
 
     @staticmethod
     def bearer(header: str | None) -> str:
@@ -115,7 +155,7 @@ class KeyAuthenticator:
         digest = hash_key(self.bearer(header))
         now = self._clock()
         cached = self._cache.get(digest)
-        if cached is not None and cached[1] > now:
+        if cached is not None and cached[1] > now and self._current():
             identity = cached[0]
         elif self._down_since is not None and now < self._retry_at:
             identity = self._fallback(cached, database)
@@ -132,6 +172,91 @@ class KeyAuthenticator:
         if identity is None:
             raise Unauthorized("Incorrect API key provided.")
         return identity
+
+    # --- key changes (see the module doc) --------------------------------------------------------
+
+    def follow_marker(self, marker: Marker) -> None:
+        """Check ``marker`` (a SQLite database's key-change marker) before every answer from the cache."""
+        self._marker = marker
+        self._marker_seen = marker()
+
+    def listening(self, up: bool) -> None:
+        """Whether key changes are heard now. Coming up expires every entry (changes made while not
+        listening were missed); until then, and while down, cached answers are not trusted."""
+        if up:
+            self.expire_all()
+        self._listening = up
+
+    @property
+    def trusts_cache(self) -> bool:
+        """Whether cached answers are used now (else every request is looked up)."""
+        return self._listening or not self._needs_listener
+
+    def changes(self) -> int | None:
+        """A number that moves whenever cached identities are dropped, checked as an answer from the
+        cache is (listener up, marker read); None while no cached answer may be used. Another cache of
+        identities (the batch worker's, by key id) keeps an entry only while this number stays what it
+        was before the entry's lookup, and so follows every key change as this cache does."""
+        return self._generation if self._current() else None
+
+    def notice(self, payload: str) -> str | None:
+        """Act on a ``switchyard_keys`` notification; the acknowledgement to send (None: none is due)."""
+        try:
+            ack, target = parse_notice(payload)
+        except ValueError:
+            log.warning("ignoring a malformed key change notice %r; expiring every cached key instead", payload[:100])
+            self.expire_all()
+            return None
+        self.forget((target,))
+        return ack
+
+    def forget(self, targets: Iterable[str]) -> int:
+        """Drop the entries of ``key:<id>`` and ``tenant:<id>`` targets (anything else expires every entry);
+        how many were dropped."""
+        keys: set[int] = set()
+        tenants: set[int] = set()
+        for target in targets:
+            kind, _, number = target.partition(":")
+            if kind == "key" and number.isdigit():
+                keys.add(int(number))
+            elif kind == "tenant" and number.isdigit():
+                tenants.add(int(number))
+            else:
+                self.expire_all()
+        self._dropped()
+        doomed = [digest for digest, (identity, _at) in self._cache.items()
+                  if identity is not None and (identity.key_id in keys or identity.tenant_id in tenants)]
+        for digest in doomed:
+            del self._cache[digest]
+        return len(doomed)
+
+    def expire_all(self) -> None:
+        """Stop trusting every entry (each stays as a fallback while the database is unreachable)."""
+        self._dropped()
+        for digest, (identity, _at) in self._cache.items():
+            self._cache[digest] = (identity, -math.inf)
+
+    def _dropped(self) -> None:
+        self._generation += 1
+        self._pending.clear()  # requests from now on do not join lookups that started before
+
+    def _current(self) -> bool:
+        """Whether the cache may answer now: listening when that is needed, and the marker unchanged
+        (a changed marker expires every entry first)."""
+        if self._needs_listener and not self._listening:
+            return False
+        if self._marker is None:
+            return True
+        try:
+            seen = self._marker()
+        except Exception as exc:  # busy or unreadable: look the key up instead
+            log.debug("key-change marker unreadable (%s); looking the key up", exc)
+            return False
+        if seen != self._marker_seen:
+            self._marker_seen = seen
+            self.expire_all()
+            return False
+        return True
 
     def _failed(self, exc: BaseException) -> None:
         now = self._clock()
@@ -175,6 +300,7 @@ class KeyAuthenticator:
             return await asyncio.shield(pending)
         future: asyncio.Future[KeyIdentity | None] = asyncio.get_running_loop().create_future()
         self._pending[digest] = future
+        generation = self._generation
         try:
             identity = await anyio.to_thread.run_sync(self._lookup, digest)
         except BaseException as exc:
@@ -182,8 +308,11 @@ class KeyAuthenticator:
             future.exception()  # mark retrieved: waiters re-raise it themselves
             raise
         finally:
-            self._pending.pop(digest, None)
+            if self._pending.get(digest) is future:
+                del self._pending[digest]
         future.set_result(identity)
+        if generation != self._generation:
+            return identity  # entries were dropped meanwhile: this answer may predate the change
         self._cache[digest] = (identity, self._clock() + self._ttl)
         self._cache.move_to_end(digest)
         while len(self._cache) > self._max:

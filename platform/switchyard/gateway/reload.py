@@ -18,6 +18,14 @@ read; endpoint state, connection pools, counters and caches are keyed by name an
 A document that fails is never activated: the last good version keeps serving, and the error
 (each issue with its YAML path and line) is kept for ``/readyz`` and the admin API, logged, and
 counted in ``switchyard_policy_reload_failures_total``.
+
+**Key changes** ride on the same PostgreSQL connection (``store/key_changes.py`` has the protocol):
+it is named ``switchyard-keys`` (``application_name``) so that whoever revokes a key can count the
+processes that must confirm, LISTENs on ``switchyard_keys`` too, and for each notification drops the
+key cache's entries and answers on ``switchyard_keys_ack`` before anything else (a policy check
+takes milliseconds). On connecting it answers ``*`` and then expires the whole key cache; while it is
+down the key cache is not trusted (``KeyAuthenticator.listening``). When no notification comes for
+:data:`PROBE_EVERY_S` it runs ``SELECT 1``, so a connection that died quietly is noticed.
 """
 
 from __future__ import annotations
@@ -35,16 +43,20 @@ from typing import Any
 import anyio.to_thread
 import psycopg
 import watchfiles
-from sqlalchemy import Engine, make_url
+from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError
 from sqlmodel import col, select
 
 from switchyard.decide.policy_tests import compile_checked
 from switchyard.decide.tokens import TokenCounter, TokenizerCache, load_token_counters
+from switchyard.gateway.auth import KeyAuthenticator
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.policy_state import PolicyHolder, record_file
 from switchyard.policy import PolicyError, PolicySnapshot, policy_sha256, read_policy_file
 from switchyard.settings import Settings
+from switchyard.store import key_changes
 from switchyard.store.db import session_scope
+from switchyard.store.key_changes import libpq_url
 from switchyard.store.models import PolicyVersion
 from switchyard.store.policy_versions import CHANNEL
 
@@ -55,6 +67,11 @@ log = logging.getLogger("switchyard.policy")
 
 #: Seconds between attempts to re-open a lost LISTEN connection.
 RELISTEN_DELAY_S = 1.0
+#: Seconds without a notification after which the LISTEN connection is probed.
+PROBE_EVERY_S = 5.0
+#: TCP keepalives of the LISTEN connection (a peer that vanished is noticed in about 10 s).
+_KEEPALIVES: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
+                               "keepalives_count": 3}
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,20 +93,13 @@ def _file_identity(path: Path) -> tuple[int, int, int] | None:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def libpq_url(sqlalchemy_url: str) -> str | None:
-    """The URL psycopg connects with for a SQLAlchemy PostgreSQL URL; None for other databases."""
-    url = make_url(sqlalchemy_url)
-    if url.get_backend_name() != "postgresql":
-        return None
-    return url.set(drivername="postgresql").render_as_string(hide_password=False)
-
-
 class PolicyReloader:
     """Keeps one process's :class:`PolicyHolder` on the active version (see the module doc)."""
 
     def __init__(self, settings: Settings, engine: Engine, holder: PolicyHolder, metrics: GatewayMetrics,
-                 tokenizers: TokenizerCache) -> None:
+                 tokenizers: TokenizerCache, keys: KeyAuthenticator | None = None) -> None:
         self.settings = settings
+        self.keys = keys  # the key cache that follows key changes on the LISTEN connection
         self.tokenizers = tokenizers
         self.engine = engine
         self.holder = holder
@@ -233,19 +243,51 @@ class PolicyReloader:
                 failing_since = None
 
     async def _listen(self, url: str) -> None:
+        keys = self.keys
         while True:
             try:
-                async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+                named: dict[str, Any] = {"application_name": key_changes.LISTENER_NAME} if keys is not None else {}
+                async with await psycopg.AsyncConnection.connect(url, autocommit=True, connect_timeout=5,
+                                                                 **named, **_KEEPALIVES) as conn:
                     await conn.execute(f"LISTEN {CHANNEL}")
+                    if keys is not None:
+                        await conn.execute(f"LISTEN {key_changes.CHANNEL}")
+                        # '*' first, then expire: a revoker that hears '*' after its own change knows
+                        # this process trusts nothing cached before it.
+                        await conn.execute("SELECT pg_notify(%s, %s)", (key_changes.ACK_CHANNEL,
+                                                                        key_changes.EVERYTHING))
+                        keys.listening(True)
                     self.listening = True
                     await self.check_database("notify")  # anything published while we were not listening
-                    async for _notify in conn.notifies():
-                        await self.check_database("notify")
-            except (psycopg.Error, OSError) as exc:
+                    await self._follow(conn)
+            except (psycopg.Error, OSError, DBAPIError) as exc:
                 log.warning("policy LISTEN connection lost (%s); polling until it is back", exc)
             finally:
                 self.listening = False
+                if keys is not None:
+                    keys.listening(False)
             await asyncio.sleep(RELISTEN_DELAY_S)
+
+    async def _follow(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """Answer the connection's notifications until it fails: key changes first, then the policy."""
+        while True:
+            # stop_after ends the generator (releasing the connection) so that acknowledgements can be sent.
+            batch = [n async for n in conn.notifies(timeout=PROBE_EVERY_S, stop_after=1)]
+            if not batch:
+                await conn.execute("SELECT 1")  # a connection that died quietly raises here
+                continue
+            acks: list[str] = []
+            policy = False
+            for notice in batch:
+                if notice.channel == key_changes.CHANNEL:
+                    if self.keys is not None and (ack := self.keys.notice(notice.payload)) is not None:
+                        acks.append(ack)
+                else:
+                    policy = True
+            for ack in acks:
+                await conn.execute("SELECT pg_notify(%s, %s)", (key_changes.ACK_CHANNEL, ack))
+            if policy:
+                await self.check_database("notify")
 
     async def _watch(self) -> None:
         path = self.settings.policy_file.absolute()

@@ -10,11 +10,13 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import aiohttp
 import anyio.to_thread
 from sqlalchemy import Engine
+from sqlmodel import Session
 
 from switchyard.decide.pick import Candidate
 from switchyard.decide.plugins import EndpointView
@@ -41,6 +43,7 @@ from switchyard.gateway.tracing import Tracing
 from switchyard.settings import Settings
 from switchyard.store import db
 from switchyard.store.cache import create_response_cache
+from switchyard.store.key_changes import Propagation, changing_keys, key_marker, libpq_url
 from switchyard.store.keys import KeyIdentity, identify
 from switchyard.store.limits import create_limit_store
 from switchyard.store.request_log import RequestLogWriter
@@ -51,6 +54,8 @@ LOOP_LAG_PROBE_S = 0.01
 log = logging.getLogger("switchyard.gateway")
 #: How often the response cache's entry, byte and eviction gauges are refreshed.
 CACHE_GAUGES_INTERVAL_S = 5.0
+
+T = TypeVar("T")
 
 
 class GatewayRuntime:
@@ -85,9 +90,11 @@ class GatewayRuntime:
         self.admitter = Admitter(create_limit_store(settings.redis_url, key_prefix=f"{settings.redis_key_prefix}lim:"),
                                  lambda mode: self.metrics.dependency_failures.labels("redis", mode).inc())
         self._background: set[asyncio.Task[None]] = set()
+        # On PostgreSQL the key cache is trusted only while key changes are heard (gateway/auth.py).
         self.auth = KeyAuthenticator(
             self._lookup_key, settings.key_cache_ttl_s,
-            counted=lambda mode: self.metrics.dependency_failures.labels("database", mode).inc())
+            counted=lambda mode: self.metrics.dependency_failures.labels("database", mode).inc(),
+            needs_listener=libpq_url(settings.resolved_database_url) is not None)
         self.rotation = 0
         #: Breaks ties between equally scored endpoints.
         self.rng = random.Random()
@@ -119,6 +126,20 @@ class GatewayRuntime:
         The other processes follow by NOTIFY or their poll; this one need not wait for either.
         """
         return await self.reloader.check_database("api")
+
+    async def change_keys(self, work: Callable[[Session], T]) -> tuple[T, Propagation]:
+        """Run ``work`` (a revocation, a tenant's deletion or tier change) in one transaction and return once
+        every gateway process dropped what it announced (``store/key_changes.py``); this process's own
+        entries go right after the commit."""
+        loop = asyncio.get_running_loop()
+
+        def committed(targets: tuple[str, ...]) -> None:
+            loop.call_soon_threadsafe(self.auth.forget, targets)
+
+        result, propagation = await anyio.to_thread.run_sync(partial(changing_keys, self.engine, work,
+                                                                     committed=committed))
+        self.auth.forget(propagation.targets)  # in case the scheduled drop has not run yet
+        return result, propagation
 
     @property
     def usage(self) -> UsageRecorder:
@@ -314,7 +335,11 @@ class GatewayRuntime:
         await anyio.to_thread.run_sync(self.prepare)
         snapshot = self.policy.snapshot
         self.metrics.set_policy(snapshot.label, snapshot.sha256, snapshot.version)
-        self._reloader = PolicyReloader(self.settings, self.engine, self.policy, self.metrics, self.tokenizers)
+        self._reloader = PolicyReloader(self.settings, self.engine, self.policy, self.metrics, self.tokenizers,
+                                        keys=self.auth)
+        marker = key_marker(self.settings.resolved_database_url)  # SQLite: key changes by other processes
+        if marker is not None:
+            self.auth.follow_marker(marker.read)
         self._usage = UsageRecorder(self.engine)
         timeouts = UpstreamTimeouts(self.settings.upstream_connect_timeout_s, self.settings.upstream_read_timeout_s)
         self._http = create_client_session(timeouts, self.settings.upstream_max_connections)
@@ -382,4 +407,6 @@ class GatewayRuntime:
             await self._http_fresh.close()
             self._http_fresh = None
             await anyio.to_thread.run_sync(self.tracing.shutdown)  # the last spans go out
+            if marker is not None:
+                marker.close()
             self.engine.dispose()

@@ -1,5 +1,11 @@
 """API keys: created once (the only time the secret is seen), stored as a hash, revocable; each may have a
-home region of its own (else its tenant's applies)."""
+home region of its own (else its tenant's applies).
+
+The secret is never stored, logged or compared: only its SHA-256 is (see :func:`identify`). A
+revocation or a region change is announced to every gateway process's key cache in the same
+transaction (``store/key_changes.py``): with :func:`switchyard.store.key_changes.changing_keys` the
+key stops working at the next request on every process.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +14,15 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from sqlmodel import Session, col, select
+from sqlmodel import Session, col, func, select
 
 from switchyard.policy.schema import Limits
 from switchyard.store.audit import append_event
 from switchyard.store.errors import Conflict, NotFound
+from switchyard.store.key_changes import announce
 from switchyard.store.models import ApiKey, ApiKeyPublic, Tenant, utcnow
 from switchyard.store.regions import check_region
-from switchyard.store.tenants import get_tenant
+from switchyard.store.tenants import deleted_id_floor, get_tenant
 
 KEY_PREFIX = "sk-sy-"
 _DISPLAY_CHARS = 6  # shown to tell keys apart: 36 of the 256 random bits
@@ -85,6 +92,9 @@ def create_key(session: Session, tenant_name: str, name: str | None = None,
     secret = generate_key()
     key = ApiKey(tenant_id=tenant.id or 0, name=name, region=region,
                  prefix=secret[: len(KEY_PREFIX) + _DISPLAY_CHARS], key_hash=hash_key(secret))
+    floor = deleted_id_floor(session, "max_key_id")
+    if floor is not None and floor >= (session.exec(select(func.max(ApiKey.id))).one() or 0):
+        key.id = floor + 1  # SQLite would give a deleted key's id again
     session.add(key)
     session.flush()
     return secret, _public(key, tenant)
@@ -99,13 +109,14 @@ def list_keys(session: Session, tenant_name: str | None = None) -> list[ApiKeyPu
 
 
 def revoke_key(session: Session, key_id: int) -> ApiKeyPublic:
-    """Revoke a key for good."""
+    """Revoke a key for good (announced to the gateways' key caches in the same transaction)."""
     key, tenant = _key_and_tenant(session, key_id)
     if key.revoked_at is not None:
         raise Conflict(f"key {key_id} was already revoked at {key.revoked_at:%Y-%m-%d %H:%M:%S} UTC")
     key.revoked_at = utcnow()
     session.add(key)
     session.flush()
+    announce(session, f"key:{key_id}")
     return _public(key, tenant)
 
 
@@ -130,14 +141,20 @@ def set_key_region(session: Session, key_id: int, region: str | None, *, actor: 
     session.flush()
     append_event(session, actor=actor, origin=origin, action="key.region", target=f"key:{key_id}",
                  detail={"region": region, "previous": previous})
+    announce(session, f"key:{key_id}")
     return _public(key, tenant)
 
 
 def identify(session: Session, key_hash: str) -> KeyIdentity | None:
     """The identity behind a presented key's hash, or ``None`` when it is unknown or revoked.
 
-    The lookup is by hash on a unique index, so no comparison ever runs over the secret itself
-    (no timing side channel on it), and the secret never reaches the database.
+    Why this is constant-time with respect to the secret: the lookup is by hash on a unique index,
+    so no comparison ever runs over the secret itself, and the secret never reaches the database.
+    The index's comparisons do stop at the first byte where two *digests* differ, so their timing
+    could at best tell an attacker how many leading bytes the digest of a guess shares with a stored
+    digest. That is worthless: keys are 256 random bits, and steering a guess towards a digest
+    prefix is a preimage search on SHA-256, so no measurement brings a guess closer to a key
+    (unlike comparing the secret byte by byte, which leaks it a byte at a time).
     """
     return _identity(session, ApiKey.key_hash == key_hash)
 

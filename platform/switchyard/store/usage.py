@@ -21,11 +21,13 @@ import anyio.to_thread
 from pydantic import ValidationError
 from sqlalchemy import Engine, Table
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from switchyard.policy.schema import Limits
 from switchyard.store.audit import append_event
 from switchyard.store.errors import NotFound, StoreError
+from switchyard.store.key_changes import announce
 from switchyard.store.models import ApiKey, Tenant, UsageCounts, UsageDaily, UsageDailyPublic, UsageReport
 from switchyard.store.tenants import get_tenant
 
@@ -159,8 +161,21 @@ class UsageRecorder:
              "cached_tokens": delta.cached_tokens, "spend": delta.spend}
             for (t, k, m, d), delta in sorted(deltas.items(), key=lambda item: item[0])
         ]
-        with self._engine.begin() as conn:
-            conn.execute(upsert, rows)
+        try:
+            with self._engine.begin() as conn:
+                conn.execute(upsert, rows)
+        except IntegrityError:
+            # A key (its tenant) was deleted after these requests: its rows can never be written.
+            with self._engine.connect() as conn:
+                live = set(conn.execute(select(ApiKey.id).where(col(ApiKey.id).in_({r["key_id"] for r in rows})))
+                           .scalars())
+            kept = [r for r in rows if r["key_id"] in live]
+            if len(kept) == len(rows):
+                raise
+            log.warning("usage rows of %d deleted keys dropped", len({r["key_id"] for r in rows} - live))
+            if kept:
+                with self._engine.begin() as conn:
+                    conn.execute(upsert, kept)
 
     async def run(self, interval_s: float) -> None:
         """Flush every ``interval_s`` seconds until :meth:`aclose` (run it as a task).
@@ -270,6 +285,7 @@ def set_limits(session: Session, *, tenant: str | None = None, key_id: int | Non
     target = f"tenant:{tenant}" if tenant is not None else f"key:{key_id}"
     append_event(session, actor=actor, origin=origin, action=f"{target.split(':')[0]}.limits", target=target,
                  detail={"limits": row.limits})
+    announce(session, f"{target.split(':')[0]}:{row.id}")  # the gateways' key caches hold the overrides
     return checked
 
 

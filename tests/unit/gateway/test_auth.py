@@ -1,10 +1,12 @@
-"""Key authentication: parsing, caching, one lookup per key at a time, bounded memory, and the database
-unreachable (fail_open: keys seen before keep working; fail_closed: 503 once their entry expired)."""
+"""Key authentication: parsing, caching, one lookup per key at a time, bounded memory, the database
+unreachable (fail_open: keys seen before keep working; fail_closed: 503 once their entry expired), and key
+changes (dropped entries, the PostgreSQL listener's state, the SQLite marker)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 import threading
 import time
 
@@ -194,3 +196,148 @@ async def test_concurrent_lookups_that_fail_each_fall_back() -> None:
     clock.now += 5
     results = await asyncio.gather(*[auth.authenticate(f"Bearer {GOOD}") for _ in range(5)])
     assert results == [WHO] * 5 and database.calls == 2 and len(counted) == 5
+
+
+# --- key changes: dropped entries, the listener, the SQLite marker -------------------------------------------
+
+OTHER = generate_key()
+SIBLING = KeyIdentity(key_id=2, tenant_id=1, tenant="acme", tier="pro")
+STRANGER = KeyIdentity(key_id=3, tenant_id=9, tenant="zeta", tier="free")
+
+
+class Directory:
+    """A key lookup over a table that the test changes (a revocation: the entry goes away)."""
+
+    def __init__(self) -> None:
+        self.table = {hash_key(GOOD): WHO, hash_key(OTHER): SIBLING}
+        self.calls = 0
+
+    def __call__(self, digest: str) -> KeyIdentity | None:
+        self.calls += 1
+        return self.table.get(digest)
+
+
+async def test_forgetting_a_key_drops_its_entry_at_once_and_only_its_own() -> None:
+    directory = Directory()
+    auth = KeyAuthenticator(directory, ttl_s=3600)
+    assert await auth.authenticate(f"Bearer {GOOD}") == WHO
+    assert await auth.authenticate(f"Bearer {OTHER}") == SIBLING
+    del directory.table[hash_key(GOOD)]  # revoked
+    assert await auth.authenticate(f"Bearer {GOOD}") == WHO, "an hour's TTL: still cached"
+    assert auth.forget(["key:1"]) == 1
+    with pytest.raises(Unauthorized):
+        await auth.authenticate(f"Bearer {GOOD}")
+    calls = directory.calls
+    assert await auth.authenticate(f"Bearer {OTHER}") == SIBLING and directory.calls == calls, "the sibling stays"
+
+
+async def test_forgetting_a_tenant_drops_every_key_of_it() -> None:
+    directory = Directory()
+    directory.table[hash_key("sk-sy-stranger")] = STRANGER
+    auth = KeyAuthenticator(directory, ttl_s=3600)
+    for key in (GOOD, OTHER, "sk-sy-stranger"):
+        await auth.authenticate(f"Bearer {key}")
+    assert auth.forget(["tenant:1"]) == 2
+    assert directory.calls == 3
+    await auth.authenticate("Bearer sk-sy-stranger")
+    assert directory.calls == 3, "another tenant's key is still cached"
+
+
+async def test_a_notice_drops_its_target_and_names_the_acknowledgement() -> None:
+    directory = Directory()
+    auth = KeyAuthenticator(directory, ttl_s=3600)
+    await auth.authenticate(f"Bearer {GOOD}")
+    del directory.table[hash_key(GOOD)]
+    assert auth.notice("abc123 0 key:1") == "abc123 0"
+    with pytest.raises(Unauthorized):
+        await auth.authenticate(f"Bearer {GOOD}")
+    assert auth.notice("garbage") is None  # logged; every entry expired instead
+
+
+async def test_a_lookup_in_flight_when_entries_are_dropped_is_not_cached() -> None:
+    """It may have read the key before the revocation committed: its answer serves its own request only,
+    and a request arriving after the drop does not join it."""
+    directory = Directory()
+    started, release = threading.Event(), threading.Event()
+
+    def slow(digest: str) -> KeyIdentity | None:
+        answer = directory(digest)  # read before the revocation
+        started.set()
+        release.wait(5)
+        return answer
+
+    auth = KeyAuthenticator(slow, ttl_s=3600)
+    first = asyncio.create_task(auth.authenticate(f"Bearer {GOOD}"))
+    await asyncio.to_thread(started.wait, 5)
+    del directory.table[hash_key(GOOD)]
+    auth.forget(["key:1"])
+    second = asyncio.create_task(auth.authenticate(f"Bearer {GOOD}"))  # a lookup of its own, after the change
+    await asyncio.sleep(0.05)
+    release.set()
+    assert await first == WHO
+    with pytest.raises(Unauthorized):
+        await second
+    with pytest.raises(Unauthorized):
+        await auth.authenticate(f"Bearer {GOOD}")
+
+
+async def test_without_a_listener_nothing_cached_is_trusted() -> None:
+    directory = Directory()
+    auth = KeyAuthenticator(directory, ttl_s=3600, needs_listener=True)
+    assert not auth.trusts_cache
+    await auth.authenticate(f"Bearer {GOOD}")
+    await auth.authenticate(f"Bearer {GOOD}")
+    assert directory.calls == 2, "not listening: every request is looked up"
+    auth.listening(True)
+    await auth.authenticate(f"Bearer {GOOD}")
+    await auth.authenticate(f"Bearer {GOOD}")
+    assert directory.calls == 3 and auth.trusts_cache, "listening: one lookup (the cache was expired), then cached"
+    auth.listening(False)
+    await auth.authenticate(f"Bearer {GOOD}")
+    assert directory.calls == 4
+
+
+async def test_expired_entries_still_answer_under_fail_open_but_dropped_ones_do_not() -> None:
+    database, clock = Database(), Clock()
+    counted: list[str] = []
+    auth = KeyAuthenticator(database, ttl_s=3600, counted=counted.append, clock=clock)
+    assert await auth.authenticate(f"Bearer {GOOD}") == WHO
+    auth.expire_all()  # e.g. the listener reconnected
+    database.down = True
+    assert await auth.authenticate(f"Bearer {GOOD}", "fail_open") == WHO
+    auth.forget(["key:1"])  # a revocation heard
+    clock.now += 5  # past the back-off
+    with pytest.raises(Overloaded):
+        await auth.authenticate(f"Bearer {GOOD}", "fail_open")
+
+
+async def test_a_moved_marker_expires_the_cache_before_it_answers() -> None:
+    directory = Directory()
+    marker = [7]
+    auth = KeyAuthenticator(directory, ttl_s=3600)
+    auth.follow_marker(lambda: marker[0])
+    await auth.authenticate(f"Bearer {GOOD}")
+    await auth.authenticate(f"Bearer {GOOD}")
+    assert directory.calls == 1
+    del directory.table[hash_key(GOOD)]
+    marker[0] = 8  # another process revoked something
+    with pytest.raises(Unauthorized):
+        await auth.authenticate(f"Bearer {GOOD}")
+    assert directory.calls == 2
+
+
+async def test_an_unreadable_marker_means_a_lookup() -> None:
+    directory = Directory()
+    auth = KeyAuthenticator(directory, ttl_s=3600)
+    busy = [False]
+
+    def marker() -> int:
+        if busy[0]:
+            raise sqlite3.OperationalError("database is locked")
+        return 1
+
+    auth.follow_marker(marker)
+    await auth.authenticate(f"Bearer {GOOD}")
+    busy[0] = True
+    await auth.authenticate(f"Bearer {GOOD}")
+    assert directory.calls == 2

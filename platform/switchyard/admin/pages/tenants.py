@@ -40,7 +40,7 @@ from switchyard.store.audit import append_event
 from switchyard.store.keys import create_key, list_keys, revoke_key
 from switchyard.store.limits import BucketState, charges_of
 from switchyard.store.models import ApiKey, ApiKeyPublic, Tenant, TenantCreate, TenantPublic, UsageDailyPublic
-from switchyard.store.tenants import create_tenant, get_tenant, list_tenants, set_tier
+from switchyard.store.tenants import create_tenant, delete_tenant, get_tenant, list_tenants, set_tier
 from switchyard.store.usage import set_limits, usage
 
 T = TypeVar("T")
@@ -61,10 +61,11 @@ _PERIOD_WORDS = {60.0: "minute", 86_400.0: "day", 30 * 86_400.0: "30 days"}
 
 
 
-async def _db(runtime: GatewayRuntime, work: Callable[[Session], T]) -> T:
-    """``in_db`` with the store's refusals as :class:`PageError` (a duplicate is 409, a missing record 404)."""
+async def _db(runtime: GatewayRuntime, work: Callable[[Session], T], *, keys: bool = False) -> T:
+    """``in_db`` with the store's refusals as :class:`PageError` (a duplicate is 409, a missing record 404);
+    ``keys``: a change of what key lookups answer, done once every gateway process dropped it."""
     try:
-        return await in_db(runtime, work)
+        return await in_db(runtime, work, keys=keys)
     except ApiError as exc:
         if exc.status_code >= 500:
             raise
@@ -391,10 +392,25 @@ async def tenant_tier(request: HTMXRequest, name: FromPath[str]) -> Response[Any
             append_event(session, actor=actor, origin=origin, action="tenant.tier", target=f"tenant:{name}",
                          detail={"tier": tier, "previous": previous})
 
-        await _db(runtime_of(request), move)
+        await _db(runtime_of(request), move, keys=True)
     except PageError as exc:
         return await _tenant_page(request, name, error=exc.message, status=exc.status)
     return Redirect(path=_tenant_url(name), status_code=303)
+
+
+@post("/tenants/{name:str}/delete", opt={"role": "admin"}, include_in_schema=False)
+async def tenant_delete(request: HTMXRequest, name: FromPath[str]) -> Response[Any]:
+    """Delete a tenant with its keys, files, batches, usage and request log (audited as ``tenant.delete``);
+    its keys stop working at the next request on every gateway process. The form repeats the name."""
+    form = await request.form()
+    actor, origin = console_origin(request)
+    try:
+        if _text(form, "confirm") != name:
+            raise PageError(f"type the tenant's name ({name}) to confirm its deletion")
+        await _db(runtime_of(request), lambda s: delete_tenant(s, name, actor=actor, origin=origin), keys=True)
+    except PageError as exc:
+        return await _tenant_page(request, name, error=exc.message, status=exc.status)
+    return Redirect(path="/admin/tenants", status_code=303)
 
 
 @post("/tenants/{name:str}/limits", opt={"role": "operator"}, include_in_schema=False)
@@ -463,7 +479,7 @@ async def key_revoke(request: HTMXRequest, key_id: FromPath[int]) -> Response[An
         return record
 
     try:
-        record = await _db(runtime_of(request), revoke)
+        record = await _db(runtime_of(request), revoke, keys=True)
     except PageError as exc:
         return await _key_error(request, key_id, exc)
     return Redirect(path=_tenant_url(record.tenant), status_code=303)
@@ -484,5 +500,5 @@ async def key_limits(request: HTMXRequest, key_id: FromPath[int]) -> Response[An
     return Redirect(path=_tenant_url(tenant or ""), status_code=303)
 
 
-ROUTES: list[Any] = [tenants_page, tenants_create, tenant_page, tenant_tier, tenant_limits, tenant_key_create,
-                     key_revoke, key_limits]
+ROUTES: list[Any] = [tenants_page, tenants_create, tenant_page, tenant_tier, tenant_delete, tenant_limits,
+                     tenant_key_create, key_revoke, key_limits]
