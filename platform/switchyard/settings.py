@@ -52,13 +52,43 @@ class Settings(BaseSettings):
         default=100 * 1024 * 1024, gt=0, description="Largest file uploaded to /v1/files (its own limit: "
         "max_body_bytes does not apply there).",
     )
+    max_json_depth: int = Field(
+        default=64, ge=2, le=512, description="Deepest nesting of arrays and objects in a request body; deeper "
+        "is a 400 (invalid_request_error, code json_too_deep).",
+    )
+    max_messages: int = Field(default=2048, gt=0, description="Most messages in one chat request; more is a 400.")
+    max_header_bytes: int = Field(
+        default=64 * 1024, ge=1024, description="Largest request head (request line and headers); a larger one "
+        "is answered 431 and its connection closed.",
+    )
+    client_header_timeout_s: float = Field(
+        default=30.0, gt=0, description="Longest a client may take to send a request's head, from its connection "
+        "(or the first byte of its next request on a kept-alive one); then 408 and the connection is closed.",
+    )
+    client_body_timeout_s: float = Field(
+        default=30.0, gt=0, description="Longest a client may pause while sending a request body (a batch upload "
+        "too); then 408 and the connection is closed.",
+    )
+    client_keepalive_timeout_s: int = Field(
+        default=75, gt=0, description="How long an idle kept-alive client connection stays open (longer than the "
+        "60 s idle timeout of common load balancers, so that they close first).",
+    )
     upstream_connect_timeout_s: float = Field(default=3.0, gt=0)
     upstream_read_timeout_s: float = Field(
         default=120.0, gt=0, description="Longest silence from an upstream before a 504."
     )
     upstream_max_connections: int = Field(default=1000, gt=0)
+    upstream_max_response_bytes: int = Field(
+        default=64 * 1024 * 1024, gt=0, description="Largest complete (non-streamed) answer read from an engine; "
+        "a larger one is a 502 upstream_invalid_response that counts against the engine.",
+    )
+    upstream_max_event_bytes: int = Field(
+        default=16 * 1024 * 1024, gt=0, description="Largest single SSE event of a streamed answer; a larger one "
+        "ends the stream with an error event and counts against the engine.",
+    )
     key_cache_ttl_s: float = Field(
-        default=5.0, ge=0, description="How long a key lookup is trusted (revocation delay)."
+        default=5.0, ge=0, description="How long a key lookup is trusted at most: revocations and tenant changes "
+        "made through Switchyard reach every process at its next request regardless (gateway/auth.py).",
     )
     scrape_interval_s: float = Field(
         default=1.0, gt=0, description="How often each engine's /metrics is read for load signals."

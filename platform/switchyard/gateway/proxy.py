@@ -16,9 +16,9 @@ from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
-from switchyard.decide.admit import estimate, limit_charges, spend_of
+from switchyard.decide.admit import DoesNotFit, check_fits, estimate, limit_charges, spend_of
 from switchyard.decide.cache import is_deterministic, request_digest
-from switchyard.decide.features import RequestFeatures, chat_features, completion_features, count_prompt
+from switchyard.decide.features import RequestFeatures, chat_features, completion_features, count_prompts
 from switchyard.decide.flow import PRIORITY_HEADER, BadPriority, classify
 from switchyard.decide.pick import EndpointChoice, Stage, fallback_plan, pick_endpoint, profile_for, usable_stages
 from switchyard.decide.plugins import PickRequest
@@ -126,12 +126,13 @@ class Proxy:
             request_headers.get("authorization"), runtime.policy.snapshot.document.resilience.dependencies.database)
         record.identified(identity)
         raw = incoming.raw
-        body = decode_json_object(raw)
+        settings = runtime.settings
+        body = decode_json_object(raw, settings.max_json_depth)
         asked = body.get("model")
         record.model, record.stream = asked if isinstance(asked, str) else None, bool(body.get("stream"))
         features: RequestFeatures
         if kind == "chat":
-            check_chat(body)
+            check_chat(body, settings.max_messages)
             features = chat_features(body, request_headers)
         else:
             check_completion(body)
@@ -161,10 +162,20 @@ class Proxy:
         if found is not None and found.entry is not None:
             return await serve_hit(runtime, kind, body, found, identity, decision, snapshot, rid, cls.trace, record)
         counter = counters.get(decision.model.name)
-        prompt_tokens = (count_prompt(counter, kind, body) if counter is not None and counter.exact
-                         else features.prompt_tokens)
+        if counter is not None and counter.exact:
+            prompt_tokens, longest = count_prompts(counter, kind, body)
+            exact = True
+        else:
+            prompt_tokens, exact = features.prompt_tokens, features.prompt_exact
+            longest = prompt_tokens if features.longest_prompt is None else features.longest_prompt
         record.prompt_tokens = prompt_tokens
-        est = estimate(decision.model, prompt_tokens, features.max_tokens)
+        try:  # a request the model cannot serve is refused here, before it is charged or sent
+            check_fits(decision.model, kind, longest, exact, features.max_tokens,
+                       "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens")
+        except DoesNotFit as unfit:
+            runtime.finished(record, decision.model.name, "-", 400)
+            raise BadRequest(unfit.message, code=unfit.code, param=unfit.param) from None
+        est = estimate(decision.model, prompt_tokens, features.max_tokens, features.choices)
         charges = limit_charges(snapshot, identity.tier, decision.model, est,
                                 tenant=str(identity.tenant_id), key=str(identity.key_id),
                                 tenant_limits=identity.tenant_limits, key_limits=identity.key_limits)
@@ -453,15 +464,16 @@ class Proxy:
 
             storing = runtime.cache.wants(req.cache, model)
             relay = StreamRelay(response, first, finished, strip_usage=req.force_usage,
-                                capture_limit=8 * req.cache.plan.rule.max_entry_bytes if storing and req.cache else 0)
+                                capture_limit=8 * req.cache.plan.rule.max_entry_bytes if storing and req.cache else 0,
+                                max_event_bytes=runtime.settings.upstream_max_event_bytes)
             return Stream(relay.chunks(), media_type="text/event-stream",
                           headers={**headers, "Cache-Control": "no-cache"},
                           background=BackgroundTask(relay.afinish))
         try:
-            data = await read_body(response)
+            data = await read_body(response, runtime.settings.upstream_max_response_bytes)
         except UpstreamFailure as failure:
-            retry("body_timeout" if failure.timeout else "body_error", str(failure),
-                  failure_error(failure, pool, dict(headers)))
+            failed = "body_timeout" if failure.timeout else failure.kind if failure.invalid else "body_error"
+            retry(failed, str(failure), failure_error(failure, pool, dict(headers)))
             return None
         except BaseException:
             preempted = _preempted(yielder)
