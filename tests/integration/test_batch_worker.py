@@ -15,12 +15,18 @@ from typing import Any
 
 import openai
 import pytest
+from sqlalchemy import text
 
+from switchyard.store import db
+from switchyard.store.key_changes import changing_keys
+from switchyard.store.keys import revoke_key
 from tests.integration.conftest import (
     SWITCHYARD,
     Engines,
     Gateway,
+    endpoints,
     eventually,
+    http_json,
     start_gateway,
     stop,
 )
@@ -197,4 +203,75 @@ def test_workers_killed_mid_batch_lose_and_duplicate_nothing(engines: Engines, t
                 w.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 w.kill()
+        assert stop(gw.proc)
+
+
+# --- revocation ----------------------------------------------------------------------------------
+
+IN_FLIGHT = 4
+REVOKED_LINES = 40
+
+
+def _hang(engines: Engines, mode: str) -> None:
+    status, _, body = http_json("POST", f"{engines.url('hang-us')}/sim/faults", {"mode": mode})
+    assert status == 200, body
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_revoked_keys_lines_stop_at_once(engines: Engines, tmp_path: Path, pg_database: Callable[[], str],
+                                           backend: str) -> None:
+    """The job's first lines hang in the engine (``hang-us``), the key is revoked (the store call that
+    announces it), then the engine is let go: the lines that were in flight finish, and not one more line
+    is dispatched (the worker's identity cache follows key changes; it used to trust itself for 5 s).
+    SQLite: the gateway's own worker (the marker); PostgreSQL: a dedicated ``switchyard worker`` (NOTIFY)."""
+    policy = _batch_policy(engines, tmp_path / "policies.yaml")
+    url = f"sqlite:///{tmp_path / 'gw.db'}" if backend == "sqlite" else pg_database()
+    env = {"SWITCHYARD_BATCH_CONCURRENCY": str(IN_FLIGHT), "SWITCHYARD_BATCH_LEASE_S": "30",
+           "SWITCHYARD_UPSTREAM_READ_TIMEOUT_S": "60", "SWITCHYARD_KEY_CACHE_TTL_S": "60"}
+    standalone = backend == "postgresql"
+    gw = start_gateway(Engines(policy, engines.ports, engines.dead_port), url, tmp_path, backend,
+                       {**env, "SWITCHYARD_BATCH_WORKER": "false"} if standalone else env)
+    worker = _worker(gw, env) if standalone else None
+    engine = db.create_db_engine(url)
+    _hang(engines, "hang")
+    try:
+        client = _sdk(gw, gw.new_key("revoked-co", "pro"))
+        with engine.connect() as conn:
+            (key_id,) = conn.execute(text("SELECT id FROM api_key")).scalars().all()
+        reader = _sdk(gw, gw.new_key("revoked-co", "pro"))  # the tenant's other key reads the results
+        lines = [_chat_line(i, model="hangs") for i in range(REVOKED_LINES)]
+        uploaded = client.files.create(file=("r.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+
+        def in_flight() -> int:
+            if not standalone:  # held in the engine, as the gateway counts them
+                return int(endpoints(gw)[engines.url("hang-us")]["in_flight"])  # type: ignore[call-overload]
+            with engine.connect() as conn:  # claimed by the worker
+                return int(conn.execute(text("SELECT count(*) FROM batch_request WHERE state = 'running'"))
+                           .scalar_one())
+
+        assert eventually(lambda: in_flight() == IN_FLIGHT, timeout=30), in_flight()
+        _, propagation = changing_keys(engine, lambda s: revoke_key(s, int(key_id)))
+        assert propagation.complete, propagation.describe()
+        _hang(engines, "none")  # the lines in flight answer; every later one must find the key revoked
+        done = wait_done(reader, batch.id, timeout=60)
+        out, errors = batch_results(reader, done.output_file_id), batch_results(reader, done.error_file_id)
+        # Only what was in flight when the revocation returned ran (a dedicated worker's claimed lines may
+        # not all have reached the engine yet); everything after it was refused, none dispatched.
+        assert len(out) <= IN_FLIGHT and (standalone or len(out) == IN_FLIGHT), (len(out), done.request_counts)
+        assert all(r["response"]["status_code"] == 200 for r in out)
+        assert len(errors) == REVOKED_LINES - len(out), done.request_counts
+        assert {(e["response"]["status_code"], e["error"]["code"]) for e in errors} == {(401, "invalid_api_key")}, \
+            errors[:3]
+        assert sorted(r["custom_id"] for r in out + errors) == sorted(line["custom_id"] for line in lines)
+    finally:
+        _hang(engines, "none")
+        engine.dispose()
+        if worker is not None:
+            worker.send_signal(signal.SIGTERM)
+            try:
+                worker.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                worker.kill()
         assert stop(gw.proc)

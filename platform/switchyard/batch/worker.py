@@ -8,6 +8,13 @@ is recorded only while the lease is still this worker's — so a worker killed a
 nothing (its lines are claimed again once their lease runs out) and duplicates nothing (a late
 result of a lease that moved on is dropped). Transient failures (429, 5xx, sheds) go back to the
 queue with exponential backoff; client errors are the line's result.
+
+A line runs as the key that made its job, as that key is *now*: the worker caches identities by key
+id only while the process's key cache hears of no key change (``KeyAuthenticator.changes``: PostgreSQL
+NOTIFY, the SQLite marker; ``store/key_changes.py``). Once a revocation, a tenant's deletion or a new
+tier or limit has returned, no line of the key is dispatched with what it had before: a revoked key's
+lines each get 401 ``invalid_api_key`` in the error file. Lines already handed to the request path
+when the change lands finish as they started.
 """
 
 from __future__ import annotations
@@ -48,6 +55,10 @@ TRANSIENT = frozenset({408, 429, 500, 502, 503, 504})
 KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 #: Longest wait before a line's next try.
 MAX_BACKOFF_S = 300.0
+#: Longest a key's identity is reused (bounds only changes made behind Switchyard's back, by SQL).
+IDENTITY_TTL_S = 5.0
+#: Lookups of one identity while key changes keep landing during them (then the last answer is used).
+_LOOKUP_TRIES = 3
 
 
 def backoff_s(attempts: int, base_s: float = 2.0) -> float:
@@ -82,7 +93,7 @@ class BatchWorker:
 
     def __init__(self, engine: Engine, serve: Serve, policy: Callable[[], PolicySnapshot], *,
                  concurrency: int, lease_s: float, max_attempts: int, poll_s: float = 1.0,
-                 owner: str | None = None) -> None:
+                 owner: str | None = None, key_changes: Callable[[], int | None] | None = None) -> None:
         self.engine = engine
         self.serve = serve
         self.policy = policy
@@ -92,7 +103,10 @@ class BatchWorker:
         self.poll_s = poll_s
         self.owner = owner or worker_id()
         self._running: dict[int, asyncio.Task[None]] = {}
-        self._identities: dict[int, tuple[float, KeyIdentity | None]] = {}
+        # ``KeyAuthenticator.changes`` (None: none is followed, identities last IDENTITY_TTL_S).
+        self._changes: Callable[[], int | None] = key_changes or (lambda: 0)
+        self._identities: dict[int, tuple[int, float, KeyIdentity | None]] = {}
+        self._identities_of: int | None = None  # the key changes the cached identities follow
         self._warned_no_lane = False
 
     async def _db(self, work: Callable[[Session], T]) -> T:
@@ -147,13 +161,29 @@ class BatchWorker:
                 await self._db(lambda s: batches.release(s, self.owner, rows))
 
     async def _identity(self, key_id: int) -> KeyIdentity | None:
-        """The identity the job's key had (cached 5 s: a revoked key stops its jobs' lines quickly)."""
-        now = time.monotonic()
+        """The identity the job's key has now (None: revoked, or its tenant deleted).
+
+        A cached one is used while no key change was heard since it was looked up (see the module doc);
+        a lookup during which one was heard is made again, so its answer cannot predate the change.
+        """
+        seen = self._changes()
+        if seen != self._identities_of:  # a change was heard (or none can be now): forget them all
+            self._identities.clear()
+            self._identities_of = seen
+        started = time.monotonic()
         cached = self._identities.get(key_id)
-        if cached is None or now - cached[0] > 5.0:
-            cached = (now, await self._db(lambda s: identity_of(s, key_id)))
-            self._identities[key_id] = cached
-        return cached[1]
+        if cached is not None and seen is not None and cached[0] == seen and started - cached[1] <= IDENTITY_TTL_S:
+            return cached[2]
+        for _ in range(_LOOKUP_TRIES):
+            identity = await self._db(lambda s: identity_of(s, key_id))
+            after = self._changes()
+            if after == seen:
+                break
+            seen = after
+            started = time.monotonic()
+        if seen is not None and seen == after and seen == self._identities_of:
+            self._identities[key_id] = (seen, started, identity)
+        return identity
 
     def _headers(self, line: batches.ClaimedRequest) -> dict[str, str]:
         headers = {"x-request-id": f"batch_req_{line.id}"}
@@ -208,7 +238,7 @@ def worker_lifespan(runtime: GatewayRuntime, serve: Serve) -> Callable[[Any], Ab
             return
         worker = BatchWorker(runtime.engine, serve, lambda: runtime.policy.snapshot,
                              concurrency=settings.batch_concurrency, lease_s=settings.batch_lease_s,
-                             max_attempts=settings.batch_max_attempts)
+                             max_attempts=settings.batch_max_attempts, key_changes=runtime.auth.changes)
         task = asyncio.create_task(worker.run(), name="switchyard-batch")
         log.info("batch worker %s running (%d lines at a time)", worker.owner, worker.concurrency)
         try:
