@@ -29,6 +29,7 @@ def _goal(report: dict[str, Any], name: str) -> dict[str, Any]:
 
 def test_soak_writes_a_complete_report(soak_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     report = _complete_report(*soak_run, "soak", ("report.md", "report.json", "memory_over_time.png"))
+    assert "memory_over_time.png" in report["plots"]
     samples = report["samples"]
     assert len(samples) >= 15  # every 0.5 s over 12 s
     assert all(s["rss_mib"] > 20 and s["fds"] > 3 and s["threads"] >= 1 for s in samples)

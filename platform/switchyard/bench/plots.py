@@ -137,9 +137,13 @@ def memory_over_time(report: Mapping[str, Any], path: Path) -> Path:
 
 
 def write_plots(report: Mapping[str, Any], out_dir: Path) -> dict[str, Path]:
-    """Write every plot into ``out_dir``; returns plot name -> path."""
-    return {
+    """Write every plot into ``out_dir`` (a soak's readings too, when the report has them); returns plot
+    name -> path."""
+    plots = {
         "ttft_cdf": ttft_cdf(report, out_dir / "ttft_cdf.png"),
         "load": load_over_time(report, out_dir / "load_over_time.png"),
         "shed": shed_over_time(report, out_dir / "shed_fallback.png"),
     }
+    if report.get("samples"):
+        plots["memory"] = memory_over_time(report, out_dir / "memory_over_time.png")
+    return plots

@@ -42,7 +42,6 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from switchyard.bench.loadgen import send_one
-from switchyard.bench.plots import memory_over_time
 from switchyard.bench.policies import PRIORITY, TENANT, TIER
 from switchyard.bench.procs import create_key, free_ports, http_get, start_gateway, start_sims, state_env
 from switchyard.bench.prompts import segment_text, unique_key
@@ -472,8 +471,7 @@ def run(ctx: ScenarioContext) -> Outcome:
                           "engines_rss_mib": x.engines_rss_mib, "requests": x.requests,
                           "unexpected": x.unexpected} for x in s.samples]
     report["trend"] = t
-    write_report(report, ctx.out_dir)
-    memory_over_time(report, ctx.out_dir / "memory_over_time.png")
+    write_report(report, ctx.out_dir)  # with the memory plot (bench.plots.memory_over_time)
     summary = (f"{tally.finished} requests, {tally.unexpected_total} unexpected; gateway RSS "
                f"{t['first_mib'] or 0:.1f} → {t['last_mib'] or 0:.1f} MiB "
                f"({t['slope_mib_per_h'] or 0:+.2f} MiB/h) over {s.duration_s:.0f} s")
