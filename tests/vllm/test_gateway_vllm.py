@@ -25,8 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.integration.conftest import Engines, Gateway, http_json, start_gateway, stop
 
 MODEL = "tiny-llama"
-#: Tries at the priority test's setup (each ends within about ten seconds).
-TRIES = 12
+#: Tries at the priority test's setup (each ends within about ten seconds). 12 were used up twice in a row
+#: once on a loaded machine (a clean run passed right after), so a flaky setup gets more room; the
+#: assertions after it are not retried.
+TRIES = 24
 EXACT = {"ignore_eos": True}  # the model's text is noise: exact lengths need ignore_eos
 
 
