@@ -122,7 +122,16 @@ async def post(session: aiohttp.ClientSession, url: str, payload: bytes, headers
 
 
 async def read_body(response: aiohttp.ClientResponse, max_bytes: int = MAX_RESPONSE_BYTES) -> bytes:
-    """The whole body of a non-streaming 2xx answer: a JSON object of at most ``max_bytes``.
+    """The whole body of a non-streaming 2xx answer: a JSON object of at most ``max_bytes`` (see
+    :func:`read_answer`, which also gives its ``usage``)."""
+    data, _ = await read_answer(response, max_bytes)
+    return data
+
+
+async def read_answer(response: aiohttp.ClientResponse,
+                      max_bytes: int = MAX_RESPONSE_BYTES) -> tuple[bytes, dict[str, Any] | None]:
+    """The whole body of a non-streaming 2xx answer, a JSON object of at most ``max_bytes``, and its
+    ``usage`` object (None when it has none): the body is decoded once, for both.
 
     Raises:
         UpstreamFailure: The answer broke off or stopped (timeout); or (``invalid``) it is not
@@ -146,9 +155,9 @@ async def read_body(response: aiohttp.ClientResponse, max_bytes: int = MAX_RESPO
                                             "(upstream_max_response_bytes)")
             parts.append(chunk)
         data = b"".join(parts)
-        check_json_object(response.url, data)
+        usage = check_json_object(response.url, data)
         ok = True
-        return data
+        return data, usage
     except TimeoutError:
         raise UpstreamFailure(f"{response.url} stopped answering mid-response", timeout=True) from None
     except aiohttp.ClientError as exc:
@@ -160,16 +169,18 @@ async def read_body(response: aiohttp.ClientResponse, max_bytes: int = MAX_RESPO
             response.close()  # what is left unread must not stay on a pooled connection
 
 
-def check_json_object(url: object, data: bytes) -> None:
-    """Check that ``data`` is one JSON object (its members are not looked at beyond their syntax).
+def check_json_object(url: object, data: bytes) -> dict[str, Any] | None:
+    """Check that ``data`` is one JSON object (its members are not looked at beyond their syntax); its
+    ``usage`` object, if it has one.
 
     Raises:
         UpstreamFailure: (``invalid``) It is not.
     """
     try:
-        msgspec.json.decode(data, type=_UsageOnly)
+        usage = msgspec.json.decode(data, type=_UsageOnly).usage
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise invalid(url, f"200 with a body that is not a JSON object ({exc})") from None
+    return usage if isinstance(usage, dict) else None
 
 
 async def read_engine_error(response: aiohttp.ClientResponse) -> EngineError:
@@ -240,15 +251,6 @@ def sse_error_event(message: str, type_: str, code: str) -> bytes:
 
 def _count(value: object, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else default
-
-
-def body_usage(data: bytes) -> dict[str, Any] | None:
-    """The ``usage`` object of a non-streamed answer (None when it has none or is not JSON)."""
-    try:
-        usage = msgspec.json.decode(data, type=_UsageOnly).usage
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
-    return usage if isinstance(usage, dict) else None
 
 
 class _UsageOnly(msgspec.Struct):

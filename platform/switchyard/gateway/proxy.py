@@ -30,10 +30,9 @@ from switchyard.engines.breakers import Trial
 from switchyard.engines.upstream import (
     StreamRelay,
     UpstreamFailure,
-    body_usage,
     first_chunk,
     post,
-    read_body,
+    read_answer,
     read_engine_error,
     usage_counts,
 )
@@ -470,7 +469,7 @@ class Proxy:
                           headers={**headers, "Cache-Control": "no-cache"},
                           background=BackgroundTask(relay.afinish))
         try:
-            data = await read_body(response, runtime.settings.upstream_max_response_bytes)
+            data, usage = await read_answer(response, runtime.settings.upstream_max_response_bytes)
         except UpstreamFailure as failure:
             failed = "body_timeout" if failure.timeout else failure.kind if failure.invalid else "body_error"
             retry(failed, str(failure), failure_error(failure, pool, dict(headers)))
@@ -491,7 +490,7 @@ class Proxy:
         if runtime.cache.wants(req.cache, model):
             assert req.cache is not None
             runtime.cache.store_answer(req.cache, str(req.identity.tenant_id), data)
-        await self._account(req, stage.model, body_usage(data), 0, record)
+        await self._account(req, stage.model, usage, 0, record)
         return Response(content=data, status_code=200, media_type="application/json", headers=dict(headers))
 
     async def _account(self, req: PendingRequest, model: Model, usage: dict[str, Any] | None, text_events: int,
