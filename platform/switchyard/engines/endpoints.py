@@ -107,22 +107,29 @@ class EndpointState:
         requests and ``R_y`` tokens are left out of every term but the engine's queue.
         """
         capacity = float(max(1, kv_cache_tokens))
-        n_y, r_y = (self.yielding, self.yielding_reserved) if preempting else (0, 0)
+        r_y = self.yielding_reserved if preempting else 0
         u = (self.reserved - r_y) / capacity
         if max_num_seqs:
-            u = max(u, (self.outstanding - n_y) / max_num_seqs)
+            u = max(u, self.slots_used(now, max_age, preempting) / max_num_seqs)
         signals = self.signals
         if signals is None or now - self.scraped_at > max_age:
             return u
         u = max(u, signals.kv_usage + (self.reserved - self.reserved_at_scrape - r_y) / capacity)
-        if max_num_seqs:
-            u = max(u, (signals.running + signals.waiting + self.outstanding - self.outstanding_at_scrape - n_y)
-                    / max_num_seqs)
         if signals.waiting > 0:
             backlog = signals.waiting + self.dispatched_since_scrape - self.completed_since_scrape
             if backlog > 0:
                 u = max(u, 1.0 + backlog / max(signals.running, 1.0))
         return u
+
+    def slots_used(self, now: float, max_age: float, preempting: bool = False) -> float:
+        """Sequence slots taken: ``max(N, n + w + N - N0)`` (the second with a fresh scrape), less this
+        process's yielders when ``preempting`` (see :meth:`utilisation`)."""
+        n_y = self.yielding if preempting else 0
+        used: float = self.outstanding - n_y
+        signals = self.signals
+        if signals is not None and now - self.scraped_at <= max_age:
+            used = max(used, signals.running + signals.waiting + self.outstanding - self.outstanding_at_scrape - n_y)
+        return float(used)
 
     def queued(self, now: float, max_age: float) -> float:
         """Requests waiting inside the engine at the last fresh scrape (0 when unknown)."""

@@ -164,6 +164,22 @@ class FlowController:
         age = registry.signal_max_age
         return min(s.utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs, preempting) for s in healthy)
 
+    def batch_utilisation(self, pool: Pool, now: float) -> float:
+        """The pool's utilisation as the batch lane sees it: :meth:`utilisation`, and with ``max_num_seqs``
+        declared, the sequence slots of its endpoints in service taken with ``batch_reserve_slots`` more
+        counted as taken (so batch work leaves that many free for interactive arrivals), but never all of
+        them: the batch lane may always have one slot of the pool."""
+        u = self.utilisation(pool, now)
+        if not pool.max_num_seqs or not pool.batch_reserve_slots:
+            return u
+        registry = self.endpoints
+        states = [registry.state(url) for url in pool.endpoints]
+        healthy = [s for s in states if s.healthy(now)] or states
+        age = registry.signal_max_age
+        slots = pool.max_num_seqs * len(healthy)
+        used = sum(s.slots_used(now, age) for s in healthy)
+        return max(u, (used + min(pool.batch_reserve_slots, slots - 1)) / slots)
+
     def _state(self, pool: Pool) -> _PoolState:
         state = self._pools.get(pool.name)
         if state is None:
@@ -191,7 +207,8 @@ class FlowController:
             return Scheduled(model)
         now = time.monotonic()
         decision = plan_flow(snapshot, model, cls, needed_tokens, regions,
-                             lambda pool, preempting: self.utilisation(pool, now, preempting),
+                             lambda pool, preempting: (self.utilisation(pool, now, preempting) if preempting
+                                                       else self.batch_utilisation(pool, now)),
                              lambda pool: self._state(pool).queues)
         least, shed_at = decision.least, cls.cls.shed_above_utilisation
         if decision.action == "downgrade":
@@ -370,7 +387,8 @@ class FlowController:
         self._fail_expired(state, now)
         u = self.utilisation(state.pool, now)
         self.metrics.utilisation.labels(name).set(u)
-        ticket = state.queues.next_grant(self.utilisation(state.pool, now, preempting=True), u)
+        ticket = state.queues.next_grant(self.utilisation(state.pool, now, preempting=True),
+                                         self.batch_utilisation(state.pool, now) if state.queues.batch.head() else u)
         if ticket is None:
             return
         state.queues.grant(ticket, name)

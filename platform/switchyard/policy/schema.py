@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     NonNegativeFloat,
+    NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     StringConstraints,
@@ -95,6 +96,11 @@ class Pool(Strict):
         default=None,
         description="vLLM's --max-num-seqs of the replicas, when known: a replica running this many requests "
         "counts as saturated (see the utilisation formula in the README).",
+    )
+    batch_reserve_slots: NonNegativeInt = Field(
+        default=1,
+        description="With max_num_seqs: sequence slots of the pool (all its replicas together) that batch-lane "
+        "work leaves free, so that an interactive request arriving finds one without preempting batch work.",
     )
     task: Literal["generate", "embed"] = Field(
         default="generate", description="`embed`: the replicas serve an embedding model (`/v1/embeddings`), "

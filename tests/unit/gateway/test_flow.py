@@ -25,7 +25,7 @@ def snapshot() -> PolicySnapshot:
     doc = base()
     doc["pools"] = [
         {"name": "big", "region": "us-east", "served_model": "b", "endpoints": [BIG], "kv_cache_tokens": 10000,
-         "max_num_seqs": 2},
+         "max_num_seqs": 2, "batch_reserve_slots": 0},
         {"name": "spare", "region": "us-east", "served_model": "s", "endpoints": [SPARE], "kv_cache_tokens": 10000},
     ]
     doc["models"] = [
@@ -263,6 +263,48 @@ async def test_batch_waits_for_the_interactive_lane_and_its_ceiling(flow: FlowCo
     assert got.ticket is not None and got.ticket.lane == "batch"
 
 
+async def test_the_batch_lane_leaves_the_pools_reserved_slots_free(snapshot: PolicySnapshot) -> None:
+    doc = snapshot.document.model_dump(by_alias=True, exclude_none=True)
+    other = "http://127.0.0.1:9103"
+    doc["pools"][0].update(endpoints=[BIG, other], batch_reserve_slots=1)  # 2 replicas x 2 slots, 1 kept free
+    doc["priorities"]["batch"].pop("max_utilisation")  # the default ceiling, 0.95
+    snap = compile_policy(to_yaml(doc))
+    pool = snap.pools["big"]
+    assert pool.batch_reserve_slots == 1
+    flow = FlowController(EndpointRegistry(), GatewayMetrics())
+    fill(flow, 2, BIG)
+    # One replica full, the other idle: the least-loaded one is at 0, and one batch request may go there.
+    assert flow.utilisation(pool, time.monotonic()) == 0.0
+    assert flow.batch_utilisation(pool, time.monotonic()) == pytest.approx(0.75)  # (2 taken + 1 kept) / 4
+    assert (await schedule(flow, snap, "batch")).ticket is None
+    flow.endpoints.acquire(other, 100)
+    # Three of four slots taken: the fourth is kept for interactive work.
+    assert flow.batch_utilisation(pool, time.monotonic()) == 1.0
+    bulk = asyncio.create_task(schedule(flow, snap, "batch"))
+    await asyncio.sleep(0.01)
+    assert not bulk.done()
+    assert (await schedule(flow, snap, "critical")).ticket is None  # an interactive request takes it at once
+    flow.endpoints.acquire(other, 100)
+    finish(flow)
+    await asyncio.sleep(0.01)
+    assert not bulk.done()  # a freed slot becomes the kept one again
+    finish(flow)
+    got = await asyncio.wait_for(bulk, 1)  # two free: one may go
+    assert got.ticket is not None and got.ticket.lane == "batch"
+    # A reserve as big as the pool keeps all its slots but one.
+    doc["pools"][0]["batch_reserve_slots"] = 9
+    greedy = compile_policy(to_yaml(doc)).pools["big"]
+    assert flow.batch_utilisation(greedy, time.monotonic()) == pytest.approx(1.25)  # 2 taken + 3 kept, of 4
+    finish(flow, other)
+    assert flow.batch_utilisation(greedy, time.monotonic()) == 1.0
+    finish(flow, other)
+    assert flow.batch_utilisation(greedy, time.monotonic()) == pytest.approx(0.75)  # none taken: one may go
+    # Without max_num_seqs there are no slots to keep: the batch lane sees the plain utilisation.
+    doc["pools"][0].pop("max_num_seqs")
+    plain = compile_policy(to_yaml(doc)).pools["big"]
+    assert flow.batch_utilisation(plain, time.monotonic()) == flow.utilisation(plain, time.monotonic())
+
+
 async def test_turned_off_it_never_queues_or_sheds(snapshot: PolicySnapshot) -> None:
     flow = FlowController(EndpointRegistry(), GatewayMetrics(), enabled=False)
     fill(flow, 10)
@@ -278,12 +320,14 @@ def test_utilisation_combines_own_accounting_and_the_engines_signals() -> None:
     registry.acquire(BIG, 250)
     assert state.utilisation(0.0, 3.0, 1000, None) == 0.25
     assert state.utilisation(0.0, 3.0, 1000, 2) == 0.5  # one of two sequence slots
+    assert state.slots_used(0.0, 3.0) == 1
     # Another gateway's traffic shows in the scrape: KV usage 0.6 plus what was sent since.
     registry.record_scrape(BIG, EngineSignals(running=3, waiting=0, kv_usage=0.6, prefix_queries=0,
                                               prefix_hits=0), now=10.0)
     registry.acquire(BIG, 100)
     assert state.utilisation(10.0, 3.0, 1000, None) == pytest.approx(0.7)
     assert state.utilisation(10.0, 3.0, 1000, 4) == pytest.approx(1.0)  # 3 running + 1 sent since, of 4
+    assert state.slots_used(10.0, 3.0) == 4 and state.slots_used(20.0, 3.0) == 2  # stale: own only
     assert state.utilisation(20.0, 3.0, 1000, None) == pytest.approx(0.35)  # stale scrape: own only
     # A queue inside the engine means saturated, until finished requests have let it in.
     registry.record_scrape(BIG, EngineSignals(running=4, waiting=2, kv_usage=0.5, prefix_queries=0,
