@@ -436,12 +436,13 @@ def test_trace_repeats_count_whole_hash_id_lists_seen_before(tmp_path: Path) -> 
     assert cache_scenario.public_repeats(trace)[0] == "t.jsonl: 2 of 5 rows (40.0%)"
 
 
-def test_the_batch_scenario_names_the_policys_default_batch_ceiling() -> None:
-    from switchyard.bench.scenarios.batch import DEFAULT_BATCH_CEILING, batch_policy
+def test_the_batch_scenario_names_the_policys_default_batch_ceiling_and_reserve() -> None:
+    from switchyard.bench.scenarios.batch import DEFAULT_BATCH_CEILING, DEFAULT_BATCH_RESERVE, batch_policy
     from switchyard.policy import compile_policy
 
     snapshot = compile_policy(batch_policy([9001, 9002]))
     assert snapshot.document.priorities["batch"].dispatch_ceiling == DEFAULT_BATCH_CEILING
+    assert snapshot.pools["main"].batch_reserve_slots == DEFAULT_BATCH_RESERVE
 
 
 LAG = """\
