@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from switchyard.engines.breakers import CircuitBreaker, Listener
 from switchyard.policy.resilience import Resilience
 
+#: Weight of the newest first byte in an endpoint's moving average of interactive prefill times.
+PREFILL_EMA = 0.1
+
 
 @dataclass(frozen=True, slots=True)
 class EngineSignals:
@@ -41,8 +44,9 @@ class EndpointState:
     """Everything the gateway knows about one engine URL."""
 
     __slots__ = ("breaker", "completed_since_scrape", "dispatched_since_scrape", "down_since", "failure", "outstanding",
-                 "outstanding_at_scrape", "probe_streak", "probed_at", "reserved", "reserved_at_scrape",
-                 "scrape_error", "scraped_at", "signals", "up", "url", "yielding", "yielding_reserved")
+                 "outstanding_at_scrape", "prefill_s", "prefilling", "probe_streak", "probed_at", "reserved",
+                 "reserved_at_scrape", "scrape_error", "scraped_at", "signals", "up", "url", "yielding",
+                 "yielding_reserved")
 
     def __init__(self, url: str, breaker: CircuitBreaker) -> None:
         self.url = url
@@ -52,6 +56,10 @@ class EndpointState:
         #: Of those, requests that give way to interactive ones (batch lane, preemptible), and their tokens.
         self.yielding = 0
         self.yielding_reserved = 0
+        #: Interactive streams sent here whose first byte has not come yet (in their prefill).
+        self.prefilling = 0
+        #: Moving average of their time to first byte here, in seconds (None until one came).
+        self.prefill_s: float | None = None
         self.reserved_at_scrape = 0
         self.dispatched_since_scrape = 0
         self.completed_since_scrape = 0
@@ -223,6 +231,18 @@ class EndpointRegistry:
         if yielding:
             state.yielding = max(0, state.yielding - 1)
             state.yielding_reserved = max(0, state.yielding_reserved - tokens)
+
+    def prefill_started(self, url: str) -> None:
+        """An interactive stream was sent to ``url``: it is in its prefill until :meth:`prefill_ended`."""
+        self.state(url).prefilling += 1
+
+    def prefill_ended(self, url: str, ttfb_s: float | None) -> None:
+        """Its first byte came after ``ttfb_s`` (None: it ended without one)."""
+        state = self.state(url)
+        state.prefilling = max(0, state.prefilling - 1)
+        if ttfb_s is not None:
+            state.prefill_s = ttfb_s if state.prefill_s is None else state.prefill_s + PREFILL_EMA * (
+                ttfb_s - state.prefill_s)
 
     def record_scrape(self, url: str, signals: EngineSignals, now: float | None = None) -> None:
         """Store a successful scrape."""

@@ -60,7 +60,7 @@ from switchyard.decide.flow import (
     predicted_wait_s,
 )
 from switchyard.decide.pick import Candidate, EndpointChoice
-from switchyard.engines.endpoints import EndpointRegistry
+from switchyard.engines.endpoints import EndpointRegistry, EndpointState
 from switchyard.gateway.errors import ApiError, Overloaded
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.policy import PolicySnapshot
@@ -165,17 +165,18 @@ class FlowController:
         return min(s.utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs, preempting) for s in healthy)
 
     def batch_utilisation(self, pool: Pool, now: float) -> float:
-        """The pool's utilisation as the batch lane sees it: :meth:`utilisation`, and with ``max_num_seqs``
+        """The pool's utilisation as the batch lane sees it: :meth:`utilisation` with every endpoint where an
+        interactive stream is in its prefill counted as full (:func:`batch_view`), and with ``max_num_seqs``
         declared, the sequence slots of its endpoints in service taken with ``batch_reserve_slots`` more
         counted as taken (so batch work leaves that many free for interactive arrivals), but never all of
         them: the batch lane may always have one slot of the pool."""
-        u = self.utilisation(pool, now)
-        if not pool.max_num_seqs or not pool.batch_reserve_slots:
-            return u
         registry = self.endpoints
         states = [registry.state(url) for url in pool.endpoints]
         healthy = [s for s in states if s.healthy(now)] or states
         age = registry.signal_max_age
+        u = min(batch_view(s.utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs), s) for s in healthy)
+        if not pool.max_num_seqs or not pool.batch_reserve_slots:
+            return u
         slots = pool.max_num_seqs * len(healthy)
         used = sum(s.slots_used(now, age) for s in healthy)
         return max(u, (used + min(pool.batch_reserve_slots, slots - 1)) / slots)
@@ -359,16 +360,28 @@ class FlowController:
             return 0
         preempted = 0
         while at and self._full(pool, url, ceiling, now):
-            yielder = at.pop()
-            yielder.preempted = True
-            yielder.release()
-            yielder.task.cancel("preempted for an interactive request")
+            _preempt(at.pop())
             preempted += 1
+        # Batch requests sent here less than an interactive prefill ago are most likely in their own
+        # prefill: it would share the newcomer's first engine step and slow it down. They lose little.
+        prefill_s = self.endpoints.state(url).prefill_s
+        if prefill_s is not None:
+            young = [y for y in at if now - y.started < prefill_s]
+            for yielder in young:
+                at.remove(yielder)
+                _preempt(yielder)
+            preempted += len(young)
         if not at:
             self._yielders.pop(url, None)
         if preempted:
             self.metrics.preemptions.labels(pool.name).inc(preempted)
         return preempted
+
+    def prefill_ended(self, pool: str) -> None:
+        """An interactive stream at an endpoint of ``pool`` got its first byte: batch work may go there again."""
+        state = self._pools.get(pool)
+        if self.enabled and state is not None and state.queues.waiting():
+            self._kick(pool)
 
     # --- the pools' side ---------------------------------------------------------------------
 
@@ -436,6 +449,18 @@ class FlowController:
     def waiting(self) -> int:
         """Requests waiting in any queue (each counted once per pool it waits for)."""
         return sum(state.queues.waiting() for state in self._pools.values())
+
+
+def batch_view(u: float, state: EndpointState) -> float:
+    """An endpoint's utilisation ``u`` as batch work sees it: full while an interactive stream there is in its
+    prefill (a batch prefill sent now would share its first engine step)."""
+    return max(u, 1.0) if state.prefilling else u
+
+
+def _preempt(yielder: Yielder) -> None:
+    yielder.preempted = True
+    yielder.release()
+    yielder.task.cancel("preempted for an interactive request")
 
 
 async def never() -> None:

@@ -94,8 +94,9 @@ class GatewayMetrics:
             "switchyard_queue_abandoned", "Requests whose client went away while they waited in the queue, by "
             "class.", ["class"], registry=self.registry)
         self.preemptions = Counter(
-            "switchyard_preemptions", "Batch-lane requests in flight that flow control cancelled to make room for "
-            "an interactive request (each queued again), by pool.", ["pool"], registry=self.registry)
+            "switchyard_preemptions", "Batch-lane requests in flight that flow control cancelled for an interactive "
+            "request, to make room or because they were still in their prefill (each queued again), by pool.",
+            ["pool"], registry=self.registry)
         self.utilisation = Gauge(
             "switchyard_pool_utilisation", "Utilisation of each pool's least-loaded endpoint as flow control "
             "sees it (1 = saturated), for pools that served a request since start-up.", ["pool"],

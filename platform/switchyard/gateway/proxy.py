@@ -344,6 +344,10 @@ class Proxy:
                                             "switchyard.model": model, "switchyard.attempt": len(attempts.tried)})
         outcome = "ok"
         endpoints.acquire(url, req.cost, yielder is not None)
+        # An interactive stream's prefill: batch work is not sent here until its first byte (flow.batch_view).
+        prefilling = req.stream and req.cls.cls.lane == "interactive"
+        if prefilling:
+            endpoints.prefill_started(url)
         sent_at = time.perf_counter()
         trial = Trial.start(endpoints.state(url).breaker, endpoints.pool_breaker(pool), time.monotonic())
         if req.ticket is not None:
@@ -353,8 +357,16 @@ class Proxy:
         record.served_model, record.pool, record.region, record.endpoint = model, pool, choice.pool.region, url
         released = False
 
+        def prefilled(ttfb_s: float | None) -> None:
+            nonlocal prefilling
+            if prefilling:
+                prefilling = False
+                endpoints.prefill_ended(url, ttfb_s)
+                flow.prefill_ended(pool)
+
         def release() -> None:
             nonlocal released
+            prefilled(None)
             if not released:
                 released = True
                 preempted = yielder is not None and yielder.preempted  # (flow control may call this first)
@@ -434,6 +446,7 @@ class Proxy:
         metrics.attempts.labels(pool, "ok").inc()
         if req.stream:
             ttfb = time.perf_counter() - sent_at
+            prefilled(ttfb)
             record.ttft_s = time.perf_counter() - req.started
             metrics.first_byte.labels(model, pool).observe(record.ttft_s)
             max_ttfb = resilience.health.max_ttfb

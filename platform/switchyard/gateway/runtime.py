@@ -32,7 +32,7 @@ from switchyard.gateway.activity import Activity, RequestRecord, outcome_of
 from switchyard.gateway.admission import Admitter
 from switchyard.gateway.auth import KeyAuthenticator
 from switchyard.gateway.classifiers import ClassifierRunner
-from switchyard.gateway.flow import FlowController
+from switchyard.gateway.flow import FlowController, batch_view
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.policy_state import PolicyHolder, load_startup_policy
 from switchyard.gateway.reload import PolicyReloader, following
@@ -196,9 +196,11 @@ class GatewayRuntime:
         age = registry.signal_max_age
         pool = candidate.pool
         healthy = state.healthy(now) and registry.pool_breaker(pool.name).allows(now)
-        return EndpointView(healthy, state.load(now, age), state.queued(now, age),
-                            state.utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs, preempting),
-                            state.reserved, state.served_models(now, age))
+        u = state.utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs, preempting)
+        if not preempting:  # batch work
+            u = batch_view(u, state)
+        return EndpointView(healthy, state.load(now, age), state.queued(now, age), u, state.reserved,
+                            state.served_models(now, age))
 
     def out_of_service(self, options: Sequence[Candidate], now: float) -> tuple[str, float]:
         """Why none of ``options`` can take a request now, and in how many seconds one might again."""

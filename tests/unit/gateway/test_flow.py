@@ -463,6 +463,48 @@ async def test_batch_requests_see_the_whole_load_and_flow_control_off_preempts_n
     assert off.make_room(snapshot.pools["big"], BIG, 0.0, 0.0) == 0
 
 
+async def test_batch_work_keeps_off_an_interactive_prefill_and_gives_way_while_in_its_own(
+        snapshot: PolicySnapshot) -> None:
+    doc = snapshot.document.model_dump(by_alias=True, exclude_none=True)
+    doc["pools"][0].update(max_num_seqs=8)
+    doc["priorities"]["batch"].pop("max_utilisation")
+    snap = compile_policy(to_yaml(doc))
+    pool = snap.pools["big"]
+    flow = FlowController(EndpointRegistry(), GatewayMetrics())
+    registry = flow.endpoints
+    now = time.monotonic()
+    assert flow.batch_utilisation(pool, now) == 0.0
+    # An interactive stream in its prefill: the endpoint is full for batch work, not for anyone else.
+    registry.prefill_started(BIG)
+    assert flow.batch_utilisation(pool, now) == 1.0
+    assert flow.utilisation(pool, now) == 0.0 and flow.utilisation(pool, now, preempting=True) == 0.0
+    bulk = asyncio.create_task(schedule(flow, snap, "batch"))
+    await asyncio.sleep(0.01)
+    assert not bulk.done()
+    registry.prefill_ended(BIG, 0.2)
+    flow.prefill_ended("big")  # its first byte: the waiting batch request goes at once
+    got = await asyncio.wait_for(bulk, 1)
+    assert got.ticket is not None and flow.batch_utilisation(pool, now) == 0.0
+    assert registry.state(BIG).prefill_s == 0.2
+    registry.prefill_started(BIG)
+    registry.prefill_ended(BIG, None)  # ended without a first byte: the average does not move
+    registry.prefill_started(BIG)
+    registry.prefill_ended(BIG, 0.3)
+    assert registry.state(BIG).prefilling == 0 and registry.state(BIG).prefill_s == pytest.approx(0.21)
+    # A batch request sent less than one such prefill ago gives way to an interactive newcomer even with
+    # room left; an older one keeps running.
+    old = Running(flow)
+    await asyncio.sleep(0.25)
+    young = Running(flow)
+    await asyncio.sleep(0.01)
+    assert flow.make_room(pool, BIG, 1.0, time.monotonic()) == 1
+    await asyncio.sleep(0.01)
+    assert young.outcome == "preempted" and old.outcome is None
+    assert sample(flow, "switchyard_preemptions_total", pool="big") == 1
+    old.task.cancel()
+    await asyncio.gather(old.task, young.task, return_exceptions=True)
+
+
 async def test_steering_sends_the_interactive_request_where_the_youngest_batch_request_is(
         snapshot: PolicySnapshot) -> None:
     doc = snapshot.document.model_dump(by_alias=True, exclude_none=True)
