@@ -548,7 +548,8 @@ def _arm_table(rows: Sequence[Mapping[str, Any]], b: BatchRun) -> dict[str, Any]
         "requests that waited in the gateway's queue before dispatch (the pool at utilisation 1, every sequence slot "
         "of its least-loaded replica taken, or another grant in transit), and their mean wait, from "
         "`switchyard_queue_wait_seconds` at the end of the arm. Preempted: batch requests in flight that the gateway "
-        "cancelled to make room for an interactive request (each queued again), from `switchyard_preemptions_total`.")
+        "cancelled for an interactive request, to make room or because they were still in their prefill (each queued "
+        "again), from `switchyard_preemptions_total`.")
 
 
 def _ratio_table(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -577,10 +578,11 @@ def _share_table(row: Mapping[str, Any], b: BatchRun) -> dict[str, Any]:
         f"capacity. The lane dispatches while the pool's utilisation (its least-loaded replica's, sequence slots "
         f"included) is under {DEFAULT_BATCH_CEILING:g}, no interactive request waits, and at least "
         f"{DEFAULT_BATCH_RESERVE} of the pool's {REPLICAS * MAX_NUM_SEQS} slots stay free (`batch_reserve_slots`, "
-        "the default) for interactive arrivals. An interactive request that finds no free slot preempts the "
-        "youngest batch request (its tokens so far are lost, and it runs again). The gap between the share and "
-        "100% is the kept slot, that lost work, and the moments between a slot freeing and the next line "
-        "reaching it.")
+        "the default) for interactive arrivals; no line goes to a replica while an interactive stream there waits "
+        "for its first byte. An interactive request that finds no free slot preempts the youngest batch request "
+        "(its tokens so far are lost, and it runs again), and any sent to its replica less than a usual "
+        "interactive time to first byte ago (still in their prefill). The gap between the share and 100% is the "
+        "kept slot, that lost work, and the moments a free slot waits for the next line.")
 
 
 def _capacity_table(b: BatchRun) -> dict[str, Any]:
