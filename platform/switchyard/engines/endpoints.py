@@ -133,11 +133,11 @@ class EndpointState:
         """Sequence slots taken: ``max(N, n + w + N - N0)`` (the second with a fresh scrape), less this
         process's yielders when ``preempting`` (see :meth:`utilisation`)."""
         n_y = self.yielding if preempting else 0
-        used: float = self.outstanding - n_y
+        used = float(self.outstanding - n_y)
         signals = self.signals
         if signals is not None and now - self.scraped_at <= max_age:
             used = max(used, signals.running + signals.waiting + self.outstanding - self.outstanding_at_scrape - n_y)
-        return float(used)
+        return used
 
     def queued(self, now: float, max_age: float) -> float:
         """Requests waiting inside the engine at the last fresh scrape (0 when unknown)."""

@@ -158,11 +158,14 @@ class FlowController:
 
         ``preempting``: as an interactive request sees it, without this process's yielders.
         """
-        registry = self.endpoints
-        states = [registry.state(url) for url in pool.endpoints]
-        healthy = [s for s in states if s.healthy(now)] or states
-        age = registry.signal_max_age
-        return min(s.utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs, preempting) for s in healthy)
+        age = self.endpoints.signal_max_age
+        return min(s.utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs, preempting)
+                   for s in self._in_service(pool, now))
+
+    def _in_service(self, pool: Pool, now: float) -> list[EndpointState]:
+        """The states of the pool's endpoints out of cool-down (all of them, if none is)."""
+        states = [self.endpoints.state(url) for url in pool.endpoints]
+        return [s for s in states if s.healthy(now)] or states
 
     def batch_utilisation(self, pool: Pool, now: float) -> float:
         """The pool's utilisation as the batch lane sees it: :meth:`utilisation` with every endpoint where an
@@ -170,10 +173,8 @@ class FlowController:
         declared, the sequence slots of its endpoints in service taken with ``batch_reserve_slots`` more
         counted as taken (so batch work leaves that many free for interactive arrivals), but never all of
         them: the batch lane may always have one slot of the pool."""
-        registry = self.endpoints
-        states = [registry.state(url) for url in pool.endpoints]
-        healthy = [s for s in states if s.healthy(now)] or states
-        age = registry.signal_max_age
+        healthy = self._in_service(pool, now)
+        age = self.endpoints.signal_max_age
         u = min(batch_view(s.utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs), s) for s in healthy)
         if not pool.max_num_seqs or not pool.batch_reserve_slots:
             return u
