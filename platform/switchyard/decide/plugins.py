@@ -33,7 +33,9 @@ class EndpointView:
 
     Attributes:
         healthy: Not in a failure cool-down.
-        load: Requests at the engine (scraped running + waiting, plus what this gateway sent since).
+        load: Requests at the engine (scraped running + waiting, plus what this gateway sent since); as an
+            interactive request weighs them: without the batch work that gives way to it, with the interactive
+            streams in their prefill counted twice (:meth:`switchyard.engines.endpoints.EndpointState.load`).
         queued: Requests waiting inside the engine at the last fresh scrape.
         utilisation: How full it is (:meth:`switchyard.engines.endpoints.EndpointState.utilisation`).
         inflight_tokens: Tokens this gateway has in flight there (prompt + expected output).

@@ -17,6 +17,7 @@ sheds by (see :meth:`EndpointState.utilisation`).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -43,10 +44,10 @@ class EngineSignals:
 class EndpointState:
     """Everything the gateway knows about one engine URL."""
 
-    __slots__ = ("breaker", "completed_since_scrape", "dispatched_since_scrape", "down_since", "failure", "outstanding",
-                 "outstanding_at_scrape", "prefill_s", "prefilling", "probe_streak", "probed_at", "reserved",
-                 "reserved_at_scrape", "scrape_error", "scraped_at", "signals", "up", "url", "yielding",
-                 "yielding_reserved")
+    __slots__ = ("batch_sent_at", "breaker", "completed_since_scrape", "dispatched_since_scrape", "down_since",
+                 "failure", "outstanding", "outstanding_at_scrape", "prefill_s", "prefilling", "probe_streak",
+                 "probed_at", "reserved", "reserved_at_scrape", "scrape_error", "scraped_at", "signals", "up", "url",
+                 "yielding", "yielding_reserved")
 
     def __init__(self, url: str, breaker: CircuitBreaker) -> None:
         self.url = url
@@ -60,6 +61,8 @@ class EndpointState:
         self.prefilling = 0
         #: Moving average of their time to first byte here, in seconds (None until one came).
         self.prefill_s: float | None = None
+        #: When this process last sent a yielding (batch) request here (monotonic seconds).
+        self.batch_sent_at = -math.inf
         self.reserved_at_scrape = 0
         self.dispatched_since_scrape = 0
         self.completed_since_scrape = 0
@@ -77,18 +80,25 @@ class EndpointState:
         self.failure: str | None = None
         self.breaker = breaker
 
-    def load(self, now: float, max_age: float) -> float:
+    def load(self, now: float, max_age: float, preempting: bool = False) -> float:
         """Requests the engine is estimated to hold (running + waiting), from every gateway.
 
         With a scrape younger than ``max_age``: the engine's running + waiting at scrape time,
         plus what this process dispatched there since (its in-flight count now minus then),
         never less than this process's own in-flight count. Otherwise only the own count.
+
+        ``preempting``: as an interactive request weighs it (see :meth:`utilisation`): without this
+        process's yielders (they give way, and a decode step hardly grows with its batch), and with the
+        interactive streams still in their prefill counted twice (the newcomer's first engine step would
+        carry their prefills too, and an engine step takes about as long as all the prefills it carries).
         """
         signals = self.signals
-        if signals is None or now - self.scraped_at > max_age:
-            return float(self.outstanding)
-        scraped = signals.running + signals.waiting + (self.outstanding - self.outstanding_at_scrape)
-        return max(float(self.outstanding), scraped)
+        load = float(self.outstanding)
+        if signals is not None and now - self.scraped_at <= max_age:
+            load = max(load, signals.running + signals.waiting + (self.outstanding - self.outstanding_at_scrape))
+        if preempting:
+            load = max(0.0, load - self.yielding) + self.prefilling
+        return load
 
     def utilisation(self, now: float, max_age: float, kv_cache_tokens: int, max_num_seqs: int | None,
                     preempting: bool = False) -> float:
@@ -138,6 +148,11 @@ class EndpointState:
         if signals is not None and now - self.scraped_at <= max_age:
             used = max(used, signals.running + signals.waiting + self.outstanding - self.outstanding_at_scrape - n_y)
         return used
+
+    def batch_prefilling(self, now: float) -> bool:
+        """Whether the last batch request sent here is likely still in its prefill: sent less than the usual
+        interactive time to first byte ago (never, before an interactive stream came here)."""
+        return self.prefill_s is not None and now - self.batch_sent_at < self.prefill_s
 
     def queued(self, now: float, max_age: float) -> float:
         """Requests waiting inside the engine at the last fresh scrape (0 when unknown)."""
@@ -221,6 +236,7 @@ class EndpointRegistry:
         if yielding:
             state.yielding += 1
             state.yielding_reserved += tokens
+            state.batch_sent_at = time.monotonic()
 
     def release(self, url: str, tokens: int = 0, yielding: bool = False) -> None:
         """Count a request of ``tokens`` at ``url`` as finished (``yielding`` as it was acquired)."""

@@ -33,6 +33,15 @@ preempted request is charged nothing for that try and queues again in the batch 
 :class:`~switchyard.gateway.proxy.Proxy`). Yielders of other processes (other replicas, a
 ``switchyard worker``) are out of this process's reach: they count as plain load.
 
+**Prefills kept apart.** An engine step's prefills run together (a step carrying two takes about as long
+as both), so an interactive request's time to first token suffers most from other prefills in its first
+step. Batch work is not sent to an endpoint while an interactive stream there waits for its first byte,
+nor while the last batch request sent there is likely still in its prefill (:func:`batch_view`: batch
+prefills go one at a time); an interactive request preempts the batch requests sent to its endpoint too
+recently to have had their first step (:meth:`FlowController.make_room`), weighs endpoints by their
+interactive load with streams in their prefill counted twice (``EndpointState.load``), and is not
+steered to where more of them are (:meth:`FlowController.steer`).
+
 A pool is pumped when a request it served finishes, when a granted request reaches its endpoint,
 and every ``TICK_S`` while anything waits (engine load read by the scraper, cool-downs ending).
 Queues are per gateway process; replicas each queue their own arrivals and share engine load
@@ -68,6 +77,10 @@ from switchyard.policy.schema import Model, Pool
 
 #: How often pools with waiting requests are re-examined without another trigger.
 TICK_S = 0.05
+#: A batch request sent to an endpoint less than this share of its usual interactive time to first byte ago
+#: has most likely not had its first engine step yet (that time is the engine's frontend, the wait for the
+#: step in progress, and the prefill step; about half of it comes before the prefill step starts).
+WAITING_SHARE = 0.5
 
 
 class ClientLeft(ApiError):
@@ -169,13 +182,13 @@ class FlowController:
 
     def batch_utilisation(self, pool: Pool, now: float) -> float:
         """The pool's utilisation as the batch lane sees it: :meth:`utilisation` with every endpoint where an
-        interactive stream is in its prefill counted as full (:func:`batch_view`), and with ``max_num_seqs``
-        declared, the sequence slots of its endpoints in service taken with ``batch_reserve_slots`` more
-        counted as taken (so batch work leaves that many free for interactive arrivals), but never all of
-        them: the batch lane may always have one slot of the pool."""
+        interactive stream or the last batch request is in its prefill counted as full (:func:`batch_view`), and
+        with ``max_num_seqs`` declared, the sequence slots of its endpoints in service taken with
+        ``batch_reserve_slots`` more counted as taken (so batch work leaves that many free for interactive
+        arrivals), but never all of them: the batch lane may always have one slot of the pool."""
         healthy = self._in_service(pool, now)
         age = self.endpoints.signal_max_age
-        u = min(batch_view(s.utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs), s) for s in healthy)
+        u = min(batch_view(s.utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs), s, now) for s in healthy)
         if not pool.max_num_seqs or not pool.batch_reserve_slots:
             return u
         slots = pool.max_num_seqs * len(healthy)
@@ -333,15 +346,18 @@ class FlowController:
         """Where an interactive request picked for ``choice`` should go to lose the least batch work.
 
         ``choice`` itself when it has room without preempting; otherwise the option (in service, not
-        ``tried``, with room once its yielders are gone) whose youngest yielder was sent last.
+        ``tried``, with room once its yielders are gone, and no more interactive streams in their prefill than
+        ``choice``: the newcomer's first engine step would carry theirs) whose youngest yielder was sent last.
         """
         if not self._yielders or not self._full(choice.pool, choice.url, ceiling, now):
             return choice
         best: Candidate | None = None
         youngest = -math.inf
+        prefilling = self.endpoints.state(choice.url).prefilling
         for option in options:
             at = self._yielders.get(option.url)
             if (not at or option.url in tried or at[-1].started <= youngest
+                    or self.endpoints.state(option.url).prefilling > prefilling
                     or not self.endpoints.available(option.url, option.pool.name, now)
                     or self._full(option.pool, option.url, ceiling, now, preempting=True)):
                 continue
@@ -363,11 +379,12 @@ class FlowController:
         while at and self._full(pool, url, ceiling, now):
             _preempt(at.pop())
             preempted += 1
-        # Batch requests sent here less than an interactive prefill ago are most likely in their own
-        # prefill: it would share the newcomer's first engine step and slow it down. They lose little.
+        # A batch request sent here very recently most likely waits for its first engine step: it would
+        # share the newcomer's and slow it down, and it loses nothing. (One already in its prefill step is
+        # left alone: that step runs to its end all the same.)
         prefill_s = self.endpoints.state(url).prefill_s
         if prefill_s is not None:
-            young = [y for y in at if now - y.started < prefill_s]
+            young = [y for y in at if now - y.started < WAITING_SHARE * prefill_s]
             for yielder in young:
                 at.remove(yielder)
                 _preempt(yielder)
@@ -378,8 +395,18 @@ class FlowController:
             self.metrics.preemptions.labels(pool.name).inc(preempted)
         return preempted
 
+    def batch_sent(self, pool: str, url: str) -> None:
+        """A batch request was sent to ``url`` (of ``pool``): batch work may go there again once it is likely out
+        of its prefill (:func:`batch_view`); the pool is pumped then."""
+        prefill_s = self.endpoints.state(url).prefill_s
+        if self.enabled and prefill_s is not None:
+            asyncio.get_running_loop().call_later(prefill_s, self._pump_if_waiting, pool)
+
     def prefill_ended(self, pool: str) -> None:
         """An interactive stream at an endpoint of ``pool`` got its first byte: batch work may go there again."""
+        self._pump_if_waiting(pool)
+
+    def _pump_if_waiting(self, pool: str) -> None:
         state = self._pools.get(pool)
         if self.enabled and state is not None and state.queues.waiting():
             self._kick(pool)
@@ -452,10 +479,12 @@ class FlowController:
         return sum(state.queues.waiting() for state in self._pools.values())
 
 
-def batch_view(u: float, state: EndpointState) -> float:
+def batch_view(u: float, state: EndpointState, now: float) -> float:
     """An endpoint's utilisation ``u`` as batch work sees it: full while an interactive stream there is in its
-    prefill (a batch prefill sent now would share its first engine step)."""
-    return max(u, 1.0) if state.prefilling else u
+    prefill (a batch prefill sent now would share its first engine step), and while the last batch request
+    sent there is likely still in its own (batch prefills go one at a time: an engine step carrying several
+    takes as long as all of them, and an interactive request arriving meanwhile waits for it)."""
+    return max(u, 1.0) if state.prefilling or state.batch_prefilling(now) else u
 
 
 def _preempt(yielder: Yielder) -> None:

@@ -95,7 +95,8 @@ class GatewayMetrics:
             "class.", ["class"], registry=self.registry)
         self.preemptions = Counter(
             "switchyard_preemptions", "Batch-lane requests in flight that flow control cancelled for an interactive "
-            "request, to make room or because they were still in their prefill (each queued again), by pool.",
+            "request, to make room or because they were still waiting for their first engine step (each queued "
+            "again), by pool.",
             ["pool"], registry=self.registry)
         self.utilisation = Gauge(
             "switchyard_pool_utilisation", "Utilisation of each pool's least-loaded endpoint as flow control "

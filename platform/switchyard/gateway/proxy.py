@@ -344,6 +344,8 @@ class Proxy:
                                             "switchyard.model": model, "switchyard.attempt": len(attempts.tried)})
         outcome = "ok"
         endpoints.acquire(url, req.cost, yielder is not None)
+        if yielder is not None:
+            flow.batch_sent(pool, url)
         # An interactive stream's prefill: batch work is not sent here until its first byte (flow.batch_view).
         prefilling = req.stream and req.cls.cls.lane == "interactive"
         if prefilling:

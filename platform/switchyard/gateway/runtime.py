@@ -198,8 +198,8 @@ class GatewayRuntime:
         healthy = state.healthy(now) and registry.pool_breaker(pool.name).allows(now)
         u = state.utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs, preempting)
         if not preempting:  # batch work
-            u = batch_view(u, state)
-        return EndpointView(healthy, state.load(now, age), state.queued(now, age), u, state.reserved,
+            u = batch_view(u, state, now)
+        return EndpointView(healthy, state.load(now, age, preempting), state.queued(now, age), u, state.reserved,
                             state.served_models(now, age))
 
     def out_of_service(self, options: Sequence[Candidate], now: float) -> tuple[str, float]:

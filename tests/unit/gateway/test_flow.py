@@ -491,18 +491,67 @@ async def test_batch_work_keeps_off_an_interactive_prefill_and_gives_way_while_i
     registry.prefill_started(BIG)
     registry.prefill_ended(BIG, 0.3)
     assert registry.state(BIG).prefilling == 0 and registry.state(BIG).prefill_s == pytest.approx(0.21)
-    # A batch request sent less than one such prefill ago gives way to an interactive newcomer even with
-    # room left; an older one keeps running.
+    # A batch request sent less than half such a prefill ago most likely waits for its first engine step: it
+    # gives way to an interactive newcomer even with room left; older ones (in their prefill step, or past
+    # it) keep running.
     old = Running(flow)
-    await asyncio.sleep(0.25)
+    middle = Running(flow)
     young = Running(flow)
     await asyncio.sleep(0.01)
-    assert flow.make_room(pool, BIG, 1.0, time.monotonic()) == 1
+    old.yielder.started, middle.yielder.started = young.yielder.started - 0.3, young.yielder.started - 0.15
+    assert flow.make_room(pool, BIG, 1.0, young.yielder.started + 0.1) == 1
     await asyncio.sleep(0.01)
-    assert young.outcome == "preempted" and old.outcome is None
+    assert young.outcome == "preempted" and middle.outcome is None and old.outcome is None
     assert sample(flow, "switchyard_preemptions_total", pool="big") == 1
-    old.task.cancel()
-    await asyncio.gather(old.task, young.task, return_exceptions=True)
+    for running in (old, middle):
+        running.task.cancel()
+    await asyncio.gather(old.task, middle.task, young.task, return_exceptions=True)
+
+
+async def test_batch_prefills_go_to_an_endpoint_one_at_a_time(snapshot: PolicySnapshot) -> None:
+    doc = snapshot.document.model_dump(by_alias=True, exclude_none=True)
+    doc["pools"][0].update(max_num_seqs=8)
+    doc["priorities"]["batch"].pop("max_utilisation")
+    snap = compile_policy(to_yaml(doc))
+    pool = snap.pools["big"]
+    flow = FlowController(EndpointRegistry(), GatewayMetrics())
+    registry = flow.endpoints
+    state = registry.state(BIG)
+    registry.acquire(BIG, 100, yielding=True)  # before any interactive first byte: no spacing is known
+    assert not state.batch_prefilling(time.monotonic()) and flow.batch_utilisation(pool, time.monotonic()) < 1.0
+    registry.release(BIG, 100, yielding=True)
+    registry.prefill_started(BIG)
+    registry.prefill_ended(BIG, 0.1)
+    registry.acquire(BIG, 100, yielding=True)  # a batch request sent: most likely in its prefill for 0.1 s
+    sent = state.batch_sent_at
+    assert flow.batch_utilisation(pool, sent + 0.05) == 1.0
+    assert flow.utilisation(pool, sent + 0.05, preempting=True) == 0.0  # interactive requests are not held up
+    assert flow.batch_utilisation(pool, sent + 0.11) == pytest.approx(1 / 8)  # its own slot only
+    # A batch request waiting meanwhile is granted once the window has passed (the pool is pumped then).
+    flow.batch_sent("big", BIG)
+    bulk = asyncio.create_task(schedule(flow, snap, "batch"))
+    await asyncio.sleep(0.02)
+    assert not bulk.done()
+    got = await asyncio.wait_for(bulk, 1)
+    assert got.ticket is not None and time.monotonic() - sent >= 0.1
+
+
+def test_an_interactive_request_weighs_load_without_batch_work_and_prefills_twice() -> None:
+    registry = EndpointRegistry(signal_max_age=3.0)
+    state = registry.state(BIG)
+    registry.acquire(BIG, 100)  # an interactive stream, in its prefill
+    registry.prefill_started(BIG)
+    registry.acquire(BIG, 100, yielding=True)
+    registry.acquire(BIG, 100, yielding=True)
+    now = state.batch_sent_at
+    assert state.load(now, 3.0) == 3.0
+    assert state.load(now, 3.0, preempting=True) == 2.0  # 3 - 2 batch requests + 1 prefill
+    registry.prefill_ended(BIG, 0.05)
+    assert state.load(now + 0.1, 3.0, preempting=True) == 1.0
+    # The engine's own count (another gateway's requests) is weighed the same way.
+    registry.record_scrape(BIG, EngineSignals(running=6, waiting=1, kv_usage=0.5, prefix_queries=0,
+                                              prefix_hits=0), now=now + 1.0)
+    assert state.load(now + 1.0, 3.0) == 7.0 and state.load(now + 1.0, 3.0, preempting=True) == 5.0
 
 
 async def test_steering_sends_the_interactive_request_where_the_youngest_batch_request_is(
@@ -522,6 +571,11 @@ async def test_steering_sends_the_interactive_request_where_the_youngest_batch_r
     steered = flow.steer(choice, options, set(), 1.0, time.monotonic())
     assert steered.url == SPARE and "youngest batch request" in steered.notes[-1]
     assert flow.steer(choice, options, {SPARE}, 1.0, time.monotonic()).url == BIG  # already tried there
+    # Not where more interactive streams are in their prefill than at the choice: its first step would carry them.
+    flow.endpoints.prefill_started(SPARE)
+    assert flow.steer(choice, options, set(), 1.0, time.monotonic()) is choice
+    flow.endpoints.prefill_started(BIG)
+    assert flow.steer(choice, options, set(), 1.0, time.monotonic()).url == SPARE
     younger.task.cancel()
     await asyncio.gather(younger.task, return_exceptions=True)
     free = EndpointChoice(pool, SPARE, 1.0, (), "max-score", 2, ())
