@@ -100,9 +100,9 @@ MAX_QUEUE_MS = 5000
 DEFAULT_BATCH_CEILING = 0.95
 #: The interactive load, as a share of the measured capacity.
 LOAD = 0.5
-#: Seconds per arm: long enough for a steady interactive TTFT p99 (about 1,100 requests: the p99 is
-#: the 11th slowest; at 30 s, the 6th of 550 moved by ±50% from run to run).
-DURATION_S = 60.0
+#: Seconds per arm: long enough for a steady interactive TTFT p99 (about 1,900 requests: the p99 is the
+#: 19th slowest; at 60 s, the 9th of 940, the baseline's p99 moved 55-64 ms between identical runs).
+DURATION_S = 120.0
 #: Seconds per arm with ``--quick`` (the other timings are ``arms``'s).
 QUICK_DURATION_S = 6.0
 #: The batch has enough lines to keep the whole pool busy this much longer than the window.
@@ -548,8 +548,8 @@ def _arm_table(rows: Sequence[Mapping[str, Any]], b: BatchRun) -> dict[str, Any]
         "requests that waited in the gateway's queue before dispatch (the pool at utilisation 1, every sequence slot "
         "of its least-loaded replica taken, or another grant in transit), and their mean wait, from "
         "`switchyard_queue_wait_seconds` at the end of the arm. Preempted: batch requests in flight that the gateway "
-        "cancelled for an interactive request, to make room or because they were still in their prefill (each queued "
-        "again), from `switchyard_preemptions_total`.")
+        "cancelled for an interactive request, to make room or because they were still waiting for their first engine "
+        "step (each queued again), from `switchyard_preemptions_total`.")
 
 
 def _ratio_table(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -579,10 +579,11 @@ def _share_table(row: Mapping[str, Any], b: BatchRun) -> dict[str, Any]:
         f"included) is under {DEFAULT_BATCH_CEILING:g}, no interactive request waits, and at least "
         f"{DEFAULT_BATCH_RESERVE} of the pool's {REPLICAS * MAX_NUM_SEQS} slots stay free (`batch_reserve_slots`, "
         "the default) for interactive arrivals; no line goes to a replica while an interactive stream there waits "
-        "for its first byte. An interactive request that finds no free slot preempts the youngest batch request "
-        "(its tokens so far are lost, and it runs again), and any sent to its replica less than a usual "
-        "interactive time to first byte ago (still in their prefill). The gap between the share and 100% is the "
-        "kept slot, that lost work, and the moments a free slot waits for the next line.")
+        "for its first byte, or within a usual interactive time to first byte of the last line sent there (batch "
+        "prefills one at a time). An interactive request that finds no free slot preempts the youngest batch "
+        "request (its tokens so far are lost, and it runs again), and any sent to its replica less than half a "
+        "usual interactive time to first byte ago (still waiting for their first engine step). The gap between the "
+        "share and 100% is the kept slot, that lost work, and the moments a free slot waits for the next line.")
 
 
 def _capacity_table(b: BatchRun) -> dict[str, Any]:
