@@ -463,12 +463,17 @@ async def test_batch_requests_see_the_whole_load_and_flow_control_off_preempts_n
     assert off.make_room(snapshot.pools["big"], BIG, 0.0, 0.0) == 0
 
 
-async def test_batch_work_keeps_off_an_interactive_prefill_and_gives_way_while_in_its_own(
-        snapshot: PolicySnapshot) -> None:
+def eight_slots(snapshot: PolicySnapshot) -> PolicySnapshot:
+    """The policy with pool ``big`` at 8 sequence slots and the batch lane at its default ceiling."""
     doc = snapshot.document.model_dump(by_alias=True, exclude_none=True)
     doc["pools"][0].update(max_num_seqs=8)
     doc["priorities"]["batch"].pop("max_utilisation")
-    snap = compile_policy(to_yaml(doc))
+    return compile_policy(to_yaml(doc))
+
+
+async def test_batch_work_keeps_off_an_interactive_prefill_and_gives_way_before_its_first_step(
+        snapshot: PolicySnapshot) -> None:
+    snap = eight_slots(snapshot)
     pool = snap.pools["big"]
     flow = FlowController(EndpointRegistry(), GatewayMetrics())
     registry = flow.endpoints
@@ -509,10 +514,7 @@ async def test_batch_work_keeps_off_an_interactive_prefill_and_gives_way_while_i
 
 
 async def test_batch_prefills_go_to_an_endpoint_one_at_a_time(snapshot: PolicySnapshot) -> None:
-    doc = snapshot.document.model_dump(by_alias=True, exclude_none=True)
-    doc["pools"][0].update(max_num_seqs=8)
-    doc["priorities"]["batch"].pop("max_utilisation")
-    snap = compile_policy(to_yaml(doc))
+    snap = eight_slots(snapshot)
     pool = snap.pools["big"]
     flow = FlowController(EndpointRegistry(), GatewayMetrics())
     registry = flow.endpoints
