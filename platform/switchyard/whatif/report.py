@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from switchyard.bench.spec import Workload
-from switchyard.bench.stats import percentile
 from switchyard.bench.tables import ms, num, render_table, table, text
 from switchyard.decide.pick import Strategy
+from switchyard.figures import percentile
 from switchyard.policy.snapshot import PolicySnapshot
 from switchyard.whatif.replay import ArmResult, ReplayOutcome, replay_policy
 

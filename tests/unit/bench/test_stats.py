@@ -10,7 +10,6 @@ from switchyard.bench.stats import (
     compare,
     goodput,
     group_by,
-    percentile,
     percentiles,
     ratio,
     slo_attainment,
@@ -18,6 +17,7 @@ from switchyard.bench.stats import (
     summarize_groups,
     time_series,
 )
+from switchyard.figures import percentile
 from tests.unit.bench.helpers import result
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from switchyard.cli.run_cmds import engines_for_policy
+from switchyard.figures import percentile
 from switchyard.policy import compile_policy
 from switchyard.sim.calibrate.client import StreamResult, metric_total
 from switchyard.sim.calibrate.fit import (
@@ -23,7 +24,7 @@ from switchyard.sim.calibrate.fit import (
     nnls,
 )
 from switchyard.sim.calibrate.probe import decode_run, make_plan
-from switchyard.sim.calibrate.replay import make_workload, percentile
+from switchyard.sim.calibrate.replay import make_workload
 from switchyard.sim.config import EngineConfig, resolve
 from switchyard.sim.core import EngineCore
 from switchyard.sim.measured import (

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import random
 import signal
 import socket
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import aiohttp
 
+from switchyard.figures import percentile
 from switchyard.sim.calibrate.client import EngineClient, EngineError, StreamResult
 from switchyard.sim.calibrate.fit import StepFit
 
@@ -105,17 +105,6 @@ async def replay(client: EngineClient, workload: Workload) -> list[StreamResult]
     return list(await asyncio.gather(*[one(r) for r in workload.requests]))
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0-100), linear between closest ranks (numpy's default)."""
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
 @dataclass(frozen=True)
 class LatencySummary:
     """Client-side latencies of one replay, in seconds."""
@@ -141,9 +130,14 @@ def summarize(results: Sequence[StreamResult]) -> LatencySummary:
     end = max(r.last_token_at for r in results)
     return LatencySummary(
         requests=len(results), output_tokens=sum(r.completion_tokens for r in results),
-        ttft={q: percentile(ttfts, q) for q in QUANTILES},
-        itl={q: percentile(itls, q) for q in QUANTILES},
+        ttft={q: _or_nan(percentile(ttfts, q)) for q in QUANTILES},
+        itl={q: _or_nan(percentile(itls, q)) for q in QUANTILES},
         mean_tpot=sum(tpots) / len(tpots) if tpots else float("nan"), duration_s=end - start)
+
+
+def _or_nan(value: float | None) -> float:
+    """A percentile as the report and the profile's provenance keep it: NaN (shown ``n/a``) for none."""
+    return float("nan") if value is None else value
 
 
 #: Seconds the simulator started for the comparison gets to answer ``/health``.

@@ -6,20 +6,11 @@ import math
 import statistics
 from collections import defaultdict
 
+from switchyard.figures import significant_ms
 from switchyard.sim.calibrate.fit import GroupQuality, busy_ttft
 from switchyard.sim.calibrate.probe import BusyProbe
 from switchyard.sim.calibrate.replay import QUANTILES, LatencySummary
 from switchyard.sim.calibrate.run import CalibrationResult
-
-
-def ms(seconds: float) -> str:
-    """Seconds as milliseconds with three significant figures."""
-    if not math.isfinite(seconds):
-        return "n/a"
-    v = seconds * 1000
-    if abs(v) >= 1000:
-        return f"{v:,.0f} ms"
-    return f"{v:.3g} ms" if abs(v) >= 0.01 or v == 0 else f"{v:.2e} ms"
 
 
 def rel(sim: float, real: float) -> str:
@@ -40,7 +31,7 @@ def comparison_rows(real: LatencySummary, sim: LatencySummary) -> list[tuple[str
 
 def _quality_row(label: str, q: GroupQuality, memory: int) -> str:
     r2 = f"{q.r2:.4f}" if math.isfinite(q.r2) else "n/a"
-    return (f"| {label} | {q.samples} | {r2} | {ms(q.rms_s)} | {q.max_rel_error * 100:.1f}% | "
+    return (f"| {label} | {q.samples} | {r2} | {significant_ms(q.rms_s)} | {q.max_rel_error * 100:.1f}% | "
             f"{memory} |")
 
 
@@ -109,7 +100,7 @@ def render_report(result: CalibrationResult) -> str:
             by_len[p.new_tokens].append(p.ttft_s)
     for n in sorted(by_len):
         meas, model = statistics.median(by_len[n]), fit.predict_ttft(n)
-        lines.append(f"| {n} | {ms(meas)} | {ms(model)} | {rel(model, meas)} |")
+        lines.append(f"| {n} | {significant_ms(meas)} | {significant_ms(model)} | {rel(model, meas)} |")
     lines += [
         "",
         "### ITL against batch size",
@@ -119,7 +110,7 @@ def render_report(result: CalibrationResult) -> str:
     ]
     for d in sorted(m.decode, key=lambda d: (d.batch, d.kv_tokens)):
         model = fit.predict_itl(d.batch, d.kv_tokens)
-        lines.append(f"| {d.batch} | {d.kv_tokens:.0f} | {ms(d.itl_s)} | {ms(model)} | "
+        lines.append(f"| {d.batch} | {d.kv_tokens:.0f} | {significant_ms(d.itl_s)} | {significant_ms(model)} | "
                      f"{rel(model, d.itl_s)} |")
     if m.busy:
         lines += [
@@ -136,8 +127,8 @@ def render_report(result: CalibrationResult) -> str:
             meas = statistics.median(q.ttft_s for q in probes)
             model = statistics.median(busy_ttft(prof.step_time, prof.frontend_overhead_s, q.batch,
                                                 q.kv_tokens, q.prompt_tokens) for q in probes)
-            lines.append(f"| {batch} | {len(probes)} | {probes[0].prompt_tokens} | {ms(meas)} | "
-                         f"{ms(model)} | {rel(model, meas)} |")
+            lines.append(f"| {batch} | {len(probes)} | {probes[0].prompt_tokens} | {significant_ms(meas)} | "
+                         f"{significant_ms(model)} | {rel(model, meas)} |")
     if m.prefix_hits:
         lines += [
             "",
@@ -149,8 +140,8 @@ def render_report(result: CalibrationResult) -> str:
         for h in m.prefix_hits:
             model = (fit.predict_ttft(h.prompt_tokens)
                      / fit.predict_ttft(h.prompt_tokens - h.cached_tokens, h.cached_tokens))
-            lines.append(f"| {h.prompt_tokens} | {h.cached_tokens} | {ms(h.cold_ttft_s)} | "
-                         f"{ms(h.warm_ttft_s)} | {h.cold_ttft_s / h.warm_ttft_s:.2f}x | "
+            lines.append(f"| {h.prompt_tokens} | {h.cached_tokens} | {significant_ms(h.cold_ttft_s)} | "
+                         f"{significant_ms(h.warm_ttft_s)} | {h.cold_ttft_s / h.warm_ttft_s:.2f}x | "
                          f"{model:.2f}x |")
     if r.comparison is not None:
         c = r.comparison
@@ -165,6 +156,6 @@ def render_report(result: CalibrationResult) -> str:
             "|---|---|---|---|",
         ]
         for label, real, sim in comparison_rows(c.real, c.sim):
-            lines.append(f"| {label} | {ms(real)} | {ms(sim)} | {rel(sim, real)} |")
+            lines.append(f"| {label} | {significant_ms(real)} | {significant_ms(sim)} | {rel(sim, real)} |")
         lines.append(f"| output tokens | {c.real.output_tokens} | {c.sim.output_tokens} | |")
     return "\n".join(lines) + "\n"
