@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_process
@@ -38,9 +38,11 @@ from switchyard.admin.pages.policy import CANDIDATE, _text_of
 from switchyard.decide.pick import Strategy
 from switchyard.decide.policy_tests import compile_checked
 from switchyard.policy import PolicyError, compile_policy
-from switchyard.whatif import replay_report
-from switchyard.whatif.fleet import FleetError
-from switchyard.whatif.logged import LogEntry, log_workload, read_log
+
+if TYPE_CHECKING:
+    from sqlmodel import Session
+
+    from switchyard.whatif.logged import LogEntry
 
 PANEL = "admin/partials/_policy_replay.html.j2"
 PAGE = "admin/policy_replay.html.j2"
@@ -307,12 +309,24 @@ def _replay(active: tuple[str, int | None], candidate: str, entries: list[LogEnt
             picker: Strategy) -> Replayed:
     """Build the workload and replay it through both policies, given as (text, version) and text (blocking:
     run in a worker process; both were validated by the caller)."""
+    # Imported here, in the worker: the gateway must not load the simulator, bench or numpy to start.
+    from switchyard.whatif import replay_report
+    from switchyard.whatif.logged import log_workload
+
     workload = log_workload(entries)
     if not workload.specs:
         return Replayed(None, workload.describe())
     report = replay_report(compile_policy(active[0], "active", active[1]), compile_policy(candidate, CANDIDATE),
                            workload, active_dir=folder, candidate_dir=folder, strategy=picker)
     return Replayed(report, report["workload"])
+
+
+def _read_log(session: Session, span: timedelta) -> list[LogEntry]:
+    """The newest log entries of the window, one more than are replayed (on the database's worker thread,
+    which is also where ``whatif`` is first imported: not at the gateway's start, not on its event loop)."""
+    from switchyard.whatif.logged import read_log
+
+    return read_log(session, window=span, limit=MAX_LOG_ENTRIES + 1)
 
 
 def _limiter(state: State) -> anyio.CapacityLimiter:
@@ -359,10 +373,12 @@ async def policy_replay(request: HTMXRequest) -> Template:
         return _respond(request, text, base | {
             "alert": True, "message": f"The candidate is not valid ({count} issue{'s' if count != 1 else ''}), "
                                       "so it was not replayed: fix it first."})
-    entries = await in_db(runtime, lambda session: read_log(session, window=window.span, limit=MAX_LOG_ENTRIES + 1))
+    entries = await in_db(runtime, lambda session: _read_log(session, window.span))
     capped = len(entries) > MAX_LOG_ENTRIES
     entries = entries[-MAX_LOG_ENTRIES:]  # oldest first: keep the newest
     folder = settings.policy_file.resolve().parent  # where relative sim_profile paths start, as the CLI does
+    from switchyard.whatif.fleet import FleetError  # loaded by _read_log already
+
     try:
         replayed = await anyio.to_process.run_sync(_replay, (active.text, active.version), text, entries, folder,
                                                    settings.picker,
