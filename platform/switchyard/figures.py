@@ -8,7 +8,8 @@ One rule per kind of figure, so that a latency, a rate or a percentile reads the
   nearest rank (the console's: always a value that was observed). An empty sample has none (``None``,
   never ``NaN``, so reports stay valid JSON).
 - :func:`fixed`: a value scaled (1000 for seconds shown as ms, 100 for a fraction shown as a percentage),
-  with a fixed number of decimals, an optional unit and thousands separators, and a mark for no value.
+  with a fixed number of decimals, an optional unit and thousands separators, and a mark for no value
+  (:data:`NO_VALUE` unless the caller names its own: the console shows :data:`DASH`).
   :func:`percent`, :func:`ratio`, :func:`millis`, :func:`per_second`, :func:`significant_ms`,
   :func:`duration` and :func:`trimmed` are the named rules built on the same idea.
 - :func:`to_ms` and :func:`utc_iso`: seconds as milliseconds and epoch seconds as ISO 8601 text in the
@@ -83,7 +84,7 @@ def fixed(value: float | None, *, scale: float = 1.0, decimals: int = 1, unit: s
     return f"{value * scale:{',' if grouped else ''}.{decimals}f}{unit}"
 
 
-def percent(fraction: float | None, *, decimals: int = 1, missing: str = DASH) -> str:
+def percent(fraction: float | None, *, decimals: int = 1, missing: str = NO_VALUE) -> str:
     """A fraction as a percentage (``0.1234`` -> ``12.3%``)."""
     return fixed(fraction, scale=100.0, decimals=decimals, unit="%", missing=missing)
 
@@ -97,7 +98,7 @@ def ratio(value: float | None, *, missing: str = NO_VALUE) -> str:
     return f"{value:.2f}x"
 
 
-def millis(value_ms: float | None, *, missing: str = DASH) -> str:
+def millis(value_ms: float | None, *, missing: str = NO_VALUE) -> str:
     """A latency already in milliseconds: whole ms from 10 ms up, one decimal below."""
     if value_ms is None:
         return missing
@@ -114,7 +115,7 @@ def significant_ms(seconds: float) -> str:
     return f"{v:.3g} ms" if abs(v) >= 0.01 or v == 0 else f"{v:.2e} ms"
 
 
-def per_second(value: float | None, *, missing: str = DASH) -> str:
+def per_second(value: float | None, *, missing: str = NO_VALUE) -> str:
     """A rate per second with as many decimals as a small rate needs."""
     if value is None:
         return missing
@@ -127,7 +128,7 @@ def per_second(value: float | None, *, missing: str = DASH) -> str:
     return f"{value:.2f}" if value >= 0.01 else f"{value:.3f}"
 
 
-def duration(seconds: float | None, *, missing: str = "\u2014") -> str:
+def duration(seconds: float | None, *, missing: str = NO_VALUE) -> str:
     """Seconds as the policy document would say them: ``10m``, ``1h``, ``90s``, ``250ms``."""
     if seconds is None:
         return missing

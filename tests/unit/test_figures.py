@@ -56,19 +56,19 @@ def test_fixed_point_figures() -> None:
     assert fixed(0.01234, scale=1000, decimals=1, unit=" ms") == "12.3 ms"
     assert fixed(12345.678, decimals=2, grouped=True) == "12,345.68"
     assert fixed(3, decimals=0) == "3"
-    assert percent(0.1234) == "12.3%" and percent(None) == DASH and percent(None, missing="-") == "-"
+    assert percent(0.1234) == "12.3%" and percent(None) == "-" and percent(None, missing=DASH) == DASH
     assert percent(0.5, decimals=0) == "50%"
 
 
 def test_named_rules() -> None:
     assert (ratio(None), ratio(1.234), ratio(0.0032), ratio(0.0)) == ("-", "1.23x", "0.0032x", "0.00x")
-    assert (millis(None), millis(12.34), millis(1.234)) == (DASH, "12 ms", "1.2 ms")
+    assert (millis(None, missing=DASH), millis(12.34), millis(1.234)) == (DASH, "12 ms", "1.2 ms")
     assert [per_second(v) for v in (None, 0.0, 123.4, 12.34, 1.234, 0.001234)] == \
-        [DASH, "0", "123", "12.3", "1.23", "0.001"]
+        ["-", "0", "123", "12.3", "1.23", "0.001"]
     assert [significant_ms(v) for v in (float("nan"), 1.5, 0.0123, 0.0, 1e-6)] == \
         ["n/a", "1,500 ms", "12.3 ms", "0 ms", "1.00e-03 ms"]
     assert [duration(v) for v in (None, 600, 3600, 90, 0.25, 1.5, 86400)] == \
-        ["\u2014", "10m", "1h", "90s", "250ms", "1.5s", "1d"]
+        ["-", "10m", "1h", "90s", "250ms", "1.5s", "1d"]
     assert [trimmed(v) for v in (0.0, 2.5, 2.0, 100.0, -0.01, 3.14159)] == ["0", "2.5", "2", "100", "0", "3.1"]
     assert (to_ms(None), to_ms(0.0123), to_ms(0.5)) == (None, 12.3, 500.0)
     assert utc_iso(1_800_000_000.0) == "2027-01-15T08:00:00.000Z"

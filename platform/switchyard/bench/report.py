@@ -25,10 +25,11 @@ import numpy as np
 from switchyard.bench.results import Result
 from switchyard.bench.spec import Workload
 from switchyard.bench.stats import SloSpec, Summary, compare, group_by, summarize, time_series
+from switchyard.figures import NO_VALUE, fixed, ratio
 
 SCHEMA = 1
-#: A table cell with no value (no sample, no baseline to divide by).
-MISSING = "-"
+#: A table cell with no value (no sample, no baseline to divide by): the figures' plain mark.
+MISSING = NO_VALUE
 #: Points kept per CDF curve in the report (evenly spaced in rank).
 CDF_POINTS = 200
 #: A p99 send lateness above this means the load generator could not keep its schedule.
@@ -204,20 +205,9 @@ def _slo_dict(slo: SloSpec) -> dict[str, Any]:
 
 def format_value(value: Any, multiplier: float = 1, decimals: int = 3) -> str:
     """A table cell: the value times ``multiplier`` with ``decimals`` decimals; ``MISSING`` if None."""
-    if value is None:
-        return MISSING
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
         return str(value)
-    return f"{value * multiplier:.{decimals}f}"
-
-
-def format_ratio(value: float | None) -> str:
-    """A ratio cell: ``1.23x`` (``0.0032x`` below 0.01, so that a small ratio does not read 0), or ``MISSING``."""
-    if value is None:
-        return MISSING
-    if 0 < abs(value) < 0.01:
-        return f"{value:.2g}x"
-    return f"{value:.2f}x"
+    return fixed(value, scale=multiplier, decimals=decimals, missing=MISSING)
 
 
 def _escape(text: object) -> str:
@@ -232,7 +222,7 @@ def _table(arms: Sequence[str], cells: Mapping[str, Mapping[str, Any]],
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key, label, mult, dec in TABLE_METRICS:
         row = [label, *[format_value(cells[a][key], mult, dec) if a in cells else MISSING for a in arms],
-               *[format_ratio(ratios[a].get(key)) for a in others]]
+               *[ratio(ratios[a].get(key), missing=MISSING) for a in others]]
         lines.append("| " + " | ".join(row) + " |")
     return lines
 

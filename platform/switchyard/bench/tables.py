@@ -13,7 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from switchyard.bench.report import MISSING, format_ratio, format_value
+from switchyard import figures
+from switchyard.bench.report import MISSING, format_value
 
 Format = Literal["number", "ratio", "text"]
 
@@ -81,7 +82,7 @@ def format_cell(column: Mapping[str, Any], value: Any) -> str:
     if kind == "text":
         return str(value).replace("|", "\\|").replace("\n", " ")
     if kind == "ratio":
-        return format_ratio(float(value)) if isinstance(value, int | float) else str(value)
+        return figures.ratio(float(value)) if isinstance(value, int | float) else str(value)
     return format_value(value, column["multiplier"], column["decimals"])
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from switchyard.bench.spec import Workload
 from switchyard.bench.tables import ms, num, render_table, table, text
 from switchyard.decide.pick import Strategy
-from switchyard.figures import percentile
+from switchyard.figures import NO_VALUE, fixed, percentile
 from switchyard.policy.snapshot import PolicySnapshot
 from switchyard.whatif.replay import ArmResult, ReplayOutcome, replay_policy
 
@@ -162,7 +162,7 @@ def replay_report(active: PolicySnapshot, candidate: PolicySnapshot, workload: W
 
 def _delta(a: float | None, b: float | None) -> str:
     if a is None or b is None:
-        return "-"
+        return NO_VALUE
     if a == 0:
         return "same" if b == 0 else "new"
     return f"{100 * (b - a) / a:+.1f}%"
@@ -185,7 +185,7 @@ def headline_rows(report: Mapping[str, Any]) -> list[dict[str, str]]:
     rows = []
     for key, label, fmt in HEADLINE:
         a, b = base.get(key), cand.get(key)
-        shown = [("-" if v is None else (f"{1000 * v:.1f}" if fmt == "ms" else fmt.format(v))) for v in (a, b)]
+        shown = [fixed(v, scale=1000) if fmt == "ms" else (NO_VALUE if v is None else fmt.format(v)) for v in (a, b)]
         rows.append({"figure": label, "active": shown[0], "candidate": shown[1], "change": _delta(a, b)})
     return rows
 

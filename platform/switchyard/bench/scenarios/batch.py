@@ -67,6 +67,7 @@ from switchyard.bench.spec import Workload
 from switchyard.bench.stats import summarize
 from switchyard.bench.synthetic import RequestTemplate, poisson
 from switchyard.bench.tables import goal, ms, num, pct, ratio, table, text
+from switchyard.figures import fixed, percent
 
 ARMS = ("without-batch", "with-batch")
 BASELINE = "without-batch"
@@ -684,6 +685,10 @@ def run(ctx: ScenarioContext) -> Outcome:
     p99 = _div(by[WITH]["ttft_p99_s"], by[BASELINE]["ttft_p99_s"])
     value = share["share"]
     failed = by[WITH]["failed"]
+
+    def whole_ms(seconds: float | None) -> str:
+        return fixed(seconds, scale=1000, decimals=0, unit=" ms")
+
     goals = [
         goal("the batch lane's share of the idle capacity (batch tok/s ÷ (capacity - interactive tok/s))",
              f"≥ {GOAL_SHARE * 100:g}%", value, None if value is None else value >= GOAL_SHARE, unit="%",
@@ -691,8 +696,8 @@ def run(ctx: ScenarioContext) -> Outcome:
              note=_tps_note(share)),
         goal("interactive TTFT p99 with the batch ÷ without", f"≤ {GOAL_P99_RATIO:.2f}x", p99,
              None if p99 is None else p99 <= GOAL_P99_RATIO, unit="x",
-             note=f"{_ms(by[WITH]['ttft_p99_s'])} vs {_ms(by[BASELINE]['ttft_p99_s'])}; p50 "
-                  f"{_ms(by[WITH]['ttft_p50_s'])} vs {_ms(by[BASELINE]['ttft_p50_s'])}"),
+             note=f"{whole_ms(by[WITH]['ttft_p99_s'])} vs {whole_ms(by[BASELINE]['ttft_p99_s'])}; p50 "
+                  f"{whole_ms(by[WITH]['ttft_p50_s'])} vs {whole_ms(by[BASELINE]['ttft_p50_s'])}"),
         goal("interactive requests not answered while the batch ran", "0", float(failed), failed == 0, decimals=0,
              note=f"of {by[WITH]['requests']}; without the batch: {by[BASELINE]['failed']}"),
     ]
@@ -732,7 +737,7 @@ def run(ctx: ScenarioContext) -> Outcome:
     report["plots"] = sorted({*report["plots"], "batch_progress.png"})
     (ctx.out_dir / "report.md").write_text(render_markdown(report), encoding="utf-8")
     (ctx.out_dir / "report.json").write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=1) + b"\n")
-    summary = (f"batch share of idle capacity {_pct(value)} (goal ≥ {GOAL_SHARE * 100:g}%); interactive TTFT p99 "
+    summary = (f"batch share of idle capacity {percent(value)} (goal ≥ {GOAL_SHARE * 100:g}%); interactive TTFT p99 "
                + (f"{p99:.2f}x" if p99 is not None else "-") + f" without the batch (goal ≤ {GOAL_P99_RATIO:.2f}x); "
                f"{b.job.completed if b.job.completed is not None else '-'} batch lines completed")
     return Outcome("batch", "ok", summary, goals, tables[:3], "batch/report.md", notes=notes[:1])
@@ -743,11 +748,3 @@ def _tps_note(share: Mapping[str, Any]) -> str:
         return "-" if v is None else f"{v:.0f}"
     return (f"batch {fmt(share['batch_tps'])} tok/s of {fmt(share['idle_tps'])} idle (capacity "
             f"{fmt(share['capacity_tps'])}, interactive {fmt(share['interactive_tps'])})")
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1000:.0f} ms"
-
-
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.1f}%"

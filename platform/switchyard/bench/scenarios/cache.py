@@ -76,6 +76,7 @@ from switchyard.bench.scenarios.prefix import default_trace
 from switchyard.bench.spec import Labels, RequestSpec, Workload
 from switchyard.bench.stats import percentiles
 from switchyard.bench.tables import goal, ms, num, pct, ratio, table, text
+from switchyard.figures import fixed, percent
 from switchyard.sim.embeddings import embed_text
 
 Family = Literal["chat", "faq", "sampled"]
@@ -995,10 +996,6 @@ def analyse(cache: ArmRun, base: ArmRun) -> dict[str, Any]:
             "misses": miss_cost_rows(cache, base), "engines": engine_rows(cache, base)}
 
 
-def _fmt(value: float | None, unit: str = "%", scale: float = 100.0, decimals: int = 1) -> str:
-    return "-" if value is None else f"{value * scale:.{decimals}f}{unit}"
-
-
 def goals_of(a: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The scenario's goals from :func:`analyse`'s figures."""
     hits = {r["family"]: r for r in a["hits"]}
@@ -1008,21 +1005,21 @@ def goals_of(a: Mapping[str, Any]) -> list[dict[str, Any]]:
     value = speed["e2e_p50_s"]
     goals = [goal("hits vs misses, end-to-end p50", f"≥ {GOAL_SPEEDUP:g}x faster", value,
                   None if value is None else value >= GOAL_SPEEDUP, unit="x", decimals=1,
-                  note=f"hits {_fmt(hit_all['e2e_p50_s'], ' ms', 1000)} ({hit_all['n']}), misses "
-                       f"{_fmt(miss_all['e2e_p50_s'], ' ms', 1000)} ({miss_all['n']}); TTFT p50 ÷ "
-                       f"{_fmt(speed['ttft_p50_s'], 'x', 1.0)}")]
+                  note=f"hits {fixed(hit_all['e2e_p50_s'], scale=1000, unit=' ms')} ({hit_all['n']}), misses "
+                       f"{fixed(miss_all['e2e_p50_s'], scale=1000, unit=' ms')} ({miss_all['n']}); TTFT p50 ÷ "
+                       f"{fixed(speed['ttft_p50_s'], unit='x')}")]
     for family, label in (("chat", "exact"), ("faq", "semantic")):
         row = hits[family]
         of = row["of_bound"]
         goals.append(goal(f"{label} hit ratio of its repeat bound", f"≥ {100 * GOAL_OF_BOUND:g}%", of,
                           None if of is None else of >= GOAL_OF_BOUND, unit="%", multiplier=100, decimals=1,
-                          note=f"{row['hits']} hits of {row['requests']} requests ({_fmt(row['hit_ratio'])}); "
-                               f"bound {_fmt(row['bound'])}, reachable {_fmt(row['reachable'])}"))
+                          note=f"{row['hits']} hits of {row['requests']} requests ({percent(row['hit_ratio'])}); "
+                               f"bound {percent(row['bound'])}, reachable {percent(row['reachable'])}"))
     cache_row = next(r for r in a["engines"] if r["arm"] == "cache")
     saved, hit_n = cache_row["saved"], cache_row["hits"]
     goals.append(goal("engine requests saved = hits", "= hits", saved, None if saved is None else saved == hit_n,
                       decimals=0, note=f"{hit_n} hits (headers), {cache_row['metrics_hits']:.0f} (/metrics); "
-                      f"engines: {_fmt(cache_row['engine_requests'], '', 1, 0)} requests with the cache"))
+                      f"engines: {fixed(cache_row['engine_requests'], decimals=0)} requests with the cache"))
     return goals
 
 
@@ -1050,8 +1047,8 @@ def run(ctx: ScenarioContext) -> Outcome:
         + f"; {100 * STREAM_SHARE:g}% streamed; {CHAT_ITEMS} chat prompts ({CHAT_PROMPT_TOKENS[0]}-"
         f"{CHAT_PROMPT_TOKENS[1]} tokens), {len(qs.questions)} FAQ questions, {100 * PARAPHRASE_SHARE:g}% of them "
         "reworded. Repeat fraction (the bound of the hit ratio): "
-        f"chat {_fmt(bounds['chat'].exact)} (exact rule), faq {_fmt(bounds['faq'].semantic)} by question "
-        f"({_fmt(bounds['faq'].exact)} by exact wording), the whole workload {_fmt(bounds['all'].exact)}.",
+        f"chat {percent(bounds['chat'].exact)} (exact rule), faq {percent(bounds['faq'].semantic)} by question "
+        f"({percent(bounds['faq'].exact)} by exact wording), the whole workload {percent(bounds['all'].exact)}.",
         f"FAQ wordings under the simulator's embedding: every pair of wordings of one question ≥ "
         f"{qs.paraphrase_min:.3f} cosine, every pair of different questions ≤ {qs.cross_max:.3f} "
         f"(the rule's min_similarity is {MIN_SIMILARITY:g}); {qs.dropped} rewordings dropped below "
@@ -1083,9 +1080,9 @@ def run(ctx: ScenarioContext) -> Outcome:
                           extra_series={arm.name: arm.series for arm in bench.arms})
     write_report(report, ctx.out_dir)
     speed = goals[0]["value"]
-    summary = (f"exact {_fmt(hits['chat']['hit_ratio'])} hits ({_fmt(hits['chat']['of_bound'])} of the "
-               f"{_fmt(hits['chat']['bound'])} bound), semantic {_fmt(hits['faq']['hit_ratio'])} "
-               f"({_fmt(hits['faq']['of_bound'])} of {_fmt(hits['faq']['bound'])}); hits "
-               + ("-" if speed is None else f"{speed:.0f}x") + " faster than misses (E2E p50); engines saved "
-               f"{_fmt(goals[-1]['value'], '', 1, 0)} requests")
+    summary = (f"exact {percent(hits['chat']['hit_ratio'])} hits ({percent(hits['chat']['of_bound'])} of the "
+               f"{percent(hits['chat']['bound'])} bound), semantic {percent(hits['faq']['hit_ratio'])} "
+               f"({percent(hits['faq']['of_bound'])} of {percent(hits['faq']['bound'])}); hits "
+               + fixed(speed, decimals=0, unit="x") + " faster than misses (E2E p50); engines saved "
+               f"{fixed(goals[-1]['value'], decimals=0)} requests")
     return Outcome("cache", "ok", summary, goals, tables[:2], "cache/report.md", notes=notes[:2])

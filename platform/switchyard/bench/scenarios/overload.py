@@ -54,6 +54,7 @@ from switchyard.bench.spec import Workload
 from switchyard.bench.stats import Slo, slo_attainment, summarize
 from switchyard.bench.synthetic import RequestTemplate
 from switchyard.bench.tables import goal, ms, num, pct, ratio, table, text
+from switchyard.figures import fixed, percent
 
 ARMS = ("flow-control-on", "flow-control-off")
 BASELINE = "flow-control-off"
@@ -438,7 +439,7 @@ def run(ctx: ScenarioContext) -> Outcome:
         goal(f"critical TTFT SLO attainment at {OVERLOAD:g}x capacity, flow control on",
              f"≥ {GOAL_CRITICAL * 100:g}%", critical, None if critical is None else critical >= GOAL_CRITICAL,
              unit="%", multiplier=100, decimals=1,
-             note=f"off (FCFS): {_pct(by[('critical', off)]['attainment'])}"),
+             note=f"off (FCFS): {percent(by[('critical', off)]['attainment'])}"),
         goal("goodput (requests meeting their SLO), flow control on ÷ off", "> 1x", good,
              None if good is None else good > 1.0, unit="x",
              note=f"{by[('all', on)]['goodput_rps']:.2f} vs {by[('all', off)]['goodput_rps']:.2f} requests/s"),
@@ -477,11 +478,7 @@ def run(ctx: ScenarioContext) -> Outcome:
                           notes=notes, extra_series={a.name: a.series for a in o.arms})
     write_report(report, ctx.out_dir)
     sheddable_shed = by[("sheddable", on)]["shed_rate"]
-    summary = (f"critical SLO attainment {_pct(critical)} with flow control vs "
-               f"{_pct(by[('critical', off)]['attainment'])} FCFS; goodput "
-               + (f"{good:.2f}x" if good is not None else "-") + f"; sheddable shed {_pct(sheddable_shed)}")
+    summary = (f"critical SLO attainment {percent(critical)} with flow control vs "
+               f"{percent(by[('critical', off)]['attainment'])} FCFS; goodput "
+               + fixed(good, decimals=2, unit="x") + f"; sheddable shed {percent(sheddable_shed)}")
     return Outcome("overload", "ok", summary, goals, tables[:2], "overload/report.md", notes=notes[:1])
-
-
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.1f}%"

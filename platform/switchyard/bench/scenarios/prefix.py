@@ -52,6 +52,7 @@ from switchyard.bench.spec import Labels, Workload
 from switchyard.bench.stats import summarize
 from switchyard.bench.tables import goal, ms, num, pct, ratio, table, text
 from switchyard.bench.traces import mooncake
+from switchyard.figures import percent
 
 ARMS = ("prefix-aware", "least-loaded", "round-robin")
 REPLICAS = 8
@@ -297,13 +298,10 @@ def run(ctx: ScenarioContext) -> Outcome:
                           workload=p.workload, parameters=parameters, seeds={"engines": ctx.options.seed},
                           baseline="prefix-aware", tables=tables, goals=goals, notes=notes, extra_series=extra)
     write_report(report, ctx.out_dir)
-    summary = ", ".join(f"{r['arm']} {_pct(r['hit_ratio'])} hits ({_pct(r['of_bound'])} of the bound)" for r in rows)
+    summary = ", ".join(f"{r['arm']} {percent(r['hit_ratio'])} hits ({percent(r['of_bound'])} of the bound)"
+                        for r in rows)
     return Outcome("prefix", "ok", summary, goals, tables, "prefix/report.md", notes=notes[:1])
 
 
 def _div(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
-
-
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.1f}%"
