@@ -21,7 +21,19 @@ from litestar.response import Template
 from switchyard.admin.api import endpoint_row
 from switchyard.admin.common import DASH, percent
 from switchyard.admin.login import logout
-from switchyard.admin.pages import audit, batches, cache, dryrun, policy, policy_replay, requests, tenants, usage
+from switchyard.admin.pages import (
+    audit,
+    batches,
+    cache,
+    dryrun,
+    policy,
+    policy_edit,
+    policy_replay,
+    requests,
+    tenant_forms,
+    tenants,
+    usage,
+)
 from switchyard.admin.session import CONSOLE_EXCEPTION_HANDLERS, console_guard, security_headers
 from switchyard.gateway.activity import CACHE_POOL, NO_POOL, sparkline_points
 from switchyard.gateway.runtime import GatewayRuntime
@@ -165,7 +177,8 @@ async def overview(request: HTMXRequest) -> Template:
     return Template(template_name="admin/overview.html.j2", context=context)
 
 
-PAGES = [overview, logout, *policy.ROUTES, *policy_replay.ROUTES, *tenants.ROUTES, *usage.ROUTES, *requests.ROUTES,
+PAGES = [overview, logout, *policy.ROUTES, *policy_edit.ROUTES, *policy_replay.ROUTES, *tenants.ROUTES,
+         *tenant_forms.ROUTES, *usage.ROUTES, *requests.ROUTES,
          *dryrun.ROUTES, *cache.ROUTES, *audit.ROUTES, *batches.ROUTES]
 
 admin_router = Router(path="/admin", route_handlers=PAGES, request_class=HTMXRequest, guards=[console_guard],

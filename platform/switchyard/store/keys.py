@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +107,19 @@ def list_keys(session: Session, tenant_name: str | None = None) -> list[ApiKeyPu
     if tenant_name is not None:
         query = query.where(Tenant.name == tenant_name)
     return [_public(k, t) for k, t in session.exec(query.order_by(col(ApiKey.id))).all()]
+
+
+def key_limit_overrides(session: Session, tenant_id: int) -> dict[int, Mapping[str, Any] | None]:
+    """Each key of tenant ``tenant_id`` by id, with its own limits override (``None``: none set)."""
+    rows = session.exec(select(ApiKey.id, ApiKey.limits).where(ApiKey.tenant_id == tenant_id)).all()
+    return {key_id: limits for key_id, limits in rows if key_id is not None}
+
+
+def tenant_of_key(session: Session, key_id: int) -> str | None:
+    """The name of the tenant key ``key_id`` belongs to, or ``None`` when there is no such key."""
+    name: str | None = session.exec(select(Tenant.name).join(ApiKey, col(ApiKey.tenant_id) == col(Tenant.id))
+                                    .where(ApiKey.id == key_id)).first()
+    return name
 
 
 def revoke_key(session: Session, key_id: int) -> ApiKeyPublic:

@@ -13,6 +13,7 @@ counters) can reach a later tenant.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy import delete, func
@@ -112,6 +113,11 @@ def list_tenants(session: Session) -> list[TenantPublic]:
     """Every tenant, by name."""
     rows = session.exec(select(Tenant).order_by(Tenant.name)).all()
     return [TenantPublic.model_validate(t) for t in rows]
+
+
+def limit_overrides(session: Session) -> dict[str, Mapping[str, Any] | None]:
+    """Every tenant by name, with its override of its tier's limits (``None``: none set)."""
+    return dict(session.exec(select(Tenant.name, Tenant.limits)).all())
 
 
 def delete_tenant(session: Session, name: str, *, actor: str, origin: str) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from litestar.plugins.htmx import HTMXRequest, HTMXTemplate
 from litestar.response import Template
 
 from switchyard.admin.common import DASH, in_db, percent, runtime_of
-from switchyard.admin.pages.policy import CANDIDATE, _text_of
+from switchyard.admin.pages.policy_edit import CANDIDATE, text_of
 from switchyard.decide.pick import Strategy
 from switchyard.decide.policy_tests import compile_checked
 from switchyard.policy import PolicyError, compile_policy
@@ -359,7 +359,7 @@ async def policy_replay(request: HTMXRequest) -> Template:
     settings = runtime.settings
     active = runtime.policy.snapshot  # read once: the whole comparison is against one version
     form = await request.form()
-    text = _text_of(form)
+    text = text_of(form)
     chosen = _window_of(form.get("replay_window"))
     if chosen is None:
         return _respond(request, text, {"message": "Choose one of the offered windows of the request log.",

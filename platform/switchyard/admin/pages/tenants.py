@@ -1,18 +1,13 @@
-"""Console page: tenants and their API keys.
+"""Console page: tenants, as read.
 
-``/admin/tenants`` lists tenants and creates them; ``/admin/tenants/{name}`` shows one: its tier,
-its effective limits (the tier's, replaced field by field by the tenant's override) with how much
-of each is in use, its keys, and the forms that change them. Every change goes through the store's
-functions and is written to the audit log in the same transaction. A new key's secret is in the
-one response that creates it, and nowhere else: not stored (only its hash), not logged, not in a URL.
-
-Roles: creating tenants and keys, revoking keys and changing a tier need ``admin``; limit
-overrides need ``operator``; reading needs ``viewer``.
+``/admin/tenants`` lists tenants (with the form that creates one); ``/admin/tenants/{name}`` shows
+one: its tier, its effective limits (the tier's, replaced field by field by the tenant's override)
+with how much of each is in use, its keys, and the forms that change them. The forms post to
+:mod:`switchyard.admin.pages.tenant_forms`, which answers with these pages. Reading needs ``viewer``.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
@@ -20,15 +15,14 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 import anyio
-from litestar import Response, get, post
-from litestar.datastructures import FormMultiDict
+from litestar import get
 from litestar.params import FromPath
 from litestar.plugins.htmx import HTMXRequest
-from litestar.response import Redirect, Template
-from sqlmodel import Session, col, select
+from litestar.response import Template
+from sqlmodel import Session
 
 from switchyard.admin.common import PageError, in_db, runtime_of
-from switchyard.admin.session import console_origin, current_user
+from switchyard.admin.session import current_user
 from switchyard.decide.admit import LIMIT_PERIODS, Estimate, LimitCharge, limit_charges
 from switchyard.gateway.errors import ApiError
 from switchyard.gateway.runtime import GatewayRuntime
@@ -36,20 +30,14 @@ from switchyard.policy.schema import Limits
 from switchyard.policy.snapshot import PolicySnapshot
 from switchyard.store import errors as store_errors
 from switchyard.store.admin_users import RANK
-from switchyard.store.audit import append_event
-from switchyard.store.keys import create_key, list_keys, revoke_key
+from switchyard.store.keys import key_limit_overrides, list_keys
 from switchyard.store.limits import BucketState, charges_of
-from switchyard.store.models import ApiKey, ApiKeyPublic, Tenant, TenantCreate, TenantPublic, UsageDailyPublic
-from switchyard.store.tenants import create_tenant, delete_tenant, get_tenant, list_tenants, set_tier
-from switchyard.store.usage import set_limits, usage
+from switchyard.store.models import ApiKeyPublic, TenantPublic, UsageDailyPublic
+from switchyard.store.tenants import get_tenant, limit_overrides, list_tenants
+from switchyard.store.usage import usage
 
 T = TypeVar("T")
 
-#: Names the console accepts for a new tenant (they appear in console URLs).
-TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-KEY_NAME_MAX = 128
-#: A form value that lifts a limit (stored as null: no limit, whatever the tier says).
-UNLIMITED = ("none", "unlimited")
 #: Seconds the page waits for the limit store's counters before showing the page without them.
 PEEK_TIMEOUT_S = 1.5
 #: Days of the ledger the tenant page reads (the spend_per_month bucket refills over 30 days).
@@ -59,9 +47,7 @@ LIMIT_FIELDS = tuple(LIMIT_PERIODS)
 _PERIOD_WORDS = {60.0: "minute", 86_400.0: "day", 30 * 86_400.0: "30 days"}
 
 
-
-
-async def _db(runtime: GatewayRuntime, work: Callable[[Session], T], *, keys: bool = False) -> T:
+async def page_db(runtime: GatewayRuntime, work: Callable[[Session], T], *, keys: bool = False) -> T:
     """``in_db`` with the store's refusals as :class:`PageError` (a duplicate is 409, a missing record 404);
     ``keys``: a change of what key lookups answer, done once every gateway process dropped it."""
     try:
@@ -71,11 +57,6 @@ async def _db(runtime: GatewayRuntime, work: Callable[[Session], T], *, keys: bo
             raise
         status = 409 if isinstance(exc.__context__, store_errors.Conflict) else exc.status_code
         raise PageError(exc.message, status) from None
-
-
-def _text(form: FormMultiDict, name: str) -> str:
-    value = form.get(name)
-    return value.strip() if isinstance(value, str) else ""
 
 
 def _num(value: float | None, unit: str = "tokens") -> str:
@@ -111,8 +92,7 @@ class _TenantData:
 def _read_tenant(session: Session, name: str) -> _TenantData:
     row = get_tenant(session, name)
     keys = list_keys(session, name)
-    key_limits = {kid: lim for kid, lim in session.exec(
-        select(ApiKey.id, ApiKey.limits).where(ApiKey.tenant_id == row.id)).all() if kid is not None}
+    key_limits = key_limit_overrides(session, row.id or 0)
     today = datetime.now(UTC).date()
     report = usage(session, tenant=name, since=today - timedelta(days=LEDGER_DAYS - 1))
     return _TenantData(TenantPublic.model_validate(row), row.limits, keys, key_limits, list(report.rows), today)
@@ -120,12 +100,12 @@ def _read_tenant(session: Session, name: str) -> _TenantData:
 
 def _read_list(session: Session) -> dict[str, Any]:
     tenants = list_tenants(session)
-    overrides = dict(session.exec(select(Tenant.name, Tenant.limits)).all())
+    overrides = limit_overrides(session)
     active: dict[str, int] = {}
     for key in list_keys(session):
         if key.revoked_at is None:
             active[key.tenant] = active.get(key.tenant, 0) + 1
-    rows = [{"tenant": t, "url": _tenant_url(t.name), "active_keys": active.get(t.name, 0),
+    rows = [{"tenant": t, "url": tenant_url(t.name), "active_keys": active.get(t.name, 0),
              "overrides": _shown_limits(overrides.get(t.name))} for t in tenants]
     return {"rows": rows}
 
@@ -197,7 +177,7 @@ def _drawn(charge: LimitCharge, live: _Live) -> dict[str, Any] | None:
 
 async def _tenant_context(request: HTMXRequest, name: str) -> dict[str, Any]:
     runtime = runtime_of(request)
-    data = await _db(runtime, lambda s: _read_tenant(s, name))
+    data = await page_db(runtime, lambda s: _read_tenant(s, name))
     snapshot = runtime.policy.snapshot
     tenant = data.tenant
     tier = snapshot.tiers.get(tenant.tier)
@@ -254,7 +234,7 @@ async def _tenant_context(request: HTMXRequest, name: str) -> dict[str, Any]:
              "tokens_today": key_tokens_today.get(k.id, 0)} for k in data.keys]
     return {
         "tenant": tenant,
-        "url": _tenant_url(tenant.name),
+        "url": tenant_url(tenant.name),
         "tier": tier,
         "tiers": list(snapshot.tiers),
         "regions": list(snapshot.document.regions),
@@ -276,65 +256,35 @@ async def _tenant_context(request: HTMXRequest, name: str) -> dict[str, Any]:
 
 async def _list_context(request: HTMXRequest) -> dict[str, Any]:
     runtime = runtime_of(request)
-    context = await _db(runtime, _read_list)
+    context = await page_db(runtime, _read_list)
     snapshot = runtime.policy.snapshot
     return context | {"tiers": list(snapshot.tiers), "regions": list(snapshot.document.regions),
                       "can_admin": _can(request, "admin"), "error": None, "values": {}}
 
 
-async def _list_page(request: HTMXRequest, *, error: str | None = None, status: int = 200,
-                     values: Mapping[str, str] | None = None) -> Template:
+async def show_tenants(request: HTMXRequest, *, error: str | None = None, status: int = 200,
+                       values: Mapping[str, str] | None = None) -> Template:
+    """The tenant list, with ``error`` (answered with ``status``) and the create form's ``values``."""
     context = await _list_context(request)
     context |= {"error": error, "values": dict(values or {})}
     return Template(template_name="admin/tenants.html.j2", context=context, status_code=status)
 
 
-async def _tenant_page(request: HTMXRequest, name: str, *, error: str | None = None, status: int = 200,
-                       new_key: Mapping[str, Any] | None = None, values: Mapping[str, str] | None = None) -> Template:
+async def show_tenant(request: HTMXRequest, name: str, *, error: str | None = None, status: int = 200,
+                      new_key: Mapping[str, Any] | None = None, values: Mapping[str, str] | None = None) -> Template:
+    """One tenant's page (the list with the error when there is no such tenant), with ``error``
+    (answered with ``status``), a key just created (its secret shown this once) and the forms' ``values``."""
     try:
         context = await _tenant_context(request, name)
     except PageError as exc:  # no such tenant
-        return await _list_page(request, error=exc.message, status=exc.status)
+        return await show_tenants(request, error=exc.message, status=exc.status)
     context |= {"error": error, "new_key": new_key, "values": dict(values or {})}
     return Template(template_name="admin/tenant.html.j2", context=context, status_code=status)
 
 
-def _tenant_url(name: str) -> str:
+def tenant_url(name: str) -> str:
+    """The console URL of tenant ``name``."""
     return f"/admin/tenants/{quote(name, safe='')}"
-
-
-# --- checks --------------------------------------------------------------------------------------
-
-def _check_tier(snapshot: PolicySnapshot, tier: str) -> str:
-    """The CLI's check: a tier must be one of the active policy's."""
-    if not tier:
-        raise PageError("choose a tier")
-    if tier not in snapshot.tiers:
-        raise PageError(f"unknown tier {tier!r}; the policy ({snapshot.label}) has: {', '.join(snapshot.tiers)}")
-    return tier
-
-
-def _check_region(snapshot: PolicySnapshot, region: str) -> str | None:
-    if not region:
-        return None
-    if region not in snapshot.document.regions:
-        raise PageError(f"unknown region {region!r}; the policy ({snapshot.label}) has: "
-                        f"{', '.join(snapshot.document.regions)}")
-    return region
-
-
-def _limits_of(form: FormMultiDict) -> dict[str, Any] | None:
-    """The override a limits form asks for: a field left empty is not overridden, ``none`` lifts the
-    limit, anything else is the limit's value (the store validates it); ``None`` clears the override."""
-    if _text(form, "clear"):
-        return None
-    limits: dict[str, Any] = {}
-    for name in LIMIT_FIELDS:
-        value = _text(form, name)
-        if not value:
-            continue
-        limits[name] = None if value.lower() in UNLIMITED else value.replace(",", "").replace("_", "")
-    return limits or None
 
 
 # --- handlers ------------------------------------------------------------------------------------
@@ -342,163 +292,13 @@ def _limits_of(form: FormMultiDict) -> dict[str, Any] | None:
 @get("/tenants", name="admin:tenants", include_in_schema=False)
 async def tenants_page(request: HTMXRequest) -> Template:
     """Every tenant, and the form that creates one."""
-    return await _list_page(request)
-
-
-@post("/tenants", opt={"role": "admin"}, include_in_schema=False)
-async def tenants_create(request: HTMXRequest) -> Response[Any]:
-    """Create a tenant in a tier of the active policy (audited as ``tenant.create``)."""
-    form = await request.form()
-    values = {"name": _text(form, "name"), "tier": _text(form, "tier"), "region": _text(form, "region")}
-    snapshot = runtime_of(request).policy.snapshot
-    actor, origin = console_origin(request)
-    try:
-        name = values["name"]
-        if TENANT_NAME.fullmatch(name) is None:
-            raise PageError(f"invalid tenant name {name!r}: 1 to 64 letters, digits, '.', '_' or '-', "
-                            "starting with a letter or digit")
-        tier = _check_tier(snapshot, values["tier"])
-        region = _check_region(snapshot, values["region"])
-
-        def create(session: Session) -> TenantPublic:
-            tenant = create_tenant(session, TenantCreate(name=name, tier=tier, region=region))
-            append_event(session, actor=actor, origin=origin, action="tenant.create", target=f"tenant:{name}",
-                         detail={"tier": tier, "region": region})
-            return tenant
-
-        await _db(runtime_of(request), create)
-    except PageError as exc:
-        return await _list_page(request, error=exc.message, status=exc.status, values=values)
-    return Redirect(path=_tenant_url(name), status_code=303)
+    return await show_tenants(request)
 
 
 @get("/tenants/{name:str}", name="admin:tenant", include_in_schema=False)
 async def tenant_page(request: HTMXRequest, name: FromPath[str]) -> Template:
     """One tenant: tier, effective limits and their use, keys, and the forms that change them."""
-    return await _tenant_page(request, name, status=200)
+    return await show_tenant(request, name, status=200)
 
 
-@post("/tenants/{name:str}/tier", opt={"role": "admin"}, include_in_schema=False)
-async def tenant_tier(request: HTMXRequest, name: FromPath[str]) -> Response[Any]:
-    """Move a tenant to another tier of the active policy (audited as ``tenant.tier``)."""
-    form = await request.form()
-    actor, origin = console_origin(request)
-    try:
-        tier = _check_tier(runtime_of(request).policy.snapshot, _text(form, "tier"))
-
-        def move(session: Session) -> None:
-            previous = get_tenant(session, name).tier
-            set_tier(session, name, tier)
-            append_event(session, actor=actor, origin=origin, action="tenant.tier", target=f"tenant:{name}",
-                         detail={"tier": tier, "previous": previous})
-
-        await _db(runtime_of(request), move, keys=True)
-    except PageError as exc:
-        return await _tenant_page(request, name, error=exc.message, status=exc.status)
-    return Redirect(path=_tenant_url(name), status_code=303)
-
-
-@post("/tenants/{name:str}/delete", opt={"role": "admin"}, include_in_schema=False)
-async def tenant_delete(request: HTMXRequest, name: FromPath[str]) -> Response[Any]:
-    """Delete a tenant with its keys, files, batches, usage and request log (audited as ``tenant.delete``);
-    its keys stop working at the next request on every gateway process. The form repeats the name."""
-    form = await request.form()
-    actor, origin = console_origin(request)
-    try:
-        if _text(form, "confirm") != name:
-            raise PageError(f"type the tenant's name ({name}) to confirm its deletion")
-        await _db(runtime_of(request), lambda s: delete_tenant(s, name, actor=actor, origin=origin), keys=True)
-    except PageError as exc:
-        return await _tenant_page(request, name, error=exc.message, status=exc.status)
-    return Redirect(path="/admin/tenants", status_code=303)
-
-
-@post("/tenants/{name:str}/limits", opt={"role": "operator"}, include_in_schema=False)
-async def tenant_limits(request: HTMXRequest, name: FromPath[str]) -> Response[Any]:
-    """Set or clear a tenant's override of its tier's limits (``store.usage.set_limits`` audits it)."""
-    form = await request.form()
-    actor, origin = console_origin(request)
-    try:
-        limits = _limits_of(form)
-        await _db(runtime_of(request), lambda s: set_limits(s, tenant=name, limits=limits, actor=actor, origin=origin))
-    except PageError as exc:
-        values = {f: _text(form, f) for f in LIMIT_FIELDS}
-        return await _tenant_page(request, name, error=exc.message, status=exc.status, values=values)
-    return Redirect(path=_tenant_url(name), status_code=303)
-
-
-@post("/tenants/{name:str}/keys", opt={"role": "admin"}, include_in_schema=False)
-async def tenant_key_create(request: HTMXRequest, name: FromPath[str]) -> Response[Any]:
-    """Create a key; the answer is the tenant page with the secret, the only time it is shown."""
-    form = await request.form()
-    actor, origin = console_origin(request)
-    try:
-        label = _text(form, "name") or None
-        if label is not None and len(label) > KEY_NAME_MAX:
-            raise PageError(f"a key's name has at most {KEY_NAME_MAX} characters")
-        region = _check_region(runtime_of(request).policy.snapshot, _text(form, "region"))
-
-        def create(session: Session) -> tuple[str, ApiKeyPublic]:
-            secret, record = create_key(session, name, label, region)
-            append_event(session, actor=actor, origin=origin, action="key.create", target=f"key:{record.id}",
-                         detail={"tenant": name, "prefix": record.prefix, "name": label, "region": region})
-            return secret, record
-
-        secret, record = await _db(runtime_of(request), create)
-    except PageError as exc:
-        return await _tenant_page(request, name, error=exc.message, status=exc.status)
-    return await _tenant_page(request, name, status=201,
-                              new_key={"secret": secret, "id": record.id, "prefix": record.prefix,
-                                       "name": record.name})
-
-
-async def _key_tenant(request: HTMXRequest, key_id: int) -> str | None:
-    def find(session: Session) -> str | None:
-        return session.exec(select(Tenant.name).join(ApiKey, col(ApiKey.tenant_id) == col(Tenant.id))
-                            .where(ApiKey.id == key_id)).first()
-
-    return await _db(runtime_of(request), find)
-
-
-async def _key_error(request: HTMXRequest, key_id: int, exc: PageError) -> Template:
-    tenant = await _key_tenant(request, key_id)
-    if tenant is None:
-        return await _list_page(request, error=exc.message, status=exc.status)
-    return await _tenant_page(request, tenant, error=exc.message, status=exc.status)
-
-
-@post("/keys/{key_id:int}/revoke", opt={"role": "admin"}, include_in_schema=False)
-async def key_revoke(request: HTMXRequest, key_id: FromPath[int]) -> Response[Any]:
-    """Revoke a key for good (audited as ``key.revoke``)."""
-    actor, origin = console_origin(request)
-
-    def revoke(session: Session) -> ApiKeyPublic:
-        record = revoke_key(session, key_id)
-        append_event(session, actor=actor, origin=origin, action="key.revoke", target=f"key:{key_id}",
-                     detail={"tenant": record.tenant, "prefix": record.prefix})
-        return record
-
-    try:
-        record = await _db(runtime_of(request), revoke, keys=True)
-    except PageError as exc:
-        return await _key_error(request, key_id, exc)
-    return Redirect(path=_tenant_url(record.tenant), status_code=303)
-
-
-@post("/keys/{key_id:int}/limits", opt={"role": "operator"}, include_in_schema=False)
-async def key_limits(request: HTMXRequest, key_id: FromPath[int]) -> Response[Any]:
-    """Set or clear a key's own limits, charged on top of its tenant's (audited by the store)."""
-    form = await request.form()
-    actor, origin = console_origin(request)
-    try:
-        limits = _limits_of(form)
-        await _db(runtime_of(request), lambda s: set_limits(s, key_id=key_id, limits=limits, actor=actor,
-                                                          origin=origin))
-        tenant = await _key_tenant(request, key_id)
-    except PageError as exc:
-        return await _key_error(request, key_id, exc)
-    return Redirect(path=_tenant_url(tenant or ""), status_code=303)
-
-
-ROUTES: list[Any] = [tenants_page, tenants_create, tenant_page, tenant_tier, tenant_delete, tenant_limits,
-                     tenant_key_create, key_revoke, key_limits]
+ROUTES: list[Any] = [tenants_page, tenant_page]
