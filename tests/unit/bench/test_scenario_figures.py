@@ -14,7 +14,11 @@ from switchyard.bench.prompts import LiteralText, SynthText, block_key
 from switchyard.bench.results import Result
 from switchyard.bench.sampler import bucket_quantile, histogram_buckets
 from switchyard.bench.scenarios import SCENARIOS
-from switchyard.bench.scenarios import cache as cache_scenario
+from switchyard.bench.scenarios.cache import analysis as cache_analysis
+from switchyard.bench.scenarios.cache import counters as cache_counters
+from switchyard.bench.scenarios.cache import questions as cache_questions
+from switchyard.bench.scenarios.cache import report as cache_report
+from switchyard.bench.scenarios.cache import workload as cache_workload
 from switchyard.bench.scenarios.failover import (
     Counters,
     Outage,
@@ -201,41 +205,41 @@ def test_overhead_latency_is_from_send_and_the_warmup_is_cut_off() -> None:
 
 
 def test_every_wording_of_a_faq_question_is_a_semantic_match_and_no_two_questions_are() -> None:
-    qs = cache_scenario.faq_questions(30, seed=5)
-    assert qs == cache_scenario.faq_questions(30, seed=5)  # the same for a seed
+    qs = cache_questions.faq_questions(30, seed=5)
+    assert qs == cache_questions.faq_questions(30, seed=5)  # the same for a seed
     assert len(qs.questions) == 30 and len({q.wordings[0] for q in qs.questions}) == 30
     vectors = [[embed_text(w) for w in q.wordings] for q in qs.questions]
-    within = min(cache_scenario.cosine(a, b) for vs in vectors for a in vs for b in vs)
-    across = max(cache_scenario.cosine(a, b) for i, vs in enumerate(vectors) for other in vectors[i + 1:]
+    within = min(cache_questions.cosine(a, b) for vs in vectors for a in vs for b in vs)
+    across = max(cache_questions.cosine(a, b) for i, vs in enumerate(vectors) for other in vectors[i + 1:]
                  for a in vs for b in other)
-    assert within >= cache_scenario.PARAPHRASE_FLOOR > cache_scenario.MIN_SIMILARITY
-    assert across < cache_scenario.CROSS_LIMIT < cache_scenario.MIN_SIMILARITY
+    assert within >= cache_questions.PARAPHRASE_FLOOR > cache_questions.MIN_SIMILARITY
+    assert across < cache_questions.CROSS_LIMIT < cache_questions.MIN_SIMILARITY
     assert qs.paraphrase_min == pytest.approx(within) and qs.cross_max == pytest.approx(across)
     for q in qs.questions:
-        assert q.wordings[0] == cache_scenario.rewordings(q.wordings[0])[0] and len(q.wordings) >= 3
-        assert set(q.wordings) <= set(cache_scenario.rewordings(q.wordings[0]))
+        assert q.wordings[0] == cache_questions.rewordings(q.wordings[0])[0] and len(q.wordings) >= 3
+        assert set(q.wordings) <= set(cache_questions.rewordings(q.wordings[0]))
     assert sum(5 - len(q.wordings) for q in qs.questions) == qs.dropped
 
 
 def test_rewordings_change_case_punctuation_and_politeness_only() -> None:
-    assert cache_scenario.rewordings("How do I reset the password on my router?") == [
+    assert cache_questions.rewordings("How do I reset the password on my router?") == [
         "How do I reset the password on my router?", "how do i reset the password on my router",
         "Please, how do I reset the password on my router?", "How do I reset the password on my router? Thanks!",
         "Could you tell me: how do I reset the password on my router?"]
 
 
 def test_zipf_weights_fall_with_rank() -> None:
-    w = cache_scenario.zipf_weights(4, 1.0)
+    w = cache_workload.zipf_weights(4, 1.0)
     assert w.sum() == pytest.approx(1.0)
     assert w.tolist() == pytest.approx([1 / x / (1 + 1 / 2 + 1 / 3 + 1 / 4) for x in (1, 2, 3, 4)])
     with pytest.raises(ValueError, match="at least one item"):
-        cache_scenario.zipf_weights(0)
+        cache_workload.zipf_weights(0)
 
 
 def test_the_cache_workload_repeats_prompts_and_questions_with_fixed_parameters() -> None:
-    qs = cache_scenario.faq_questions(10, seed=1)
-    plan = cache_scenario.build_workload(rate_per_s=40.0, duration_s=10.0, seed=1, questions=qs)
-    other = cache_scenario.build_workload(rate_per_s=40.0, duration_s=10.0, seed=1, questions=qs, salt="b")
+    qs = cache_questions.faq_questions(10, seed=1)
+    plan = cache_workload.build_workload(rate_per_s=40.0, duration_s=10.0, seed=1, questions=qs)
+    other = cache_workload.build_workload(rate_per_s=40.0, duration_s=10.0, seed=1, questions=qs, salt="b")
     specs, items = plan.workload.specs, plan.items
     assert len(specs) == len(items) > 300 and other.items == items
     bodies: dict[str, set[str]] = {}
@@ -244,7 +248,7 @@ def test_the_cache_workload_repeats_prompts_and_questions_with_fixed_parameters(
         assert (twin.arrival_s, twin.max_tokens, twin.stream, twin.prompt_tokens) == \
             (spec.arrival_s, spec.max_tokens, spec.stream, spec.prompt_tokens)
         assert (twin.prompt.text() == spec.prompt.text()) == (item.family == "faq")  # the salt changes chat texts
-        assert body["temperature"] == (0 if item.cacheable else cache_scenario.SAMPLED_TEMPERATURE)
+        assert body["temperature"] == (0 if item.cacheable else cache_workload.SAMPLED_TEMPERATURE)
         assert body["model"] == {"chat": "chat", "faq": "faq", "sampled": "chat"}[item.family]
         if item.cacheable:  # a repeat is the very same request but for streaming
             body.pop("stream", None)
@@ -262,8 +266,8 @@ def test_the_cache_workload_repeats_prompts_and_questions_with_fixed_parameters(
     assert 0.3 < sum(i.paraphrase for i in faq) / len(faq) < 0.7
 
 
-def _item(family: str, key: str, group: str | None = None) -> cache_scenario.Item:
-    return cache_scenario.Item(family, key, group or key, family != "sampled",  # type: ignore[arg-type]
+def _item(family: str, key: str, group: str | None = None) -> cache_workload.Item:
+    return cache_workload.Item(family, key, group or key, family != "sampled",  # type: ignore[arg-type]
                                paraphrase=family == "faq" and not key.endswith(":0"))
 
 
@@ -273,13 +277,13 @@ ITEMS = (_item("chat", "chat:1"), _item("faq", "faq:1:0", "faq:1"), _item("chat"
 
 
 def test_repeat_bounds_count_earlier_keys_and_questions() -> None:
-    b = cache_scenario.repeat_bounds(ITEMS)
+    b = cache_workload.repeat_bounds(ITEMS)
     assert (b["chat"].requests, b["chat"].repeats) == (4, 2) and b["chat"].exact == 0.5
     assert (b["faq"].requests, b["faq"].repeats, b["faq"].group_repeats) == (3, 1, 2)
     assert b["faq"].semantic == pytest.approx(2 / 3) and b["faq"].exact == pytest.approx(1 / 3)
     assert b["sampled"].repeats == 0 and b["sampled"].requests == 1
     assert (b["all"].requests, b["all"].repeats) == (8, 4)
-    assert cache_scenario.repeat_bounds([])["all"].exact is None
+    assert cache_workload.repeat_bounds([])["all"].exact is None
 
 
 def _cached(i: int, sent: float, e2e: float, *, ttft: float | None = None, stream: bool = True,
@@ -297,27 +301,27 @@ HEADERS = (MISS_EXACT, "miss; rule=faq; mode=semantic", HIT_EXACT, "hit; rule=fa
            None, MISS_EXACT, "hit; rule=faq; mode=semantic; similarity=1.000", MISS_EXACT)
 
 
-def _arms() -> tuple[cache_scenario.ArmRun, cache_scenario.ArmRun]:
-    qs = cache_scenario.QuestionSet((), 1.0, 0.0, 0)
-    plan = cache_scenario.CacheWorkload(Workload((), 10.0, {"source": "test"}), ITEMS, qs)
-    cache = cache_scenario.ArmRun("cache", plan)
+def _arms() -> tuple[cache_counters.ArmRun, cache_counters.ArmRun]:
+    qs = cache_questions.QuestionSet((), 1.0, 0.0, 0)
+    plan = cache_workload.CacheWorkload(Workload((), 10.0, {"source": "test"}), ITEMS, qs)
+    cache = cache_counters.ArmRun("cache", plan)
     # request 7 repeats chat:1 while request 0's answer is still being generated: a miss, and not reachable.
     cache.results = [_cached(0, 0.0, 8.0, ttft=0.03), _cached(1, 1.0, 0.5, stream=False),
                      _cached(2, 9.0, 0.002, ttft=0.001), _cached(3, 2.0, 0.02, ttft=0.015),
                      _cached(4, 3.0, 0.4, ttft=0.03), _cached(5, 4.0, 0.3, ttft=0.02, stream=False),
                      _cached(6, 5.0, 0.03, stream=False), _cached(7, 6.0, 0.6, ttft=0.04)]
-    cache.seen = [cache_scenario.parse_cache_header(h) for h in HEADERS]
-    base = cache_scenario.ArmRun(cache_scenario.BASELINE, plan)
+    cache.seen = [cache_counters.parse_cache_header(h) for h in HEADERS]
+    base = cache_counters.ArmRun(cache_counters.BASELINE, plan)
     base.results = [_cached(r.index, r.scheduled_s, 0.5, ttft=0.04, stream=r.stream, arm="no-cache")
                     for r in cache.results]
-    base.seen = [cache_scenario.Seen() for _ in ITEMS]
-    cache.before = cache_scenario.read_counters(CACHE_METRICS.format(hit=0, miss=0, faq_hit=0, faq_miss=0,
+    base.seen = [cache_counters.Seen() for _ in ITEMS]
+    cache.before = cache_counters.read_counters(CACHE_METRICS.format(hit=0, miss=0, faq_hit=0, faq_miss=0,
                                                                      stored=0), [ENGINE.format(length=5, abort=0,
                                                                                                running=0)])
-    cache.after = cache_scenario.read_counters(CACHE_METRICS.format(hit=1, miss=3, faq_hit=2, faq_miss=1, stored=4),
+    cache.after = cache_counters.read_counters(CACHE_METRICS.format(hit=1, miss=3, faq_hit=2, faq_miss=1, stored=4),
                                                [ENGINE.format(length=10, abort=0, running=1)])
-    base.before = cache_scenario.read_counters(None, [ENGINE.format(length=10, abort=0, running=0)])
-    base.after = cache_scenario.read_counters(None, [ENGINE.format(length=18, abort=0, running=0)])
+    base.before = cache_counters.read_counters(None, [ENGINE.format(length=10, abort=0, running=0)])
+    base.after = cache_counters.read_counters(None, [ENGINE.format(length=18, abort=0, running=0)])
     return cache, base
 
 
@@ -339,11 +343,11 @@ switchyard_cache_bytes 3000.0
 
 
 def test_cache_headers_are_parsed() -> None:
-    seen = cache_scenario.parse_cache_header("hit; rule=faq; mode=semantic; similarity=0.930")
-    assert seen == cache_scenario.Seen("hit", "faq", "semantic", 0.93) and seen.hit
-    assert cache_scenario.parse_cache_header("bypass; rule=exact; mode=exact; store=no").result == "bypass"
-    assert cache_scenario.parse_cache_header(None) == cache_scenario.Seen("none") and not cache_scenario.Seen().hit
-    assert cache_scenario.parse_cache_header("hit; rule=faq; similarity=x").similarity is None
+    seen = cache_counters.parse_cache_header("hit; rule=faq; mode=semantic; similarity=0.930")
+    assert seen == cache_counters.Seen("hit", "faq", "semantic", 0.93) and seen.hit
+    assert cache_counters.parse_cache_header("bypass; rule=exact; mode=exact; store=no").result == "bypass"
+    assert cache_counters.parse_cache_header(None) == cache_counters.Seen("none") and not cache_counters.Seen().hit
+    assert cache_counters.parse_cache_header("hit; rule=faq; similarity=x").similarity is None
 
 
 def test_cache_counters_are_read_from_the_gateway_and_the_engines() -> None:
@@ -351,26 +355,26 @@ def test_cache_counters_are_read_from_the_gateway_and_the_engines() -> None:
     assert cache.lookups == {("exact", "exact", "hit"): 1, ("exact", "exact", "miss"): 3,
                              ("faq", "semantic", "hit"): 2, ("faq", "semantic", "miss"): 1}
     assert cache.stores == {("exact", "exact", "stored"): 4}  # the incomplete one did not grow
-    assert cache_scenario.count(cache.lookups, rule="faq") == 3
-    assert cache_scenario.count(cache.lookups, result="hit") == 3
+    assert cache_counters.count(cache.lookups, rule="faq") == 3
+    assert cache_counters.count(cache.lookups, result="hit") == 3
     assert (cache.after.entries, cache.after.bytes) == (3.0, 3000.0)
     assert cache.engine_requests == 5 and base.engine_requests == 8
     assert base.after.entries is None and base.lookups == {}
-    assert cache_scenario.read_counters("x 1\n", [None]).engine_finished is None
+    assert cache_counters.read_counters("x 1\n", [None]).engine_finished is None
 
 
 def test_reachable_repeats_need_an_answer_completed_before_they_were_sent() -> None:
     cache, _ = _arms()
-    by_key = cache_scenario.reachable(cache.results, ITEMS, by="key")
+    by_key = cache_workload.reachable(cache.results, ITEMS, by="key")
     # chat:1 first completes at 8.0: request 2 (sent at 9.0) could hit, request 7 (6.0) could not.
     assert by_key == [False, False, True, False, False, False, True, False]
-    by_group = cache_scenario.reachable(cache.results, ITEMS, by="group")
+    by_group = cache_workload.reachable(cache.results, ITEMS, by="group")
     assert by_group[3] and by_group[6] and not by_group[1]
 
 
 def test_cache_hit_rows_against_the_bounds_and_the_counters() -> None:
     cache, _ = _arms()
-    rows = {r["family"]: r for r in cache_scenario.hit_rows(cache)}
+    rows = {r["family"]: r for r in cache_analysis.hit_rows(cache)}
     chat, faq, sampled, everything = rows["chat"], rows["faq"], rows["sampled"], rows["all"]
     assert (chat["requests"], chat["hits"], chat["misses"]) == (4, 1, 3)
     assert chat["hit_ratio"] == 0.25 and chat["bound"] == 0.5 and chat["of_bound"] == 0.5
@@ -387,19 +391,19 @@ def test_cache_hit_rows_against_the_bounds_and_the_counters() -> None:
 
 def test_cache_latency_compares_hits_with_misses_and_the_same_requests_without_the_cache() -> None:
     cache, base = _arms()
-    groups = cache_scenario.latency_groups(cache, base)
+    groups = cache_analysis.latency_groups(cache, base)
     assert [r.index for r in groups["hits (exact)"][1]] == [2]
     assert [r.index for r in groups["hits (semantic)"][1]] == [3, 6]
     assert [r.index for r in groups["misses"][1]] == [0, 1, 5, 7]  # the sampled request is not cacheable
     assert groups["the same requests as the hits"][0] == "no-cache"
     assert [r.index for r in groups["the same requests as the hits"][1]] == [2, 3, 6]
-    rows = {(r["requests"], r["stream"]): r for r in cache_scenario.latency_rows(cache, base)}
+    rows = {(r["requests"], r["stream"]): r for r in cache_analysis.latency_rows(cache, base)}
     hits = rows[("hits (all)", "all")]
     assert hits["n"] == 3 and hits["e2e_p50_s"] == pytest.approx(0.02)
     assert rows[("hits (all)", "streamed")]["ttft_p50_s"] == pytest.approx(0.008)
     assert rows[("misses", "whole")]["n"] == 2 and rows[("misses", "all")]["e2e_p50_s"] == pytest.approx(0.55)
-    speed = {(r["stream"], r["against"]): r for r in cache_scenario.speedup_rows(list(rows.values()))}
-    misses = {(r["rule"], r["stream"]): r for r in cache_scenario.miss_cost_rows(cache, base)}
+    speed = {(r["stream"], r["against"]): r for r in cache_analysis.speedup_rows(list(rows.values()))}
+    misses = {(r["rule"], r["stream"]): r for r in cache_analysis.miss_cost_rows(cache, base)}
     assert misses[("exact", "streamed")]["n"] == 2 and misses[("exact", "whole")]["n"] == 1
     assert misses[("exact", "streamed")]["ttft_p50_s"] == pytest.approx(0.035)
     assert misses[("exact", "streamed")]["added_ttft_p50_s"] == pytest.approx(0.035 - 0.04)
@@ -412,12 +416,12 @@ def test_cache_latency_compares_hits_with_misses_and_the_same_requests_without_t
 
 def test_cache_engine_requests_saved_and_the_goals() -> None:
     cache, base = _arms()
-    rows = cache_scenario.engine_rows(cache, base)
+    rows = cache_analysis.engine_rows(cache, base)
     ours, theirs = rows
     assert ours["arm"] == "cache" and ours["engine_requests"] == 5 and ours["saved"] == 3 and ours["hits"] == 3
     assert ours["distinct"] == 3  # chat:1 (missed twice: the second while the first was in flight), faq:1:0, chat:2
     assert theirs["saved"] == 0 and theirs["entries"] is None and theirs["per_request"] == 1.0
-    goals = {g["goal"]: g for g in cache_scenario.goals_of(cache_scenario.analyse(cache, base))}
+    goals = {g["goal"]: g for g in cache_report.goals_of(cache_analysis.analyse(cache, base))}
     speed = goals["hits vs misses, end-to-end p50"]
     assert speed["value"] == pytest.approx(0.55 / 0.02) and speed["met"]
     assert goals["exact hit ratio of its repeat bound"]["value"] == 0.5
@@ -428,12 +432,12 @@ def test_cache_engine_requests_saved_and_the_goals() -> None:
 
 
 def test_trace_repeats_count_whole_hash_id_lists_seen_before(tmp_path: Path) -> None:
-    assert cache_scenario.trace_repeats(DATA / "mooncake_small.jsonl") == (4, 0)
+    assert cache_workload.trace_repeats(DATA / "mooncake_small.jsonl") == (4, 0)
     trace = tmp_path / "t.jsonl"
     trace.write_text("\n".join(json.dumps({"hash_ids": ids}) for ids in ([1, 2], [1, 2, 3], [1, 2], [4], [1, 2]))
                      + "\n")
-    assert cache_scenario.trace_repeats(trace) == (5, 2)
-    assert cache_scenario.public_repeats(trace)[0] == "t.jsonl: 2 of 5 rows (40.0%)"
+    assert cache_workload.trace_repeats(trace) == (5, 2)
+    assert cache_workload.public_repeats(trace)[0] == "t.jsonl: 2 of 5 rows (40.0%)"
 
 
 def test_the_batch_scenario_names_the_policys_default_batch_ceiling_and_reserve() -> None:

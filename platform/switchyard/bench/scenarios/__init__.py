@@ -26,8 +26,9 @@ Must not touch: the gateway's or the simulator's internals. Scenarios start real
 
 from __future__ import annotations
 
-from switchyard.bench.scenarios import auto, batch, cache, failover, overhead, overload, prefix, reload, soak
+from switchyard.bench.scenarios import auto, batch, failover, overhead, overload, prefix, reload, soak
 from switchyard.bench.scenarios.base import BenchOptions, Outcome, Scenario, ScenarioContext
+from switchyard.bench.scenarios.cache import scenario as cache_scenario
 
 SCENARIOS: dict[str, Scenario] = {
     s.name: s for s in (
@@ -39,7 +40,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("failover", "resilience (chaos): a region's engines down, then hung, under load; success, "
                  "detection, recovery, no retry storm", failover.run),
         Scenario("cache", "response caches: hit ratio against the repeat bound and hit latency p50/p99 on a "
-                 "workload with repeats and paraphrases, vs the same gateway without the cache", cache.run),
+                 "workload with repeats and paraphrases, vs the same gateway without the cache", cache_scenario.run),
         Scenario("batch", "the Batch API filling idle capacity without hurting interactive traffic: the batch "
                  "lane's share of the idle capacity, interactive TTFT with and without a batch", batch.run),
         Scenario("reload", "policy lifecycle: publishes and rollbacks under load on two replicas", reload.run),
