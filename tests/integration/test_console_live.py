@@ -18,7 +18,7 @@ import openai
 import pytest
 from litestar.testing import TestClient
 
-from switchyard.admin.console import DASH
+from switchyard.figures import DASH
 from switchyard.gateway.activity import Activity
 from tests.integration.conftest import Gateway, client, console_login, eventually
 

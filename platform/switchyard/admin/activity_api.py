@@ -1,5 +1,6 @@
-"""The admin JSON API of recent activity (:mod:`switchyard.gateway.activity`): ``/admin/api/activity``,
-``/admin/api/requests`` and ``/admin/api/requests/{request_id}``.
+"""The admin JSON API of recent activity (:mod:`switchyard.gateway.activity`, as
+:mod:`switchyard.admin.overview` shows it): ``/admin/api/activity``, ``/admin/api/requests`` and
+``/admin/api/requests/{request_id}``.
 
 What they show is this gateway process's memory: the last minutes of its own traffic (each replica
 answers for itself), for the console's Overview and Requests pages.
@@ -13,6 +14,7 @@ from litestar import Request, get
 from litestar.params import FromPath, FromQuery, QueryParameter
 
 from switchyard.admin import openapi_docs as docs
+from switchyard.admin import overview
 from switchyard.admin.common import runtime_of
 from switchyard.admin.policy_api import Limit
 from switchyard.gateway.activity import HORIZON_S
@@ -26,7 +28,7 @@ Window = Annotated[float, QueryParameter(gt=0, le=HORIZON_S, description="Second
 async def activity(request: Request[Any, Any, Any], window: Window = 300) -> dict[str, Any]:
     """This process's traffic over the last ``window`` seconds, per pool and in total: requests/s, TTFT p50 and
     p99 (ms), error, shed, limited, fallback and cache hit rates, and sparkline series (10-second points)."""
-    return runtime_of(request).activity.summary(window)
+    return overview.summary(runtime_of(request).activity, window)
 
 
 @get("/requests", operation_id="adminRequests",
@@ -41,8 +43,8 @@ async def recent_requests(request: Request[Any, Any, Any], tenant: FromQuery[str
     ``limited``, ``refused``, ``client_closed``).
     """
     try:
-        records = runtime_of(request).activity.recent(tenant=tenant or None, model=model or None,
-                                                      status=status or None, limit=limit)
+        records = overview.recent_requests(runtime_of(request).activity, tenant=tenant or None,
+                                           model=model or None, status=status or None, limit=limit)
     except ValueError as exc:
         raise BadRequest(str(exc), param="status") from None
     return {"requests": [r.as_dict() for r in records]}

@@ -76,13 +76,3 @@ async def json_body(request: Request[Any, Any, Any], kind: type[B]) -> B:
         return msgspec.json.decode(await request.body(), type=kind)
     except msgspec.DecodeError as exc:  # malformed JSON, or the wrong fields (ValidationError)
         raise BadRequest(f"invalid request body: {exc}") from None
-
-
-# --- figures as the console shows them ---------------------------------------------------------------
-
-DASH = "\u2013"  # an en dash: no value
-
-
-def percent(value: float | None) -> str:
-    """A fraction as a percentage."""
-    return DASH if value is None else f"{value * 100:.1f}%"

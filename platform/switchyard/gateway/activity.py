@@ -1,4 +1,5 @@
-"""What this gateway process did over the last minutes, in memory: for the console's Overview and Requests.
+"""What this gateway process did over the last minutes, in memory: the records and the time series behind the
+console's Overview and Requests pages.
 
 Two bounded structures, both written on the request path (a deque append and a few integer
 increments per finished request; one event loop, so no locks):
@@ -22,6 +23,9 @@ Outcomes: ``ok`` (2xx), ``shed`` (503 from flow control), ``limited`` (429: a li
 
 A record never holds the ``Authorization`` header, an API key, or prompt or answer text: only
 ids, names, numbers and the decision trace's sentences.
+
+What people are shown of them (the summary's rows and rates, sparklines, status filters) is
+:mod:`switchyard.admin.overview`'s: this module keeps the counts and hands them out.
 """
 
 from __future__ import annotations
@@ -33,11 +37,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from switchyard.figures import to_ms, utc_iso
+
 if TYPE_CHECKING:
-    from switchyard.decide.flow import ClassDecision
+    from switchyard.decide.classes import ClassDecision
     from switchyard.decide.resolve import ModelDecision
     from switchyard.gateway.response_cache import Lookup
     from switchyard.store.keys import KeyIdentity
@@ -57,7 +62,8 @@ LOGGED = ("request_id", "kind", "tenant", "tier", "model", "served_model", "pool
 
 log = logging.getLogger("switchyard.requests")
 
-_OUTCOMES = frozenset({"ok", "error", "shed", "limited", "refused", "client_closed"})
+#: Every outcome a finished request can have (see the module doc).
+OUTCOMES = frozenset({"ok", "error", "shed", "limited", "refused", "client_closed"})
 
 
 @dataclass(slots=True, eq=False)
@@ -162,14 +168,14 @@ class RequestRecord:
     def as_dict(self) -> dict[str, Any]:
         """The record as JSON-ready data."""
         return {
-            "time": _iso(self.at), "request_id": self.request_id, "kind": self.kind,
+            "time": utc_iso(self.at), "request_id": self.request_id, "kind": self.kind,
             "tenant": self.tenant, "tenant_id": self.tenant_id, "key_id": self.key_id, "tier": self.tier,
             "model": self.model, "resolved_model": self.resolved_model, "served_model": self.served_model,
             "pool": self.pool, "region": self.region, "endpoint": self.endpoint,
             "status": self.status, "outcome": self.outcome, "error_code": self.error_code,
             "stream": self.stream, "priority": self.priority, "queue_ms": self.queue_ms,
             "attempts": self.attempts, "moved_on": list(self.moved_on),
-            "ttft_ms": _ms(self.ttft_s), "duration_ms": _ms(self.duration_s),
+            "ttft_ms": to_ms(self.ttft_s), "duration_ms": to_ms(self.duration_s),
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens, "max_tokens": self.max_tokens,
             "digest": self.digest, "deterministic": self.deterministic, "cache": self.cache,
@@ -231,8 +237,15 @@ class _Series:
         return (b for b in self.slots if b is not None and first <= b.second <= last)
 
 
-class _Tally:
-    """Counts and TTFT samples summed over some buckets."""
+class Tally:
+    """Counts and TTFT samples summed over some buckets (or tallies): what :meth:`Activity.window` hands out.
+
+    Attributes:
+        requests, ok, errors, shed, limited: Finished requests, and those of each outcome counted apart.
+        fallbacks: Requests that moved on from an endpoint or stage.
+        hits, misses: Response-cache lookups that hit, and that missed (or failed).
+        ttft: Time-to-first-byte samples, seconds, in no order.
+    """
 
     __slots__ = ("errors", "fallbacks", "hits", "limited", "misses", "ok", "requests", "shed", "ttft")
 
@@ -241,7 +254,8 @@ class _Tally:
         self.fallbacks = self.hits = self.misses = 0
         self.ttft: list[float] = []
 
-    def add(self, b: _Bucket | _Tally) -> None:
+    def add(self, b: _Bucket | Tally) -> None:
+        """Add ``b``'s counts and samples to these."""
         self.requests += b.requests
         self.ok += b.ok
         self.errors += b.errors
@@ -251,6 +265,29 @@ class _Tally:
         self.hits += b.hits
         self.misses += b.misses
         self.ttft.extend(b.ttft)
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """The counts of the last seconds, per series key and per point (what :meth:`Activity.window` returns).
+
+    Attributes:
+        seconds: The window's length (at most :data:`HORIZON_S`).
+        point_s: The length of one point (the oldest point may be shorter: see ``lengths``).
+        first: The window's first second (epoch seconds, whole); the last is ``int(now)``.
+        now: When the window was read (epoch seconds).
+        span: Seconds of the window this process has lived through (at least 1): what a rate divides by.
+        lengths: Seconds per point, oldest first.
+        pools: Per series key with requests in the window, by name: its tally over the window and per point.
+    """
+
+    seconds: int
+    point_s: int
+    first: int
+    now: float
+    span: float
+    lengths: list[int]
+    pools: dict[str, tuple[Tally, list[Tally]]]
 
 
 class Activity:
@@ -326,19 +363,16 @@ class Activity:
 
     # --- reading ------------------------------------------------------------------------------------
 
-    def recent(self, tenant: str | None = None, model: str | None = None, status: str | None = None,
-               limit: int = 100) -> list[RequestRecord]:
+    def recent(self, tenant: str | None = None, model: str | None = None,
+               where: Callable[[RequestRecord], bool] | None = None, limit: int = 100) -> list[RequestRecord]:
         """The newest finished requests first, at most ``limit``.
 
         Args:
             tenant: A tenant's name or id.
             model: The model asked for, resolved to or served by.
-            status: An exact status (``"429"``), a class (``"5xx"``) or an outcome (``"shed"``).
-
-        Raises:
-            ValueError: ``status`` is none of those.
+            where: A further test a record must pass (the console's status filter).
+            limit: At most this many.
         """
-        wanted = status_filter(status) if status else None
         found: list[RequestRecord] = []
         for record in reversed(self._recent):
             if len(found) >= limit:
@@ -347,7 +381,7 @@ class Activity:
                 continue
             if model is not None and model not in (record.model, record.resolved_model, record.served_model):
                 continue
-            if wanted is not None and not wanted(record):
+            if where is not None and not where(record):
                 continue
             found.append(record)
         return found
@@ -356,18 +390,12 @@ class Activity:
         """The newest kept request with ``request_id`` (clients may reuse their ids)."""
         return next((r for r in reversed(self._recent) if r.request_id == request_id), None)
 
-    def summary(self, window_s: float = 300, now: float | None = None, point_s: int = 10) -> dict[str, Any]:
-        """Per pool and in total, over the last ``window_s`` seconds (at most :data:`HORIZON_S`).
+    def window(self, window_s: float = 300, now: float | None = None, point_s: int = 10) -> Window:
+        """The counts of the last ``window_s`` seconds (at most :data:`HORIZON_S`), per series key and per point
+        of ``point_s`` seconds (the newest point includes the current second).
 
-        Returns:
-            ``{"window_s", "point_s", "since", "now", "pools": [row, ...], "total": row}``, pools by
-            name; a row is ``{"pool", "requests", "ok", "errors", "shed", "limited", "fallbacks",
-            "cache_hits", "cache_misses", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "error_rate",
-            "shed_rate", "limited_rate", "fallback_rate", "cache_hit_rate", "series"}``. Rates are
-            fractions (None with no requests; ``cache_hit_rate`` None with no lookups), TTFT None
-            with no samples. ``series`` holds ``requests_per_s`` and ``ttft_p50_ms``, one value per
-            ``point_s`` seconds, oldest first (the oldest point may be shorter); the newest includes
-            the current second.
+        A series with no request for a whole horizon is dropped here (a pool gone quiet, or gone from the
+        policy), so the keys do not grow without bound.
         """
         now = self._clock() if now is None else now
         window = max(1, min(HORIZON_S, math.ceil(window_s)))
@@ -379,11 +407,10 @@ class Activity:
         span = max(1.0, min(float(window), now - self.started))
         lengths = [point_s] * points
         lengths[0] = window - (points - 1) * point_s
-        rows: list[dict[str, Any]] = []
-        total, total_points = _Tally(), [_Tally() for _ in range(points)]
+        pools: dict[str, tuple[Tally, list[Tally]]] = {}
         for name in sorted(self._series):
             series = self._series[name]
-            tally, per_point = _Tally(), [_Tally() for _ in range(points)]
+            tally, per_point = Tally(), [Tally() for _ in range(points)]
             for b in series.within(first, last):
                 tally.add(b)
                 per_point[points - 1 - (last - b.second) // point_s].add(b)
@@ -391,90 +418,5 @@ class Activity:
                 if not any(series.within(last - HORIZON_S + 1, last)):
                     del self._series[name]  # a pool gone quiet for the horizon (or gone from the policy)
                 continue
-            total.add(tally)
-            for mine, theirs in zip(per_point, total_points, strict=True):
-                theirs.add(mine)
-            rows.append(_row(name, tally, per_point, lengths, span))
-        return {"window_s": window, "point_s": point_s, "since": _iso(first), "now": _iso(now),
-                "pools": rows, "total": _row("total", total, total_points, lengths, span)}
-
-
-def _row(name: str, tally: _Tally, per_point: list[_Tally], lengths: list[int], span: float) -> dict[str, Any]:
-    n = tally.requests
-    samples = sorted(tally.ttft)
-
-    def rate(count: int, of: int = n) -> float | None:
-        return round(count / of, 4) if of else None
-
-    return {
-        "pool": name, "requests": n, "ok": tally.ok, "errors": tally.errors, "shed": tally.shed,
-        "limited": tally.limited, "fallbacks": tally.fallbacks, "cache_hits": tally.hits,
-        "cache_misses": tally.misses,
-        "requests_per_s": round(n / span, 3),
-        "ttft_p50_ms": _ms(percentile(samples, 50)), "ttft_p99_ms": _ms(percentile(samples, 99)),
-        "error_rate": rate(tally.errors), "shed_rate": rate(tally.shed), "limited_rate": rate(tally.limited),
-        "fallback_rate": rate(tally.fallbacks), "cache_hit_rate": rate(tally.hits, tally.hits + tally.misses),
-        "series": {
-            "requests_per_s": [round(p.requests / length, 3) for p, length in zip(per_point, lengths, strict=True)],
-            "ttft_p50_ms": [_ms(percentile(sorted(p.ttft), 50)) for p in per_point],
-        },
-    }
-
-
-def percentile(ordered: list[float], q: float) -> float | None:
-    """The nearest-rank ``q``-th percentile of ``ordered`` (sorted ascending); None when empty."""
-    if not ordered:
-        return None
-    rank = math.ceil(q / 100 * len(ordered))
-    return ordered[min(max(rank, 1), len(ordered)) - 1]
-
-
-def sparkline_points(values: list[float | None], width: int, height: int) -> str:
-    """The ``points`` of an SVG ``<polyline>`` drawing ``values`` in a ``width`` x ``height`` box.
-
-    The values spread evenly from x=0 (the first) to x=width (the last); y runs from the bottom
-    (0, or the least value if negative) to the top (the greatest value); all zeros lie on the
-    bottom edge. A None (no data) is left out, so the line joins its neighbours across the gap;
-    no values at all give ``""``.
-    """
-    present = [(i, v) for i, v in enumerate(values) if v is not None]
-    if not present:
-        return ""
-    low = min(0.0, *(v for _, v in present))
-    high = max(v for _, v in present)
-    spread = high - low
-    step = width / (len(values) - 1) if len(values) > 1 else 0.0
-    return " ".join(f"{_num(i * step)},{_num(height - ((v - low) / spread * height if spread else 0.0))}"
-                    for i, v in present)
-
-
-def _num(value: float) -> str:
-    text = f"{value:.1f}".rstrip("0").rstrip(".")
-    return "0" if text == "-0" else text
-
-
-def status_filter(status: str) -> Callable[[RequestRecord], bool]:
-    """A test of a record's ``status``: a code (``429``), a class (``4xx``) or an outcome (``shed``).
-
-    Raises:
-        ValueError: ``status`` is none of those.
-    """
-    text = status.strip().lower()
-    if text in _OUTCOMES:
-        return lambda r: r.outcome == text
-    if len(text) == 3 and text[0] in "12345" and text[1:] == "xx":
-        family = int(text[0])
-        return lambda r: r.status is not None and r.status // 100 == family
-    if text.isdigit() and len(text) == 3:
-        code = int(text)
-        return lambda r: r.status == code
-    raise ValueError(f"status must be a code (429), a class (4xx) or one of {', '.join(sorted(_OUTCOMES))}; "
-                     f"got {status!r}")
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000, 1)
-
-
-def _iso(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+            pools[name] = (tally, per_point)
+        return Window(window, point_s, first, now, span, lengths, pools)

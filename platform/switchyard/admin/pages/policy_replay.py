@@ -33,10 +33,11 @@ from litestar.datastructures import State
 from litestar.plugins.htmx import HTMXRequest, HTMXTemplate
 from litestar.response import Template
 
-from switchyard.admin.common import DASH, in_db, percent, runtime_of
+from switchyard.admin.common import in_db, runtime_of
 from switchyard.admin.pages.policy_edit import CANDIDATE, text_of
 from switchyard.decide.pick import Strategy
 from switchyard.decide.policy_tests import compile_checked
+from switchyard.figures import DASH, fixed, percent
 from switchyard.policy import PolicyError, compile_policy
 
 if TYPE_CHECKING:
@@ -87,12 +88,12 @@ SHOWN_WORKLOAD_KEYS = {"source", "entries", "skipped", "refused_in_log", "first"
 
 # --- formatting -------------------------------------------------------------------------------------
 
-def _count(value: Any) -> str:
-    return DASH if value is None else f"{value:,}"
+def _count(value: int | None) -> str:
+    return fixed(value, decimals=0, grouped=True, missing=DASH)
 
 
 def _ms(seconds: float | None) -> str:
-    return DASH if seconds is None else f"{1000 * seconds:,.1f} ms"
+    return fixed(seconds, scale=1000, decimals=1, unit=" ms", grouped=True, missing=DASH)
 
 
 def _seconds(seconds: float | None) -> str:
@@ -102,7 +103,7 @@ def _seconds(seconds: float | None) -> str:
 
 
 def _cost(value: float | None) -> str:
-    return DASH if value is None else f"{value:.4f}"
+    return fixed(value, decimals=4, missing=DASH)
 
 
 def _signed(value: float, fmt: str) -> str:
@@ -186,7 +187,7 @@ TTFT_COLUMNS = [("class", "class"), ("active_served", "served active"), ("candid
 def _figure(key: str, a: Any, b: Any) -> tuple[str, str, str]:
     """(active, candidate, change) of one figure, formatted by what its key says it is."""
     if key.endswith("_ratio"):
-        return percent(a), percent(b), _relative_change(a, b)
+        return percent(a, missing=DASH), percent(b, missing=DASH), _relative_change(a, b)
     if key.endswith("_s"):
         return _ms(a), _ms(b), _relative_change(a, b)
     if key.startswith("cost"):

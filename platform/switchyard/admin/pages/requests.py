@@ -20,7 +20,8 @@ from litestar.plugins.htmx import HTMXRequest, HTMXTemplate
 from litestar.response import Template
 
 from switchyard.admin.common import in_db
-from switchyard.gateway.activity import RECENT, status_filter
+from switchyard.admin.overview import recent_requests, status_filter
+from switchyard.gateway.activity import RECENT
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.store import request_log
 
@@ -138,9 +139,9 @@ async def requests_page(request: HTMXRequest, tenant: FromQuery[str | None] = No
         if filters["source"] == "log":
             rows = await _from_log(runtime, filters, count)
         else:
-            rows = [r.as_dict() for r in runtime.activity.recent(
-                tenant=filters["tenant"] or None, model=filters["model"] or None, status=filters["status"] or None,
-                limit=count)]
+            rows = [r.as_dict() for r in recent_requests(
+                runtime.activity, tenant=filters["tenant"] or None, model=filters["model"] or None,
+                status=filters["status"] or None, limit=count)]
     except ValueError as exc:
         error = str(exc)
     query = urlencode({k: v for k, v in filters.items() if v})
