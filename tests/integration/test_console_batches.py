@@ -17,11 +17,14 @@ from litestar.testing import TestClient
 from sqlalchemy import Engine
 from sqlmodel import Session
 
+from switchyard.batch.intake import create_batch
 from switchyard.gateway.app import create_app
 from switchyard.settings import Settings
-from switchyard.store import batches as b
 from switchyard.store import db
 from switchyard.store.audit import list_events
+from switchyard.store.batch_queue import claim, record_result
+from switchyard.store.batches import get_batch
+from switchyard.store.files import create_file
 from switchyard.store.keys import create_key, list_keys
 from switchyard.store.models import Batch, TenantCreate
 from switchyard.store.tenants import create_tenant, get_tenant
@@ -75,8 +78,8 @@ def new_batch(client: TestClient[Any], tenant: str, content: bytes) -> Batch:
         tenant_id = get_tenant(s, tenant).id
         assert tenant_id is not None
         key_id = list_keys(s, tenant)[0].id
-        f = b.create_file(s, tenant_id, "in.jsonl", content)
-        return b.create_batch(s, tenant_id=tenant_id, key_id=key_id, input_file_id=f.id, endpoint=EP)
+        f = create_file(s, tenant_id, "in.jsonl", content)
+        return create_batch(s, tenant_id=tenant_id, key_id=key_id, input_file_id=f.id, endpoint=EP)
 
     return tx(engine_of(client), make)
 
@@ -84,10 +87,10 @@ def new_batch(client: TestClient[Any], tenant: str, content: bytes) -> Batch:
 def run_two(client: TestClient[Any]) -> None:
     """A worker's turn: two lines claimed, one succeeds and one fails with an engine's error."""
     def work(s: Session) -> None:
-        first, second = b.claim(s, "test-worker", 2, 60, datetime.now(UTC))
-        b.record_result(s, first.id, "test-worker", 200, {"id": "x", "choices": []}, None, datetime.now(UTC))
-        b.record_result(s, second.id, "test-worker", 503, {"error": {"message": "engine overloaded"}}, None,
-                        datetime.now(UTC))
+        first, second = claim(s, "test-worker", 2, 60, datetime.now(UTC))
+        record_result(s, first.id, "test-worker", 200, {"id": "x", "choices": []}, None, datetime.now(UTC))
+        record_result(s, second.id, "test-worker", 503, {"error": {"message": "engine overloaded"}}, None,
+                      datetime.now(UTC))
 
     tx(engine_of(client), work)
 
@@ -197,7 +200,7 @@ def test_an_operator_cancels_a_batch_and_it_is_audited(console: TestClient[Any])
     html = console.get(answer.headers["location"]).text
     assert 'id="batch-status">cancelled<' in html and 'id="batch-cancel-form"' not in html
     tenant_id = batch.tenant_id
-    assert tx(engine_of(console), lambda s: b.get_batch(s, tenant_id, batch.id)).status == "cancelled"
+    assert tx(engine_of(console), lambda s: get_batch(s, tenant_id, batch.id)).status == "cancelled"
     events = tx(engine_of(console), lambda s: list_events(s, 10, "batch.cancel"))
     assert len(events) == 1
     event = events[0]
@@ -222,7 +225,7 @@ def test_a_viewer_reads_but_cannot_cancel(console: TestClient[Any]) -> None:
     assert batch.id in html and 'id="batch-cancel-form"' not in html
     answer = console.post(f"/admin/batches/{batch.id}/cancel", headers=csrf_headers(console), follow_redirects=False)
     assert answer.status_code == 403
-    assert tx(engine_of(console), lambda s: b.get_batch(s, batch.tenant_id, batch.id)).status == "in_progress"
+    assert tx(engine_of(console), lambda s: get_batch(s, batch.tenant_id, batch.id)).status == "in_progress"
 
 
 def test_an_unknown_batch_is_a_404_page(console: TestClient[Any]) -> None:

@@ -30,6 +30,7 @@ from litestar.openapi.spec import (
 from litestar.params import QueryParameter
 from sqlmodel import Session
 
+from switchyard.batch import intake
 from switchyard.gateway.errors import BadRequest, NotFound, PayloadTooLarge
 from switchyard.gateway.openapi_docs import (
     API_KEY,
@@ -45,7 +46,7 @@ from switchyard.gateway.openapi_docs import (
     v1_errors,
 )
 from switchyard.gateway.runtime import GatewayRuntime
-from switchyard.store import batches
+from switchyard.store import batches, files
 from switchyard.store import errors as store_errors
 from switchyard.store.db import in_transaction
 from switchyard.store.keys import KeyIdentity
@@ -83,9 +84,9 @@ async def _db(request: Request[Any, Any, Any], work: Callable[[Session], T]) -> 
         return await in_transaction(_runtime(request).engine, work)
     except store_errors.NotFound as exc:
         raise NotFound(str(exc)) from None
-    except batches.TooLarge as exc:
+    except store_errors.TooLarge as exc:
         raise PayloadTooLarge(str(exc), param="file") from None
-    except batches.InvalidParam as exc:
+    except store_errors.InvalidParam as exc:
         raise BadRequest(str(exc), param=exc.param) from None
     except store_errors.StoreError as exc:
         raise BadRequest(str(exc)) from None
@@ -95,7 +96,7 @@ def _ts(at: datetime | None) -> int | None:
     return None if at is None else int(at.timestamp())
 
 
-def file_object(info: batches.FileInfo) -> dict[str, Any]:
+def file_object(info: files.FileInfo) -> dict[str, Any]:
     """OpenAI's ``FileObject``."""
     return {"id": info.id, "object": "file", "bytes": info.size, "created_at": _ts(info.created_at),
             "filename": info.filename, "purpose": info.purpose, "status": "processed", "expires_at": None,
@@ -175,7 +176,7 @@ def _list_of(item: Schema) -> Schema:
 _UPLOAD = RequestBody(required=True, content={"multipart/form-data": OpenAPIMediaType(
     schema=obj({"file": Schema(type=OpenAPIType.STRING, format=OpenAPIFormat.BINARY,
                                description="The JSONL file: one request per line."),
-                "purpose": Schema(type=OpenAPIType.STRING, enum=list(batches.UPLOAD_PURPOSES))},
+                "purpose": Schema(type=OpenAPIType.STRING, enum=list(files.UPLOAD_PURPOSES))},
                ["file", "purpose"]),
     encoding={"file": Encoding(content_type="application/octet-stream")})})
 _BATCH_CREATE = json_request_body(obj({
@@ -183,7 +184,7 @@ _BATCH_CREATE = json_request_body(obj({
     "endpoint": Schema(type=OpenAPIType.STRING, enum=list(batches.ENDPOINTS)),
     "completion_window": Schema(type=OpenAPIType.STRING, enum=list(batches.COMPLETION_WINDOWS)),
     "metadata": Schema(type=[OpenAPIType.OBJECT, OpenAPIType.NULL], additional_properties=STRING,
-                       max_properties=batches.MAX_METADATA_KEYS),
+                       max_properties=intake.MAX_METADATA_KEYS),
 }, ["input_file_id", "endpoint", "completion_window"]))
 _CONTENT = OpenAPIResponse(description="The file's bytes.", content={"application/octet-stream": OpenAPIMediaType(
     schema=Schema(type=OpenAPIType.STRING, format=OpenAPIFormat.BINARY))})
@@ -264,8 +265,8 @@ async def create_file(request: Request[Any, Any, Any]) -> Response[bytes]:
         content = await upload.read()
     finally:
         await upload.close()
-    info = await _db(request, lambda s: batches.create_file(s, identity.tenant_id, upload.filename, content, purpose,
-                                                            max_bytes=max_bytes))
+    info = await _db(request, lambda s: files.create_file(s, identity.tenant_id, upload.filename, content, purpose,
+                                                          max_bytes=max_bytes))
     return _json(file_object(info))
 
 
@@ -275,8 +276,8 @@ async def list_files(request: Request[Any, Any, Any], after: str | None = None, 
     """The caller's tenant's files, newest first (``order=asc``: oldest first), paginated by ``after``."""
     identity = await _identity(request)
     limit = _limit(limit, MAX_FILES_PAGE)
-    found, more = await _db(request, lambda s: batches.list_files(s, identity.tenant_id, purpose=purpose,
-                                                                  after=after, limit=limit, order=order))
+    found, more = await _db(request, lambda s: files.list_files(s, identity.tenant_id, purpose=purpose,
+                                                                after=after, limit=limit, order=order))
     return _page([file_object(f) for f in found], more)
 
 
@@ -284,14 +285,14 @@ async def list_files(request: Request[Any, Any, Any], after: str | None = None, 
 async def retrieve_file(request: Request[Any, Any, Any], file_id: str) -> Response[bytes]:
     """One of the caller's tenant's files."""
     identity = await _identity(request)
-    return _json(file_object(await _db(request, lambda s: batches.get_file(s, identity.tenant_id, file_id))))
+    return _json(file_object(await _db(request, lambda s: files.get_file(s, identity.tenant_id, file_id))))
 
 
 @get("/v1/files/{file_id:str}/content", operation_id="downloadFile", operation_class=DOWNLOAD_FILE)
 async def file_content(request: Request[Any, Any, Any], file_id: str) -> Response[bytes]:
     """The content of one of the caller's tenant's files."""
     identity = await _identity(request)
-    _, content = await _db(request, lambda s: batches.file_content(s, identity.tenant_id, file_id))
+    _, content = await _db(request, lambda s: files.file_content(s, identity.tenant_id, file_id))
     return Response(content, media_type="application/octet-stream")
 
 
@@ -299,7 +300,7 @@ async def file_content(request: Request[Any, Any, Any], file_id: str) -> Respons
 async def delete_file(request: Request[Any, Any, Any], file_id: str) -> Response[bytes]:
     """Delete one of the caller's tenant's files (batches made from it are not affected)."""
     identity = await _identity(request)
-    await _db(request, lambda s: batches.delete_file(s, identity.tenant_id, file_id))
+    await _db(request, lambda s: files.delete_file(s, identity.tenant_id, file_id))
     return _json({"id": file_id, "object": "file", "deleted": True})
 
 
@@ -314,7 +315,7 @@ async def create_batch(request: Request[Any, Any, Any]) -> Response[bytes]:
         body = msgspec.json.decode(await request.body(), type=BatchCreate)
     except msgspec.DecodeError as exc:
         raise BadRequest(f"Invalid request body: {exc}") from None
-    batch = await _db(request, lambda s: batches.create_batch(
+    batch = await _db(request, lambda s: intake.create_batch(
         s, tenant_id=identity.tenant_id, key_id=identity.key_id, input_file_id=body.input_file_id,
         endpoint=body.endpoint, completion_window=body.completion_window, metadata=body.metadata))
     return _json(batch_object(batch))

@@ -2,7 +2,7 @@
 batch lane, so that they fill only the capacity interactive traffic leaves.
 
 Every gateway process runs one (``SWITCHYARD_BATCH_WORKER``), and ``switchyard worker`` runs
-dedicated ones. Lines are claimed from the database under a lease (``store.batches.claim``: row
+dedicated ones. Lines are claimed from the database under a lease (``store.batch_queue.claim``: row
 locks with ``SKIP LOCKED`` on PostgreSQL), kept while they run (leases renewed), and their result
 is recorded only while the lease is still this worker's — so a worker killed at any moment loses
 nothing (its lines are claimed again once their lease runs out) and duplicates nothing (a late
@@ -41,7 +41,7 @@ from switchyard.gateway.errors import ApiError
 from switchyard.gateway.request import Incoming, Kind, never
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy import PolicySnapshot
-from switchyard.store import batches
+from switchyard.store import batch_finalize, batch_queue
 from switchyard.store.db import in_transaction
 from switchyard.store.keys import KeyIdentity, identity_of
 
@@ -76,16 +76,16 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
-def _claim(session: Session, *, owner: str, limit: int, lease_s: float, now: float) -> list[batches.ClaimedRequest]:
-    return batches.claim(session, owner, limit, lease_s, now)
+def _claim(session: Session, *, owner: str, limit: int, lease_s: float, now: float) -> list[batch_queue.ClaimedRequest]:
+    return batch_queue.claim(session, owner, limit, lease_s, now)
 
 
 def _renew(session: Session, *, owner: str, rows: list[int], lease_s: float, now: float) -> list[int]:
-    return batches.renew_leases(session, owner, rows, lease_s, now)
+    return batch_queue.renew_leases(session, owner, rows, lease_s, now)
 
 
 def _finalize(session: Session, *, now: float) -> list[str]:
-    return batches.finalize_ready(session, now)
+    return batch_finalize.finalize_ready(session, now)
 
 
 class BatchWorker:
@@ -158,7 +158,7 @@ class BatchWorker:
         rows = [int(task.get_name().rpartition("-")[2]) for task in tasks]
         if rows:
             with contextlib.suppress(Exception):
-                await self._db(lambda s: batches.release(s, self.owner, rows))
+                await self._db(lambda s: batch_queue.release(s, self.owner, rows))
 
     async def _identity(self, key_id: int) -> KeyIdentity | None:
         """The identity the job's key has now (None: revoked, or its tenant deleted).
@@ -185,7 +185,7 @@ class BatchWorker:
             self._identities[key_id] = (seen, started, identity)
         return identity
 
-    def _headers(self, line: batches.ClaimedRequest) -> dict[str, str]:
+    def _headers(self, line: batch_queue.ClaimedRequest) -> dict[str, str]:
         headers = {"x-request-id": f"batch_req_{line.id}"}
         lane = batch_class(self.policy())
         if lane is not None:
@@ -195,7 +195,7 @@ class BatchWorker:
             self._warned_no_lane = True
         return headers
 
-    async def _line(self, line: batches.ClaimedRequest) -> None:
+    async def _line(self, line: batch_queue.ClaimedRequest) -> None:
         identity = await self._identity(line.key_id)
         if identity is None:
             await self._finish(line, 401, None, {"code": "invalid_api_key",
@@ -211,7 +211,7 @@ class BatchWorker:
             detail = {"code": error.code or error.type, "message": error.message}
             if error.status_code in TRANSIENT and line.attempts < self.max_attempts:
                 delay = backoff_s(line.attempts)
-                await self._db(lambda s: batches.retry_later(s, line.id, self.owner, delay, detail, time.time()))
+                await self._db(lambda s: batch_queue.retry_later(s, line.id, self.owner, delay, detail, time.time()))
             else:
                 await self._finish(line, error.status_code, None, detail)
             return
@@ -219,10 +219,10 @@ class BatchWorker:
         await self._finish(line, response.status_code or 200, msgspec.json.decode(content),
                            None, response.headers.get("x-request-id"))
 
-    async def _finish(self, line: batches.ClaimedRequest, status: int, body: dict[str, Any] | None,
+    async def _finish(self, line: batch_queue.ClaimedRequest, status: int, body: dict[str, Any] | None,
                       error: dict[str, Any] | None, request_id: str | None = None) -> None:
-        kept = await self._db(lambda s: batches.record_result(s, line.id, self.owner, status, body, error,
-                                                              time.time(), request_id=request_id))
+        kept = await self._db(lambda s: batch_queue.record_result(s, line.id, self.owner, status, body, error,
+                                                                  time.time(), request_id=request_id))
         if not kept:
             log.warning("batch line %s: lease lost before its result was recorded; dropped", line.id)
 

@@ -11,3 +11,15 @@ class NotFound(StoreError):
 
 class Conflict(StoreError):
     """The change clashes with what is stored (a duplicate name, an already revoked key)."""
+
+
+class TooLarge(StoreError):
+    """A file is larger than allowed."""
+
+
+class InvalidParam(StoreError):
+    """A parameter of a request is invalid; ``param`` names it."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param

@@ -257,8 +257,9 @@ class AdminSession(SQLModel, table=True):
 
 
 # --- batch ---------------------------------------------------------------------------------
-# The OpenAI Files and Batch API (``store.batches``): files kept in the database so that every
-# replica can read them, batch jobs, and one row per input line that the batch workers claim.
+# The OpenAI Files and Batch API (``store.files``, ``store.batches``, ``store.batch_queue``,
+# ``store.batch_finalize``): files kept in the database so that every replica can read them, batch
+# jobs, and one row per input line that the batch workers claim.
 
 #: A batch's statuses (OpenAI's); ``validating`` and ``finalizing`` last only inside a transaction here.
 BATCH_STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed", "expired", "cancelling",
