@@ -27,7 +27,7 @@ from sqlmodel import Session, col
 from switchyard.store.batch_finalize import finish_cancel
 from switchyard.store.batch_tables import BATCHES, LINES, Now, keyset_after, utc
 from switchyard.store.errors import Conflict, InvalidParam, NotFound
-from switchyard.store.models import Batch, Tenant
+from switchyard.store.models import Batch, BatchRequest, Tenant
 
 #: The endpoints a batch's lines can call.
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
@@ -187,3 +187,19 @@ def request_states(session: Session, batch_id: str) -> dict[str, int]:
     rows = session.execute(select(LINES.c.state, func.count()).where(LINES.c.batch_id == batch_id)
                            .group_by(LINES.c.state)).all()
     return {state: int(count) for state, count in rows}
+
+
+def find_batch(session: Session, batch_id: str) -> tuple[Batch, str] | None:
+    """Batch ``batch_id`` of any tenant (for operators) with its tenant's name; ``None``: no such batch."""
+    query = (select(Batch, col(Tenant.name)).join(Tenant, col(Tenant.id) == col(Batch.tenant_id))
+             .where(col(Batch.id) == batch_id))
+    row = session.execute(query.execution_options(populate_existing=True)).first()
+    return None if row is None else (row[0], str(row[1]))
+
+
+def failed_lines(session: Session, batch_id: str, limit: int) -> list[BatchRequest]:
+    """At most ``limit`` of a batch's failed lines, the most recently finished first (for operators)."""
+    query = (select(BatchRequest)
+             .where(col(BatchRequest.batch_id) == batch_id, col(BatchRequest.state) == "failed")
+             .order_by(col(BatchRequest.finished_at).desc(), col(BatchRequest.id).desc()).limit(limit))
+    return list(session.execute(query).scalars())

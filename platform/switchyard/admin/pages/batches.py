@@ -19,7 +19,7 @@ from litestar import Response, get, post
 from litestar.params import FromPath, FromQuery
 from litestar.plugins.htmx import HTMXRequest, HTMXTemplate
 from litestar.response import Redirect, Template
-from sqlmodel import Session, col, select
+from sqlmodel import Session
 
 from switchyard.admin.common import PageError, in_db, runtime_of
 from switchyard.admin.session import console_origin, current_user
@@ -27,8 +27,8 @@ from switchyard.gateway.errors import ApiError
 from switchyard.store import errors as store_errors
 from switchyard.store.admin_users import RANK
 from switchyard.store.audit import append_event
-from switchyard.store.batches import cancel_batch, list_all_batches, request_states
-from switchyard.store.models import BATCH_STATUSES, REQUEST_STATES, Batch, BatchRequest, Tenant
+from switchyard.store.batches import cancel_batch, failed_lines, find_batch, list_all_batches, request_states
+from switchyard.store.models import BATCH_STATUSES, REQUEST_STATES, Batch, BatchRequest
 from switchyard.store.tenants import list_tenants
 
 LIST_TEMPLATE = "admin/batches.html.j2"
@@ -162,15 +162,12 @@ def _failed_text(line: BatchRequest) -> str:
 
 
 def _read_batch(session: Session, batch_id: str) -> dict[str, Any] | None:
-    found = session.exec(select(Batch, Tenant.name).join(Tenant, col(Tenant.id) == col(Batch.tenant_id))
-                         .where(Batch.id == batch_id)).first()
+    found = find_batch(session, batch_id)
     if found is None:
         return None
     batch, tenant = found
     states = request_states(session, batch.id)
-    failed = session.exec(select(BatchRequest).where(BatchRequest.batch_id == batch.id, BatchRequest.state == "failed")
-                          .order_by(col(BatchRequest.finished_at).desc(), col(BatchRequest.id).desc())
-                          .limit(FAILED_SHOWN)).all()
+    failed = failed_lines(session, batch.id, FAILED_SHOWN)
     errors = [{"line": e.get("line"), "code": e.get("code") or NONE, "param": e.get("param") or NONE,
                "message": e.get("message") or NONE}
               for e in (batch.errors or {}).get("data", []) if isinstance(e, dict)]
@@ -215,11 +212,11 @@ async def batch_cancel(request: HTMXRequest, batch_id: FromPath[str]) -> Respons
     actor, origin = console_origin(request)
 
     def cancel(session: Session) -> bool:
-        found = session.exec(select(Batch.tenant_id, Batch.status, Tenant.name)
-                             .join(Tenant, col(Tenant.id) == col(Batch.tenant_id)).where(Batch.id == batch_id)).first()
+        found = find_batch(session, batch_id)
         if found is None:
             return False
-        tenant_id, previous, tenant = found
+        batch, tenant = found
+        tenant_id, previous = batch.tenant_id, batch.status
         if previous in ("cancelling", "cancelled"):
             raise PageError(f"batch {batch_id} is already {previous}", 409)
         batch = cancel_batch(session, tenant_id, batch_id)
