@@ -21,6 +21,7 @@ from switchyard.admin.common import in_db
 from switchyard.admin.policy_api import policy_file_state
 from switchyard.admin.session import current_user
 from switchyard.decide.policy_tests import run_policy_tests
+from switchyard.figures import duration
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy import PolicyIssue
 from switchyard.policy.diff import plain_data
@@ -59,13 +60,8 @@ def _can_write(request: HTMXRequest) -> bool:
 
 
 def fmt_duration(seconds: float | None) -> str:
-    """Seconds as the document would say them: ``10m``, ``1h``, ``90s``, ``250ms``."""
-    if seconds is None:
-        return "—"
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
-        if seconds >= size and seconds % size == 0:
-            return f"{int(seconds // size)}{unit}"
-    return f"{seconds * 1000:g}ms" if seconds < 1 else f"{seconds:g}s"
+    """Seconds as the document would say them (``10m``, ``1h``, ``90s``, ``250ms``); ``—`` for none."""
+    return duration(seconds, missing="—")
 
 
 def fmt_value(value: Any) -> str:

@@ -24,6 +24,7 @@ from sqlmodel import Session
 from switchyard.admin.common import PageError, in_db, runtime_of
 from switchyard.admin.session import current_user
 from switchyard.decide.admit import LIMIT_PERIODS, Estimate, LimitCharge, limit_charges
+from switchyard.figures import fixed
 from switchyard.gateway.errors import ApiError
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy.schema import Limits
@@ -60,9 +61,7 @@ async def page_db(runtime: GatewayRuntime, work: Callable[[Session], T], *, keys
 
 
 def _num(value: float | None, unit: str = "tokens") -> str:
-    if value is None:
-        return "unlimited"
-    return f"{value:,.2f}" if unit == "spend" else f"{value:,.0f}"
+    return fixed(value, decimals=2 if unit == "spend" else 0, grouped=True, missing="unlimited")
 
 
 def _shown_limits(limits: Mapping[str, Any] | None) -> str:
