@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import re
 from collections.abc import Sequence
 
 import aiohttp
@@ -36,6 +37,37 @@ def sum_series(text: str, name: str) -> float:
             if math.isfinite(value):
                 total += value
     return total
+
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def samples(text_: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """Every sample of series ``name`` (exactly) in a Prometheus text exposition, with its labels."""
+    out = []
+    for line in text_.splitlines():
+        if not line.startswith(name):
+            continue
+        match = _SAMPLE.match(line)
+        if match is None or match.group(1) != name:
+            continue
+        try:
+            value = float(match.group(3))
+        except ValueError:
+            continue
+        out.append((dict(_LABEL.findall(match.group(2) or "")), value))
+    return out
+
+
+def by_label(text_: str, name: str, label: str) -> dict[str, float]:
+    """The samples of ``name`` summed per value of ``label``."""
+    sums: dict[str, float] = {}
+    for labels, value in samples(text_, name):
+        key = labels.get(label)
+        if key is not None:
+            sums[key] = sums.get(key, 0.0) + value
+    return sums
 
 
 def histogram_buckets(text: str, name: str, labels: str = "") -> dict[float, float]:

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from switchyard.bench.results import Result
+from switchyard.bench.sampler import by_label, samples
 from switchyard.bench.scenarios.overload import (
     ARMS,
     BASELINE,
@@ -17,14 +18,12 @@ from switchyard.bench.scenarios.overload import (
     SHED_ABOVE,
     SLO_TTFT_S,
     SMALL_MODEL,
-    by_label,
     class_rows,
     downgraded,
     gateway_view,
     mix,
     overload_policy,
     ratio_rows,
-    samples,
     shed_reason,
     shed_rows,
     slo_spec,

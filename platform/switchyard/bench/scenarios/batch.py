@@ -60,9 +60,9 @@ from switchyard.bench.loadgen import Target, run_open_loop
 from switchyard.bench.procs import free_ports
 from switchyard.bench.report import build_report, render_markdown, write_report
 from switchyard.bench.results import Result
+from switchyard.bench.sampler import by_label, samples
 from switchyard.bench.scenarios.arms import Arm, EngineShape, FreshArms, Stack, capacity_table
 from switchyard.bench.scenarios.base import Outcome, ScenarioContext
-from switchyard.bench.scenarios.overload import by_label, samples
 from switchyard.bench.spec import Workload
 from switchyard.bench.stats import summarize
 from switchyard.bench.synthetic import RequestTemplate, poisson

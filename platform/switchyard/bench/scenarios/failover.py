@@ -57,9 +57,8 @@ from switchyard.bench.procs import (
 )
 from switchyard.bench.report import build_report, write_report
 from switchyard.bench.results import Result
-from switchyard.bench.sampler import MetricsSampler, scrape_text, sum_series
+from switchyard.bench.sampler import MetricsSampler, samples, scrape_text, sum_series
 from switchyard.bench.scenarios.base import Outcome, ScenarioContext
-from switchyard.bench.scenarios.overload import samples
 from switchyard.bench.spec import Workload
 from switchyard.bench.stats import percentiles
 from switchyard.bench.synthetic import RequestTemplate, poisson

@@ -35,7 +35,6 @@ on; more goodput with flow control on than off; no error or hung request with fl
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -47,7 +46,7 @@ from switchyard.bench.procs import free_ports, http_get
 from switchyard.bench.report import build_report, write_report
 from switchyard.bench.results import Outcome as RequestOutcome
 from switchyard.bench.results import Result
-from switchyard.bench.sampler import MetricsSampler
+from switchyard.bench.sampler import MetricsSampler, by_label
 from switchyard.bench.scenarios.arms import Arm, EngineShape, FreshArms, Stack, capacity_table
 from switchyard.bench.scenarios.base import Outcome, ScenarioContext
 from switchyard.bench.spec import Workload
@@ -236,37 +235,6 @@ def _counted(seen: Mapping[str, Any], key: str, cls: str) -> int | None:
         return None
     value: int = seen.get(key, {}).get(cls, 0)
     return value
-
-
-_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)")
-_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def samples(text_: str, name: str) -> list[tuple[dict[str, str], float]]:
-    """Every sample of series ``name`` (exactly) in a Prometheus text exposition, with its labels."""
-    out = []
-    for line in text_.splitlines():
-        if not line.startswith(name):
-            continue
-        match = _SAMPLE.match(line)
-        if match is None or match.group(1) != name:
-            continue
-        try:
-            value = float(match.group(3))
-        except ValueError:
-            continue
-        out.append((dict(_LABEL.findall(match.group(2) or "")), value))
-    return out
-
-
-def by_label(text_: str, name: str, label: str) -> dict[str, float]:
-    """The samples of ``name`` summed per value of ``label``."""
-    sums: dict[str, float] = {}
-    for labels, value in samples(text_, name):
-        key = labels.get(label)
-        if key is not None:
-            sums[key] = sums.get(key, 0.0) + value
-    return sums
 
 
 def gateway_view(metrics_text: str) -> dict[str, dict[str, Any]]:

@@ -8,9 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from switchyard.bench.results import Result
-from switchyard.bench.sampler import sum_series
+from switchyard.bench.sampler import samples, sum_series
 from switchyard.bench.scenarios.cache.workload import CacheWorkload
-from switchyard.bench.scenarios.overload import samples
 
 #: The arms, in the order they run: the cache first, then the same gateway told to skip it.
 ARMS = ("cache", "no-cache")
