@@ -20,7 +20,7 @@ from switchyard.gateway.app import create_app
 from switchyard.settings import Settings
 from switchyard.store import db
 from switchyard.store.models import RequestLogEntry
-from switchyard.whatif.replay import NOT_MODELLED
+from switchyard.whatif.outcomes import NOT_MODELLED
 from tests.integration.conftest import (
     Engines,
     add_console_users,

@@ -36,7 +36,7 @@ from litestar import Response
 from sqlalchemy import Engine
 from sqlmodel import Session
 
-from switchyard.decide.flow import PRIORITY_HEADER
+from switchyard.decide.classes import PRIORITY_HEADER
 from switchyard.gateway.errors import ApiError
 from switchyard.gateway.request import Incoming, Kind, never
 from switchyard.gateway.runtime import GatewayRuntime

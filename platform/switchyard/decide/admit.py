@@ -19,9 +19,12 @@ the reservation's own capping only matters where the prompt is estimated (see :f
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from switchyard.decide.refusals import Refusal
 from switchyard.decide.tokens import TEMPLATE_TOKENS_PER_PROMPT
 from switchyard.policy.schema import Limits, Model
 from switchyard.policy.snapshot import PolicySnapshot
@@ -236,3 +239,69 @@ def refusal_code(unit: Unit, never: bool) -> str:
 def actual_amounts(charges: list[LimitCharge], tokens: int, spend: float) -> dict[str, float]:
     """What a finished request really used, per bucket key (requests count one each)."""
     return {c.key: float(tokens) if c.unit == "tokens" else 1.0 if c.unit == "requests" else spend for c in charges}
+
+
+# --- the limit store's answer ------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Reserve:
+    """An effect: reserve every charge at once on the executor's limit store; answered with :class:`LimitAnswer`."""
+
+    charges: tuple[LimitCharge, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LimitAnswer:
+    """The limit store's answer to a :class:`Reserve`.
+
+    Attributes:
+        admitted: Every bucket had room.
+        refused_by: The key of the charge that had no room (when not admitted).
+        never: That bucket could never hold the charge (it is larger than the limit).
+        retry_after_s: When it will have room, if it ever will.
+        remaining: What that bucket has left now.
+    """
+
+    admitted: bool
+    refused_by: str | None = None
+    never: bool = False
+    retry_after_s: float | None = None
+    remaining: float = 0.0
+
+
+def fresh_buckets(charges: Sequence[LimitCharge]) -> LimitAnswer:
+    """What a limit store whose every bucket is full answers (the dry-run's limits)."""
+    for charge in charges:
+        if charge.amount > charge.capacity:
+            return LimitAnswer(False, charge.key, never=True, remaining=charge.capacity)
+    return LimitAnswer(True)
+
+
+def duration(seconds: float) -> str:
+    """A duration as OpenAI's ``x-ratelimit-reset-*`` headers write it: ``1s``, ``6m0s``, ``120ms``."""
+    if not math.isfinite(seconds):
+        return "never"
+    if seconds < 1:
+        return f"{max(0, math.ceil(seconds * 1000))}ms"
+    whole = math.ceil(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes}m{secs}s"
+    return f"{minutes}m{secs}s" if minutes else f"{secs}s"
+
+
+def limit_refusal(charges: Sequence[LimitCharge], answer: LimitAnswer) -> Refusal:
+    """The 429 for a reservation the limit store refused (``answer.admitted`` is False)."""
+    charge = next(c for c in charges if c.key == answer.refused_by)
+    what = f"{charge.limit} ({charge.scope})"
+    amount = f"{charge.amount:.6g} {charge.unit}"
+    if answer.never:
+        return Refusal(429, refusal_code(charge.unit, True),
+                       f"This request alone needs {amount}, more than the {what} limit of {charge.capacity:.6g}; "
+                       "ask for fewer tokens (max_tokens) or a higher limit.", limit=charge.limit)
+    wait = answer.retry_after_s
+    return Refusal(429, refusal_code(charge.unit, False),
+                   f"Rate limit reached for {what}: limit {charge.capacity:.6g}, remaining {answer.remaining:.6g}, "
+                   f"requested {amount}. " + (f"Please try again in {duration(wait)}." if wait is not None else ""),
+                   limit=charge.limit, retry_after_s=max(1, math.ceil(wait)) if wait is not None else 60.0)

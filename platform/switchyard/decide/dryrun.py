@@ -1,31 +1,99 @@
 """What the gateway would decide for a request, without sending it or changing any state.
 
-The policy tests, the console's dry-run and ``switchyard policy test`` ask this; it runs the
-gateway's own decisions (:func:`~switchyard.decide.resolve.resolve_model`, the fallback plan,
-:func:`~switchyard.decide.pick.pick_endpoint` with the model's endpoint profile) with every
-endpoint seen idle and healthy, no prefix or session history and ties going to the first
-endpoint, so its answer is the one a quiet fleet would give (no queue, nothing shed or
-downgraded), and with fresh limit buckets (only a request larger than a limit is refused by it).
-Stages of the request path that have not landed (caches) add their answers here as they land.
+The policy tests, the console's dry-run and ``switchyard policy test`` ask this. It runs the decision
+procedure (:func:`switchyard.decide.procedure.decide`) itself, the gateway's own, answering its effects
+as a quiet fleet would: every endpoint idle and healthy (unless a fleet view is given), no prefix or
+session history, ties going to the first endpoint, fresh limit buckets (only a request larger than a
+limit is refused), an empty response cache, no embedding classifier (its rules do not match, and the
+trace says so), and every try answered. A request that would queue is taken to wait out its deadline:
+a dry run's fleet does not change while it waits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from switchyard.decide.admit import estimate, limit_charges
-from switchyard.decide.cache import plan_cache
+from switchyard.decide.admit import LimitCharge, Reserve, fresh_buckets
+from switchyard.decide.cache import RequestKind
 from switchyard.decide.features import RequestFeatures
-from switchyard.decide.flow import PRIORITY_HEADER, BadPriority, classify
-from switchyard.decide.pick import Strategy, fallback_plan, pick_endpoint, plan_trace, profile_for, usable_stages
-from switchyard.decide.plugins import EndpointView, PickRequest
-from switchyard.decide.regions import REGION_HEADER, place
-from switchyard.decide.resolve import Refused, resolve_offline
+from switchyard.decide.flow import Queue, Waited
+from switchyard.decide.pick import Strategy
+from switchyard.decide.procedure import Ask, Attempt, Caller, Decision, LookupCache, Mark, Retry, Score, Tried, decide
+from switchyard.decide.tokens import TokenCounter
+from switchyard.decide.views import NO_MEMORY, Candidate, EndpointView, FleetView, ScorerMemory
+from switchyard.policy.schema import Lane, Limits, Pool
 from switchyard.policy.snapshot import PolicySnapshot
 
 _IDLE = EndpointView()
+
+
+class _EmptyQueue:
+    """A pool's queues with nobody in them."""
+
+    def lane(self, lane: Lane) -> _EmptyQueue:
+        return self
+
+    def tokens_before(self, tenant: str, rank: int) -> int:
+        return 0
+
+    def saturated(self, lane: Lane, utilisation: float, ceiling: float) -> bool:
+        return utilisation >= ceiling
+
+    def has_room(self, lane: Lane, utilisation: float, ceiling: float) -> bool:
+        return utilisation < ceiling
+
+
+class _Unknown:
+    """A pool that has finished nothing yet: its drain rate is not known."""
+
+    def drain_rate(self, in_flight_tokens: int) -> float | None:
+        return None
+
+
+class IdleFleet:
+    """A :class:`~switchyard.decide.views.FleetView` of a quiet fleet: every endpoint healthy and empty, no
+    queue, no history, no clock."""
+
+    memory: ScorerMemory = NO_MEMORY
+    rng = None
+
+    def now(self) -> float:
+        return 0.0
+
+    def rotation(self) -> int:
+        return 0
+
+    def endpoint(self, candidate: Candidate, lane: Lane, now: float) -> EndpointView:
+        return _IDLE
+
+    def pool_utilisation(self, pool: Pool, lane: Lane, now: float) -> float:
+        return 0.0
+
+    def queues(self, pool: Pool) -> _EmptyQueue:
+        return _EmptyQueue()
+
+    def service(self, pool: Pool) -> _Unknown:
+        return _Unknown()
+
+    def reserved_tokens(self, pool: Pool) -> int:
+        return 0
+
+    def out_of_service(self, options: Sequence[Candidate], now: float) -> tuple[str, float]:
+        return "no endpoint", 1.0
+
+    def yielders(self, url: str) -> Sequence[float]:
+        return ()
+
+    def prefilling(self, url: str) -> int:
+        return 0
+
+    def available(self, candidate: Candidate, now: float) -> bool:
+        return True
+
+    def full(self, candidate: Candidate, ceiling: float, now: float, preempting: bool) -> bool:
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,12 +101,18 @@ class DryRun:
     """The decisions for one request.
 
     Attributes:
-        status: 200 when it would be admitted, else the status of the refusal.
+        status: 200 when it would be served, else the status of the refusal.
         code: The refusal's error code.
-        model: The resolved model (None when refused).
+        model: The resolved model (None when refused before resolving).
         priority: The priority class it is served in (None when refused before classifying).
-        pool, region, endpoint: Where an idle fleet would send it (None when refused).
+        pool, region, endpoint: Where it would be sent (None when refused).
+        served_model: The model of the stage that would serve it (the resolved one, unless flow control
+            downgraded it).
         limit: The limit that refuses it (429).
+        plan: The fallback plan's stages, in order.
+        prompt_tokens: Its prompt as counted for admission.
+        estimated_tokens: What admission reserves for it (prompt + expected output).
+        charges: The limits it is charged against.
         trace: Each stage's reason, in order.
     """
 
@@ -50,54 +124,88 @@ class DryRun:
     endpoint: str | None = None
     limit: str | None = None
     priority: str | None = None
+    served_model: str | None = None
+    plan: tuple[str, ...] = ()
+    prompt_tokens: int | None = None
+    estimated_tokens: int | None = None
+    charges: tuple[LimitCharge, ...] = ()
     trace: tuple[str, ...] = ()
+
+
+def body_of_features(features: RequestFeatures) -> dict[str, Any]:
+    """A chat request body with what ``features`` say of one (for callers that describe a request by its
+    features only)."""
+    messages = [{"role": "system", "content": features.system_text}] if features.system_text else []
+    messages.append({"role": "user", "content": features.last_user_text})
+    body: dict[str, Any] = {"model": features.model, "messages": messages}
+    if features.max_tokens is not None:
+        body["max_tokens"] = features.max_tokens
+    if features.choices > 1:
+        body["n"] = features.choices
+    return body
+
+
+def run_idle(d: Decision, fleet: FleetView) -> Decision:
+    """Drive the procedure for ``d`` to its end, answering its effects as a dry run does (see the module doc)."""
+    steps = decide(d, fleet)
+    answer: Any = None
+    try:
+        while True:
+            effect = steps.send(answer)
+            if isinstance(effect, Reserve):
+                answer = fresh_buckets(effect.charges)
+            elif isinstance(effect, Attempt):
+                answer = Tried("ok")
+            elif isinstance(effect, Retry):
+                answer = True
+            elif isinstance(effect, Queue):
+                answer = Waited("expired", effect.deadline_s)
+            else:
+                assert isinstance(effect, Score | LookupCache | Mark), effect
+                answer = None  # no embedding classifier, an empty cache, no stage timed
+    except StopIteration as done:
+        result: Decision = done.value
+        return result
 
 
 def dry_run(snapshot: PolicySnapshot, tier: str, features: RequestFeatures,
             strategy: Strategy = "prefix-aware", priority: object = None, key_region: str | None = None,
-            gateway_region: str | None = None, body: Mapping[str, Any] | None = None) -> DryRun:
+            gateway_region: str | None = None, body: Mapping[str, Any] | None = None, *, kind: RequestKind = "chat",
+            tenant: str = "dry-run", tenant_limits: Limits | None = None, key_limits: Limits | None = None,
+            counters: Mapping[str, TokenCounter] | None = None, fleet: FleetView | None = None) -> DryRun:
     """Every decision the gateway would take for ``features`` from a tenant of ``tier``.
 
-    ``priority`` is the body's ``priority`` (a class name or vLLM number); the headers that lower
-    the class and name a home region are read from ``features.headers``. ``key_region``: the API
-    key's (or tenant's) home region; ``gateway_region``: the gateway's. Classifiers that call an
-    engine (embeddings) are not run: their rules do not match, and the trace says so.
+    ``priority`` is the body's ``priority`` (a class name or vLLM number); the headers that lower the
+    class, name a home region or bypass the cache are read from ``features.headers``. ``body``: the
+    request body (default: one made of ``features``); ``key_region``: the API key's (or tenant's) home
+    region; ``gateway_region``: the gateway's; ``tenant_limits``, ``key_limits``: the tenant's and the
+    key's limit overrides; ``counters``: the models' prompt counters (their tokenizers); ``fleet``: the
+    fleet as it is (default: idle).
     """
-    try:
-        decision = resolve_offline(snapshot, tier, features)
-        placement = place(snapshot, tier, decision.model, features.headers.get(REGION_HEADER), key_region,
-                          gateway_region)
-    except Refused as refusal:
-        return DryRun(refusal.status, refusal.code, trace=(refusal.message,))
-    trace = [*decision.trace, placement.trace]
-    try:
-        cls = classify(snapshot, tier, features.headers.get(PRIORITY_HEADER), priority)
-    except BadPriority as bad:
-        return DryRun(400, "invalid_priority", decision.model.name, trace=(*trace, bad.message))
-    trace.append(cls.trace)
-    if body is not None and snapshot.document.cache:
-        plan = plan_cache(snapshot, kind="chat", model=decision.model.name, route=decision.route, tier=tier,
-                          tenant="dry-run", body=body)
-        trace.append(plan.trace if plan is not None else "response cache: no rule applies (a rule's match, or "
-                     "not deterministic: temperature 0 or a seed)")
-    klass = cls.name
-    est = estimate(decision.model, features.prompt_tokens, features.max_tokens)
-    for charge in limit_charges(snapshot, tier, decision.model, est, tenant="dry-run", key="dry-run"):
-        if charge.amount > charge.capacity:  # fresh buckets admit anything else
-            return DryRun(429, "request_too_large", decision.model.name, limit=charge.limit, priority=klass,
-                          trace=(*trace, f"{charge.limit} ({charge.scope}): {charge.amount:.6g} {charge.unit} "
-                                         f"> limit {charge.capacity:.6g}"))
-    stages, skipped = usable_stages(fallback_plan(snapshot, decision.model, placement.allowed),
-                                    features.prompt_tokens + (features.max_tokens or 0))
-    trace += skipped
-    for stage in stages:
-        pick = PickRequest({}, home_region=placement.home, ceiling=cls.cls.dispatch_ceiling)
-        choice = pick_endpoint(profile_for(snapshot, stage.model, strategy), stage.candidates(), lambda _c: _IDLE,
-                               pick)
-        if choice is not None:
-            trace.append(choice.trace)
-            trace.append(plan_trace(snapshot, stages, decision.model))
-            return DryRun(200, None, decision.model.name, choice.pool.name, choice.pool.region, choice.url,
-                          priority=klass, trace=tuple(trace))
-    return DryRun(503, "no_endpoint", decision.model.name, priority=klass,
-                  trace=(*trace, "no endpoint in any stage"))
+    request = dict(body) if body is not None else body_of_features(features)
+    if priority is not None:
+        request["priority"] = priority
+    caller = Caller(tier, tenant, "dry-run", tenant_limits, key_limits, key_region)
+    ask = Ask(kind, request, features, caller, gateway_region, strategy, counters=counters or {})
+    return summary(run_idle(Decision(snapshot, ask), fleet or IdleFleet()))
+
+
+def summary(d: Decision) -> DryRun:
+    """The dry run's answer from a finished decision."""
+    model = d.model.model.name if d.model is not None else None
+    priority = d.cls.name if d.cls is not None else None
+    est = d.estimate.tokens if d.estimate is not None else None
+    prompt = d.prompt_tokens if d.estimate is not None else None
+    common: dict[str, Any] = {"model": model, "priority": priority, "plan": tuple(s.label for s in d.stages),
+                              "prompt_tokens": prompt, "estimated_tokens": est, "charges": d.charges,
+                              "trace": tuple(d.trace)}
+    if d.outcome == "refused":
+        assert d.refusal is not None
+        return DryRun(d.refusal.status, d.refusal.code, limit=d.refusal.limit, **common)
+    if d.outcome == "cache_hit":
+        return DryRun(200, None, pool="cache", served_model=model, **common)
+    assert d.outcome == "served", d.outcome
+    assert d.choice is not None
+    assert d.stage is not None
+    return DryRun(200, None, pool=d.choice.pool.name, region=d.choice.pool.region, endpoint=d.choice.url,
+                  served_model=d.stage.model.name, **common)

@@ -1,124 +1,56 @@
-"""Flow control decisions: a request's priority class, its place in a pool's queue, downgrades.
+"""Flow control's decisions: go, downgrade, shed or queue; how the batch lane sees the fleet; who gives way.
 
-Pure code with an injected clock: the gateway (:mod:`switchyard.gateway.flow`) holds one
-:class:`PoolQueues` per pool and carries these decisions out with futures and timers; the unit
-tests drive the same objects with a virtual clock.
+A request that has been admitted is scheduled (:func:`schedule`) before it picks an endpoint:
 
-**Class.** A request's class is its tenant's tier's class, optionally *lowered* (never raised) by
-the ``x-switchyard-priority`` header (a class name) or the body's ``priority`` (a class name, or an
-integer in vLLM's sense: the request takes the last class whose engine priority is at most that
-number, and the engine gets the number itself).
+1. **Saturated?** Each pool's utilisation is its least-loaded endpoint's, as the request's lane
+   sees it (the executor's :meth:`~switchyard.decide.views.FleetView.pool_utilisation`; endpoints in
+   a failure cool-down are left out unless all are). A pool *has room* for a class when it is under
+   the class's ceiling (1.0 interactive, ``max_utilisation`` for the batch lane) and nobody waits
+   before the newcomer (:class:`~switchyard.decide.views.QueueView`).
+2. **Degrade before refusing**: a model with ``on_saturation`` sends requests of the chosen
+   classes to ``downgrade_to`` when its own pools have no room (or are above the class's
+   shedding threshold) and the cheaper model's have.
+3. **Shed** a class with ``shed_above_utilisation`` at once when its pools are above it.
+4. **Go** when a pool has room.
+5. **Queue** otherwise, in the queue of every pool of the model (whichever frees first serves
+   it), unless the predicted wait already exceeds the class's deadline. A saturated pool turns
+   over the tokens it holds once per service time (Little's law), so the wait is predicted as
+   ``tokens served before it * mean service time / tokens in flight there``. The request leaves
+   with 503 when its deadline passes, or quietly when its client disconnects.
 
-**Queue discipline.** Each pool has two lanes. The interactive lane serves classes strictly best
-first; within a class, tenants share by *start-time fair queuing* (SFQ, Goyal et al. 1996) with
-tokens as the cost: a request's start tag is ``max(V, F[tenant])``, its tenant's finish tag becomes
-``start + cost``, the queue serves the smallest start tag, and the class's virtual time ``V``
-becomes the start tag of the request it served. A tenant that floods the queue pushes only its own
-tags forward, so a neighbour of the same class that sends one request is served next. The batch
-lane has the same discipline and is served only while the interactive lane is empty and the pool
-is under the batch class's utilisation ceiling. Each request carries a deadline (its class's
-``max_queue_ms``); :meth:`FairQueue.expire` takes out those whose deadline has passed.
+**Batch gives way.** Batch-lane requests in flight that are answered as one JSON object give way to
+interactive ones: an interactive request sees every utilisation without them, is steered to the
+endpoint where giving way loses the least batch work (:func:`steer`), and the executor preempts the
+youngest of them there until it is under the class's ceiling (:func:`preemption_victims`): vLLM's
+priority scheduling only orders its waiting queue and never preempts a running request for a waiting
+one, so without this an interactive request would wait for a batch sequence to end.
+
+**Prefills kept apart.** An engine step's prefills run together (a step carrying two takes about as
+long as both), so batch work is not sent to an endpoint while an interactive stream there waits for
+its first byte, nor while the last batch request sent there is likely still in its prefill
+(:func:`batch_view`: batch prefills go one at a time); and with ``max_num_seqs`` declared the batch
+lane leaves ``batch_reserve_slots`` of a pool free for interactive arrivals
+(:func:`batch_pool_utilisation`).
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
 
-from switchyard.decide.pick import pools_within
-from switchyard.policy.schema import Model, Pool, PriorityClass
+from switchyard.decide.classes import ClassDecision
+from switchyard.decide.pick import EndpointChoice, pools_within
+from switchyard.decide.refusals import Refusal
+from switchyard.decide.views import Candidate, DrainView, FleetView, QueueView
+from switchyard.policy.schema import Lane, Model, Pool
 from switchyard.policy.snapshot import PolicySnapshot
 
-#: The request header that lowers a request's class.
-PRIORITY_HEADER = "x-switchyard-priority"
-
-Lane = Literal["interactive", "batch"]
-
-
-class BadPriority(ValueError):
-    """The request asks for a priority that is not a class of the policy (or not a number)."""
-
-    def __init__(self, message: str, param: str | None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-
-
-@dataclass(frozen=True, slots=True)
-class ClassDecision:
-    """The class a request is served in, and why.
-
-    Attributes:
-        name: The class's name.
-        cls: The class as the policy declares it.
-        rank: Its position in ``priorities`` (0 is the best).
-        engine_priority: The vLLM ``priority`` the request carries to pools that honour it.
-        tier_class: The tier's class (``name`` differs when the request lowered itself).
-        trace: One sentence for the decision trace.
-    """
-
-    name: str
-    cls: PriorityClass
-    rank: int
-    engine_priority: int
-    tier_class: str
-    trace: str
-
-
-def _named_class(snapshot: PolicySnapshot, value: str, where: str, param: str) -> str:
-    if value not in snapshot.priorities:
-        known = ", ".join(snapshot.priorities)
-        raise BadPriority(f"Unknown priority class {value!r} in {where}; the policy's classes are: {known}.", param)
-    return value
-
-
-def classify(snapshot: PolicySnapshot, tier_name: str, header: str | None, asked: object) -> ClassDecision:
-    """The class of a request from a tenant of ``tier_name`` (the tier must exist in ``snapshot``).
-
-    Raises:
-        BadPriority: the header or body names an unknown class, or the body's ``priority`` is
-            neither a class name nor an integer.
-    """
-    base = snapshot.tiers[tier_name].priority
-    ranks = snapshot.class_rank
-    chosen, by, engine = base, None, snapshot.engine_priority[base]
-    wanted: list[tuple[str, str, int | None]] = []
-    if header is not None:
-        where = f"the {PRIORITY_HEADER} header"
-        wanted.append((_named_class(snapshot, header.strip(), where, PRIORITY_HEADER), where, None))
-    if isinstance(asked, str):
-        wanted.append((_named_class(snapshot, asked, "priority", "priority"), "the body's priority", None))
-    elif isinstance(asked, int) and not isinstance(asked, bool):
-        # vLLM's sense: a larger number is served later. The last class at or below it.
-        by_number = base
-        for name in snapshot.priorities:
-            if snapshot.engine_priority[name] <= asked and ranks[name] > ranks[by_number]:
-                by_number = name
-        wanted.append((by_number, "the body's priority", asked))
-    elif asked is not None:
-        raise BadPriority("priority must be an integer (vLLM's request priority) or the name of a priority "
-                          "class.", "priority")
-    notes = []
-    for name, source, number in wanted:
-        if ranks[name] > ranks[chosen]:
-            chosen, by = name, source
-        elif ranks[name] < ranks[base]:
-            notes.append(f"{source} asked for {name}, which is above the tier's class (a request may only "
-                         f"lower its class)")
-        if number is not None and number > engine:
-            engine = number
-    engine = max(engine, snapshot.engine_priority[chosen])
-    if by is None:
-        trace = f"class {chosen} (tier {tier_name})"
-    else:
-        trace = f"class {chosen} (tier {tier_name}'s class {base}, lowered by {by})"
-    if notes:
-        trace += "; " + "; ".join(notes)
-    return ClassDecision(chosen, snapshot.priorities[chosen], ranks[chosen], engine, base, trace)
+#: A batch request sent to an endpoint less than this share of its usual interactive time to first byte ago
+#: has most likely not had its first engine step yet (that time is the engine's frontend, the wait for the
+#: step in progress, and the prefill step; about half of it comes before the prefill step starts).
+WAITING_SHARE = 0.5
 
 
 def downgrade_target(snapshot: PolicySnapshot, model: Model, class_name: str, needed_tokens: int) -> Model | None:
@@ -136,280 +68,7 @@ def downgrade_target(snapshot: PolicySnapshot, model: Model, class_name: str, ne
     return target
 
 
-# --- queues -------------------------------------------------------------------------------
-
-WAITING, GRANTED, EXPIRED, LEFT = "waiting", "granted", "expired", "left"
-
-_SEQ = itertools.count()
-
-
-class Ticket:
-    """A request waiting for a pool's capacity; it may wait in several pools' queues at once.
-
-    Attributes:
-        tenant: Who sent it (fairness is between tenants of a class).
-        class_name, rank, lane: Its class.
-        cost: Its size in tokens (prompt + expected output).
-        ceiling: The pool utilisation under which it may be dispatched.
-        enqueued, deadline: When it joined, and when it must have left the queue.
-        state: waiting, granted, expired or left (the client went away).
-        granted_by: The pool whose capacity it was granted.
-    """
-
-    __slots__ = ("_queues", "ceiling", "class_name", "cost", "deadline", "enqueued", "granted_by", "lane", "rank",
-                 "seq", "state", "tenant", "waiter")
-
-    def __init__(self, tenant: str, class_name: str, rank: int, lane: Lane, cost: int, ceiling: float,
-                 enqueued: float, deadline: float) -> None:
-        self.tenant = tenant
-        self.class_name = class_name
-        self.rank = rank
-        self.lane: Lane = lane
-        self.cost = max(1, cost)
-        self.ceiling = ceiling
-        self.enqueued = enqueued
-        self.deadline = deadline
-        self.state = WAITING
-        self.granted_by: str | None = None
-        self.seq = next(_SEQ)
-        self._queues: list[FairQueue] = []
-        #: Whatever the holder of the ticket needs to wake its request (the gateway's future).
-        self.waiter: Any = None
-
-    @property
-    def waiting(self) -> bool:
-        return self.state == WAITING
-
-    def leave(self, state: str) -> None:
-        """Leave every queue the ticket waits in, as ``state`` (granted, expired, left)."""
-        if self.state != WAITING:
-            return
-        self.state = state
-        for queue in self._queues:
-            queue.discard(self)
-        self._queues.clear()
-
-
-class _ClassQueue:
-    """One class's requests in one queue: start-time fair queuing between tenants."""
-
-    __slots__ = ("finish", "heap", "live", "tokens", "vtime")
-
-    def __init__(self) -> None:
-        self.heap: list[tuple[float, int, Ticket]] = []
-        self.finish: dict[str, float] = {}
-        self.vtime = 0.0
-        self.live = 0
-        self.tokens = 0
-
-    def push(self, ticket: Ticket) -> None:
-        start = max(self.vtime, self.finish.get(ticket.tenant, 0.0))
-        self.finish[ticket.tenant] = start + ticket.cost
-        heapq.heappush(self.heap, (start, ticket.seq, ticket))
-        self.live += 1
-        self.tokens += ticket.cost
-
-    def head(self) -> tuple[float, Ticket] | None:
-        heap = self.heap
-        while heap and not heap[0][2].waiting:
-            heapq.heappop(heap)
-        return (heap[0][0], heap[0][2]) if heap else None
-
-
-class FairQueue:
-    """One lane of one pool: classes strictly by rank, tenants fairly within a class."""
-
-    __slots__ = ("_classes", "_deadlines")
-
-    def __init__(self) -> None:
-        self._classes: dict[int, _ClassQueue] = {}
-        self._deadlines: list[tuple[float, int, Ticket]] = []
-
-    def push(self, ticket: Ticket) -> None:
-        """Add a waiting ticket."""
-        queue = self._classes.get(ticket.rank)
-        if queue is None:
-            queue = self._classes[ticket.rank] = _ClassQueue()
-        queue.push(ticket)
-        heapq.heappush(self._deadlines, (ticket.deadline, ticket.seq, ticket))
-        ticket._queues.append(self)
-
-    def discard(self, ticket: Ticket) -> None:
-        """Count ``ticket`` out (it left through this queue or another); its entries go lazily."""
-        queue = self._classes[ticket.rank]
-        queue.live -= 1
-        queue.tokens -= ticket.cost
-        if queue.live == 0:
-            # The class's busy period ended: every tenant starts level again.
-            queue.finish.clear()
-            queue.heap.clear()
-
-    def head(self) -> Ticket | None:
-        """The ticket served next: the best class's smallest start tag (None when empty)."""
-        for rank in sorted(self._classes):
-            queue = self._classes[rank]
-            if queue.live:
-                found = queue.head()
-                if found is not None:
-                    return found[1]
-        return None
-
-    def grant(self, ticket: Ticket, pool: str) -> None:
-        """Serve ``ticket`` (which must be :meth:`head`): it leaves every queue, granted by ``pool``."""
-        queue = self._classes[ticket.rank]
-        found = queue.head()
-        assert found is not None, "grant a waiting ticket"
-        assert found[1] is ticket, "grant the head of the queue"
-        queue.vtime = found[0]
-        ticket.granted_by = pool
-        ticket.leave(GRANTED)
-
-    def expire(self, now: float) -> list[Ticket]:
-        """Take out the waiting tickets whose deadline is at or before ``now`` (they leave every queue)."""
-        gone = []
-        deadlines = self._deadlines
-        while deadlines and deadlines[0][0] <= now:
-            ticket = heapq.heappop(deadlines)[2]
-            if ticket.waiting:
-                ticket.leave(EXPIRED)
-                gone.append(ticket)
-        return gone
-
-    def next_deadline(self) -> float | None:
-        """The earliest deadline of a waiting ticket."""
-        deadlines = self._deadlines
-        while deadlines and not deadlines[0][2].waiting:
-            heapq.heappop(deadlines)
-        return deadlines[0][0] if deadlines else None
-
-    def depth(self, rank: int | None = None) -> int:
-        """Waiting tickets (of class ``rank``, or of all classes)."""
-        if rank is not None:
-            queue = self._classes.get(rank)
-            return queue.live if queue is not None else 0
-        return sum(q.live for q in self._classes.values())
-
-    def tokens_ahead(self, rank: int) -> int:
-        """Tokens of the waiting tickets of class ``rank`` and better."""
-        return sum(q.tokens for r, q in self._classes.items() if r <= rank)
-
-    def tokens_before(self, tenant: str, rank: int) -> int:
-        """Tokens served before a newcomer from ``tenant`` of class ``rank`` (if nothing better arrives).
-
-        Every waiting ticket of a better class, and those of its own class whose start tag is
-        is at most the newcomer's would be (ties go to the earlier arrival): a tenant under its fair
-        share has little ahead of it however long the class's queue is.
-        """
-        ahead = sum(q.tokens for r, q in self._classes.items() if r < rank)
-        queue = self._classes.get(rank)
-        if queue is not None and queue.live:
-            start = max(queue.vtime, queue.finish.get(tenant, 0.0))
-            ahead += sum(t.cost for tag, _, t in queue.heap if tag <= start and t.waiting)
-        return ahead
-
-    def __len__(self) -> int:
-        return self.depth()
-
-
-class PoolQueues:
-    """A pool's two lanes and the one grant it may have in transit.
-
-    A granted request still has to pick its endpoint and count itself there; until it has
-    (:meth:`dispatched`), the pool grants nobody else, so that one freed slot is not granted twice.
-    """
-
-    __slots__ = ("batch", "in_transit", "interactive")
-
-    def __init__(self) -> None:
-        self.interactive = FairQueue()
-        self.batch = FairQueue()
-        self.in_transit: Ticket | None = None
-
-    def lane(self, lane: Lane) -> FairQueue:
-        return self.batch if lane == "batch" else self.interactive
-
-    def saturated(self, lane: Lane, utilisation: float, ceiling: float) -> bool:
-        """Whether the pool is full for a newcomer of ``lane``: at ``ceiling``, or somebody waits before it."""
-        if utilisation >= ceiling or len(self.interactive):
-            return True
-        return lane == "batch" and len(self.batch) > 0
-
-    def has_room(self, lane: Lane, utilisation: float, ceiling: float) -> bool:
-        """Whether a newcomer of ``lane`` may go now: not :meth:`saturated` and no grant in transit (but
-        an interactive newcomer does not wait for a batch grant: that one gives way to it anyway)."""
-        transit = self.in_transit
-        if transit is not None and (lane == "batch" or transit.lane == "interactive"):
-            return False
-        return not self.saturated(lane, utilisation, ceiling)
-
-    def next_grant(self, interactive_u: float, batch_u: float) -> Ticket | None:
-        """The ticket to serve now, if any (see the module doc), with the pool's utilisation as each lane
-        sees it (the interactive lane leaves out work that would give way to it)."""
-        if self.in_transit is not None:
-            return None
-        head = self.interactive.head()
-        if head is not None:
-            return head if interactive_u < head.ceiling else None
-        head = self.batch.head()
-        if head is not None and batch_u < head.ceiling:
-            return head
-        return None
-
-    def grant(self, ticket: Ticket, pool: str) -> None:
-        """Serve ``ticket`` (from :meth:`next_grant`); it is in transit until :meth:`dispatched`."""
-        self.lane(ticket.lane).grant(ticket, pool)
-        self.in_transit = ticket
-
-    def dispatched(self, ticket: Ticket) -> bool:
-        """``ticket`` reached its endpoint (or gave up): the pool may grant again. True if it was in transit."""
-        if self.in_transit is ticket:
-            self.in_transit = None
-            return True
-        return False
-
-    def expire(self, now: float) -> list[Ticket]:
-        """Both lanes' expired tickets."""
-        return self.interactive.expire(now) + self.batch.expire(now)
-
-    def waiting(self) -> int:
-        """Tickets waiting in either lane."""
-        return len(self.interactive) + len(self.batch)
-
-
-# --- a newcomer's fate ----------------------------------------------------------------------
-
-#: Weight of the newest finished request in a pool's moving average of service time.
-SERVICE_EWMA = 0.2
-#: Finished requests before the service time is trusted for predicting waits.
-SERVICE_MIN_SAMPLES = 5
-
-
-class ServiceTime:
-    """A pool's moving average of how long its requests are served (for predicting queue waits)."""
-
-    __slots__ = ("mean_s", "samples")
-
-    def __init__(self) -> None:
-        self.mean_s = 0.0
-        self.samples = 0
-
-    def finished(self, service_s: float) -> None:
-        """Count a request that was served for ``service_s``."""
-        self.samples += 1
-        weight = max(SERVICE_EWMA, 1.0 / self.samples)  # a plain mean until the average has enough samples
-        self.mean_s += weight * (service_s - self.mean_s)
-
-    def drain_rate(self, in_flight_tokens: int) -> float | None:
-        """Tokens per second the pool finishes while it holds ``in_flight_tokens`` (None: not known yet).
-
-        A saturated pool turns over the tokens it holds once per service time (Little's law).
-        """
-        if self.samples < SERVICE_MIN_SAMPLES or in_flight_tokens <= 0 or self.mean_s <= 0:
-            return None
-        return in_flight_tokens / self.mean_s
-
-
-def predicted_wait_s(pools: Sequence[tuple[PoolQueues, ServiceTime, int]], lane: Lane, tenant: str,
+def predicted_wait_s(pools: Sequence[tuple[QueueView, DrainView, int]], lane: Lane, tenant: str,
                      rank: int) -> float | None:
     """The shortest predicted wait of a newcomer over its pools, each given as (queues, service time,
     tokens in flight there); None when a pool's service time is not known yet.
@@ -446,19 +105,19 @@ class FlowDecision:
 
 
 def plan_flow(snapshot: PolicySnapshot, model: Model, cls: ClassDecision, needed_tokens: int,
-              regions: frozenset[str] | None, utilisation: Callable[[Pool, bool], float],
-              queues: Callable[[Pool], PoolQueues]) -> FlowDecision:
-    """Flow control's decision for a newcomer of ``cls`` to ``model`` (steps 1-5 of ``gateway.flow``).
+              regions: frozenset[str] | None, utilisation: Callable[[Pool, Lane], float],
+              queues: Callable[[Pool], QueueView]) -> FlowDecision:
+    """Flow control's decision for a newcomer of ``cls`` to ``model`` (steps 1-5 of the module doc).
 
-    ``utilisation(pool, preempting)``: the pool's utilisation (``preempting``: as an interactive
-    request sees it); ``queues(pool)``: its queues. A newcomer that may not go now only because a
-    grant is in transit is queued (it waits a moment).
+    ``utilisation(pool, lane)``: the pool's utilisation as a newcomer of ``lane`` sees it;
+    ``queues(pool)``: its queues. A newcomer that may not go now only because a grant is in transit
+    is queued (it waits a moment).
     """
     def room(pools: Sequence[Pool]) -> tuple[bool, bool, float]:
         has, saturated, least = False, True, math.inf
         lane, ceiling = cls.cls.lane, cls.cls.dispatch_ceiling
         for pool in pools:
-            u = utilisation(pool, lane == "interactive")
+            u = utilisation(pool, lane)
             least = min(least, u)
             q = queues(pool)
             has = has or q.has_room(lane, u, ceiling)
@@ -480,3 +139,181 @@ def plan_flow(snapshot: PolicySnapshot, model: Model, cls: ClassDecision, needed
     if above:
         return FlowDecision("shed", model, pools, least)
     return FlowDecision("go" if has else "queue", model, pools, least)
+
+
+# --- scheduling: the flow stage of the procedure ---------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Queue:
+    """An effect: wait in the queues of ``pools`` until one grants room, the deadline passes or the client
+    leaves. The executor answers with :class:`Waited`.
+
+    Attributes:
+        pools: Where it waits (whichever frees first serves it).
+        tenant: Who sent it (fairness is between tenants of a class).
+        class_name, rank, lane: Its class.
+        cost: Its size in tokens (prompt + expected output).
+        ceiling: The pool utilisation under which it may be dispatched.
+        deadline_s: How long it may wait.
+    """
+
+    pools: tuple[Pool, ...]
+    tenant: str
+    class_name: str
+    rank: int
+    lane: Lane
+    cost: int
+    ceiling: float
+    deadline_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Waited:
+    """What became of a :class:`Queue`: granted room, expired, or its client left; after how long."""
+
+    outcome: Literal["granted", "expired", "left"]
+    waited_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Scheduled:
+    """Flow control's answer for a request that may go on.
+
+    Attributes:
+        model: The model to serve it (the resolved one, or its downgrade).
+        downgraded_from: The resolved model when ``model`` is its downgrade.
+        reason: A downgrade's reason (``shed_threshold`` or ``saturated``).
+        note: Why it was downgraded (for the ``x-switchyard-degraded`` header; ASCII).
+        waited_s: Time spent in the queue.
+    """
+
+    model: Model
+    downgraded_from: Model | None = None
+    reason: str | None = None
+    note: str | None = None
+    waited_s: float = 0.0
+
+
+def schedule(snapshot: PolicySnapshot, model: Model, cls: ClassDecision, cost: int, tenant: str, needed_tokens: int,
+             regions: frozenset[str] | None, fleet: FleetView) -> Generator[Queue, Waited, Scheduled | Refusal]:
+    """Capacity for a request of ``cost`` tokens to ``model``: go now, downgraded, after a wait, or a refusal.
+
+    ``regions``: where the request may be served (its tier's regions; None: anywhere); pools elsewhere
+    are not considered (the caller has checked that the model has a pool there). Yields a :class:`Queue`
+    when the request must wait.
+    """
+    now = fleet.now()
+    decision = plan_flow(snapshot, model, cls, needed_tokens, regions,
+                         lambda pool, lane: fleet.pool_utilisation(pool, lane, now), fleet.queues)
+    least, shed_at, klass = decision.least, cls.cls.shed_above_utilisation, cls.cls
+    if decision.action == "downgrade":
+        target = decision.model
+        why = (f"above the {shed_at:g} threshold of class {cls.name}" if decision.reason == "shed_threshold"
+               else "saturated")
+        note = f"{model.name} -> {target.name}: the pools of {model.name} are {why} (utilisation {least:.2f})"
+        return Scheduled(target, model, decision.reason, note)
+    if decision.action == "shed":
+        assert shed_at is not None
+        return Refusal(503, "shed_utilisation",
+                       f"Shed: the pools of model {model.name} are at utilisation {least:.2f}, above the {shed_at:g} "
+                       f"threshold of priority class {cls.name}. Retry later or with a higher tier.",
+                       retry_after_s=1.0, shed="utilisation")
+    if decision.action == "go":
+        return Scheduled(model)
+    deadline_s = klass.queue_deadline_s
+    predicted = predicted_wait_s([(fleet.queues(p), fleet.service(p), fleet.reserved_tokens(p))
+                                  for p in decision.pools], klass.lane, tenant, cls.rank)
+    if predicted is not None and predicted > deadline_s:
+        return Refusal(503, "queue_wait_too_long",
+                       f"Shed: the predicted wait for model {model.name} ({predicted:.1f} s) exceeds the "
+                       f"{deadline_s * 1000:g} ms queue deadline of priority class {cls.name}.",
+                       retry_after_s=max(1.0, math.ceil(predicted)), shed="predicted_wait")
+    waited = yield Queue(decision.pools, tenant, cls.name, cls.rank, klass.lane, cost, klass.dispatch_ceiling,
+                         deadline_s)
+    if waited.outcome == "granted":
+        return Scheduled(model, waited_s=waited.waited_s)
+    if waited.outcome == "expired":
+        return Refusal(503, "queue_deadline_exceeded",
+                       f"Shed: the request waited {waited.waited_s * 1000:.0f} ms for model {model.name}, the queue "
+                       f"deadline of priority class {cls.name} ({deadline_s * 1000:g} ms); its pools stayed "
+                       "saturated.", retry_after_s=max(1.0, math.ceil(deadline_s)), shed="deadline")
+    return Refusal(499, "client_closed_request", "The client closed the connection while the request waited in "
+                   "the queue.")
+
+
+# --- how the batch lane sees the fleet -------------------------------------------------------------
+
+def batch_view(utilisation: float, prefilling: int, batch_prefilling: bool) -> float:
+    """An endpoint's ``utilisation`` as batch work sees it: full while an interactive stream there is in its
+    prefill (a batch prefill sent now would share its first engine step), and while the last batch request
+    sent there is likely still in its own (batch prefills go one at a time: an engine step carrying several
+    takes as long as all of them, and an interactive request arriving meanwhile waits for it)."""
+    return max(utilisation, 1.0) if prefilling or batch_prefilling else utilisation
+
+
+def batch_pool_utilisation(pool: Pool, utilisations: Sequence[float], slots_used: float) -> float:
+    """A pool's utilisation as the batch lane sees it, from its endpoints in service (``utilisations``: each
+    through :func:`batch_view`; ``slots_used``: their sequence slots taken).
+
+    Its least-loaded endpoint's; with ``max_num_seqs`` declared, at least the share of the endpoints'
+    slots taken with ``batch_reserve_slots`` more counted as taken (so batch work leaves that many free for
+    interactive arrivals), but never all of them: the batch lane may always have one slot of the pool.
+    """
+    u = min(utilisations)
+    if not pool.max_num_seqs or not pool.batch_reserve_slots:
+        return u
+    slots = pool.max_num_seqs * len(utilisations)
+    return max(u, (slots_used + min(pool.batch_reserve_slots, slots - 1)) / slots)
+
+
+# --- who gives way ---------------------------------------------------------------------------------
+
+def steer(choice: EndpointChoice, options: Sequence[Candidate], tried: set[str], ceiling: float, fleet: FleetView,
+          now: float) -> EndpointChoice:
+    """Where an interactive request picked for ``choice`` should go to lose the least batch work.
+
+    ``choice`` itself when it has room without preempting; otherwise the option (in service, not
+    ``tried``, with room once its yielders are gone, and no more interactive streams in their prefill than
+    ``choice``: the newcomer's first engine step would carry theirs) whose youngest yielder was sent last.
+    """
+    chosen = Candidate(choice.pool, choice.url)
+    if not fleet.full(chosen, ceiling, now, False):
+        return choice
+    best: Candidate | None = None
+    youngest = -math.inf
+    prefilling = fleet.prefilling(choice.url)
+    for option in options:
+        started = fleet.yielders(option.url)
+        if (not started or option.url in tried or started[-1] <= youngest
+                or fleet.prefilling(option.url) > prefilling
+                or not fleet.available(option, now)
+                or fleet.full(option, ceiling, now, True)):
+            continue
+        best, youngest = option, started[-1]
+    if best is None or best.url == choice.url:
+        return choice
+    return replace(choice, pool=best.pool, url=best.url,
+                   notes=(*choice.notes, "moved to the endpoint whose youngest batch request gives way"))
+
+
+def preemption_victims(yielders: Sequence[tuple[float, int]], full_without: Callable[[int, int], bool],
+                       prefill_s: float | None, now: float) -> list[int]:
+    """Which of an endpoint's yielders an interactive request preempts there (their indexes).
+
+    ``yielders``: when each was sent and its tokens, oldest first; ``full_without(n, tokens)``: whether the
+    endpoint is still at the request's ceiling with ``n`` requests of ``tokens`` tokens gone. The
+    youngest go first (least work lost) until there is room; besides, those sent less than
+    :data:`WAITING_SHARE` of the endpoint's usual interactive time to first byte (``prefill_s``) ago most
+    likely wait for their first engine step: they would share the newcomer's and slow it down, and they
+    lose nothing. (One already in its prefill step is left alone: that step runs to its end all the same.)
+    """
+    victims: list[int] = []
+    gone_tokens = 0
+    index = len(yielders) - 1
+    while index >= 0 and full_without(len(victims), gone_tokens):
+        victims.append(index)
+        gone_tokens += yielders[index][1]
+        index -= 1
+    if prefill_s is not None:
+        victims += [i for i in range(index + 1) if now - yielders[i][0] < WAITING_SHARE * prefill_s]
+    return victims

@@ -23,12 +23,12 @@ regions the tier may not use are left out of every stage.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from switchyard.decide.plugins import EndpointView, Option, PickRequest, Profile, compile_profile
+from switchyard.decide.plugins import Option, PickRequest, Profile, compile_profile
+from switchyard.decide.views import Candidate, EndpointView
 from switchyard.policy.routing import BASELINE_PROFILES, DEFAULT_PROFILE
 from switchyard.policy.schema import Model, Pool
 from switchyard.policy.snapshot import PolicySnapshot
@@ -42,10 +42,13 @@ _BUILTIN = compile_profile("default", DEFAULT_PROFILE)
 _BASELINES = {name: compile_profile(name, p) for name, p in BASELINE_PROFILES.items()}
 
 
-#: Compiled profiles of recent policies, by (policy hash, profile name); a few policies are live at once
-#: (requests in flight finish on the snapshot they started with).
-_COMPILED: OrderedDict[tuple[str, str], Profile] = OrderedDict()
-_COMPILED_MAX = 64
+def compiled_profiles(snapshot: PolicySnapshot) -> dict[str, Profile]:
+    """The snapshot's endpoint profiles, compiled once per snapshot (kept in ``snapshot.compiled``)."""
+    profiles: dict[str, Profile] | None = snapshot.compiled.get("endpoint_profiles")
+    if profiles is None:
+        profiles = {name: compile_profile(name, p) for name, p in snapshot.document.endpoint_profiles.items()}
+        snapshot.compiled["endpoint_profiles"] = profiles
+    return profiles
 
 
 def profile_for(snapshot: PolicySnapshot, model: Model, strategy: Strategy = "prefix-aware") -> Profile:
@@ -53,23 +56,7 @@ def profile_for(snapshot: PolicySnapshot, model: Model, strategy: Strategy = "pr
     if strategy != "prefix-aware":
         return _BASELINES[strategy]
     name = model.endpoint_profile
-    if name is None:
-        return _BUILTIN
-    key = (snapshot.sha256, name)
-    profile = _COMPILED.get(key)
-    if profile is None:
-        profile = _COMPILED[key] = compile_profile(name, snapshot.document.endpoint_profiles[name])
-        while len(_COMPILED) > _COMPILED_MAX:
-            _COMPILED.popitem(last=False)
-    return profile
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """An endpoint that could serve the request."""
-
-    pool: Pool
-    url: str
+    return _BUILTIN if name is None else compiled_profiles(snapshot)[name]
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +186,7 @@ def pick_endpoint(profile: Profile, options: Sequence[Candidate], view: Callable
     if len(current) < len(unfiltered):
         notes.append(f"{len(unfiltered) - len(current)} out of service left out")
     for plugin in profile.filters:
-        kept = plugin.fn(current, request)
+        kept = plugin.keep(current, request)
         if not kept:
             notes.append(f"{plugin.name}: none passes, all {len(current)} kept")
         elif len(kept) < len(current):
@@ -215,10 +202,10 @@ def pick_endpoint(profile: Profile, options: Sequence[Candidate], view: Callable
         if note:
             notes.append(note)
     n = len(current)
-    columns = [(plugin.name, plugin.weight, plugin.fn(current, request)) for plugin in profile.scorers]
+    columns = [(plugin.name, plugin.weight, plugin.score(current, request)) for plugin in profile.scorers]
     total = sum(weight for _, weight, _ in columns) or 1.0
     scores = [sum(weight * values[i] for _, weight, values in columns) / total for i in range(n)]
-    index = profile.picker.fn(current, scores, request)
+    index = profile.picker.pick(current, scores, request)
     chosen = current[index]
     return EndpointChoice(chosen.pool, chosen.url, scores[index],
                           tuple((name, values[index]) for name, _, values in columns), profile.picker.name, n,

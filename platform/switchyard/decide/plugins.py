@@ -1,53 +1,39 @@
-"""The endpoint picker's plugins: a registry of typed factories, one per spec of :mod:`switchyard.policy.routing`.
+"""The endpoint picker's plugins: interfaces, one implementation per spec of :mod:`switchyard.policy.routing`.
 
-Every plugin is a pure function of the candidates and what the gateway knows of them (an
+Every plugin is a pure function of the candidates and what the executor knows of them (an
 :class:`Option` per endpoint) and of the request (:class:`PickRequest`):
 
-- a **filter** returns the candidates that stay. A filter that would leave none is ignored (the
-  trace says so): better to try a busy or cooling-down replica, or one whose scrape named another
-  model (its own answer then says what is wrong), than to refuse.
-- a **scorer** returns one score in [0, 1] per candidate; the profile's score is the weighted mean.
-- a **picker** returns the index of the chosen candidate.
+- a :class:`Filter` keeps some candidates. A filter that would leave none is ignored (the trace
+  says so): better to try a busy or cooling-down replica, or one whose scrape named another model
+  (its own answer then says what is wrong), than to refuse.
+- a :class:`Scorer` gives one score in [0, 1] per candidate; the profile's score is the weighted mean.
+- a :class:`Picker` chooses the index of one candidate.
 
-A factory is registered per spec class (``@register(SpecClass)``); :func:`compile_profile` turns a
-policy profile into functions once per policy snapshot, and an import-time check makes sure every
-spec class the schema accepts has a factory.
+A scorer that keeps state (prefix affinity, session affinity) is also an :class:`Observer`: after a
+pick and after the endpoint's answer, the procedure calls its hooks, and it records what it needs in
+the executor's :class:`~switchyard.decide.views.ScorerMemory` (the executor owns the memory; the
+scorer decides what goes in it and reads it back), as the Kubernetes endpoint picker's
+PostResponse plugins do.
+
+Each plugin class is registered for its spec class (:func:`register`); :func:`compile_profile` turns a
+policy profile into plugin objects once per policy snapshot, and an import-time check makes sure
+every spec class the schema accepts has a plugin.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar, get_args
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, TypeVar, get_args, runtime_checkable
 
 from pydantic import BaseModel
 
+from switchyard.decide.prefix import block_hashes, prompt_text
+from switchyard.decide.sessions import session_key
+from switchyard.decide.views import NO_MEMORY, EndpointView, ScorerMemory
 from switchyard.policy import routing as spec
 from switchyard.policy.schema import Pool
-
-
-@dataclass(frozen=True, slots=True)
-class EndpointView:
-    """What the picker knows of one endpoint.
-
-    Attributes:
-        healthy: Not in a failure cool-down.
-        load: Requests at the engine (scraped running + waiting, plus what this gateway sent since); as an
-            interactive request weighs them: without the batch work that gives way to it, with the interactive
-            streams in their prefill counted twice (:meth:`switchyard.engines.endpoints.EndpointState.load`).
-        queued: Requests waiting inside the engine at the last fresh scrape.
-        utilisation: How full it is (:meth:`switchyard.engines.endpoints.EndpointState.utilisation`).
-        inflight_tokens: Tokens this gateway has in flight there (prompt + expected output).
-        models: The models its engine reports serving (None: not known from a fresh scrape).
-    """
-
-    healthy: bool = True
-    load: float = 0.0
-    queued: float = 0.0
-    utilisation: float = 0.0
-    inflight_tokens: int = 0
-    models: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,95 +45,164 @@ class Option:
     view: EndpointView
 
 
+@dataclass(slots=True, eq=False)
+class Subject:
+    """What stateful scorers key their memory on: the request's prompt and who sent it.
+
+    The prompt's block hashes are computed on first use (only profiles that score prefix affinity
+    among more than one endpoint need them) and kept for the request's later picks and hooks.
+    """
+
+    body: Mapping[str, Any] = field(default_factory=dict)
+    headers: Mapping[str, str] = field(default_factory=dict)
+    tenant: str = ""
+    _hashes: list[bytes] | None = None
+
+    def hashes(self) -> list[bytes]:
+        """The prompt's chained block hashes (:func:`switchyard.decide.prefix.block_hashes`)."""
+        if self._hashes is None:
+            self._hashes = block_hashes(prompt_text(self.body))
+        return self._hashes
+
+
 @dataclass(frozen=True, slots=True)
 class PickRequest:
-    """What the plugins know of the request.
+    """What the plugins know of the request at one pick.
 
     Attributes:
-        affinity: Prefix affinity by URL (fraction of the prompt's leading blocks served there).
-        session_url: The endpoint that served the request's session before, if any.
+        memory: The stateful scorers' memory (the executor's).
+        subject: What they key it on.
+        model: The model of the plan's stage being picked for.
+        alternatives: How many endpoints that stage has (with one, affinity cannot matter).
         home_region: The region it prefers (None: no preference).
         ceiling: The utilisation under which its class is dispatched (1.0, batch lane less).
         rotation: A counter for round-robin.
         rng: Breaks ties (None: the first of the tied candidates, for reproducible dry runs).
+        now: The executor's clock.
     """
 
-    affinity: Mapping[str, float]
-    session_url: str | None = None
+    memory: ScorerMemory = NO_MEMORY
+    subject: Subject = field(default_factory=Subject)
+    model: str = ""
+    alternatives: int = 1
     home_region: str | None = None
     ceiling: float = 1.0
     rotation: int = 0
     rng: random.Random | None = None
+    now: float = 0.0
 
 
-FilterFn = Callable[[Sequence[Option], PickRequest], list[Option]]
-ScorerFn = Callable[[Sequence[Option], PickRequest], list[float]]
-PickerFn = Callable[[Sequence[Option], Sequence[float], PickRequest], int]
+#: What became of a request at the endpoint it was sent to: answered, preempted by flow control (it
+#: ran there for a while), or failed before answering.
+Answer = Literal["ok", "preempted", "failed"]
 
 
-@dataclass(frozen=True, slots=True)
-class FilterPlugin:
-    name: str
-    fn: FilterFn
+@runtime_checkable
+class Filter(Protocol):
+    """Keeps the candidates it passes."""
+
+    @property
+    def name(self) -> str: ...
+
+    def keep(self, options: Sequence[Option], request: PickRequest) -> list[Option]: ...
 
 
-@dataclass(frozen=True, slots=True)
-class ScorerPlugin:
-    name: str
-    fn: ScorerFn
-    weight: float
+@runtime_checkable
+class Scorer(Protocol):
+    """Scores each candidate in [0, 1]."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def weight(self) -> float:
+        """How much its score counts in the profile's weighted mean."""
+        ...
+
+    def score(self, options: Sequence[Option], request: PickRequest) -> list[float]: ...
 
 
-@dataclass(frozen=True, slots=True)
-class PickerPlugin:
-    name: str
-    fn: PickerFn
+@runtime_checkable
+class Picker(Protocol):
+    """Chooses one candidate by its score."""
+
+    @property
+    def name(self) -> str: ...
+
+    def pick(self, options: Sequence[Option], scores: Sequence[float], request: PickRequest) -> int: ...
 
 
-Plugin = FilterPlugin | ScorerPlugin | PickerPlugin
-S = TypeVar("S", bound=BaseModel)
-_FACTORIES: dict[type[BaseModel], Callable[[Any], Plugin]] = {}
+@runtime_checkable
+class Observer(Protocol):
+    """A plugin that keeps state: told what was picked and what became of it."""
+
+    def picked(self, url: str, request: PickRequest) -> None:
+        """``url`` was chosen for the request (before it is sent)."""
+        ...
+
+    def answered(self, url: str, request: PickRequest, answer: Answer) -> None:
+        """The request's try at ``url`` ended as ``answer``."""
+        ...
 
 
-def register(kind: type[S]) -> Callable[[Callable[[S], Plugin]], Callable[[S], Plugin]]:
-    """Register the factory of the plugin whose spec class is ``kind``."""
+Plugin = Filter | Scorer | Picker
+P = TypeVar("P", bound=type)
+_PLUGINS: dict[type[BaseModel], Callable[[Any], Plugin]] = {}
 
-    def decorate(factory: Callable[[S], Plugin]) -> Callable[[S], Plugin]:
-        _FACTORIES[kind] = factory
-        return factory
+
+def register(kind: type[BaseModel]) -> Callable[[P], P]:
+    """Register the plugin class built (from its spec) for spec class ``kind``."""
+
+    def decorate(plugin: P) -> P:
+        _PLUGINS[kind] = plugin
+        return plugin
 
     return decorate
 
 
 def build(item: BaseModel) -> Plugin:
     """The plugin a spec describes."""
-    return _FACTORIES[type(item)](item)
+    return _PLUGINS[type(item)](item)
 
 
 # --- filters ------------------------------------------------------------------------------------
 
 @register(spec.HealthyFilter)
-def _healthy(_s: spec.HealthyFilter) -> Plugin:
-    return FilterPlugin("healthy", lambda options, _r: [o for o in options if o.view.healthy])
+@dataclass(frozen=True, slots=True)
+class HealthyFilter:
+    """Endpoints in service (picking drops the others anyway: see :func:`switchyard.decide.pick.pick_endpoint`)."""
+
+    _spec: spec.HealthyFilter
+    name: str = "healthy"
+
+    def keep(self, options: Sequence[Option], request: PickRequest) -> list[Option]:
+        return [o for o in options if o.view.healthy]
 
 
 @register(spec.ServesModelFilter)
-def _serves_model(_s: spec.ServesModelFilter) -> Plugin:
-    def keep(options: Sequence[Option], _r: PickRequest) -> list[Option]:
-        return [o for o in options if o.view.models is None or o.pool.served_model in o.view.models]
+@dataclass(frozen=True, slots=True)
+class ServesModelFilter:
+    """Endpoints whose engine does not report serving another model than the pool declares."""
 
-    return FilterPlugin("serves-model", keep)
+    _spec: spec.ServesModelFilter
+    name: str = "serves-model"
+
+    def keep(self, options: Sequence[Option], request: PickRequest) -> list[Option]:
+        return [o for o in options if o.view.models is None or o.pool.served_model in o.view.models]
 
 
 @register(spec.UnderSaturationFilter)
-def _under_saturation(s: spec.UnderSaturationFilter) -> Plugin:
-    limit = s.max_utilisation
+@dataclass(frozen=True, slots=True)
+class UnderSaturationFilter:
+    """Endpoints under the spec's utilisation, or the request's class's ceiling."""
 
-    def keep(options: Sequence[Option], request: PickRequest) -> list[Option]:
+    _spec: spec.UnderSaturationFilter
+    name: str = "under-saturation"
+
+    def keep(self, options: Sequence[Option], request: PickRequest) -> list[Option]:
+        limit = self._spec.max_utilisation
         ceiling = limit if limit is not None else request.ceiling
         return [o for o in options if o.view.utilisation < ceiling]
-
-    return FilterPlugin("under-saturation", keep)
 
 
 # --- scorers ------------------------------------------------------------------------------------
@@ -159,53 +214,142 @@ def _least_over(values: list[float]) -> list[float]:
 
 
 @register(spec.LoadScorer)
-def _load(s: spec.LoadScorer) -> Plugin:
-    return ScorerPlugin("load", lambda options, _r: _least_over([o.view.load for o in options]), s.weight)
+@dataclass(frozen=True, slots=True)
+class LoadScorer:
+    """Fewer requests at the engine score higher."""
+
+    _spec: spec.LoadScorer
+    name: str = "load"
+
+    @property
+    def weight(self) -> float:
+        return self._spec.weight
+
+    def score(self, options: Sequence[Option], request: PickRequest) -> list[float]:
+        return _least_over([o.view.load for o in options])
 
 
 @register(spec.QueueDepthScorer)
-def _queue_depth(s: spec.QueueDepthScorer) -> Plugin:
-    return ScorerPlugin("queue-depth", lambda options, _r: [1.0 / (1.0 + o.view.queued) for o in options],
-                        s.weight)
+@dataclass(frozen=True, slots=True)
+class QueueDepthScorer:
+    """Fewer requests waiting inside the engine score higher."""
+
+    _spec: spec.QueueDepthScorer
+    name: str = "queue-depth"
+
+    @property
+    def weight(self) -> float:
+        return self._spec.weight
+
+    def score(self, options: Sequence[Option], request: PickRequest) -> list[float]:
+        return [1.0 / (1.0 + o.view.queued) for o in options]
 
 
 @register(spec.KvCacheScorer)
-def _kv_cache(s: spec.KvCacheScorer) -> Plugin:
-    return ScorerPlugin("kv-cache", lambda options, _r: [min(1.0, max(0.0, 1.0 - o.view.utilisation))
-                                                          for o in options], s.weight)
+@dataclass(frozen=True, slots=True)
+class KvCacheScorer:
+    """More room left in the KV cache (and sequence slots) scores higher."""
+
+    _spec: spec.KvCacheScorer
+    name: str = "kv-cache"
+
+    @property
+    def weight(self) -> float:
+        return self._spec.weight
+
+    def score(self, options: Sequence[Option], request: PickRequest) -> list[float]:
+        return [min(1.0, max(0.0, 1.0 - o.view.utilisation)) for o in options]
 
 
 @register(spec.InflightTokensScorer)
-def _inflight_tokens(s: spec.InflightTokensScorer) -> Plugin:
-    return ScorerPlugin("inflight-tokens",
-                        lambda options, _r: _least_over([float(o.view.inflight_tokens) for o in options]), s.weight)
+@dataclass(frozen=True, slots=True)
+class InflightTokensScorer:
+    """Fewer of this gateway's tokens in flight there score higher."""
+
+    _spec: spec.InflightTokensScorer
+    name: str = "inflight-tokens"
+
+    @property
+    def weight(self) -> float:
+        return self._spec.weight
+
+    def score(self, options: Sequence[Option], request: PickRequest) -> list[float]:
+        return _least_over([float(o.view.inflight_tokens) for o in options])
 
 
 @register(spec.PrefixAffinityScorer)
-def _prefix_affinity(s: spec.PrefixAffinityScorer) -> Plugin:
-    ceiling, margin = s.yield_above_utilisation, s.herd_margin
+@dataclass(frozen=True, slots=True)
+class PrefixAffinityScorer:
+    """The share of the prompt's leading blocks an endpoint was sent recently, unless it is busy (herding guard).
 
-    def score(options: Sequence[Option], request: PickRequest) -> list[float]:
-        affinity = request.affinity
-        if not affinity:
+    Its memory is the executor's :class:`~switchyard.decide.views.PrefixMemory`: after a request was
+    answered (or preempted after running) at an endpoint, that endpoint holds the prompt's blocks.
+    """
+
+    _spec: spec.PrefixAffinityScorer
+    name: str = "prefix-affinity"
+
+    @property
+    def weight(self) -> float:
+        return self._spec.weight
+
+    def score(self, options: Sequence[Option], request: PickRequest) -> list[float]:
+        if request.alternatives < 2:  # nothing to choose between: the prompt need not even be hashed
             return [0.0] * len(options)
+        hashes = request.subject.hashes()
+        if not hashes:
+            return [0.0] * len(options)
+        affinity = request.memory.prefixes.affinity(hashes, [o.url for o in options], request.now)
+        ceiling, margin = self._spec.yield_above_utilisation, self._spec.herd_margin
         least = min(o.view.load for o in options)
         return [0.0 if (v.queued > 0 or v.utilisation >= ceiling or v.load > least + margin)
                 else affinity.get(o.url, 0.0)
                 for o in options for v in (o.view,)]
 
-    return ScorerPlugin("prefix-affinity", score, s.weight)
+    def picked(self, url: str, request: PickRequest) -> None:
+        return None
+
+    def answered(self, url: str, request: PickRequest, answer: Answer) -> None:
+        if answer != "failed" and request.alternatives > 1 and request.subject.hashes():
+            # Its prompt is in that engine's prefix cache now.
+            request.memory.prefixes.record(request.subject.hashes(), url, request.now)
 
 
 @register(spec.SessionAffinityScorer)
-def _session_affinity(s: spec.SessionAffinityScorer) -> Plugin:
-    ceiling = s.yield_above_utilisation
+@dataclass(frozen=True, slots=True)
+class SessionAffinityScorer:
+    """1 for the endpoint that served the request's session last, while it is healthy and has room.
 
-    def score(options: Sequence[Option], request: PickRequest) -> list[float]:
-        url = request.session_url
+    Its memory is the executor's :class:`~switchyard.decide.views.SessionMemory`, keyed per tenant,
+    model and session id (:func:`switchyard.decide.sessions.session_key`).
+    """
+
+    _spec: spec.SessionAffinityScorer
+    name: str = "session-affinity"
+
+    @property
+    def weight(self) -> float:
+        return self._spec.weight
+
+    def key(self, request: PickRequest) -> str | None:
+        """The request's session under this scorer (None: no session id)."""
+        subject = request.subject
+        return session_key(self._spec.header.lower(), self._spec.use_user, subject.headers, subject.body,
+                           subject.tenant, request.model)
+
+    def score(self, options: Sequence[Option], request: PickRequest) -> list[float]:
+        key = self.key(request)
+        url = request.memory.sessions.get(key, request.now) if key is not None else None
+        ceiling = self._spec.yield_above_utilisation
         return [1.0 if o.url == url and o.view.healthy and o.view.utilisation < ceiling else 0.0 for o in options]
 
-    return ScorerPlugin("session-affinity", score, s.weight)
+    def picked(self, url: str, request: PickRequest) -> None:
+        return None
+
+    def answered(self, url: str, request: PickRequest, answer: Answer) -> None:
+        key = self.key(request) if answer == "ok" else None
+        if key is not None:
+            request.memory.sessions.record(key, url, request.now)
 
 
 # --- pickers ------------------------------------------------------------------------------------
@@ -217,24 +361,42 @@ def _best(indexes: Sequence[int], scores: Sequence[float], rng: random.Random | 
 
 
 @register(spec.MaxScorePicker)
-def _max_score(_s: spec.MaxScorePicker) -> Plugin:
-    return PickerPlugin("max-score", lambda options, scores, request: _best(range(len(options)), scores, request.rng))
+@dataclass(frozen=True, slots=True)
+class MaxScorePicker:
+    """The highest score (ties at random, or the first without a random source)."""
+
+    _spec: spec.MaxScorePicker
+    name: str = "max-score"
+
+    def pick(self, options: Sequence[Option], scores: Sequence[float], request: PickRequest) -> int:
+        return _best(range(len(options)), scores, request.rng)
 
 
 @register(spec.PowerOfTwoPicker)
-def _power_of_two(_s: spec.PowerOfTwoPicker) -> Plugin:
-    def pick(options: Sequence[Option], scores: Sequence[float], request: PickRequest) -> int:
+@dataclass(frozen=True, slots=True)
+class PowerOfTwoPicker:
+    """The better of two candidates drawn at random."""
+
+    _spec: spec.PowerOfTwoPicker
+    name: str = "power-of-two"
+
+    def pick(self, options: Sequence[Option], scores: Sequence[float], request: PickRequest) -> int:
         n = len(options)
         if n <= 2 or request.rng is None:
             return _best(range(n), scores, request.rng)
         return _best(request.rng.sample(range(n), 2), scores, request.rng)
 
-    return PickerPlugin("power-of-two", pick)
-
 
 @register(spec.RoundRobinPicker)
-def _round_robin(_s: spec.RoundRobinPicker) -> Plugin:
-    return PickerPlugin("round-robin", lambda options, _scores, request: request.rotation % len(options))
+@dataclass(frozen=True, slots=True)
+class RoundRobinPicker:
+    """The next candidate in turn."""
+
+    _spec: spec.RoundRobinPicker
+    name: str = "round-robin"
+
+    def pick(self, options: Sequence[Option], scores: Sequence[float], request: PickRequest) -> int:
+        return request.rotation % len(options)
 
 
 def _spec_classes(union: Any) -> set[type[BaseModel]]:
@@ -243,7 +405,7 @@ def _spec_classes(union: Any) -> set[type[BaseModel]]:
 
 
 _DECLARED = _spec_classes(spec.FilterSpec) | _spec_classes(spec.ScorerSpec) | _spec_classes(spec.PickerSpec)
-assert set(_FACTORIES) == _DECLARED, f"plugins without a factory: {_DECLARED - set(_FACTORIES)}"
+assert set(_PLUGINS) == _DECLARED, f"plugins without an implementation: {_DECLARED - set(_PLUGINS)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,25 +413,31 @@ class Profile:
     """A compiled endpoint profile."""
 
     name: str
-    filters: tuple[FilterPlugin, ...]
-    scorers: tuple[ScorerPlugin, ...]
-    picker: PickerPlugin
+    filters: tuple[Filter, ...]
+    scorers: tuple[Scorer, ...]
+    picker: Picker
     home_region: bool
-    #: The session-affinity scorer's (header, use the body's ``user``), when the profile has one.
-    session: tuple[str, bool] | None = None
-    #: The profile scores prefix affinity (the prompt's block hashes are needed).
-    prefix: bool = False
+    #: The plugins with observation hooks (the stateful scorers).
+    observers: tuple[Observer, ...] = ()
+
+    def picked(self, url: str, request: PickRequest) -> None:
+        """Tell the stateful plugins what was picked."""
+        for observer in self.observers:
+            observer.picked(url, request)
+
+    def answered(self, url: str, request: PickRequest, answer: Answer) -> None:
+        """Tell the stateful plugins what became of the try at ``url``."""
+        for observer in self.observers:
+            observer.answered(url, request, answer)
 
 
 def compile_profile(name: str, profile: spec.EndpointProfile) -> Profile:
-    """The functions of a policy profile."""
-    filters = tuple(p for p in map(build, profile.filters) if isinstance(p, FilterPlugin))
-    scorers = tuple(p for p in map(build, profile.scorers) if isinstance(p, ScorerPlugin))
+    """The plugins of a policy profile."""
+    filters = [build(f) for f in profile.filters]
+    scorers = [build(s) for s in profile.scorers]
     picker = build(profile.picker)
-    assert isinstance(picker, PickerPlugin)
-    assert len(filters) == len(profile.filters)
-    assert len(scorers) == len(profile.scorers)
-    session = next(((s.header.lower(), s.use_user) for s in profile.scorers
-                    if isinstance(s, spec.SessionAffinityScorer)), None)
-    prefix = any(isinstance(s, spec.PrefixAffinityScorer) for s in profile.scorers)
-    return Profile(name, filters, scorers, picker, profile.home_region, session, prefix)
+    assert isinstance(picker, Picker), picker
+    plugins = (*filters, *scorers, picker)
+    observers = tuple(p for p in plugins if isinstance(p, Observer))
+    return Profile(name, tuple(f for f in filters if isinstance(f, Filter)),
+                   tuple(s for s in scorers if isinstance(s, Scorer)), picker, profile.home_region, observers)

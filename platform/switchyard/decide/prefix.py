@@ -1,10 +1,11 @@
-"""Prefix affinity: which endpoint recently served the leading blocks of a prompt.
+"""Prefix affinity's view of a prompt: its leading blocks, each named by a chained hash.
 
 The rendered prompt is cut into fixed blocks of characters; each block's hash chains the previous
-one's, so a hash names the whole prefix up to its block (as vLLM's block hashes do). A bounded
-index (LRU with a TTL) remembers which endpoints served which block hashes. An endpoint's
+one's, so a hash names the whole prefix up to its block (as vLLM's block hashes do). An endpoint's
 affinity for a prompt is the fraction of the prompt's blocks, counted from the start, that it
-served before: the part of the prompt its KV cache is likely to still hold.
+served before: the part of the prompt its KV cache is likely to still hold. Which endpoints served
+which blocks is the executor's memory (:class:`switchyard.state.prefix.PrefixIndex` in the
+gateway), read and written by the prefix-affinity scorer (:mod:`switchyard.decide.plugins`).
 
 Blocks are measured in characters, not tokens, so the gateway never tokenizes to route: 256
 characters are about 64 tokens of English, below the engines' KV block (16 tokens on GPUs, 128 on
@@ -14,9 +15,6 @@ CPUs) times a few, so a shared prefix of one engine block is seen.
 from __future__ import annotations
 
 import hashlib
-import math
-import time
-from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,63 +34,6 @@ def block_hashes(text: str, block_chars: int = BLOCK_CHARS, max_blocks: int = MA
         hashes.append(digest)
         previous = digest
     return hashes
-
-
-class PrefixIndex:
-    """Block hash → the endpoints that served it and when; bounded in entries and age (a block no endpoint
-    has served within ``ttl_s`` is dropped at the next :meth:`record`)."""
-
-    __slots__ = ("_blocks", "capacity", "ttl_s")
-
-    def __init__(self, capacity: int = 200_000, ttl_s: float = 600.0) -> None:
-        self._blocks: OrderedDict[bytes, dict[str, float]] = OrderedDict()
-        self.capacity = capacity
-        self.ttl_s = ttl_s
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def record(self, hashes: list[bytes], url: str, now: float | None = None) -> None:
-        """Remember that ``url`` now holds every block of ``hashes``."""
-        now = time.monotonic() if now is None else now
-        blocks = self._blocks
-        for h in hashes:
-            holders = blocks.get(h)
-            if holders is None:
-                blocks[h] = {url: now}
-            else:
-                holders[url] = now
-                blocks.move_to_end(h)
-        while len(blocks) > self.capacity:
-            blocks.popitem(last=False)
-        # Blocks are kept in the order they were last recorded, so the ones no endpoint has served within
-        # the TTL are at the front: dropping them keeps the index as small as the traffic of one TTL (the
-        # soak showed the capacity alone let it grow for over half an hour at 30 requests/s).
-        oldest = now - self.ttl_s
-        while blocks:
-            first = next(iter(blocks.values()))
-            if max(first.values()) >= oldest:
-                break
-            blocks.popitem(last=False)
-
-    def affinity(self, hashes: list[bytes], urls: list[str], now: float | None = None) -> dict[str, float]:
-        """For each of ``urls``, the fraction of ``hashes`` it holds as an unbroken leading run."""
-        result = dict.fromkeys(urls, 0.0)
-        if not hashes:
-            return result
-        now = time.monotonic() if now is None else now
-        oldest = now - self.ttl_s
-        alive = set(urls)
-        for depth, h in enumerate(hashes, start=1):
-            holders = self._blocks.get(h)
-            if holders is None:
-                break
-            alive = {u for u in alive if holders.get(u, -math.inf) >= oldest}
-            if not alive:
-                break
-            for u in alive:
-                result[u] = depth / len(hashes)
-        return result
 
 
 def _content(content: object) -> str:

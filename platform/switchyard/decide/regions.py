@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from switchyard.decide.pick import pools_within
-from switchyard.decide.resolve import Refused
+from switchyard.decide.refusals import Refused
 from switchyard.policy.schema import Model
 from switchyard.policy.snapshot import PolicySnapshot
 

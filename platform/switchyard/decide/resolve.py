@@ -11,24 +11,14 @@ from typing import Any
 from switchyard.decide.admit import estimate
 from switchyard.decide.difficulty import difficulty_score
 from switchyard.decide.features import RequestFeatures
+from switchyard.decide.refusals import Refused
 from switchyard.policy.schema import Model, Route, RuleConditions
 from switchyard.policy.snapshot import PolicySnapshot
 
 
-class Refused(Exception):
-    """The policy refuses the request; ``status`` is the HTTP status to answer with."""
-
-    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.param = param
-
-
 class NeedsScore(Exception):
-    """A rule needs the score of a classifier that calls out (an embedding); the caller computes it
-    (:class:`switchyard.gateway.classifiers.ClassifierRunner`) and resolves again with it."""
+    """A rule needs the score of a classifier that calls out (an embedding); the procedure asks its executor
+    for it (:class:`switchyard.decide.procedure.Score`) and resolves again with it."""
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
@@ -175,14 +165,3 @@ def resolve_model(snapshot: PolicySnapshot, tier_name: str, features: RequestFea
         line = f"route {route.name}: no rule matched → default {route.default}"
     trace = (*state.notes, f"{line}; {_cost_note(snapshot, route, chosen, features)}")
     return ModelDecision(name, chosen, route.name, label, trace)
-
-
-def resolve_offline(snapshot: PolicySnapshot, tier_name: str, features: RequestFeatures) -> ModelDecision:
-    """:func:`resolve_model` without calling out: classifiers that need an engine (embeddings) count as
-    unavailable (their rules do not match, and the trace says so). For dry runs and replays."""
-    scores: dict[str, float | None] = {}
-    while True:
-        try:
-            return resolve_model(snapshot, tier_name, features, scores)
-        except NeedsScore as needs:
-            scores[needs.name] = None

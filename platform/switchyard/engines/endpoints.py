@@ -101,7 +101,7 @@ class EndpointState:
         return load
 
     def utilisation(self, now: float, max_age: float, kv_cache_tokens: int, max_num_seqs: int | None,
-                    preempting: bool = False) -> float:
+                    preempting: bool = False, gone: int = 0, gone_tokens: int = 0) -> float:
         """How full the engine is, in [0, 1) while it has room and 1 or more when saturated.
 
         With ``C`` the replica's KV-cache tokens, ``R`` the tokens this process has reserved there
@@ -123,18 +123,20 @@ class EndpointState:
         ``preempting``: as seen by a request that may preempt this process's *yielding* requests
         there (its batch-lane work, which gives way to interactive requests): their ``N_y``
         requests and ``R_y`` tokens are left out of every term but the engine's queue.
+        ``gone``, ``gone_tokens``: as it would be once that many of this process's requests there,
+        holding that many tokens, had finished (which yielders to preempt is decided on it).
         """
         capacity = float(max(1, kv_cache_tokens))
-        r_y = self.yielding_reserved if preempting else 0
+        r_y = (self.yielding_reserved if preempting else 0) + gone_tokens
         u = (self.reserved - r_y) / capacity
         if max_num_seqs:
-            u = max(u, self.slots_used(now, max_age, preempting) / max_num_seqs)
+            u = max(u, (self.slots_used(now, max_age, preempting) - gone) / max_num_seqs)
         signals = self.signals
         if signals is None or now - self.scraped_at > max_age:
             return u
         u = max(u, signals.kv_usage + (self.reserved - self.reserved_at_scrape - r_y) / capacity)
         if signals.waiting > 0:
-            backlog = signals.waiting + self.dispatched_since_scrape - self.completed_since_scrape
+            backlog = signals.waiting + self.dispatched_since_scrape - self.completed_since_scrape - gone
             if backlog > 0:
                 u = max(u, 1.0 + backlog / max(signals.running, 1.0))
         return u

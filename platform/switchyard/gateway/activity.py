@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from switchyard.figures import to_ms, utc_iso
 
 if TYPE_CHECKING:
-    from switchyard.decide.flow import ClassDecision
+    from switchyard.decide.classes import ClassDecision
     from switchyard.decide.resolve import ModelDecision
     from switchyard.gateway.response_cache import Lookup
     from switchyard.store.keys import KeyIdentity

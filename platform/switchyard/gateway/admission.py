@@ -1,13 +1,14 @@
 """Admission: reserve a request's estimated tokens against every limit, settle with what it used.
 
-``decide.admit`` says which limits apply and how much to reserve; this module carries it out on
-the limit store (in process, or Redis shared by every replica) and turns the answer into HTTP: a
-429 naming the limit, ``Retry-After``, and OpenAI's ``x-ratelimit-*`` headers (on admitted
-responses too). A :class:`Lease` is settled exactly once, on the store it reserved on, however the
-request ends: completed, failed, or abandoned by its client mid-stream; a process that dies before
-settling leaves the reservation to expire in the store. When Redis cannot be reached, the policy's
-``resilience.dependencies.redis`` says whether limits are enforced per process meanwhile
-(``fail_open``) or requests with limits are refused (``fail_closed``): see :class:`Admitter`.
+``decide.admit`` says which limits apply, how much to reserve and what a refusal tells the client;
+this module carries the reservation out on the limit store (in process, or Redis shared by every
+replica), answering with the store's answer and OpenAI's ``x-ratelimit-*`` headers (sent on
+admitted responses and refusals alike). A :class:`Lease` is settled exactly once, on the store it
+reserved on, however the request ends: completed, failed, or abandoned by its client mid-stream; a
+process that dies before settling leaves the reservation to expire in the store. When Redis cannot
+be reached, the policy's ``resilience.dependencies.redis`` says whether limits are enforced per
+process meanwhile (``fail_open``) or requests with limits are refused (``fail_closed``): see
+:class:`Admitter`.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from switchyard.decide.admit import LimitCharge, actual_amounts, refusal_code
-from switchyard.gateway.errors import Overloaded, RateLimited
+from switchyard.decide.admit import LimitAnswer, LimitCharge, actual_amounts, duration
+from switchyard.gateway.errors import Overloaded
 from switchyard.policy.resilience import FailureMode
-from switchyard.store.limits import Admission, BucketState, Charge, LimitStore, MemoryLimitStore, charges_of
+from switchyard.store.limits import Admission, BucketState, Charge, LimitStore, MemoryLimitStore, answer_of, charges_of
 
 log = logging.getLogger("switchyard.admission")
 
@@ -31,20 +32,6 @@ RESERVATION_TTL_S = 3600.0
 STORE_BACKOFF_S = 1.0
 #: Least seconds between two warnings that requests fall back (the recovery is logged once).
 WARN_EVERY_S = 30.0
-
-
-def duration(seconds: float) -> str:
-    """A duration as OpenAI's ``x-ratelimit-reset-*`` headers write it: ``1s``, ``6m0s``, ``120ms``."""
-    if not math.isfinite(seconds):
-        return "never"
-    if seconds < 1:
-        return f"{max(0, math.ceil(seconds * 1000))}ms"
-    whole = math.ceil(seconds)
-    hours, rest = divmod(whole, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes}m{secs}s"
-    return f"{minutes}m{secs}s" if minutes else f"{secs}s"
 
 
 def ratelimit_headers(states: Sequence[BucketState]) -> dict[str, str]:
@@ -59,6 +46,9 @@ def ratelimit_headers(states: Sequence[BucketState]) -> dict[str, str]:
         headers[f"x-ratelimit-remaining-{unit}"] = f"{math.floor(tight.remaining):.0f}"
         headers[f"x-ratelimit-reset-{unit}"] = duration(tight.reset_s)
     return headers
+
+
+ADMITTED = LimitAnswer(True)
 
 
 @dataclass(slots=True)
@@ -91,8 +81,12 @@ class Lease:
                 log.warning("could not settle reservation %s: %s", self.reservation, exc)
 
 
+#: The lease of a request that reserved nothing (yet).
+NO_LEASE = Lease(None, None, [], settled=True)
+
+
 class Admitter:
-    """Reserves against the limit store; answers 429 when a limit lacks room.
+    """Reserves against the limit store.
 
     When the shared store (Redis) cannot be reached, the policy's ``resilience.dependencies.redis``
     says what happens to requests with limits (those without never touch a store):
@@ -137,8 +131,10 @@ class Admitter:
         """Whether the shared store failed and has not answered since."""
         return self._down_since is not None
 
-    async def admit(self, charges: list[LimitCharge], redis: FailureMode = "fail_open") -> Lease:
-        """Reserve every charge at once.
+    async def reserve(self, charges: Sequence[LimitCharge],
+                      redis: FailureMode = "fail_open") -> tuple[Lease, LimitAnswer]:
+        """Reserve every charge at once: the lease to settle (its ``reservation`` None when refused) and the
+        store's answer.
 
         Args:
             charges: The request's limits and amounts (``decide.admit``).
@@ -146,12 +142,11 @@ class Admitter:
                 ``resilience.dependencies.redis``).
 
         Raises:
-            RateLimited: a limit has no room for the request (or could never hold it).
             Overloaded: the limit store cannot be reached and ``redis`` is ``fail_closed`` (503,
                 code ``limits_unavailable``).
         """
         if not charges:
-            return Lease(None, None, charges)
+            return Lease(None, None, []), ADMITTED
         wanted = charges_of(charges)
         store = self.store
         answer = await self._shared(wanted)
@@ -165,8 +160,8 @@ class Admitter:
             answer = await store.reserve(wanted, RESERVATION_TTL_S)
         headers = ratelimit_headers(answer.states)
         if answer.admitted:
-            return Lease(store, answer.reservation, charges, headers, False)
-        raise self._refusal(charges, answer, headers)
+            return Lease(store, answer.reservation, list(charges), headers, False), ADMITTED
+        return Lease(None, None, list(charges), headers), answer_of(answer)
 
     async def _shared(self, wanted: list[Charge]) -> Admission | None:
         """The shared store's answer, or None when it failed or is being left alone after a failure."""
@@ -206,24 +201,3 @@ class Admitter:
                         mode, self._unwarned)
             self._warned_at = now
             self._unwarned = 0
-
-    @staticmethod
-    def _refusal(charges: list[LimitCharge], answer: Admission, headers: dict[str, str]) -> RateLimited:
-        """The 429 for a refused reservation."""
-        refused = answer.refused_by
-        assert refused is not None
-        charge = next(c for c in charges if c.key == refused.key)
-        state = next(s for s in answer.states if s.bucket.key == refused.key)
-        what = f"{charge.limit} ({charge.scope})"
-        amount = f"{charge.amount:.6g} {charge.unit}"
-        if answer.never:
-            return RateLimited(f"This request alone needs {amount}, more than the {what} limit of "
-                               f"{charge.capacity:.6g}; ask for fewer tokens (max_tokens) or a higher limit.",
-                               code=refusal_code(charge.unit, True), limit=charge.limit, headers=headers)
-        wait = answer.retry_after_s
-        headers["Retry-After"] = str(max(1, math.ceil(wait))) if wait is not None else "60"
-        return RateLimited(f"Rate limit reached for {what}: limit {charge.capacity:.6g}, remaining "
-                           f"{state.remaining:.6g}, requested {amount}. "
-                           + (f"Please try again in {duration(wait)}." if wait is not None else ""),
-                           code=refusal_code(charge.unit, False),
-                           limit=charge.limit, headers=headers)

@@ -1,30 +1,44 @@
-"""What a request's tries become: policy refusals and engine failures as API errors, and the record of
-one request's attempts along its fallback plan (:mod:`switchyard.gateway.proxy` uses both)."""
+"""What a request's refusals and tries become: the procedure's refusals and engine failures as API errors,
+and a request's tries along its fallback plan in its record (:mod:`switchyard.gateway.proxy` uses both)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 from switchyard.decide.pick import EndpointChoice
-from switchyard.decide.resolve import Refused
+from switchyard.decide.procedure import Attempts
+from switchyard.decide.refusals import Refusal
 from switchyard.engines.upstream import EngineError, UpstreamFailure
+from switchyard.gateway.activity import RequestRecord
 from switchyard.gateway.errors import (
     ApiError,
     BadGateway,
     BadRequest,
+    ClientLeft,
     Forbidden,
     GatewayTimeout,
     NotFound,
     Overloaded,
     PayloadTooLarge,
+    RateLimited,
 )
 
+#: The API error of each refusal status but 429 (a 499 is the client's own leaving: nobody reads it).
+_REFUSALS: dict[int, type[ApiError]] = {400: BadRequest, 403: Forbidden, 404: NotFound, 499: ClientLeft,
+                                        503: Overloaded}
 
-def refusal_error(refusal: Refused) -> ApiError:
-    """The API error for a policy refusal."""
-    cls = {400: BadRequest, 404: NotFound}.get(refusal.status, Forbidden)
-    return cls(refusal.message, code=refusal.code, param=refusal.param)
+
+def refusal_error(refusal: Refusal, headers: dict[str, str] | None = None) -> ApiError:
+    """The API error for a refusal of the decision procedure, with ``headers`` (and ``Retry-After`` when the
+    refusal says when to retry)."""
+    headers = dict(headers or {})
+    if refusal.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(refusal.retry_after_s)))
+    if refusal.status == 429:
+        assert refusal.limit is not None
+        return RateLimited(refusal.message, code=refusal.code, limit=refusal.limit, headers=headers)
+    cls = _REFUSALS[refusal.status]
+    return cls(refusal.message, code=refusal.code, param=refusal.param, headers=headers)
 
 
 def engine_error(err: EngineError, choice: EndpointChoice, headers: dict[str, str]) -> ApiError:
@@ -71,51 +85,27 @@ RETRYABLE_STATUS = frozenset({*range(300, 400), 404, 429, 500, 502, 503, 504})
 BUSY_STATUS = frozenset({429})
 
 
-@dataclass(slots=True)
-class Attempts:
-    """One request's way through its fallback plan: what was tried, what was passed over, and why each
-    try failed."""
+def final_error(attempts: Attempts, headers: dict[str, str]) -> ApiError:
+    """The error to answer with when every try failed: the last one's, saying what else was tried."""
+    last = attempts.last
+    assert last is not None
+    assert isinstance(last.answer, ApiError)
+    error: ApiError = last.answer
+    if attempts.budget_spent:
+        error.message = (f"{error.message} (not retried: the gateway's retry budget is spent; "
+                         f"tried: {'; '.join(attempts.failures)})")
+    elif attempts.count > 1 or len(attempts.failures) > 1:
+        error.message = f"All {attempts.count} attempts failed: " + "; ".join(attempts.failures)
+    if attempts.count > 1:
+        error.headers = {**(error.headers or {}), "x-switchyard-attempts": str(attempts.count)}
+    return error
 
-    limit: int
-    tried: set[str] = field(default_factory=set)
-    #: Every step that moved the request on, in order: ``"<url or stage>: <reason>"``.
-    failures: list[str] = field(default_factory=list)
-    #: The same, short (``"<url> <kind>"``), for the ``x-switchyard-route`` header.
-    moved_on: list[str] = field(default_factory=list)
-    last_error: ApiError | None = None
-    #: Set when a retry was not sent because the retry budget was spent.
-    budget_spent: bool = False
-    #: Seconds until an endpoint that is out may take requests again (for Retry-After), when known.
-    retry_in: float | None = None
 
-    @property
-    def count(self) -> int:
-        return len(self.tried)
-
-    def failed(self, url: str, kind: str, reason: str, error: ApiError) -> None:
-        """A try at ``url`` failed (``kind``: connect_error, timeout, first_token_timeout, broken, or a status)."""
-        self.failures.append(f"{url}: {reason}")
-        self.moved_on.append(f"{url} {kind}")
-        self.last_error = error
-
-    def passed_over(self, stage: str, reason: str) -> None:
-        """A stage of the plan had no endpoint that could take the request."""
-        self.failures.append(f"{stage}: {reason}")
-        self.moved_on.append(f"{stage} unavailable")
-
-    def final_error(self, headers: dict[str, str]) -> ApiError:
-        """The error to answer with when every attempt failed (or none was possible)."""
-        error = self.last_error
-        if error is None:
-            why = "; ".join(self.failures) or "no endpoint serves it"
-            retry_after = str(max(1, math.ceil(self.retry_in))) if self.retry_in else "1"
-            return Overloaded(f"No healthy endpoint can serve this request right now: {why}",
-                              code="no_healthy_endpoint", headers={**headers, "Retry-After": retry_after})
-        if self.budget_spent:
-            error.message = (f"{error.message} (not retried: the gateway's retry budget is spent; "
-                             f"tried: {'; '.join(self.failures)})")
-        elif self.count > 1 or len(self.failures) > 1:
-            error.message = f"All {self.count} attempts failed: " + "; ".join(self.failures)
-        if self.count > 1:
-            error.headers = {**(error.headers or {}), "x-switchyard-attempts": str(self.count)}
-        return error
+def record_tries(record: RequestRecord, attempts: Attempts, headers: dict[str, str]) -> None:
+    """Copy what the request's tries did into its record: tries, moves and why, the route it took."""
+    record.attempts = attempts.count
+    record.moved_on = attempts.moved_on
+    record.trace.extend(attempts.failures)
+    route = headers.get("x-switchyard-route")
+    if route is not None:
+        record.trace.append(f"route: {route}")

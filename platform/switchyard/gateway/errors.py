@@ -83,6 +83,14 @@ class Overloaded(ApiError):
     code = "upstream_overloaded"
 
 
+class ClientLeft(ApiError):
+    """The client disconnected while its request waited (nobody reads this answer)."""
+
+    status_code = 499
+    type = "client_closed_request"
+    code = "client_closed_request"
+
+
 class BadGateway(ApiError):
     status_code = 502
     type = "upstream_error"

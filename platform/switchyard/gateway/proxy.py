@@ -1,8 +1,10 @@
-"""The request path of ``/v1/chat/completions`` and ``/v1/completions``.
+"""The request path of ``/v1/chat/completions`` and ``/v1/completions``: the live executor of the decisions.
 
-authenticate → parse → resolve the model and the priority class (``decide``) → admit (limits) →
-schedule (flow control: go, downgrade, queue or shed) → pick an endpoint (``decide``) → call the
-engine → stream or return its answer. Every step that can refuse raises an ``ApiError``.
+authenticate → parse → run the decision procedure (:func:`switchyard.decide.procedure.decide`), answering
+its effects live: classifier scores from the embeddings pools, the response cache, the limit store,
+flow control's queues, the retry budget, and tries at the engines (:class:`~switchyard.gateway.attempt.Try`).
+The order of the decisions is the procedure's alone; this module carries them out, keeps the
+request's record, metrics and trace spans, and turns a refusal into the API's error.
 """
 
 from __future__ import annotations
@@ -13,72 +15,36 @@ import time
 from typing import Any
 
 from litestar import Request, Response
-from litestar.background_tasks import BackgroundTask
-from litestar.response import Stream
 
-from switchyard.decide.admit import DoesNotFit, check_fits, estimate, limit_charges, spend_of
+from switchyard.decide.admit import LimitAnswer, Reserve
 from switchyard.decide.cache import is_deterministic, request_digest
-from switchyard.decide.features import RequestFeatures, chat_features, completion_features, count_prompts
-from switchyard.decide.flow import PRIORITY_HEADER, BadPriority, classify
-from switchyard.decide.pick import EndpointChoice, Stage, fallback_plan, pick_endpoint, profile_for, usable_stages
-from switchyard.decide.plugins import PickRequest
-from switchyard.decide.prefix import block_hashes, prompt_text
-from switchyard.decide.regions import REGION_HEADER, place
-from switchyard.decide.resolve import ModelDecision, NeedsScore, Refused, resolve_model
-from switchyard.decide.sessions import session_key
-from switchyard.engines.breakers import Trial
-from switchyard.engines.upstream import (
-    StreamRelay,
-    UpstreamFailure,
-    first_chunk,
-    post,
-    read_answer,
-    read_engine_error,
-    usage_counts,
+from switchyard.decide.features import RequestFeatures, chat_features, completion_features
+from switchyard.decide.flow import Queue, Waited
+from switchyard.decide.procedure import (
+    Ask,
+    Attempt,
+    CacheHit,
+    Caller,
+    Decision,
+    Effect,
+    LookupCache,
+    Mark,
+    Retry,
+    Score,
+    Tried,
+    decide,
 )
-from switchyard.gateway.activity import RequestRecord
-from switchyard.gateway.attempts import (
-    BUSY_STATUS,
-    RETRYABLE_STATUS,
-    Attempts,
-    engine_error,
-    failure_error,
-    refusal_error,
-)
+from switchyard.gateway.activity import CACHE_POOL, RequestRecord
+from switchyard.gateway.attempt import Try
+from switchyard.gateway.attempts import final_error, record_tries, refusal_error
 from switchyard.gateway.body import check_chat, check_completion, decode_json_object
-from switchyard.gateway.cache_hits import cache_lookup, serve_hit
-from switchyard.gateway.errors import ApiError, BadRequest, GatewayTimeout, RateLimited
-from switchyard.gateway.flow import Preempted, Scheduled, Yielder
+from switchyard.gateway.cache_hits import serve_hit
+from switchyard.gateway.errors import ApiError
 from switchyard.gateway.request import Incoming, Kind, PendingRequest, RequestIds
 from switchyard.gateway.response_cache import CACHE_HEADER
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.gateway.tracing import RequestTrace, end
 from switchyard.logs import REQUEST_ID
-from switchyard.policy import PolicySnapshot
-from switchyard.policy.schema import Model
-
-_PATHS: dict[Kind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
-
-
-def route_header(decision: ModelDecision, stage: Stage, choice: EndpointChoice, snapshot: PolicySnapshot,
-                 attempt: int, cls: str, scheduled: Scheduled, moved_on: list[str]) -> str:
-    """The ``x-switchyard-route`` value: what served the request, under which policy, and every endpoint
-    or stage it moved on from and why (``moved_on=<url or stage> <why>, ...``)."""
-    parts = [f"model={stage.model.name}"]
-    if decision.route:
-        parts.append(f"route={decision.route}")
-        parts.append(f"rule={decision.rule}")
-    if scheduled.downgraded_from is not None:
-        parts.append(f"downgraded_from={scheduled.downgraded_from.name}")
-    if stage.model is not scheduled.model:
-        parts.append(f"fallback_from={scheduled.model.name}")
-    parts += [f"class={cls}", f"pool={choice.pool.name}", f"region={choice.pool.region}",
-              f"endpoint={choice.url}", f"policy={snapshot.label}"]
-    if attempt > 1:
-        parts.append(f"attempt={attempt}")
-    if moved_on:
-        parts.append("moved_on=" + ", ".join(moved_on))
-    return "; ".join(parts)
 
 
 class Proxy:
@@ -118,419 +84,260 @@ class Proxy:
             raise
 
     async def _serve(self, incoming: Incoming, kind: Kind, record: RequestRecord, spans: RequestTrace) -> Response[Any]:
-        started, rid = record.started, record.request_id
         runtime = self.runtime
-        request_headers = incoming.headers
+        headers = incoming.headers
         identity = incoming.identity or await runtime.auth.authenticate(
-            request_headers.get("authorization"), runtime.policy.snapshot.document.resilience.dependencies.database)
+            headers.get("authorization"), runtime.policy.snapshot.document.resilience.dependencies.database)
         record.identified(identity)
-        raw = incoming.raw
         settings = runtime.settings
-        body = decode_json_object(raw, settings.max_json_depth)
+        body = decode_json_object(incoming.raw, settings.max_json_depth)
         asked = body.get("model")
         record.model, record.stream = asked if isinstance(asked, str) else None, bool(body.get("stream"))
         features: RequestFeatures
         if kind == "chat":
             check_chat(body, settings.max_messages)
-            features = chat_features(body, request_headers)
+            features = chat_features(body, headers)
         else:
             check_completion(body)
-            features = completion_features(body, request_headers)
+            features = completion_features(body, headers)
         record.prompt_tokens, record.max_tokens = features.prompt_tokens, features.max_tokens
         if runtime.activity.sink is not None:  # the request log keeps what a replay of it needs
             record.digest, record.deterministic = request_digest(kind, body), is_deterministic(body)
         holder = runtime.policy
         snapshot, counters = holder.snapshot, holder.counters  # read once; this request keeps them to the end
+        caller = Caller(identity.tier, str(identity.tenant_id), str(identity.key_id), identity.tenant_limits,
+                        identity.key_limits, identity.region)
+        ask = Ask(kind, body, features, caller, settings.region, settings.picker, runtime.flow.enabled, counters)
+        d = Decision(snapshot, ask)
+        record.trace = d.trace  # one trace: the procedure's lines, and this gateway's own
+        req = PendingRequest(kind, body, incoming.raw, record.stream, record.request_id, record.started, identity, d,
+                             batch=incoming.batch, trace=spans)
+        return await _Run(self, req, incoming, record).execute()
+
+
+class _Run:
+    """One request's run of the decision procedure in this gateway (see the module doc)."""
+
+    def __init__(self, proxy: Proxy, req: PendingRequest, incoming: Incoming, record: RequestRecord) -> None:
+        self.runtime = proxy.runtime
+        self.ids = proxy.ids
+        self.req = req
+        self.d = req.decision
+        self.incoming = incoming
+        self.record = record
+        #: What the queue waits so far added up to (a preempted request queues again).
+        self.waited_s = 0.0
+
+    async def execute(self) -> Response[Any]:
+        """Drive the procedure to its end and answer: the engine's response, the cache's, or the refusal."""
+        steps = decide(self.d, self.runtime.view)
+        answer: Any = None
         try:
-            decision = await self._resolve(snapshot, identity.tier, features)
-            record.decided(decision)
-            placement = place(snapshot, identity.tier, decision.model, request_headers.get(REGION_HEADER),
-                              identity.region, runtime.settings.region)
-        except Refused as refusal:
-            runtime.finished(record, "-", "-", refusal.status)
-            raise refusal_error(refusal) from None
-        record.trace.append(placement.trace)
-        try:
-            cls = classify(snapshot, identity.tier, request_headers.get(PRIORITY_HEADER), body.get("priority"))
-        except BadPriority as bad:
-            runtime.finished(record, decision.model.name, "-", 400)
-            raise BadRequest(bad.message, code="invalid_priority", param=bad.param) from None
-        record.classed(cls)
-        found = await cache_lookup(runtime, request_headers, snapshot, kind, decision, identity, body)
-        record.cached(found)
-        if found is not None and found.entry is not None:
-            return await serve_hit(runtime, kind, body, found, identity, decision, snapshot, rid, cls.trace, record)
-        counter = counters.get(decision.model.name)
-        if counter is not None and counter.exact:
-            prompt_tokens, longest = count_prompts(counter, kind, body)
-            exact = True
-        else:
-            prompt_tokens, exact = features.prompt_tokens, features.prompt_exact
-            longest = prompt_tokens if features.longest_prompt is None else features.longest_prompt
-        record.prompt_tokens = prompt_tokens
-        try:  # a request the model cannot serve is refused here, before it is charged or sent
-            check_fits(decision.model, kind, longest, exact, features.max_tokens,
-                       "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens")
-        except DoesNotFit as unfit:
-            runtime.finished(record, decision.model.name, "-", 400)
-            raise BadRequest(unfit.message, code=unfit.code, param=unfit.param) from None
-        est = estimate(decision.model, prompt_tokens, features.max_tokens, features.choices)
-        charges = limit_charges(snapshot, identity.tier, decision.model, est,
-                                tenant=str(identity.tenant_id), key=str(identity.key_id),
-                                tenant_limits=identity.tenant_limits, key_limits=identity.key_limits)
-        span = spans.child("admit")
-        try:
-            lease = await runtime.admitter.admit(charges, snapshot.document.resilience.dependencies.redis)
-        except ApiError as refused:  # 429 (a limit), 503 (the limit store is unreachable and fails closed)
-            end(span, {"http.response.status_code": refused.status_code}, refused.code or refused.type)
-            if isinstance(refused, RateLimited):
-                runtime.metrics.limited.labels(refused.limit, identity.tier).inc()
-            runtime.finished(record, decision.model.name, "-", refused.status_code)
-            raise
-        end(span)
-        flow = runtime.flow
-        stream = bool(body.get("stream"))
-        request_state = PendingRequest(kind, body, raw, stream, cls.engine_priority, features, rid, started, identity,
-                                       prompt_tokens, lease, cls, est.tokens, placement, cache=found,
-                                       force_usage=stream and found is not None and found.plan.write
-                                       and not _asked_usage(body), batch=incoming.batch, trace=spans)
-        waited_s = 0.0
-        try:
-            while True:  # once, unless flow control preempts it for interactive requests: then it queues again
-                span = spans.child("queue", {"switchyard.class": cls.name})
+            while True:
                 try:
-                    scheduled = await flow.schedule(snapshot, decision.model, cls, est.tokens,
-                                                    str(identity.tenant_id),
-                                                    features.prompt_tokens + (features.max_tokens or 0),
-                                                    incoming.disconnected, placement.allowed)
-                    end(span, {"switchyard.queue_ms": round(scheduled.waited_s * 1000, 1)})
-                except ApiError as refused:
-                    end(span, {"http.response.status_code": refused.status_code}, refused.code or refused.type)
-                    record.shed = refused.status_code == 503  # flow control's 503s are sheds (499: the client left)
-                    runtime.finished(record, decision.model.name, "-", refused.status_code)
-                    refused.headers = {"x-request-id": rid, **lease.headers, "x-switchyard-class": cls.trace,
-                                       **(refused.headers or {})}
-                    raise
-                request_state.ticket = scheduled.ticket
-                waited_s += scheduled.waited_s
-                scheduled.waited_s = waited_s
-                if waited_s:
-                    record.queue_ms = round(waited_s * 1000, 1)
-                try:
-                    return await self._dispatch(request_state, snapshot, decision, scheduled, record)
-                except Preempted as preempted:
-                    request_state.preemptions += 1
-                    record.trace.append(f"preempted at {preempted.url} for an interactive request "
-                                        f"({request_state.preemptions}); queued again")
+                    effect = steps.send(answer)
+                except StopIteration:
+                    break
+                answer = await self._answer(effect)
+            self._sync()
+            return await self._conclude()
         except BaseException:
-            flow.dispatched(request_state.ticket)  # granted but never sent: the pool may grant again
-            # It never ran (no usage to charge); a no-op once settled. In a task of its own: this
-            # one may be cancelled (the client left) and must not be interrupted mid-settle.
-            if lease.reservation is not None and not lease.settled:
-                runtime.spawn(lease.settle(0, 0.0))
+            steps.close()
+            self._sync()
+            self._abandon()
             raise
 
-    async def _resolve(self, snapshot: PolicySnapshot, tier: str, features: RequestFeatures) -> ModelDecision:
-        """The model decision, with the scores of classifiers that call out computed as rules need them."""
-        scores: dict[str, float | None] = {}
-        while True:
-            try:
-                return resolve_model(snapshot, tier, features, scores)
-            except NeedsScore as needs:
-                scores[needs.name] = await self.runtime.classifiers.score(snapshot, needs.name, features)
+    def _sync(self) -> None:
+        """Copy what has been decided so far into the request's record (the Requests page, the request log)."""
+        d, record = self.d, self.record
+        if d.model is not None:
+            record.resolved_model = d.model.model.name
+        if d.cls is not None:
+            record.priority = d.cls.name
 
-    async def _dispatch(self, req: PendingRequest, snapshot: PolicySnapshot, decision: ModelDecision,
-                        scheduled: Scheduled, record: RequestRecord) -> Response[Any]:
-        """Try the plan's stages in order until an engine answers (see ``decide.pick``).
+    async def _answer(self, effect: Effect) -> Any:
+        self._sync()
+        if isinstance(effect, Attempt):
+            return await self._attempt(effect)
+        if isinstance(effect, Retry):
+            return self._retry(effect)
+        if isinstance(effect, Mark):
+            self._mark(effect)
+            return None
+        if isinstance(effect, Reserve):
+            return await self._reserve(effect)
+        if isinstance(effect, Queue):
+            return await self._queue(effect)
+        if isinstance(effect, LookupCache):
+            return await self._lookup(effect)
+        assert isinstance(effect, Score), effect
+        return await self.runtime.classifiers.score(self.d.snapshot, effect.name, effect.features)
 
-        A stage with no endpoint in service is passed over; a failed try moves on to the next
-        endpoint (then stage) while the request has attempts left and the retry budget allows.
-        """
+    # --- effects ------------------------------------------------------------------------------------
+
+    async def _lookup(self, effect: LookupCache) -> CacheHit | None:
+        d, req = self.d, self.req
+        assert d.model is not None
+        found = await self.runtime.cache.lookup(d.snapshot, effect.plan, d.ask.caller.tenant, d.model.model.name)
+        req.cache = found
+        self.record.cache, self.record.cache_rule = found.header.partition(";")[0], found.plan.label
+        d.trace.append(f"cache: {found.header}")
+        if found.entry is None:
+            req.force_usage = req.stream and found.plan.write and not _asked_usage(req.body)
+            return None
+        return CacheHit(found.entry.prompt_tokens, found.entry.completion_tokens)
+
+    async def _reserve(self, effect: Reserve) -> LimitAnswer:
+        runtime, d = self.runtime, self.d
+        span = self.req.trace.child("admit")
+        try:
+            self.req.lease, answer = await runtime.admitter.reserve(
+                effect.charges, d.snapshot.document.resilience.dependencies.redis)
+        except ApiError as refused:  # 503: the limit store is unreachable and fails closed
+            end(span, {"http.response.status_code": refused.status_code}, refused.code or refused.type)
+            runtime.finished(self.record, self._asked(), "-", refused.status_code)
+            raise
+        end(span, None if answer.admitted else {"http.response.status_code": 429},
+            None if answer.admitted else "rate_limited")
+        return answer
+
+    async def _queue(self, effect: Queue) -> Waited:
+        waited, self.req.ticket = await self.runtime.flow.wait(effect, self.incoming.disconnected)
+        if waited.waited_s:
+            self.record.queue_ms = round((self.waited_s + waited.waited_s) * 1000, 1)
+        self.waited_s += waited.waited_s
+        return waited
+
+    def _mark(self, mark: Mark) -> None:
+        """A stage of the procedure ended: its trace span (from when it started, on the monotonic clock)."""
+        spans = self.req.trace
+        if spans.enabled:
+            spans.record(mark.stage, mark.started, mark.attributes, mark.error)
+        if mark.stage == "queue" and mark.error is None and self.d.scheduled is not None:
+            assert self.d.cls is not None
+            self.runtime.flow.counted(self.d.cls.name, self.d.scheduled)
+
+    def _retry(self, effect: Retry) -> bool:
         runtime = self.runtime
-        resilience = snapshot.document.resilience
-        runtime.endpoints.configure(resilience)
-        attempts = Attempts(resilience.retries.max_attempts)
-        headers = {"x-request-id": req.rid, **req.lease.headers, "x-switchyard-class": req.cls.trace}
-        if scheduled.waited_s:
-            headers["x-switchyard-queue-ms"] = str(round(scheduled.waited_s * 1000))
-        if scheduled.note is not None:
-            headers["x-switchyard-degraded"] = scheduled.note
-        if req.preemptions:
-            headers["x-switchyard-preempted"] = str(req.preemptions)
+        retries = self.d.snapshot.document.resilience.retries
+        now = time.monotonic()
+        if effect.number == 1:
+            runtime.retry_budget.request(now, retries)
+            return True
+        if runtime.retry_budget.allow_retry(now, retries):
+            return True
+        runtime.metrics.retries_refused.inc()
+        return False
+
+    async def _attempt(self, effect: Attempt) -> Tried:
+        d, runtime = self.d, self.runtime
+        runtime.endpoints.configure(d.snapshot.document.resilience)
+        headers = self._headers()
+        headers["x-switchyard-route"] = route_header(d, effect)
+        tried = await Try(runtime, self.ids, self.req, effect.stage, effect.choice, headers, self.record).send()
+        if tried.outcome == "failed":
+            runtime.metrics.fallbacks.labels(self._asked(), tried.kind).inc()
+        return tried
+
+    # --- the end -----------------------------------------------------------------------------------
+
+    async def _conclude(self) -> Response[Any]:
+        d, req, record, runtime = self.d, self.req, self.record, self.runtime
+        if d.outcome == "served":
+            assert d.tried is not None
+            if d.tried.outcome == "ok":
+                response: Response[Any] = d.tried.answer
+                return response
+            raise d.tried.answer  # the engine's own refusal of the client's request (a 4xx passed through)
+        if d.outcome == "cache_hit":
+            assert req.cache is not None
+            return await serve_hit(runtime, req.kind, req.body, req.cache, req.identity, d, req.lease, req.rid,
+                                   record)
+        attempts = d.attempts
+        if attempts is not None:
+            for moved in attempts.moved_on:
+                if moved.endswith(" unavailable"):
+                    runtime.metrics.fallbacks.labels(self._asked(), "unavailable").inc()
+        headers = self._headers() if d.cls is not None else {}
+        if d.outcome == "failed":
+            assert attempts is not None
+            error = final_error(attempts, headers)
+            record_tries(record, attempts, headers)
+            runtime.finished(record, self._asked(), "-", error.status_code)
+            raise error
+        refusal = d.refusal
+        assert d.outcome == "refused"
+        assert refusal is not None
+        if refusal.status == 429:
+            runtime.metrics.limited.labels(refusal.limit, req.identity.tier).inc()
+        if refusal.shed is not None:
+            assert d.cls is not None
+            runtime.flow.counted(d.cls.name, refusal)
+            record.shed = True
+        if attempts is not None:
+            record_tries(record, attempts, headers)
+        pool = CACHE_POOL if d.hit is None and d.cache is not None and d.estimate is None and d.charges else "-"
+        runtime.finished(record, self._asked(), pool, refusal.status)
+        raise refusal_error(refusal, headers)
+
+    def _abandon(self) -> None:
+        """The request ends without an engine's answer to account: its queue grant and reservation go back."""
+        req = self.req
+        self.runtime.flow.dispatched(req.ticket)  # granted but never sent: the pool may grant again
+        req.ticket = None
+        # It never ran (no usage to charge); a no-op once settled. In a task of its own: this one may be
+        # cancelled (the client left) and must not be interrupted mid-settle.
+        lease = req.lease
+        if lease.reservation is not None and not lease.settled:
+            self.runtime.spawn(lease.settle(0, 0.0))
+
+    def _asked(self) -> str:
+        """The model the request is served as (after a downgrade), for metrics; ``-`` before one is resolved."""
+        d = self.d
+        if d.scheduled is not None:
+            return d.scheduled.model.name
+        return d.model.model.name if d.model is not None else "-"
+
+    def _headers(self) -> dict[str, str]:
+        """The headers every answer of a classed request carries (the request's id, limits, class and fate)."""
+        d, req = self.d, self.req
+        assert d.cls is not None
+        headers = {"x-request-id": req.rid, **req.lease.headers, "x-switchyard-class": d.cls.trace}
+        if self.waited_s:
+            headers["x-switchyard-queue-ms"] = str(round(self.waited_s * 1000))
+        if d.scheduled is not None and d.scheduled.note is not None:
+            headers["x-switchyard-degraded"] = d.scheduled.note
+        if d.preemptions:
+            headers["x-switchyard-preempted"] = str(d.preemptions)
         if req.cache is not None:
             headers[CACHE_HEADER] = req.cache.header
-        needed = req.features.prompt_tokens + (req.features.max_tokens or 0)
-        hashes: list[bytes] | None = None
-        strategy = runtime.settings.picker
-        placement = req.placement
-        stages, skipped = usable_stages(fallback_plan(snapshot, scheduled.model, placement.allowed), needed)
-        attempts.failures += skipped
-        tenant = str(req.identity.tenant_id)
-        asked = scheduled.model.name
-        view = functools.partial(runtime.endpoint_view, preempting=req.cls.cls.lane == "interactive")
-        for stage in stages:
-            options = stage.candidates()
-            profile = profile_for(snapshot, stage.model, strategy)
-            session = session_key(profile, req.features.headers, req.body, tenant, stage.model.name)
-            if hashes is None and profile.prefix and len(options) > 1:
-                hashes = block_hashes(prompt_text(req.body))
-            while attempts.count < attempts.limit:
-                now = time.monotonic()
-                pick = PickRequest(
-                    runtime.prefixes.affinity(hashes, [o.url for o in options], now) if hashes and profile.prefix
-                    else {},
-                    runtime.sessions.get(session, now) if session is not None else None,
-                    placement.home, req.cls.cls.dispatch_ceiling, runtime.next_rotation(), runtime.rng)
-                span = req.trace.child("pick", {"switchyard.stage": stage.label})
-                choice = pick_endpoint(profile, options, functools.partial(view, now=now), pick,
-                                       attempts.tried)
-                if choice is None:
-                    end(span, {"switchyard.endpoint": "none"})
-                    if not any(o.url in attempts.tried for o in options):
-                        reason, retry_in = runtime.out_of_service(options, now)
-                        attempts.passed_over(stage.label, reason)
-                        attempts.retry_in = min(retry_in, attempts.retry_in or retry_in)
-                        runtime.metrics.fallbacks.labels(asked, "unavailable").inc()
-                    break
-                if req.cls.cls.lane == "interactive":
-                    choice = runtime.flow.steer(choice, options, attempts.tried, req.cls.cls.dispatch_ceiling, now)
-                end(span, {"switchyard.endpoint": choice.url, "switchyard.pool": choice.pool.name})
-                if attempts.count == 0:
-                    runtime.retry_budget.request(now, resilience.retries)
-                elif not runtime.retry_budget.allow_retry(now, resilience.retries):
-                    runtime.metrics.retries_refused.inc()
-                    attempts.budget_spent = True
-                    break
-                attempts.tried.add(choice.url)
-                headers["x-switchyard-route"] = route_header(decision, stage, choice, snapshot, attempts.count,
-                                                             req.cls.name, scheduled, attempts.moved_on)
-                try:
-                    response = await self._attempt(req, stage, choice, attempts, headers, record)
-                except Preempted:
-                    if hashes and profile.prefix:  # its prompt is in that engine's prefix cache now
-                        runtime.prefixes.record(hashes, choice.url)
-                    raise
-                if response is not None:
-                    if hashes and profile.prefix:
-                        runtime.prefixes.record(hashes, choice.url)
-                    if session is not None:
-                        runtime.sessions.record(session, choice.url)
-                    return response
-                runtime.metrics.fallbacks.labels(asked, attempts.moved_on[-1].rpartition(" ")[2]).inc()
-            if attempts.count >= attempts.limit or attempts.budget_spent:
-                break
-        error = attempts.final_error(headers)
-        _tried(record, attempts, headers)
-        runtime.finished(record, asked, "-", error.status_code)
-        raise error
+        return headers
 
-    async def _attempt(self, req: PendingRequest, stage: Stage, choice: EndpointChoice, attempts: Attempts,
-                       headers: dict[str, str], record: RequestRecord) -> Response[Any] | None:
-        """Send the request to one endpoint: its response, or None after a failure worth retrying.
 
-        A streamed answer is passed on only once its first chunk has come (within the model's
-        first-token timeout): until then a failure can still move on to another endpoint.
-        """
-        runtime = self.runtime
-        model, pool, url = stage.model.name, choice.pool.name, choice.url
-        metrics = runtime.metrics
-        endpoints = runtime.endpoints
-        resilience = endpoints.resilience
-        flow = runtime.flow
-        if req.cls.cls.lane == "interactive":
-            flow.make_room(choice.pool, url, req.cls.cls.dispatch_ceiling, time.monotonic())
-        yielder = flow.yielding(url, lambda: release()) if req.yields else None
-        span = req.trace.child("upstream", {"switchyard.endpoint": url, "switchyard.pool": pool,
-                                            "switchyard.model": model, "switchyard.attempt": len(attempts.tried)})
-        outcome = "ok"
-        endpoints.acquire(url, req.cost, yielder is not None)
-        if yielder is not None:
-            flow.batch_sent(pool, url)
-        # An interactive stream's prefill: batch work is not sent here until its first byte (flow.batch_view).
-        prefilling = req.stream and req.cls.cls.lane == "interactive"
-        if prefilling:
-            endpoints.prefill_started(url)
-        sent_at = time.perf_counter()
-        trial = Trial.start(endpoints.state(url).breaker, endpoints.pool_breaker(pool), time.monotonic())
-        if req.ticket is not None:
-            runtime.flow.dispatched(req.ticket)
-            req.ticket = None
-        metrics.in_flight.labels(pool).inc()
-        record.served_model, record.pool, record.region, record.endpoint = model, pool, choice.pool.region, url
-        released = False
-
-        def prefilled(ttfb_s: float | None) -> None:
-            nonlocal prefilling
-            if prefilling:
-                prefilling = False
-                endpoints.prefill_ended(url, ttfb_s)
-                flow.prefill_ended(pool)
-
-        def release() -> None:
-            nonlocal released
-            prefilled(None)
-            if not released:
-                released = True
-                preempted = yielder is not None and yielder.preempted  # (flow control may call this first)
-                ended = "preempted" if preempted else outcome
-                end(span, {"switchyard.outcome": ended}, None if ended == "ok" else ended)
-                endpoints.release(url, req.cost, yielder is not None)
-                flow.finished_yielding(yielder)
-                flow.released(pool, None if preempted else time.perf_counter() - sent_at)
-                metrics.in_flight.labels(pool).dec()
-
-        def done(status: int) -> None:
-            nonlocal outcome
-            if status >= 400:
-                outcome = str(status)
-            release()
-            metrics.duration.labels(model, pool).observe(time.perf_counter() - req.started)
-            _tried(record, attempts, headers)
-            runtime.finished(record, model, pool, status)
-
-        def retry(kind: str, reason: str, error: ApiError, engine_fault: bool = True) -> None:
-            nonlocal outcome
-            outcome = kind
-            release()
-            if engine_fault:
-                trial.failed(time.monotonic(), reason)
-            else:
-                trial.neutral()
-            metrics.attempts.labels(pool, kind).inc()
-            attempts.failed(url, kind, reason, error)
-
-        # The engine gets an id of our own: clients may reuse theirs, and two in-flight requests
-        # with one id would collide inside the engine.
-        upstream_headers = {"Content-Type": "application/json", "X-Request-Id": self.ids.new()}
-        req.trace.inject(span, upstream_headers)
-        payload = req.payload_for(choice.pool)
-        first_token_s = stage.model.first_token_timeout or resilience.first_token_timeout
-        try:
-            sending = post(runtime.http, url + _PATHS[req.kind], payload, upstream_headers, runtime.http_fresh)
-            # (post() turns its own timeouts into UpstreamFailure: a TimeoutError here is the first-token wait's.)
-            response = await (asyncio.wait_for(sending, first_token_s) if req.stream else sending)
-            if response.status >= 300:
-                err = await read_engine_error(response)
-                error = engine_error(err, choice, dict(headers))
-                if err.status in RETRYABLE_STATUS:
-                    retry(str(err.status), f"{err.status} {err.message[:200]}", error,
-                          engine_fault=err.status not in BUSY_STATUS)
-                    return None
-                trial.neutral()
-                metrics.attempts.labels(pool, str(err.status)).inc()
-                done(error.status_code)
-                raise error
-            if req.stream:
-                left = first_token_s - (time.perf_counter() - sent_at)
-                try:
-                    first = await asyncio.wait_for(first_chunk(response), max(left, 0.001))
-                except BaseException:
-                    response.close()
-                    raise
-        except TimeoutError:
-            retry("first_token_timeout", f"no first token within {first_token_s:g} s",
-                  GatewayTimeout(f"Upstream failure in pool {pool}: no first token within {first_token_s:g} s",
-                                 headers=dict(headers)))
-            return None
-        except UpstreamFailure as failure:
-            if failure.refused:
-                runtime.mark_down(url, str(failure))
-            retry(failure.kind, str(failure), failure_error(failure, pool, dict(headers)))
-            return None
-        except BaseException:  # the client left (cancelled) or a client error was raised: nothing leaks
-            preempted = _preempted(yielder)
-            outcome = "cancelled"  # (release() says "preempted" itself when it was)
-            release()
-            trial.neutral()
-            if preempted:
-                raise Preempted(url) from None
-            raise
-        metrics.attempts.labels(pool, "ok").inc()
-        if req.stream:
-            ttfb = time.perf_counter() - sent_at
-            prefilled(ttfb)
-            record.ttft_s = time.perf_counter() - req.started
-            metrics.first_byte.labels(model, pool).observe(record.ttft_s)
-            max_ttfb = resilience.health.max_ttfb
-            if max_ttfb is not None and ttfb > max_ttfb:
-                trial.failed(time.monotonic(), f"first byte after {ttfb:.2f} s (max_ttfb {max_ttfb:g} s)")
-            else:
-                trial.succeeded(time.monotonic())
-            relay: StreamRelay
-
-            def finished(completed: bool) -> None:
-                if completed and runtime.cache.wants(req.cache, model):
-                    assert req.cache is not None
-                    captured = relay.captured
-                    runtime.cache.store_stream(req.cache, req.kind, str(req.identity.tenant_id),
-                                               bytes(captured) if captured is not None else None)
-                if relay.broken:
-                    # Counted against the engine even though its first byte was fine: it broke off.
-                    endpoints.state(url).breaker.failure(time.monotonic(), "broke off mid-stream")
-                    endpoints.pool_breaker(pool).failure(time.monotonic(), "broke off mid-stream")
-                    metrics.streams_broken.labels(pool).inc()
-                    record.broken = True
-                    record.trace.append("stream: the engine broke off mid-stream")
-                elif not completed:
-                    record.trace.append("stream: the client left before its end")
-                done(200)
-                runtime.spawn(self._account(req, stage.model, relay.usage.usage(), relay.usage.text_events, record))
-
-            storing = runtime.cache.wants(req.cache, model)
-            relay = StreamRelay(response, first, finished, strip_usage=req.force_usage,
-                                capture_limit=8 * req.cache.plan.rule.max_entry_bytes if storing and req.cache else 0,
-                                max_event_bytes=runtime.settings.upstream_max_event_bytes)
-            return Stream(relay.chunks(), media_type="text/event-stream",
-                          headers={**headers, "Cache-Control": "no-cache"},
-                          background=BackgroundTask(relay.afinish))
-        try:
-            data, usage = await read_answer(response, runtime.settings.upstream_max_response_bytes)
-        except UpstreamFailure as failure:
-            failed = "body_timeout" if failure.timeout else failure.kind if failure.invalid else "body_error"
-            retry(failed, str(failure), failure_error(failure, pool, dict(headers)))
-            return None
-        except BaseException:
-            preempted = _preempted(yielder)
-            outcome = "cancelled"
-            release()
-            trial.neutral()
-            if preempted:
-                response.close()  # the engine aborts a request whose connection closes
-                raise Preempted(url) from None
-            raise
-        trial.succeeded(time.monotonic())
-        record.ttft_s = time.perf_counter() - req.started
-        metrics.first_byte.labels(model, pool).observe(record.ttft_s)
-        done(200)
-        if runtime.cache.wants(req.cache, model):
-            assert req.cache is not None
-            runtime.cache.store_answer(req.cache, str(req.identity.tenant_id), data)
-        await self._account(req, stage.model, usage, 0, record)
-        return Response(content=data, status_code=200, media_type="application/json", headers=dict(headers))
-
-    async def _account(self, req: PendingRequest, model: Model, usage: dict[str, Any] | None, text_events: int,
-                       record: RequestRecord) -> None:
-        """Settle the request's reservation with what it used and add it to the usage ledger.
-
-        The engine's ``usage`` when it sent one; else (a stream without ``include_usage``, or one
-        its client left) the prompt as counted at admission and one token per text event.
-        """
-        prompt, completion, cached = req.prompt_tokens, text_events, 0
-        if usage is not None:
-            prompt, completion, cached = usage_counts(usage, prompt, completion)
-        record.prompt_tokens, record.completion_tokens, record.cached_tokens = prompt, completion, cached
-        spend = spend_of(model, prompt, completion, cached, batch=req.batch)
-        identity = req.identity
-        runtime = self.runtime
-        runtime.usage.record(identity.tenant_id, identity.key_id, model.name, prompt, completion, cached, spend)
-        prompt_total, completion_total, cached_total, spend_total = runtime.metrics.usage_counters(model.name)
-        prompt_total.inc(prompt)
-        completion_total.inc(completion)
-        if cached:
-            cached_total.inc(cached)
-        spend_total.inc(spend)
-        if req.lease.reservation is not None:
-            await req.lease.settle(prompt + completion, spend)
+def route_header(d: Decision, attempt: Attempt) -> str:
+    """The ``x-switchyard-route`` value: what served the request, under which policy, and every endpoint
+    or stage it moved on from and why (``moved_on=<url or stage> <why>, ...``)."""
+    stage, choice, decision, scheduled, cls, attempts = (attempt.stage, attempt.choice, d.model, d.scheduled, d.cls,
+                                                          d.attempts)
+    assert decision is not None
+    assert scheduled is not None
+    assert cls is not None
+    assert attempts is not None
+    parts = [f"model={stage.model.name}"]
+    if decision.route:
+        parts.append(f"route={decision.route}")
+        parts.append(f"rule={decision.rule}")
+    if scheduled.downgraded_from is not None:
+        parts.append(f"downgraded_from={scheduled.downgraded_from.name}")
+    if stage.model is not scheduled.model:
+        parts.append(f"fallback_from={scheduled.model.name}")
+    parts += [f"class={cls.name}", f"pool={choice.pool.name}", f"region={choice.pool.region}",
+              f"endpoint={choice.url}", f"policy={d.snapshot.label}"]
+    if attempts.count > 1:
+        parts.append(f"attempt={attempts.count}")
+    if attempts.moved_on:
+        parts.append("moved_on=" + ", ".join(attempts.moved_on))
+    return "; ".join(parts)
 
 
 def _finish_trace(spans: RequestTrace, record: RequestRecord) -> None:
@@ -541,25 +348,6 @@ def _finish_trace(spans: RequestTrace, record: RequestRecord) -> None:
                   "switchyard.region": record.region, "switchyard.class": record.priority,
                   "switchyard.attempts": record.attempts, "switchyard.cache": record.cache},
                  error=(record.status or 0) >= 500)
-
-
-def _preempted(yielder: Yielder | None) -> bool:
-    """Whether the cancellation being handled is flow control's preemption of ``yielder`` and nothing
-    else's (then it is taken back: the request goes on, to queue again)."""
-    if yielder is None or not yielder.preempted:
-        return False
-    task = asyncio.current_task()
-    return task is not None and task.uncancel() == 0
-
-
-def _tried(record: RequestRecord, attempts: Attempts, headers: dict[str, str]) -> None:
-    """Copy what the request's tries did into its record: attempts, moves and why, the route it took."""
-    record.attempts = attempts.count
-    record.moved_on = attempts.moved_on
-    record.trace.extend(attempts.failures)
-    route = headers.get("x-switchyard-route")
-    if route is not None:
-        record.trace.append(f"route: {route}")
 
 
 def _asked_usage(body: dict[str, Any]) -> bool:

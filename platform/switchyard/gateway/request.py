@@ -13,20 +13,17 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 from litestar import Request
 
-from switchyard.decide.features import RequestFeatures
-from switchyard.decide.flow import ClassDecision, Ticket
-from switchyard.decide.regions import Placement
-from switchyard.gateway.admission import Lease
+from switchyard.decide.procedure import Decision
+from switchyard.gateway.admission import NO_LEASE, Lease
 from switchyard.gateway.tracing import OFF, RequestTrace
 from switchyard.policy.schema import Pool
+from switchyard.state.queues import Ticket
 from switchyard.store.keys import KeyIdentity
 
 if TYPE_CHECKING:
     from switchyard.gateway.response_cache import Lookup
 
 Kind = Literal["chat", "completion"]
-#: A batch-lane request preempted this many times runs to its end: every request makes progress.
-MAX_PREEMPTIONS = 8
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
@@ -85,44 +82,40 @@ async def never() -> None:
 
 @dataclass(slots=True)
 class PendingRequest:
-    """A parsed request on its way to an engine, and the bodies encoded for each kind of pool."""
+    """A request on its way to an engine: what each of its tries carries, and its body encoded per kind of pool.
+
+    Attributes:
+        decision: Its run of the decision procedure (class, estimate, plan, tries so far).
+        lease: Its reservation against its limits, settled once when it ends.
+        ticket: A queue's grant, until the request counts itself at its endpoint.
+        cache: What the response cache said (None: no cache rule applies).
+        force_usage: Ask the engine for a usage chunk the client did not ask for (to store the stream; the
+            relay leaves the chunk out of what the client gets).
+        batch: A batch job's line: charged at the model's batch price.
+        trace: Its trace spans (:data:`~switchyard.gateway.tracing.OFF` when tracing is off).
+    """
 
     kind: Kind
     body: dict[str, Any]
     raw: bytes
     stream: bool
-    priority: int
-    features: RequestFeatures
     rid: str
     started: float
     identity: KeyIdentity
-    prompt_tokens: int
-    lease: Lease
-    cls: ClassDecision
-    #: Tokens it holds at its endpoint while in flight (prompt + expected output), for utilisation.
-    cost: int
-    placement: Placement
-    #: A queue's grant, until the request counts itself at its endpoint.
+    decision: Decision
+    lease: Lease = field(default_factory=lambda: NO_LEASE)
     ticket: Ticket | None = None
-    #: What the response cache said (None: no cache rule applies).
     cache: Lookup | None = None
-    #: Ask the engine for a usage chunk the client did not ask for (to store the stream; the relay
-    #: leaves the chunk out of what the client gets).
     force_usage: bool = False
-    #: A batch job's line: charged at the model's batch price.
     batch: bool = False
-    #: Times flow control preempted it for interactive requests (each time it queued again).
-    preemptions: int = 0
-    #: Its trace spans (:data:`~switchyard.gateway.tracing.OFF` when tracing is off).
     trace: RequestTrace = OFF
     _payloads: dict[tuple[str, bool], bytes] = field(default_factory=dict)
 
     @property
-    def yields(self) -> bool:
-        """Whether it gives way to interactive requests while in flight: a batch-lane request answered as
-        one JSON object (nothing has reached its client until it ends), preempted fewer than
-        ``MAX_PREEMPTIONS`` times."""
-        return self.cls.cls.lane == "batch" and not self.stream and self.preemptions < MAX_PREEMPTIONS
+    def cost(self) -> int:
+        """Tokens it holds at its endpoint while in flight (prompt + expected output), for utilisation."""
+        est = self.decision.estimate
+        return est.tokens if est is not None else 0
 
     def payload_for(self, pool: Pool) -> bytes:
         """The body for ``pool``: its served model name, and a ``priority`` only where it is honoured.
@@ -133,7 +126,8 @@ class PendingRequest:
         payload = self._payloads.get(key)
         if payload is None:
             body = self.body
-            wanted = self.priority if pool.priority_scheduling else None
+            cls = self.decision.cls
+            wanted = cls.engine_priority if pool.priority_scheduling and cls is not None else None
             if body["model"] == pool.served_model and body.get("priority") == wanted and not self.force_usage:
                 payload = self.raw
             else:

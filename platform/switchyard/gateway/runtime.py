@@ -8,7 +8,7 @@ import gc
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, TypeVar
@@ -18,10 +18,6 @@ import anyio.to_thread
 from sqlalchemy import Engine
 from sqlmodel import Session
 
-from switchyard.decide.pick import Candidate
-from switchyard.decide.plugins import EndpointView
-from switchyard.decide.prefix import PrefixIndex
-from switchyard.decide.sessions import SessionIndex
 from switchyard.decide.tokens import TokenizerCache, load_token_counters
 from switchyard.engines.breakers import STATE_VALUE, CircuitBreaker, State
 from switchyard.engines.endpoints import EndpointRegistry
@@ -32,7 +28,7 @@ from switchyard.gateway.activity import Activity, RequestRecord, outcome_of
 from switchyard.gateway.admission import Admitter
 from switchyard.gateway.auth import KeyAuthenticator
 from switchyard.gateway.classifiers import ClassifierRunner
-from switchyard.gateway.flow import FlowController, batch_view
+from switchyard.gateway.flow import FlowController
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.policy_state import PolicyHolder, load_startup_policy
 from switchyard.gateway.reload import PolicyReloader, following
@@ -40,6 +36,7 @@ from switchyard.gateway.response_cache import CacheRunner
 from switchyard.gateway.retries import RetryBudget
 from switchyard.gateway.stalls import StallSampler
 from switchyard.gateway.tracing import Tracing
+from switchyard.gateway.view import LiveView, Memory
 from switchyard.settings import Settings
 from switchyard.store import db
 from switchyard.store.cache import create_response_cache
@@ -71,8 +68,6 @@ class GatewayRuntime:
         # Shared across replicas through Redis when it is configured, else this process's own.
         self.cache = CacheRunner(create_response_cache(settings.redis_url, f"{settings.redis_key_prefix}cache:"),
                                  lambda: self.classifiers, self.metrics, self.spawn)
-        self.prefixes = PrefixIndex()
-        self.sessions = SessionIndex()
         self.flow = FlowController(self.endpoints, self.metrics, settings.flow_control)
         self.started_at = time.time()
         #: What this process did lately (the console's Overview and Requests pages).
@@ -96,8 +91,10 @@ class GatewayRuntime:
             counted=lambda mode: self.metrics.dependency_failures.labels("database", mode).inc(),
             needs_listener=libpq_url(settings.resolved_database_url) is not None)
         self.rotation = 0
-        #: Breaks ties between equally scored endpoints.
-        self.rng = random.Random()
+        #: The stateful scorers' memory, and the view of the fleet every request's decisions read.
+        self.memory = Memory()
+        # (A random source breaks ties between equally scored endpoints.)
+        self.view = LiveView(self.endpoints, self.flow, self.memory, self.next_rotation, random.Random())
 
     @property
     def engine(self) -> Engine:
@@ -187,43 +184,6 @@ class GatewayRuntime:
         """A counter for the round-robin picker."""
         self.rotation += 1
         return self.rotation
-
-    def endpoint_view(self, candidate: Candidate, now: float, preempting: bool = False) -> EndpointView:
-        """What the picker knows of ``candidate`` at ``now`` (monotonic); ``preempting``: for an interactive
-        request, which sees utilisation without this process's batch work that gives way to it."""
-        registry = self.endpoints
-        state = registry.state(candidate.url)
-        age = registry.signal_max_age
-        pool = candidate.pool
-        healthy = state.healthy(now) and registry.pool_breaker(pool.name).allows(now)
-        u = state.utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs, preempting)
-        if not preempting:  # batch work
-            u = batch_view(u, state, now)
-        return EndpointView(healthy, state.load(now, age, preempting), state.queued(now, age), u, state.reserved,
-                            state.served_models(now, age))
-
-    def out_of_service(self, options: Sequence[Candidate], now: float) -> tuple[str, float]:
-        """Why none of ``options`` can take a request now, and in how many seconds one might again."""
-        registry = self.endpoints
-        reasons: list[str] = []
-        waits: list[float] = []
-        pools_open = set()
-        for option in options:
-            pool = registry.pool_breaker(option.pool.name)
-            if not pool.allows(now):
-                if option.pool.name not in pools_open:
-                    pools_open.add(option.pool.name)
-                    reasons.append(f"pool {option.pool.name} breaker {pool.state(now).replace('_', '-')}")
-                    waits.append(pool.retry_in(now))
-                continue
-            state = registry.state(option.url)
-            if not state.up:
-                reasons.append(f"{option.url} down ({state.failure})")
-                waits.append(registry.resilience.health.probe_interval * registry.resilience.health.healthy_after)
-            elif not state.breaker.allows(now):
-                reasons.append(f"{option.url} breaker {state.breaker.state(now).replace('_', '-')}")
-                waits.append(state.breaker.retry_in(now))
-        return ", ".join(reasons) or "no endpoint", min((w for w in waits if w > 0), default=1.0)
 
     def engine_urls(self) -> list[str]:
         """Every endpoint of the active policy."""

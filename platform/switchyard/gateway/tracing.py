@@ -14,6 +14,7 @@ Attributes carry ids, names, statuses and timings only: never a key, a prompt or
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -37,6 +38,9 @@ class RequestTrace:
 
     def finish(self, attributes: Mapping[str, Any], error: bool) -> None:
         """End the request's span with ``attributes`` (an error status when ``error``)."""
+
+    def record(self, name: str, started: float, attributes: Mapping[str, Any], error: str | None = None) -> None:
+        """A child span that began at ``started`` (monotonic seconds) and ends now (nothing when off)."""
 
 
 OFF = RequestTrace()
@@ -86,6 +90,13 @@ class _Spans(RequestTrace):
     def finish(self, attributes: Mapping[str, Any], error: bool) -> None:
         end(self._root, {k: v for k, v in attributes.items() if v is not None},
             "failed" if error else None)
+
+    def record(self, name: str, started: float, attributes: Mapping[str, Any], error: str | None = None) -> None:
+        from opentelemetry.trace import SpanKind
+
+        began = time.time_ns() - int((time.monotonic() - started) * 1e9)
+        span = self._tracer.start_span(name, context=self._context, kind=SpanKind.INTERNAL, start_time=began)
+        end(span, attributes, error)
 
 
 class Tracing:

@@ -271,6 +271,8 @@ class Route(Strict):
 BATCH_MAX_QUEUE_MS = 600_000
 #: The utilisation under which batch-lane work is dispatched when its class sets no max_utilisation.
 BATCH_MAX_UTILISATION = 0.95
+#: Interactive requests (someone waits) and batch work (nobody waits) share engines, never a queue.
+Lane = Literal["interactive", "batch"]
 
 
 class PriorityClass(Strict):
@@ -281,7 +283,7 @@ class PriorityClass(Strict):
     the pool's interactive queue is empty and its utilisation is under ``max_utilisation``.
     """
 
-    lane: Literal["interactive", "batch"] = "interactive"
+    lane: Lane = "interactive"
     max_queue_ms: PositiveInt | None = Field(
         default=None, description="How long a request may wait in the gateway's queue (required for the "
         f"interactive lane; batch lane default {BATCH_MAX_QUEUE_MS}).")

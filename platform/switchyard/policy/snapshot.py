@@ -41,6 +41,9 @@ class PolicySnapshot:
     engine_priority: MappingProxyType[str, int] = field(repr=False)
     #: Position of each priority class in ``priorities`` (0 is the best class).
     class_rank: MappingProxyType[str, int] = field(repr=False)
+    #: What the decisions compile from this document, once per snapshot (``decide`` keeps its endpoint
+    #: profiles here): a pure function of the document, filled on first use and never changed after.
+    compiled: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def label(self) -> str:

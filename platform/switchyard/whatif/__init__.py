@@ -24,7 +24,8 @@ in-process limit store (``store.limits``, driven on the simulated clock) and the
 table.
 """
 
-from switchyard.whatif.replay import ArmResult, ReplayOutcome, replay_policy
+from switchyard.whatif.outcomes import ArmResult, ReplayOutcome
+from switchyard.whatif.replay import replay_policy
 from switchyard.whatif.report import compare_arms, render_report, replay_report
 
 __all__ = ["ArmResult", "ReplayOutcome", "compare_arms", "render_report", "replay_policy", "replay_report"]

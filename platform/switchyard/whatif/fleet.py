@@ -11,8 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from switchyard.decide.pick import Candidate
-from switchyard.decide.plugins import EndpointView
+from switchyard.decide.views import Candidate, EndpointView
 from switchyard.policy.schema import Pool
 from switchyard.policy.snapshot import PolicySnapshot
 from switchyard.sim.config import EngineConfig, ResolvedConfig, resolve

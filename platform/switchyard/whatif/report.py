@@ -17,7 +17,8 @@ from switchyard.bench.tables import ms, num, render_table, table, text
 from switchyard.decide.pick import Strategy
 from switchyard.figures import NO_VALUE, fixed, percentile
 from switchyard.policy.snapshot import PolicySnapshot
-from switchyard.whatif.replay import ArmResult, ReplayOutcome, replay_policy
+from switchyard.whatif.outcomes import ArmResult, ReplayOutcome
+from switchyard.whatif.replay import replay_policy
 
 SCHEMA = 2
 #: Error codes of requests flow control shed (a 503 of the gateway's queues).

@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from switchyard.decide.pick import Candidate, pick_endpoint, profile_for
-from switchyard.decide.plugins import EndpointView, Option, PickRequest, build, compile_profile
+from switchyard.decide.pick import pick_endpoint, profile_for
+from switchyard.decide.plugins import Option, PickRequest, Subject, build, compile_profile
+from switchyard.decide.views import Candidate, EndpointView
 from switchyard.policy import PolicyError, compile_policy
 from switchyard.policy import routing as spec
 from switchyard.policy.routing import BASELINE_PROFILES, DEFAULT_PROFILE, EndpointProfile
@@ -20,7 +21,35 @@ US = Pool(name="p-us", region="us-east", served_model="m", endpoints=["http://us
           kv_cache_tokens=100_000)
 EU = Pool(name="p-eu", region="eu-west", served_model="m", endpoints=["http://eu1"], kv_cache_tokens=400_000)
 CANDIDATES = [Candidate(US, "http://us1"), Candidate(US, "http://us2"), Candidate(EU, "http://eu1")]
-REQ = PickRequest({})
+#: A prompt long enough to have blocks, in a session.
+SUBJECT = Subject({"messages": [{"role": "user", "content": "p" * 600}]}, {"x-session-id": "s1"}, "t")
+
+
+class Remembers:
+    """Scorer memory that remembers what the test says (prefix affinity per URL, a session's endpoint)."""
+
+    def __init__(self, affinity: dict[str, float] | None = None, session: str | None = None) -> None:
+        self.prefixes, self.sessions = self, self
+        self.held = affinity or {}
+        self.session = session
+        self.recorded: list[tuple[str, str]] = []
+
+    def affinity(self, hashes: Any, urls: Any, now: float) -> dict[str, float]:
+        return {u: self.held.get(u, 0.0) for u in urls}
+
+    def get(self, key: str, now: float) -> str | None:
+        return self.session
+
+    def record(self, key: Any, url: str, now: float) -> None:
+        self.recorded.append(("prefix" if isinstance(key, list) else "session", url))
+
+
+def req(affinity: dict[str, float] | None = None, session_url: str | None = None, **kwargs: Any) -> PickRequest:
+    """A pick for a request whose scorer memory holds ``affinity`` and ``session_url``."""
+    return PickRequest(Remembers(affinity, session_url), SUBJECT, "m", len(CANDIDATES), **kwargs)
+
+
+REQ = req()
 
 
 def options(*views: EndpointView) -> list[Option]:
@@ -29,11 +58,11 @@ def options(*views: EndpointView) -> list[Option]:
 
 def run_filter(item: Any, opts: list[Option], request: PickRequest = REQ) -> list[str]:
     plugin = build(item)
-    return [o.url for o in plugin.fn(opts, request)]  # type: ignore[arg-type, union-attr]
+    return [o.url for o in plugin.keep(opts, request)]  # type: ignore[union-attr]
 
 
 def run_scorer(item: Any, opts: list[Option], request: PickRequest = REQ) -> list[float]:
-    return list(build(item).fn(opts, request))  # type: ignore[arg-type, union-attr]
+    return list(build(item).score(opts, request))  # type: ignore[union-attr]
 
 
 def pick(views: dict[str, EndpointView], request: PickRequest = REQ, profile: EndpointProfile = DEFAULT_PROFILE,
@@ -60,9 +89,9 @@ def test_under_saturation_filter_uses_the_class_ceiling_unless_the_profile_sets_
     opts = options(EndpointView(utilisation=0.5), EndpointView(utilisation=0.85), EndpointView(utilisation=1.2))
     under = spec.UnderSaturationFilter(type="under-saturation")
     assert run_filter(under, opts) == ["http://us1", "http://us2"]
-    assert run_filter(under, opts, PickRequest({}, ceiling=0.8)) == ["http://us1"]
+    assert run_filter(under, opts, req(ceiling=0.8)) == ["http://us1"]
     fixed = spec.UnderSaturationFilter(type="under-saturation", max_utilisation=0.6)
-    assert run_filter(fixed, opts, PickRequest({}, ceiling=1.0)) == ["http://us1"]
+    assert run_filter(fixed, opts, req(ceiling=1.0)) == ["http://us1"]
 
 
 def test_a_filter_that_would_leave_none_is_ignored() -> None:
@@ -100,10 +129,10 @@ def test_load_queue_kv_and_inflight_scorers_are_in_unit_range_and_favour_the_idl
 
 def test_prefix_affinity_scores_held_blocks_and_yields_when_busy() -> None:
     scorer = spec.PrefixAffinityScorer(type="prefix-affinity")
-    request = PickRequest({"http://us1": 1.0, "http://us2": 0.5, "http://eu1": 0.25})
+    request = req({"http://us1": 1.0, "http://us2": 0.5, "http://eu1": 0.25})
     idle = options(EndpointView(), EndpointView(), EndpointView())
     assert run_scorer(scorer, idle, request) == [1.0, 0.5, 0.25]
-    assert run_scorer(scorer, idle, PickRequest({})) == [0.0, 0.0, 0.0]
+    assert run_scorer(scorer, idle, req()) == [0.0, 0.0, 0.0]
     # Herding guard: a queue inside the engine, utilisation at the yield level, or a load more than
     # herd_margin above the least loaded candidate, each zero the affinity.
     queued = options(EndpointView(queued=1, load=1), EndpointView(), EndpointView())
@@ -118,7 +147,7 @@ def test_prefix_affinity_scores_held_blocks_and_yields_when_busy() -> None:
 
 def test_session_affinity_holds_while_the_endpoint_is_healthy_and_unsaturated() -> None:
     scorer = spec.SessionAffinityScorer(type="session-affinity", yield_above_utilisation=0.8)
-    request = PickRequest({}, session_url="http://us2")
+    request = req(session_url="http://us2")
     assert run_scorer(scorer, options(EndpointView(), EndpointView(), EndpointView()), request) == [0, 1, 0]
     busy = options(EndpointView(), EndpointView(utilisation=0.8), EndpointView())
     assert run_scorer(scorer, busy, request) == [0, 0, 0]
@@ -132,9 +161,9 @@ def test_session_affinity_holds_while_the_endpoint_is_healthy_and_unsaturated() 
 def test_max_score_breaks_ties_at_random_or_by_order_without_a_generator() -> None:
     picker = build(spec.MaxScorePicker(type="max-score"))
     opts = options(EndpointView(), EndpointView(), EndpointView())
-    assert picker.fn(opts, [0.2, 0.9, 0.9], REQ) == 1  # type: ignore[call-arg, arg-type]
+    assert picker.pick(opts, [0.2, 0.9, 0.9], REQ) == 1  # type: ignore[call-arg, arg-type]
     rng = random.Random(7)
-    seen = Counter(picker.fn(opts, [0.9, 0.9, 0.1], PickRequest({}, rng=rng)) for _ in range(200))  # type: ignore[call-arg, arg-type]
+    seen = Counter(picker.pick(opts, [0.9, 0.9, 0.1], req(rng=rng)) for _ in range(200))  # type: ignore[call-arg, arg-type]
     assert set(seen) == {0, 1} and min(seen.values()) > 60
 
 
@@ -143,22 +172,22 @@ def test_power_of_two_takes_the_better_of_two_random_candidates() -> None:
     opts = options(EndpointView(), EndpointView(), EndpointView())
     scores = [0.1, 0.5, 0.9]
     rng = random.Random(1)
-    seen = Counter(picker.fn(opts, scores, PickRequest({}, rng=rng)) for _ in range(300))  # type: ignore[call-arg, arg-type]
+    seen = Counter(picker.pick(opts, scores, req(rng=rng)) for _ in range(300))  # type: ignore[call-arg, arg-type]
     # The worst candidate never wins a pair; the best wins every pair it is drawn into (2 of 3).
     assert 0 not in seen and seen[2] > seen[1] > 50
-    assert picker.fn(opts, scores, REQ) == 2  # type: ignore[call-arg, arg-type]
+    assert picker.pick(opts, scores, REQ) == 2  # type: ignore[call-arg, arg-type]
 
 
 def test_round_robin_ignores_scores() -> None:
     picker = build(spec.RoundRobinPicker(type="round-robin"))
     opts = options(EndpointView(), EndpointView(), EndpointView())
-    assert [picker.fn(opts, [1, 0, 0], PickRequest({}, rotation=r)) for r in range(4)] == [0, 1, 2, 0]  # type: ignore[call-arg, arg-type]
+    assert [picker.pick(opts, [1, 0, 0], req(rotation=r)) for r in range(4)] == [0, 1, 2, 0]  # type: ignore[call-arg, arg-type]
 
 
 # --- profiles -----------------------------------------------------------------------------------
 
 def test_the_default_profile_weighs_prefix_against_load() -> None:
-    affinity = PickRequest({"http://us1": 1.0})
+    affinity = req({"http://us1": 1.0})
     assert pick({}, affinity) == "http://us1"
     # Affinity yields once us1 is more than herd_margin requests busier than the least loaded.
     assert pick({"http://us1": EndpointView(load=5)}, affinity) in ("http://us2", "http://eu1")
@@ -169,8 +198,8 @@ def test_the_default_profile_weighs_prefix_against_load() -> None:
 
 
 def test_home_region_is_preferred_until_it_is_saturated_then_the_roomiest_region_takes_over() -> None:
-    home_us = PickRequest({}, home_region="us-east")
-    home_eu = PickRequest({}, home_region="eu-west")
+    home_us = req(home_region="us-east")
+    home_eu = req(home_region="eu-west")
     assert pick({}, home_eu) == "http://eu1"
     assert pick({"http://us1": EndpointView(load=2)}, home_us) == "http://us2"
     # eu-west saturated: spill to us-east, the only region with room.
@@ -190,7 +219,7 @@ def test_spill_over_goes_by_capacity_left_not_by_list_order() -> None:
     views = {"http://us1": EndpointView(utilisation=1.2), "http://us2": EndpointView(utilisation=1.0),
              "http://eu1": EndpointView(utilisation=0.9),   # 0.1 x 400k = 40k tokens of room
              "http://ap1": EndpointView(utilisation=0.5)}   # 0.5 x 100k = 50k tokens of room
-    request = PickRequest({}, home_region="us-east")
+    request = req(home_region="us-east")
     choice = pick_endpoint(compile_profile("t", DEFAULT_PROFILE), cands, lambda c: views[c.url], request)
     assert choice is not None and choice.url == "http://ap1"
     views["http://eu1"] = EndpointView(utilisation=0.8)  # 80k tokens of room now
@@ -203,7 +232,7 @@ def test_spill_over_goes_by_capacity_left_not_by_list_order() -> None:
 
 
 def test_session_affinity_keeps_a_conversation_on_its_replica() -> None:
-    session = PickRequest({}, session_url="http://us2")
+    session = req(session_url="http://us2")
     assert pick({}, session) == "http://us2"
     assert pick({"http://us2": EndpointView(utilisation=0.95)}, session) == "http://us2"
     assert pick({"http://us2": EndpointView(utilisation=1.0)}, session) != "http://us2"
@@ -212,12 +241,12 @@ def test_session_affinity_keeps_a_conversation_on_its_replica() -> None:
 def test_baseline_profiles() -> None:
     least = BASELINE_PROFILES["least-loaded"]
     loads = {"http://us1": EndpointView(load=5), "http://us2": EndpointView(load=0), "http://eu1": EndpointView(load=1)}
-    assert pick(loads, PickRequest({"http://us1": 1.0}), least) == "http://us2"
+    assert pick(loads, req({"http://us1": 1.0}), least) == "http://us2"
     robin = BASELINE_PROFILES["round-robin"]
-    assert [pick(loads, PickRequest({}, rotation=r), robin) for r in range(3)] == ["http://us1", "http://us2",
+    assert [pick(loads, req(rotation=r), robin) for r in range(3)] == ["http://us1", "http://us2",
                                                                                    "http://eu1"]
     down = {**loads, "http://us2": EndpointView(healthy=False)}
-    assert {pick(down, PickRequest({}, rotation=r), robin) for r in range(4)} == {"http://us1", "http://eu1"}
+    assert {pick(down, req(rotation=r), robin) for r in range(4)} == {"http://us1", "http://eu1"}
 
 
 def test_a_policy_declares_profiles_and_models_use_them() -> None:

@@ -7,9 +7,10 @@ import pytest
 from switchyard.decide.dryrun import dry_run
 from switchyard.decide.features import RequestFeatures
 from switchyard.decide.plugins import compile_profile
+from switchyard.decide.refusals import Refused
 from switchyard.decide.regions import place
-from switchyard.decide.resolve import NeedsScore, Refused, resolve_model, resolve_offline
-from switchyard.decide.sessions import SessionIndex, session_key
+from switchyard.decide.resolve import NeedsScore, resolve_model
+from switchyard.decide.sessions import session_key
 from switchyard.policy import PolicyError, PolicySnapshot, compile_policy
 from switchyard.policy.routing import BASELINE_PROFILES, DEFAULT_PROFILE
 from tests.unit.policy.base import base, to_yaml
@@ -72,24 +73,17 @@ def test_unknown_tier_regions_are_rejected() -> None:
 
 
 def test_session_keys_come_from_the_header_or_the_user_field() -> None:
-    profile = compile_profile("d", DEFAULT_PROFILE)
-    assert session_key(profile, {"x-session-id": "abc"}, {"user": "u"}, "7", "small") == "7\x00small\x00abc"
-    assert session_key(profile, {}, {"user": "u"}, "7", "small") == "7\x00small\x00u"
-    assert session_key(profile, {}, {"user": 5}, "7", "small") is None
-    assert session_key(profile, {}, {}, "7", "small") is None
-    assert session_key(compile_profile("l", BASELINE_PROFILES["least-loaded"]), {"x-session-id": "a"}, {}, "7",
-                       "small") is None
-    assert len(session_key(profile, {"x-session-id": "x" * 10_000}, {}, "7", "m") or "") < 300
-
-
-def test_the_session_index_is_bounded_and_ages_out() -> None:
-    index = SessionIndex(capacity=2, ttl_s=10)
-    index.record("a", "u1", now=0)
-    index.record("b", "u2", now=1)
-    assert index.get("a", now=5) == "u1"
-    index.record("c", "u3", now=6)  # evicts the least recently used: b
-    assert (index.get("b", now=6), index.get("c", now=6), len(index)) == (None, "u3", 2)
-    assert index.get("a", now=10.5) is None  # older than the TTL
+    assert session_key("x-session-id", True, {"x-session-id": "abc"}, {"user": "u"}, "7", "small") == \
+        "7\x00small\x00abc"
+    assert session_key("x-session-id", True, {}, {"user": "u"}, "7", "small") == "7\x00small\x00u"
+    assert session_key("x-session-id", False, {}, {"user": "u"}, "7", "small") is None
+    assert session_key("x-session-id", True, {}, {"user": 5}, "7", "small") is None
+    assert session_key("x-session-id", True, {}, {}, "7", "small") is None
+    assert len(session_key("x-session-id", True, {"x-session-id": "x" * 10_000}, {}, "7", "m") or "") < 300
+    # Only a profile with session affinity keeps sessions: its scorer is the one stateful plugin that does.
+    assert [type(o).__name__ for o in compile_profile("d", DEFAULT_PROFILE).observers] == [
+        "PrefixAffinityScorer", "SessionAffinityScorer"]
+    assert compile_profile("l", BASELINE_PROFILES["least-loaded"]).observers == ()
 
 
 def test_route_decisions_trace_the_cost_against_the_most_expensive_choice() -> None:
@@ -119,8 +113,8 @@ def test_classifiers_that_call_out_are_asked_for_and_offline_they_do_not_match()
     assert needs.value.name == "legal"
     assert resolve_model(snapshot, "pro", features, {"legal": 0.7}).rule == "legal"
     assert resolve_model(snapshot, "pro", features, {"legal": 0.3}).rule == "short"
-    offline = resolve_offline(snapshot, "pro", features)
-    assert offline.rule == "short" and offline.trace[0] == "classifier legal (embedding): unavailable, rule skipped"
+    offline = dry_run(snapshot, "pro", features)  # a dry run has no embeddings: the classifier is unavailable
+    assert offline.model == "small" and offline.trace[0] == "classifier legal (embedding): unavailable, rule skipped"
 
 
 @pytest.mark.parametrize(("change", "message"), [

@@ -6,7 +6,8 @@ import pytest
 
 from switchyard.decide.features import MAX_MATCH_CHARS, chat_features, completion_features
 from switchyard.decide.policy_tests import run_policy_tests
-from switchyard.decide.resolve import Refused, resolve_model
+from switchyard.decide.refusals import Refused
+from switchyard.decide.resolve import resolve_model
 from switchyard.decide.tokens import estimate_chat_tokens, estimate_text_tokens
 from switchyard.policy import PolicySnapshot, compile_policy
 from tests.unit.policy.base import base, to_yaml

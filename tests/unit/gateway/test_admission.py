@@ -9,15 +9,25 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
-from switchyard.decide.admit import LimitCharge
-from switchyard.gateway.admission import Admitter, duration, ratelimit_headers
+from switchyard.decide.admit import LimitCharge, duration, limit_refusal
+from switchyard.gateway.admission import Admitter, Lease, ratelimit_headers
+from switchyard.gateway.attempts import refusal_error
 from switchyard.gateway.errors import Overloaded, RateLimited
+from switchyard.policy.resilience import FailureMode
 from switchyard.store.limits import Admission, Bucket, BucketState, Charge, MemoryLimitStore
 
 
 def charge(limit: str = "tokens_per_minute", unit: str = "tokens", capacity: float = 1000, amount: float = 300,
            key: str = "t:1") -> LimitCharge:
     return LimitCharge(f"{key}:{limit}", limit, unit, capacity, 60.0, amount, "tier free")  # type: ignore[arg-type]
+
+
+async def admit(admitter: Admitter, charges: list[LimitCharge], redis: FailureMode = "fail_open") -> Lease:
+    """What the gateway makes of an admission: the lease, or the 429 the decisions word for a refusal."""
+    lease, answer = await admitter.reserve(charges, redis)
+    if not answer.admitted:
+        raise refusal_error(limit_refusal(charges, answer), lease.headers)
+    return lease
 
 
 def test_durations_read_like_openais() -> None:
@@ -42,10 +52,10 @@ def test_headers_come_from_the_tightest_bucket_of_each_unit() -> None:
 async def test_admit_refuse_and_settle_exactly_once() -> None:
     store = MemoryLimitStore()
     admitter = Admitter(store)
-    lease = await admitter.admit([charge(amount=700)])
+    lease = await admit(admitter, [charge(amount=700)])
     assert lease.headers["x-ratelimit-remaining-tokens"] == "300"
     with pytest.raises(RateLimited) as refused:
-        await admitter.admit([charge(amount=400)])
+        await admit(admitter, [charge(amount=400)])
     error = refused.value
     assert (error.status_code, error.code, error.type, error.limit) == (429, "rate_limit_exceeded", "tokens",
                                                                         "tokens_per_minute")
@@ -53,9 +63,9 @@ async def test_admit_refuse_and_settle_exactly_once() -> None:
     assert "Rate limit reached for tokens_per_minute (tier free): limit 1000" in error.message
     await lease.settle(100, 0.0)  # used 100 of the 700 reserved: 600 come back
     await lease.settle(100, 0.0)  # and only once
-    assert (await admitter.admit([charge(amount=850)])).headers["x-ratelimit-remaining-tokens"] == "50"
+    assert (await admit(admitter, [charge(amount=850)])).headers["x-ratelimit-remaining-tokens"] == "50"
     with pytest.raises(RateLimited) as huge:
-        await admitter.admit([charge(amount=5000)])
+        await admit(admitter, [charge(amount=5000)])
     assert huge.value.code == "request_too_large" and "Retry-After" not in huge.value.headers
 
 
@@ -96,15 +106,15 @@ async def test_fail_open_enforces_the_limits_in_process_and_settles_where_it_res
     counted: list[str] = []
     shared.down = True
     admitter = _admitter(shared, counted)
-    lease = await admitter.admit([charge(amount=700)], "fail_open")
+    lease = await admit(admitter, [charge(amount=700)], "fail_open")
     assert lease.store is admitter.local and lease.reservation is not None
     assert lease.headers["x-ratelimit-remaining-tokens"] == "300"
     with pytest.raises(RateLimited) as refused:  # the limit still holds, in this process
-        await admitter.admit([charge(amount=400)], "fail_open")
+        await admit(admitter, [charge(amount=400)], "fail_open")
     assert refused.value.status_code == 429 and int(refused.value.headers["Retry-After"]) >= 1
     assert counted == ["fail_open", "fail_open"]
     await lease.settle(100, 0.0)  # 600 come back to the local bucket, not to the shared one
-    assert (await admitter.admit([charge(amount=850)], "fail_open")).headers["x-ratelimit-remaining-tokens"] == "50"
+    assert (await admit(admitter, [charge(amount=850)], "fail_open")).headers["x-ratelimit-remaining-tokens"] == "50"
     assert shared.calls == 1, "after the failure the shared store is left alone for the back-off"
 
 
@@ -115,7 +125,7 @@ async def test_fail_closed_refuses_with_503_and_retry_after() -> None:
     admitter = _admitter(shared, counted)
     for _ in range(2):
         with pytest.raises(Overloaded) as refused:
-            await admitter.admit([charge()], "fail_closed")
+            await admit(admitter, [charge()], "fail_closed")
         error = refused.value
         assert (error.status_code, error.code, error.type) == (503, "limits_unavailable", "overloaded_error")
         assert int(error.headers["Retry-After"]) >= 1
@@ -127,23 +137,23 @@ async def test_the_store_is_tried_again_after_the_backoff_and_recovery_is_logged
     shared, clock = _Flaky(), _Clock()
     counted: list[str] = []
     admitter = _admitter(shared, counted, clock)
-    before = await admitter.admit([charge(amount=100)])  # reserved on the shared store
+    before = await admit(admitter, [charge(amount=100)])  # reserved on the shared store
     assert before.store is shared
     shared.down = True
     with caplog.at_level(logging.WARNING, logger="switchyard.admission"):
         for _ in range(5):
-            await admitter.admit([charge(amount=10)])
+            await admit(admitter, [charge(amount=10)])
         assert shared.calls == 2 and admitter.store_down  # one failure, then the back-off
         clock.now += 1.0
-        await admitter.admit([charge(amount=10)])
-        await admitter.admit([charge(amount=10)])
+        await admit(admitter, [charge(amount=10)])
+        await admit(admitter, [charge(amount=10)])
         assert shared.calls == 3, "one request per back-off tries the store again"
         shared.down = False
         await before.settle(100, 0.0)  # reserved on the shared store: settles there once it answers
         clock.now += 1.0
-        after = await admitter.admit([charge(amount=10)])
+        after = await admit(admitter, [charge(amount=10)])
         assert after.store is shared and not admitter.store_down
-        await admitter.admit([charge(amount=10)])
+        await admit(admitter, [charge(amount=10)])
     assert shared.calls == 5 and counted == ["fail_open"] * 7
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 2, warnings  # the fallback once (not per request), the recovery once
@@ -158,7 +168,7 @@ async def test_fallback_warnings_repeat_at_most_once_per_interval(caplog: pytest
     admitter = _admitter(shared, counted, clock)
     with caplog.at_level(logging.WARNING, logger="switchyard.admission"):
         for _ in range(40):  # 40 s of requests, one per second
-            await admitter.admit([charge(amount=1)])
+            await admit(admitter, [charge(amount=1)])
             clock.now += 1.0
     assert len(counted) == 40
     assert len(caplog.records) == 2 and "30 requests since the last warning" in caplog.records[1].getMessage()
@@ -166,7 +176,7 @@ async def test_fallback_warnings_repeat_at_most_once_per_interval(caplog: pytest
 
 async def test_a_lease_whose_store_fails_on_settle_logs_and_does_not_raise() -> None:
     shared = _Flaky()
-    lease = await _admitter(shared, []).admit([charge()])
+    lease = await admit(_admitter(shared, []), [charge()])
     shared.down = True
     await lease.settle(10, 0.0)
     assert lease.settled
@@ -175,5 +185,5 @@ async def test_a_lease_whose_store_fails_on_settle_logs_and_does_not_raise() -> 
 async def test_no_limits_no_store_call() -> None:
     shared = _Flaky()
     shared.down = True
-    lease = await Admitter(shared).admit([], "fail_closed")
+    lease = await admit(Admitter(shared), [], "fail_closed")
     assert lease.store is None and lease.headers == {} and shared.calls == 0

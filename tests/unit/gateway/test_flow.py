@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import random
 import time
+from dataclasses import dataclass
 
 import pytest
 
-from switchyard.decide.flow import ClassDecision, classify
-from switchyard.decide.pick import Candidate, EndpointChoice
+from switchyard.decide import flow as decide_flow
+from switchyard.decide.classes import ClassDecision, classify
+from switchyard.decide.pick import EndpointChoice
+from switchyard.decide.refusals import Refusal
+from switchyard.decide.views import Candidate
 from switchyard.engines.endpoints import EndpointRegistry, EngineSignals
-from switchyard.gateway.errors import Overloaded
-from switchyard.gateway.flow import ClientLeft, FlowController, Scheduled, never
+from switchyard.gateway.attempts import refusal_error
+from switchyard.gateway.errors import ClientLeft, Overloaded
+from switchyard.gateway.flow import FlowController, never
 from switchyard.gateway.metrics import GatewayMetrics
+from switchyard.gateway.view import LiveView, Memory
+from switchyard.policy.schema import Model
+from switchyard.state.queues import Ticket
 from switchyard.policy import PolicySnapshot, compile_policy
 from tests.unit.policy.base import base, to_yaml
 
@@ -63,16 +73,46 @@ def sample(flow: FlowController, name: str, **labels: str) -> float:
     return value or 0.0
 
 
+@dataclass
+class Got:
+    """What flow control's stage gave a request, and the queue's grant it holds until it reaches its endpoint."""
+
+    model: Model
+    downgraded_from: Model | None
+    note: str | None
+    waited_s: float
+    ticket: Ticket | None
+
+
+def view(flow: FlowController) -> LiveView:
+    return LiveView(flow.endpoints, flow, Memory(), itertools.count(1).__next__, random.Random(0))
+
+
 async def schedule(flow: FlowController, snapshot: PolicySnapshot, klass: str, tenant: str = "t",
-                   model: str = "big", cost: int = 100, gone: asyncio.Event | None = None) -> Scheduled:
+                   model: str = "big", cost: int = 100, gone: asyncio.Event | None = None) -> Got:
+    """The flow stage of the decision procedure for a request, its queue waits carried out by ``flow`` and its
+    refusal raised as the gateway answers it (what the gateway's executor does)."""
     async def disconnected() -> None:
         if gone is None:
             await never()
         else:
             await gone.wait()
 
-    return await flow.schedule(snapshot, snapshot.models[model], cls(snapshot, klass), cost, tenant, 500,
-                               disconnected)
+    klass_decision = cls(snapshot, klass)
+    steps = decide_flow.schedule(snapshot, snapshot.models[model], klass_decision, cost, tenant, 500, None,
+                                 view(flow))
+    answer, ticket = None, None
+    while True:
+        try:
+            effect = steps.send(answer)
+        except StopIteration as done:
+            outcome: decide_flow.Scheduled | Refusal = done.value
+            break
+        answer, ticket = await flow.wait(effect, disconnected)
+    flow.counted(klass_decision.name, outcome)
+    if isinstance(outcome, Refusal):
+        raise refusal_error(outcome)
+    return Got(outcome.model, outcome.downgraded_from, outcome.note, outcome.waited_s, ticket)
 
 
 def fill(flow: FlowController, n: int = 2, url: str = BIG) -> None:
@@ -305,14 +345,6 @@ async def test_the_batch_lane_leaves_the_pools_reserved_slots_free(snapshot: Pol
     assert flow.batch_utilisation(plain, time.monotonic()) == flow.utilisation(plain, time.monotonic())
 
 
-async def test_turned_off_it_never_queues_or_sheds(snapshot: PolicySnapshot) -> None:
-    flow = FlowController(EndpointRegistry(), GatewayMetrics(), enabled=False)
-    fill(flow, 10)
-    for klass in ("critical", "standard", "sheddable", "low", "batch"):
-        done = await schedule(flow, snapshot, klass)
-        assert done.model.name == "big" and done.ticket is None
-
-
 def test_utilisation_combines_own_accounting_and_the_engines_signals() -> None:
     registry = EndpointRegistry(signal_max_age=3.0)
     state = registry.state(BIG)
@@ -405,7 +437,7 @@ class Running:
         self.outcome: str | None = None
 
     async def run(self) -> None:
-        self.yielder = self.flow.yielding(self.url, self.release)
+        self.yielder = self.flow.yielding(self.url, 100, self.release)
         self.flow.endpoints.acquire(self.url, 100, yielding=True)
         try:
             await asyncio.sleep(10)
@@ -459,7 +491,7 @@ async def test_batch_requests_see_the_whole_load_and_flow_control_off_preempts_n
     running.task.cancel()
     await asyncio.gather(bulk, running.task, return_exceptions=True)
     off = FlowController(EndpointRegistry(), GatewayMetrics(), enabled=False)
-    assert off.yielding(BIG, lambda: None) is None
+    assert off.yielding(BIG, 100, lambda: None) is None
     assert off.make_room(snapshot.pools["big"], BIG, 0.0, 0.0) == 0
 
 
@@ -570,17 +602,17 @@ async def test_steering_sends_the_interactive_request_where_the_youngest_batch_r
     await asyncio.sleep(0.01)
     choice = EndpointChoice(pool, BIG, 1.0, (), "max-score", 2, ())
     options = [Candidate(pool, BIG), Candidate(pool, SPARE)]
-    steered = flow.steer(choice, options, set(), 1.0, time.monotonic())
+    steered = decide_flow.steer(choice, options, set(), 1.0, view(flow), time.monotonic())
     assert steered.url == SPARE and "youngest batch request" in steered.notes[-1]
-    assert flow.steer(choice, options, {SPARE}, 1.0, time.monotonic()).url == BIG  # already tried there
+    assert decide_flow.steer(choice, options, {SPARE}, 1.0, view(flow), time.monotonic()).url == BIG  # already tried there
     # Not where more interactive streams are in their prefill than at the choice: its first step would carry them.
     flow.endpoints.prefill_started(SPARE)
-    assert flow.steer(choice, options, set(), 1.0, time.monotonic()) is choice
+    assert decide_flow.steer(choice, options, set(), 1.0, view(flow), time.monotonic()) is choice
     flow.endpoints.prefill_started(BIG)
-    assert flow.steer(choice, options, set(), 1.0, time.monotonic()).url == SPARE
+    assert decide_flow.steer(choice, options, set(), 1.0, view(flow), time.monotonic()).url == SPARE
     younger.task.cancel()
     await asyncio.gather(younger.task, return_exceptions=True)
     free = EndpointChoice(pool, SPARE, 1.0, (), "max-score", 2, ())
-    assert flow.steer(free, options, set(), 1.0, time.monotonic()) is free  # room without preempting
+    assert decide_flow.steer(free, options, set(), 1.0, view(flow), time.monotonic()) is free  # room without preempting
     older.task.cancel()
     await asyncio.gather(older.task, return_exceptions=True)

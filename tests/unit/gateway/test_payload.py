@@ -6,13 +6,14 @@ import json
 
 import msgspec
 
+from switchyard.decide.classes import ClassDecision
 from switchyard.decide.features import chat_features
-from switchyard.decide.flow import ClassDecision
-from switchyard.decide.regions import Placement
-from switchyard.gateway.admission import Lease
+from switchyard.decide.procedure import Ask, Caller, Decision
 from switchyard.gateway.request import PendingRequest
+from switchyard.policy import compile_policy
 from switchyard.policy.schema import Pool, PriorityClass
 from switchyard.store.keys import KeyIdentity
+from tests.unit.policy.base import base, to_yaml
 
 
 def pool(served: str, priority_scheduling: bool) -> Pool:
@@ -20,14 +21,15 @@ def pool(served: str, priority_scheduling: bool) -> Pool:
                 kv_cache_tokens=1000, priority_scheduling=priority_scheduling)
 
 
-STANDARD = ClassDecision("standard", PriorityClass(max_queue_ms=1000), 0, 10, "standard", "class standard")
+SNAPSHOT = compile_policy(to_yaml(base()))
 
 
 def request(body: dict[str, object], priority: int) -> PendingRequest:
     raw = msgspec.json.encode(body)
-    return PendingRequest("chat", body, raw, False, priority, chat_features(body, {}), "rid", 0.0,
-                    KeyIdentity(1, 1, "tenant", "pro"), 0, Lease(None, None, []), STANDARD, 100,
-                    Placement(None, None, "no home region"))
+    decision = Decision(SNAPSHOT, Ask("chat", body, chat_features(body, {}), Caller("pro", "1", "1")))
+    decision.cls = ClassDecision("standard", PriorityClass(max_queue_ms=1000), 0, priority, "standard",
+                                 "class standard")
+    return PendingRequest("chat", body, raw, False, "rid", 0.0, KeyIdentity(1, 1, "tenant", "pro"), decision)
 
 
 def test_priority_goes_only_to_priority_scheduling_pools() -> None:

@@ -11,7 +11,7 @@ from switchyard.bench.spec import WorkloadError
 from switchyard.sim.chat import render_chat
 from switchyard.whatif import replay_policy
 from switchyard.whatif.logged import DEFAULT_OUTPUT, LogEntry, log_workload
-from switchyard.whatif.replay import prompt_ids
+from switchyard.whatif.outcomes import prompt_ids
 from tests.unit.policy.base import base
 from tests.unit.whatif.test_replay import snap
 

@@ -13,7 +13,7 @@ from switchyard.policy import PolicySnapshot, compile_policy
 from switchyard.sim.chat import render_chat
 from switchyard.whatif import compare_arms, render_report, replay_policy
 from switchyard.whatif.fleet import Fleet, FleetError
-from switchyard.whatif.replay import NOT_MODELLED, cost_of
+from switchyard.whatif.outcomes import NOT_MODELLED, cost_of
 from tests.unit.policy.base import base, to_yaml
 
 

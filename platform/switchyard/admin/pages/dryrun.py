@@ -21,9 +21,8 @@ from pydantic import ValidationError
 from sqlmodel import Session
 
 from switchyard.admin.common import in_db, runtime_of
-from switchyard.decide.admit import LimitCharge, estimate, limit_charges
-from switchyard.decide.dryrun import DryRun, dry_run
-from switchyard.decide.flow import PRIORITY_HEADER
+from switchyard.decide.classes import PRIORITY_HEADER
+from switchyard.decide.dryrun import dry_run
 from switchyard.decide.policy_tests import body_of_request, features_of_request
 from switchyard.decide.regions import REGION_HEADER
 from switchyard.gateway.errors import ApiError
@@ -144,18 +143,6 @@ async def _who(runtime: GatewayRuntime, values: dict[str, str]) -> Who:
     return Who(None, tier)
 
 
-def _charges(snapshot: PolicySnapshot, who: Who, run: DryRun, prompt_tokens: int,
-             max_tokens: int | None) -> tuple[float | None, list[LimitCharge]]:
-    """The estimated tokens of the request and the limits it would be charged against (the gateway's
-    own estimate and charges, with the tenant's override); none when it is refused before admission."""
-    model = snapshot.models.get(run.model or "")
-    if model is None or run.status == 400:  # refused before admission
-        return None, []
-    est = estimate(model, prompt_tokens, max_tokens)
-    return est.tokens, limit_charges(snapshot, who.tier, model, est, tenant=who.tenant or "dry-run", key="dry-run",
-                                     tenant_limits=who.limits)
-
-
 def _values(form: FormMultiDict) -> tuple[dict[str, str], set[str]]:
     values = {}
     for name, default in DEFAULTS.items():
@@ -180,11 +167,13 @@ async def dry_run_submit(request: HTMXRequest) -> Template:
     body = body_of_request(test_request)
     if "stream" in flags:
         body["stream"] = True
+    # The gateway's own decisions, with the tenant's limit override and the models' tokenizers.
     run = dry_run(snapshot, who.tier, features, strategy=runtime.settings.picker, priority=test_request.priority,
-                  key_region=who.region, gateway_region=runtime.settings.region, body=body)
-    tokens, charges = _charges(snapshot, who, run, features.prompt_tokens, features.max_tokens)
-    result = {"run": run, "who": who, "policy": snapshot.label, "prompt_tokens": features.prompt_tokens,
-              "max_tokens": features.max_tokens, "estimated_tokens": tokens, "charges": charges,
+                  key_region=who.region, gateway_region=runtime.settings.region, body=body,
+                  tenant=who.tenant or "dry-run", tenant_limits=who.limits, counters=runtime.policy.counters)
+    prompt_tokens = run.prompt_tokens if run.prompt_tokens is not None else features.prompt_tokens
+    result = {"run": run, "who": who, "policy": snapshot.label, "prompt_tokens": prompt_tokens,
+              "max_tokens": features.max_tokens, "estimated_tokens": run.estimated_tokens, "charges": run.charges,
               "stream": "stream" in flags, "cache_rules": bool(snapshot.document.cache)}
     return await _page(request, values, flags, result=result)
 

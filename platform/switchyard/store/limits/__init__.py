@@ -46,7 +46,7 @@ from collections.abc import Sequence
 
 from redis.asyncio import BlockingConnectionPool, Redis
 
-from switchyard.decide.admit import LimitCharge
+from switchyard.decide.admit import LimitAnswer, LimitCharge
 from switchyard.store.limits.memory import MemoryLimitStore
 from switchyard.store.limits.model import Admission, Bucket, BucketState, Charge, LimitStore, Unit
 from switchyard.store.limits.redis_store import DEFAULT_KEY_PREFIX, RedisLimitStore
@@ -61,6 +61,7 @@ __all__ = [
     "MemoryLimitStore",
     "RedisLimitStore",
     "Unit",
+    "answer_of",
     "charges_of",
     "create_limit_store",
 ]
@@ -79,6 +80,15 @@ def charges_of(limits: Sequence[LimitCharge]) -> list[Charge]:
     """The store's charges for the limits ``decide.admit`` says a request is charged against
     (each limit refills its whole capacity over its period)."""
     return [Charge(Bucket(c.key, c.capacity, c.capacity / c.period_s, c.limit, c.unit), c.amount) for c in limits]
+
+
+def answer_of(admission: Admission) -> LimitAnswer:
+    """The store's answer as the decisions read it (which bucket refused, and when it will have room)."""
+    refused = admission.refused_by
+    if admission.admitted or refused is None:
+        return LimitAnswer(True)
+    state = next(s for s in admission.states if s.bucket.key == refused.key)
+    return LimitAnswer(False, refused.key, admission.never, admission.retry_after_s, state.remaining)
 
 
 def create_limit_store(redis_url: str | None, *, key_prefix: str = DEFAULT_KEY_PREFIX) -> LimitStore:

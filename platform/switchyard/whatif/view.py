@@ -1,0 +1,95 @@
+"""A replay's view of its simulated fleet, as the decision procedure reads it (a
+:class:`~switchyard.decide.views.FleetView`).
+
+What a gateway in front of these engines would know at the replay's simulated time: each engine's
+requests and queue as a fresh scrape would report them, the replay's own reservations there, flow
+control's queues and service times, and the stateful scorers' memory, all on the simulated clock.
+Every engine stays healthy (failures are not modelled), and no request gives way to another (batch
+preemption is not modelled).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+from switchyard.decide.flow import batch_pool_utilisation
+from switchyard.decide.views import Candidate, EndpointView
+from switchyard.policy.schema import Lane, Pool
+from switchyard.state.prefix import PrefixIndex
+from switchyard.state.queues import PoolQueues, ServiceTime
+from switchyard.state.sessions import SessionIndex
+from switchyard.whatif.fleet import Fleet
+
+
+class ReplayMemory:
+    """The stateful scorers' memory in a replay (on the simulated clock, as the procedure passes it)."""
+
+    def __init__(self) -> None:
+        self.prefixes = PrefixIndex()
+        self.sessions = SessionIndex()
+
+
+class ReplayView:
+    """A replay arm's fleet, queues and memory at its simulated time (see the module doc)."""
+
+    def __init__(self, fleet: Fleet, clock: Callable[[], float], seed: int) -> None:
+        self.fleet = fleet
+        self._clock = clock
+        self.memory = ReplayMemory()
+        #: Breaks ties between equally scored endpoints, reproducibly.
+        self.rng: random.Random | None = random.Random(seed)
+        self._rotation = 0
+        self._queues: dict[str, PoolQueues] = {}
+        self._service: dict[str, ServiceTime] = {}
+
+    def now(self) -> float:
+        return self._clock()
+
+    def rotation(self) -> int:
+        self._rotation += 1
+        return self._rotation
+
+    def endpoint(self, candidate: Candidate, lane: Lane, now: float) -> EndpointView:
+        return self.fleet.endpoints[candidate.url].view()
+
+    def pool_utilisation(self, pool: Pool, lane: Lane, now: float) -> float:
+        """Its least-loaded endpoint's utilisation; the batch lane's keeps the pool's reserved slots free."""
+        views = [self.fleet.endpoints[url].view() for url in pool.endpoints]
+        if lane == "interactive":
+            return min(v.utilisation for v in views)
+        return batch_pool_utilisation(pool, [v.utilisation for v in views], sum(v.load for v in views))
+
+    def queues(self, pool: Pool) -> PoolQueues:
+        queues = self._queues.get(pool.name)
+        if queues is None:
+            queues = self._queues[pool.name] = PoolQueues()
+        return queues
+
+    def service(self, pool: Pool) -> ServiceTime:
+        service = self._service.get(pool.name)
+        if service is None:
+            service = self._service[pool.name] = ServiceTime()
+        return service
+
+    def all_queues(self) -> dict[str, PoolQueues]:
+        """Every pool's queues so far, by pool name."""
+        return self._queues
+
+    def reserved_tokens(self, pool: Pool) -> int:
+        return sum(self.fleet.endpoints[url].reserved for url in pool.endpoints)
+
+    def out_of_service(self, options: Sequence[Candidate], now: float) -> tuple[str, float]:
+        return "no endpoint", 1.0
+
+    def yielders(self, url: str) -> Sequence[float]:
+        return ()
+
+    def prefilling(self, url: str) -> int:
+        return 0
+
+    def available(self, candidate: Candidate, now: float) -> bool:
+        return True
+
+    def full(self, candidate: Candidate, ceiling: float, now: float, preempting: bool) -> bool:
+        return self.fleet.endpoints[candidate.url].view().utilisation >= ceiling

@@ -1,0 +1,74 @@
+"""A request's priority class: its tier's, lowered (never raised) by a header or the body's priority."""
+
+from __future__ import annotations
+
+import pytest
+
+from switchyard.decide.classes import BadPriority, classify
+from switchyard.policy import PolicySnapshot, compile_policy
+from tests.unit.policy.base import base, to_yaml
+
+
+@pytest.fixture
+def snapshot() -> PolicySnapshot:
+    doc = base()
+    doc["priorities"] = {
+        "critical": {"max_queue_ms": 5000},
+        "standard": {"max_queue_ms": 1500},
+        "sheddable": {"max_queue_ms": 200, "shed_above_utilisation": 0.8},
+        "batch": {"lane": "batch"},
+    }
+    doc["tiers"][1]["priority"] = "standard"  # pro
+    doc["models"][1]["on_saturation"] = {"downgrade_to": "small", "classes": ["standard", "sheddable"]}
+    return compile_policy(to_yaml(doc))
+
+
+
+
+def test_the_class_comes_from_the_tier_with_default_engine_priorities(snapshot: PolicySnapshot) -> None:
+    assert dict(snapshot.engine_priority) == {"critical": 0, "standard": 10, "sheddable": 20, "batch": 1030}
+    cls = classify(snapshot, "pro", None, None)
+    assert (cls.name, cls.rank, cls.engine_priority, cls.tier_class) == ("standard", 1, 10, "standard")
+    assert cls.trace == "class standard (tier pro)"
+
+
+def test_a_request_may_lower_its_class_by_header_or_body(snapshot: PolicySnapshot) -> None:
+    by_header = classify(snapshot, "pro", "sheddable", None)
+    assert (by_header.name, by_header.engine_priority) == ("sheddable", 20)
+    assert "lowered by the x-switchyard-priority header" in by_header.trace
+    by_name = classify(snapshot, "pro", None, "batch")
+    assert (by_name.name, by_name.cls.lane, by_name.engine_priority) == ("batch", "batch", 1030)
+    # A number in vLLM's sense: the last class at or below it; the engine gets the number itself.
+    by_number = classify(snapshot, "pro", None, 25)
+    assert (by_number.name, by_number.engine_priority) == ("sheddable", 25)
+    # Both given: the lower one wins.
+    both = classify(snapshot, "pro", "sheddable", "batch")
+    assert both.name == "batch"
+
+
+def test_a_request_can_never_raise_its_class(snapshot: PolicySnapshot) -> None:
+    cls = classify(snapshot, "free", "critical", None)
+    assert (cls.name, cls.engine_priority) == ("sheddable", 20)
+    assert "above the tier's class" in cls.trace
+    assert classify(snapshot, "free", None, -5).engine_priority == 20
+    assert classify(snapshot, "free", None, 0).name == "sheddable"
+
+
+@pytest.mark.parametrize(("header", "asked", "param"), [
+    ("urgent", None, "x-switchyard-priority"),
+    (None, "urgent", "priority"),
+    (None, 1.5, "priority"),
+    (None, True, "priority"),
+])
+def test_unknown_priorities_are_refused(snapshot: PolicySnapshot, header: str | None, asked: object,
+                                        param: str) -> None:
+    with pytest.raises(BadPriority) as caught:
+        classify(snapshot, "pro", header, asked)
+    assert caught.value.param == param
+
+
+def test_explicit_engine_priorities_are_kept() -> None:
+    doc = base()
+    doc["priorities"]["batch"]["engine_priority"] = 100
+    snapshot = compile_policy(to_yaml(doc))
+    assert dict(snapshot.engine_priority) == {"critical": 0, "sheddable": 10, "batch": 100}
