@@ -21,9 +21,9 @@ from switchyard.gateway.errors import ClientLeft, Overloaded
 from switchyard.gateway.flow import FlowController, never
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.view import LiveView, Memory
+from switchyard.policy import PolicySnapshot, compile_policy
 from switchyard.policy.schema import Model
 from switchyard.state.queues import Ticket
-from switchyard.policy import PolicySnapshot, compile_policy
 from tests.unit.policy.base import base, to_yaml
 
 BIG = "http://127.0.0.1:9101"
@@ -604,7 +604,8 @@ async def test_steering_sends_the_interactive_request_where_the_youngest_batch_r
     options = [Candidate(pool, BIG), Candidate(pool, SPARE)]
     steered = decide_flow.steer(choice, options, set(), 1.0, view(flow), time.monotonic())
     assert steered.url == SPARE and "youngest batch request" in steered.notes[-1]
-    assert decide_flow.steer(choice, options, {SPARE}, 1.0, view(flow), time.monotonic()).url == BIG  # already tried there
+    tried = decide_flow.steer(choice, options, {SPARE}, 1.0, view(flow), time.monotonic())
+    assert tried.url == BIG  # already tried there
     # Not where more interactive streams are in their prefill than at the choice: its first step would carry them.
     flow.endpoints.prefill_started(SPARE)
     assert decide_flow.steer(choice, options, set(), 1.0, view(flow), time.monotonic()) is choice
