@@ -8,7 +8,15 @@ import pytest
 
 from switchyard.bench.results import Result
 from switchyard.bench.sampler import by_label, samples
-from switchyard.bench.scenarios.overload import (
+from switchyard.bench.scenarios.overload.figures import (
+    class_rows,
+    downgraded,
+    gateway_view,
+    ratio_rows,
+    shed_reason,
+    shed_rows,
+)
+from switchyard.bench.scenarios.overload.workload import (
     ARMS,
     BASELINE,
     CLASS_SHARE,
@@ -18,14 +26,8 @@ from switchyard.bench.scenarios.overload import (
     SHED_ABOVE,
     SLO_TTFT_S,
     SMALL_MODEL,
-    class_rows,
-    downgraded,
-    gateway_view,
     mix,
     overload_policy,
-    ratio_rows,
-    shed_reason,
-    shed_rows,
     slo_spec,
 )
 from switchyard.policy import compile_policy

@@ -26,9 +26,10 @@ Must not touch: the gateway's or the simulator's internals. Scenarios start real
 
 from __future__ import annotations
 
-from switchyard.bench.scenarios import auto, batch, failover, overhead, overload, prefix, reload, soak
+from switchyard.bench.scenarios import auto, batch, failover, overhead, prefix, reload, soak
 from switchyard.bench.scenarios.base import BenchOptions, Outcome, Scenario, ScenarioContext
 from switchyard.bench.scenarios.cache import scenario as cache_scenario
+from switchyard.bench.scenarios.overload import scenario as overload_scenario
 
 SCENARIOS: dict[str, Scenario] = {
     s.name: s for s in (
@@ -36,7 +37,7 @@ SCENARIOS: dict[str, Scenario] = {
                  overhead.run),
         Scenario("prefix", "prefix-aware routing vs least-loaded and round-robin on a trace replay", prefix.run),
         Scenario("overload", "flow control vs plain FCFS at twice capacity: per-class SLO attainment, goodput, "
-                 "shedding and downgrades", overload.run),
+                 "shedding and downgrades", overload_scenario.run),
         Scenario("failover", "resilience (chaos): a region's engines down, then hung, under load; success, "
                  "detection, recovery, no retry storm", failover.run),
         Scenario("cache", "response caches: hit ratio against the repeat bound and hit latency p50/p99 on a "
