@@ -441,7 +441,7 @@ def test_trace_repeats_count_whole_hash_id_lists_seen_before(tmp_path: Path) -> 
 
 
 def test_the_batch_scenario_names_the_policys_default_batch_ceiling_and_reserve() -> None:
-    from switchyard.bench.scenarios.batch import DEFAULT_BATCH_CEILING, DEFAULT_BATCH_RESERVE, batch_policy
+    from switchyard.bench.scenarios.batch.workload import DEFAULT_BATCH_CEILING, DEFAULT_BATCH_RESERVE, batch_policy
     from switchyard.policy import compile_policy
 
     snapshot = compile_policy(batch_policy([9001, 9002]))

@@ -26,8 +26,9 @@ Must not touch: the gateway's or the simulator's internals. Scenarios start real
 
 from __future__ import annotations
 
-from switchyard.bench.scenarios import auto, batch, failover, overhead, prefix, reload, soak
+from switchyard.bench.scenarios import auto, failover, overhead, prefix, reload, soak
 from switchyard.bench.scenarios.base import BenchOptions, Outcome, Scenario, ScenarioContext
+from switchyard.bench.scenarios.batch import scenario as batch_scenario
 from switchyard.bench.scenarios.cache import scenario as cache_scenario
 from switchyard.bench.scenarios.overload import scenario as overload_scenario
 
@@ -43,7 +44,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("cache", "response caches: hit ratio against the repeat bound and hit latency p50/p99 on a "
                  "workload with repeats and paraphrases, vs the same gateway without the cache", cache_scenario.run),
         Scenario("batch", "the Batch API filling idle capacity without hurting interactive traffic: the batch "
-                 "lane's share of the idle capacity, interactive TTFT with and without a batch", batch.run),
+                 "lane's share of the idle capacity, interactive TTFT with and without a batch", batch_scenario.run),
         Scenario("reload", "policy lifecycle: publishes and rollbacks under load on two replicas", reload.run),
         Scenario("auto", "routing cheap requests to cheap models: the auto route on a labelled prompt set, "
                  "cost per 1,000 requests vs all-large", auto.run),
