@@ -19,15 +19,8 @@ from switchyard.bench.scenarios.cache import counters as cache_counters
 from switchyard.bench.scenarios.cache import questions as cache_questions
 from switchyard.bench.scenarios.cache import report as cache_report
 from switchyard.bench.scenarios.cache import workload as cache_workload
-from switchyard.bench.scenarios.failover import (
-    Counters,
-    Outage,
-    Timeline,
-    analyse,
-    counter_deltas,
-    phase_windows,
-    read_counters,
-)
+from switchyard.bench.scenarios.failover.analysis import analyse, phase_windows
+from switchyard.bench.scenarios.failover.timeline import Counters, Outage, Timeline, counter_deltas, read_counters
 from switchyard.bench.scenarios.overhead import _shifted
 from switchyard.bench.scenarios.overhead_figures import goals, lag_rows, service_latency, stall_rows
 from switchyard.bench.scenarios.prefix import unbounded_bound

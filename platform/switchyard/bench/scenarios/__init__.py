@@ -26,10 +26,11 @@ Must not touch: the gateway's or the simulator's internals. Scenarios start real
 
 from __future__ import annotations
 
-from switchyard.bench.scenarios import auto, failover, overhead, prefix, reload, soak
+from switchyard.bench.scenarios import auto, overhead, prefix, reload, soak
 from switchyard.bench.scenarios.base import BenchOptions, Outcome, Scenario, ScenarioContext
 from switchyard.bench.scenarios.batch import scenario as batch_scenario
 from switchyard.bench.scenarios.cache import scenario as cache_scenario
+from switchyard.bench.scenarios.failover import scenario as failover_scenario
 from switchyard.bench.scenarios.overload import scenario as overload_scenario
 
 SCENARIOS: dict[str, Scenario] = {
@@ -40,7 +41,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("overload", "flow control vs plain FCFS at twice capacity: per-class SLO attainment, goodput, "
                  "shedding and downgrades", overload_scenario.run),
         Scenario("failover", "resilience (chaos): a region's engines down, then hung, under load; success, "
-                 "detection, recovery, no retry storm", failover.run),
+                 "detection, recovery, no retry storm", failover_scenario.run),
         Scenario("cache", "response caches: hit ratio against the repeat bound and hit latency p50/p99 on a "
                  "workload with repeats and paraphrases, vs the same gateway without the cache", cache_scenario.run),
         Scenario("batch", "the Batch API filling idle capacity without hurting interactive traffic: the batch "
