@@ -8,6 +8,7 @@ on every gateway replica and a logout or a disabled user ends them everywhere at
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import secrets
@@ -31,8 +32,16 @@ USERNAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$"
 MIN_PASSWORD_LENGTH = 12
 
 _hasher = PasswordHasher()
-#: Verified against when the username is unknown, so that a wrong name costs the same time as a wrong password.
-_DUMMY_HASH = _hasher.hash(secrets.token_urlsafe(16))
+
+
+@functools.cache
+def _dummy_hash() -> str:
+    """Verified against when the username is unknown, so that a wrong name costs the same time as a wrong password.
+
+    Made on first use, not at import: an argon2id hash takes about 0.1 s by design, and every process that
+    imports the store (the gateway, each CLI command) paid it at start.
+    """
+    return _hasher.hash(secrets.token_urlsafe(16))
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +135,7 @@ def verify_password(session: Session, username: str, password: str) -> AdminUser
     """The enabled user whose password this is, else None (in about the same time either way)."""
     user = session.exec(select(AdminUser).where(AdminUser.username == username)).first()
     try:
-        _hasher.verify(user.password_hash if user is not None else _DUMMY_HASH, password)
+        _hasher.verify(user.password_hash if user is not None else _dummy_hash(), password)
     except (VerifyMismatchError, VerificationError, InvalidHashError):
         return None
     if user is None or user.disabled_at is not None:
