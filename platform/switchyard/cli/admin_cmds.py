@@ -7,8 +7,11 @@ import sys
 import click
 
 from switchyard.cli.context import cli_author, cli_origin
-from switchyard.cli.store_cmds import open_session
-from switchyard.store.admin_users import ROLES, create_user, disable_user, list_users, set_password, set_role
+from switchyard.cli.database import open_session
+
+#: The console's roles, weakest first: ``switchyard.store.admin_users.ROLES``, repeated here so that parsing the
+#: command line does not load the store (``tests/unit/cli/test_lazy.py`` keeps the two equal).
+ROLES = ("viewer", "operator", "admin")
 
 
 def _password(from_stdin: bool) -> str:
@@ -32,6 +35,8 @@ def admin() -> None:
 @click.option("--author", default=None, help="Who is acting, for the audit log [default: $USER].")
 def create_user_cmd(username: str, role: str, password_stdin: bool, author: str | None) -> None:
     """Add a console user. The password is asked twice (or read from stdin) and stored only as a hash."""
+    from switchyard.store.admin_users import create_user
+
     password = _password(password_stdin)
     with open_session() as session:
         user = create_user(session, username, password, role, actor=cli_author(author), origin=cli_origin())
@@ -41,6 +46,8 @@ def create_user_cmd(username: str, role: str, password_stdin: bool, author: str 
 @admin.command("users")
 def users_cmd() -> None:
     """List console users."""
+    from switchyard.store.admin_users import list_users
+
     with open_session() as session:
         rows = list_users(session)
     for u in rows:
@@ -54,6 +61,8 @@ def users_cmd() -> None:
 @click.option("--author", default=None)
 def set_role_cmd(username: str, role: str, author: str | None) -> None:
     """Change a user's role (takes effect at their next request)."""
+    from switchyard.store.admin_users import set_role
+
     with open_session() as session:
         user = set_role(session, username, role, actor=cli_author(author), origin=cli_origin())
     click.echo(f"console user {user.username} is now {user.role}")
@@ -65,6 +74,8 @@ def set_role_cmd(username: str, role: str, author: str | None) -> None:
 @click.option("--author", default=None)
 def set_password_cmd(username: str, password_stdin: bool, author: str | None) -> None:
     """Set a new password; the user's sessions end."""
+    from switchyard.store.admin_users import set_password
+
     password = _password(password_stdin)
     with open_session() as session:
         set_password(session, username, password, actor=cli_author(author), origin=cli_origin())
@@ -76,6 +87,8 @@ def set_password_cmd(username: str, password_stdin: bool, author: str | None) ->
 @click.option("--author", default=None)
 def disable_cmd(username: str, author: str | None) -> None:
     """Stop a user from logging in; their sessions end at once."""
+    from switchyard.store.admin_users import disable_user
+
     with open_session() as session:
         disable_user(session, username, actor=cli_author(author), origin=cli_origin())
     click.echo(f"console user {username} disabled")

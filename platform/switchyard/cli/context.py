@@ -7,12 +7,12 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from pydantic import ValidationError
 
-from switchyard.settings import Settings
+if TYPE_CHECKING:
+    from switchyard.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,11 @@ class CliContext:
 
     def settings(self, **overrides: Any) -> Settings:
         """Settings from the environment, the global options and ``overrides`` (last wins)."""
+        # Imported here: pydantic-settings is not needed to parse the command line or print its help.
+        from pydantic import ValidationError
+
+        from switchyard.settings import Settings
+
         given = {"data_dir": self.data_dir, "database_url": self.database_url, "policy_file": self.policy_file}
         values = {k: v for k, v in {**given, **overrides}.items() if v is not None}
         try:

@@ -14,21 +14,18 @@ import time
 import urllib.error
 import urllib.request
 from types import FrameType
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import click
 
 from switchyard.cli.context import cli_context
-from switchyard.decide.policy_tests import compile_checked
-from switchyard.policy import PolicyError, PolicySnapshot, read_policy_file
 from switchyard.resources import demo_policy
-from switchyard.settings import Settings
-from switchyard.store import db as store_db
-from switchyard.store.admin_users import create_user, list_users
 from switchyard.store.errors import NotFound
-from switchyard.store.keys import create_key
-from switchyard.store.models import TenantCreate
-from switchyard.store.tenants import create_tenant, get_tenant
+
+if TYPE_CHECKING:
+    from switchyard.policy import PolicySnapshot
+    from switchyard.settings import Settings
 
 DEMO_TENANT = "demo"
 DEMO_ADMIN = "admin"
@@ -61,6 +58,11 @@ def _wait_http(url: str, timeout_s: float, child: subprocess.Popen[bytes], what:
 
 
 def _demo_key(settings: Settings, snapshot: PolicySnapshot) -> tuple[str, str]:
+    from switchyard.store import db as store_db
+    from switchyard.store.keys import create_key
+    from switchyard.store.models import TenantCreate
+    from switchyard.store.tenants import create_tenant, get_tenant
+
     engine = store_db.create_db_engine(settings.resolved_database_url)
     try:
         store_db.upgrade(engine)
@@ -78,6 +80,9 @@ def _demo_key(settings: Settings, snapshot: PolicySnapshot) -> tuple[str, str]:
 
 def _demo_console_user(settings: Settings) -> str:
     """A console admin for the demo (made with a random password the first time), as a banner line."""
+    from switchyard.store import db as store_db
+    from switchyard.store.admin_users import create_user, list_users
+
     engine = store_db.create_db_engine(settings.resolved_database_url)
     try:
         with store_db.session_scope(engine) as session:
@@ -168,6 +173,9 @@ def _stop(children: list[subprocess.Popen[bytes]]) -> None:
               help="Run the simulated engines this many times faster than real time.")
 def demo(port: int | None, time_scale: float) -> None:
     """Start the gateway, the console and a simulated vLLM engine for every pool endpoint."""
+    from switchyard.decide.policy_tests import compile_checked
+    from switchyard.policy import PolicyError, read_policy_file
+
     ctx = cli_context()
     settings = ctx.settings(port=port)
     policy_file = settings.policy_file

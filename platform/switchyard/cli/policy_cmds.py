@@ -1,4 +1,5 @@
-"""``switchyard policy``: validate, describe, publish, roll back, compare and export the policy."""
+"""``switchyard policy``: validate, describe, publish, roll back, compare and export the policy (``replay``
+lives in ``replay_cmd``)."""
 
 from __future__ import annotations
 
@@ -9,25 +10,32 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import click
-from sqlmodel import Session
 
 from switchyard.cli.context import cli_author, cli_context, cli_origin
-from switchyard.cli.store_cmds import open_session
-from switchyard.decide.policy_tests import compile_checked, run_policy_tests
-from switchyard.policy import PolicyDocument, PolicyError, compile_policy, read_policy_file
-from switchyard.policy.diff import diff_documents
-from switchyard.policy.export import merge_onto
-from switchyard.store.audit import list_events
+from switchyard.cli.database import open_session
+from switchyard.cli.lazy import LazyCommand, LazyGroup
 from switchyard.store.errors import NotFound
-from switchyard.store.policy_versions import active_version, get_version, list_versions, publish, rollback
+
+if TYPE_CHECKING:
+    from sqlmodel import Session
+
+    from switchyard.policy import PolicyError
 
 _VERSION = re.compile(r"^v?(\d+)$")
 
+#: Subcommands that live in modules of their own (``tests/unit/cli/test_lazy.py`` keeps the short help true).
+LAZY_COMMANDS = {
+    "replay": LazyCommand("switchyard.cli.replay_cmd:replay",
+                          "Replay a trace against the active policy (or --against) and CANDIDATE, in simulated "
+                          "time, and report what would change: placement, cost per 1,000 requests, refusals per "
+                          "tier, TTFT per class and the prefix-cache hit ratio."),
+}
 
-@click.group()
+
+@click.group(cls=LazyGroup, lazy_commands=LAZY_COMMANDS)
 def policy() -> None:
     """Check, describe, publish, roll back, compare and export policy documents."""
 
@@ -44,6 +52,9 @@ def _rejected(error: PolicyError) -> NoReturn:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def validate(file: Path, as_json: bool) -> None:
     """Validate FILE (schema, references, policy tests); exit 1 with one line per error."""
+    from switchyard.decide.policy_tests import compile_checked
+    from switchyard.policy import PolicyError, read_policy_file
+
     try:
         snapshot = compile_checked(read_policy_file(file), str(file))
     except PolicyError as error:
@@ -72,6 +83,9 @@ def test_cmd(file: Path, as_json: bool) -> None:
     Each test's request goes through the same code the gateway runs (model resolution, fallback
     plan, endpoint picking on an idle fleet); nothing is sent anywhere.
     """
+    from switchyard.decide.policy_tests import run_policy_tests
+    from switchyard.policy import PolicyError, compile_policy, read_policy_file
+
     try:
         snapshot = compile_policy(read_policy_file(file), str(file))
     except PolicyError as error:
@@ -94,6 +108,8 @@ def test_cmd(file: Path, as_json: bool) -> None:
 @policy.command()
 def schema() -> None:
     """Print the policy document's JSON Schema (for editors and CI)."""
+    from switchyard.policy import PolicyDocument
+
     document = PolicyDocument.model_json_schema(by_alias=True)
     document["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     document["title"] = "Switchyard policy document"
@@ -121,6 +137,9 @@ def publish_cmd(file: Path, message: str, author: str | None) -> None:
     Invalid documents (schema, references, failing policy tests) are refused with one line per
     error and exit 1; nothing is written.
     """
+    from switchyard.policy import PolicyError, read_policy_file
+    from switchyard.store.policy_versions import publish
+
     _refuse_in_file_mode("publishing")
     try:
         text = read_policy_file(file)
@@ -142,6 +161,9 @@ def publish_cmd(file: Path, message: str, author: str | None) -> None:
 @click.option("--author", default=None, help="Who rolls back [default: cli:<OS user>].")
 def rollback_cmd(number: int, message: str | None, author: str | None) -> None:
     """Make version NUMBER's content active again, as a new version (policy_source=db only)."""
+    from switchyard.policy import PolicyError
+    from switchyard.store.policy_versions import rollback
+
     _refuse_in_file_mode("rolling back")
     try:
         with open_session() as session:
@@ -161,6 +183,8 @@ def rollback_cmd(number: int, message: str | None, author: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the versions as JSON.")
 def history(limit: int, as_json: bool) -> None:
     """List policy versions, newest first (* marks the active one)."""
+    from switchyard.store.policy_versions import list_versions
+
     with open_session() as session:
         rows = list_versions(session, limit)
     if as_json:
@@ -185,6 +209,9 @@ def _is_stored(ref: str) -> bool:
 
 def _read_stored(session: Session, ref: str) -> tuple[str, str]:
     """The label and text of a stored version, or of the file ``ref`` names."""
+    from switchyard.policy import read_policy_file
+    from switchyard.store.policy_versions import active_version, get_version
+
     number = _version_number(ref)
     if ref == "active":
         row = active_version(session)
@@ -198,6 +225,8 @@ def _read_stored(session: Session, ref: str) -> tuple[str, str]:
 
 
 def _read_pair(old: str, new: str) -> tuple[tuple[str, str], tuple[str, str]]:
+    from switchyard.policy import read_policy_file
+
     if not (_is_stored(old) or _is_stored(new)):
         return (old, read_policy_file(old)), (new, read_policy_file(new))
     with open_session() as session:
@@ -214,6 +243,9 @@ def diff_cmd(old: str, new: str, as_json: bool) -> None:
     OLD and NEW are each a version number (7 or v7), `active`, or a policy file: `switchyard
     policy diff active candidate.yaml` shows what publishing the candidate would change.
     """
+    from switchyard.policy import PolicyError
+    from switchyard.policy.diff import diff_documents
+
     try:
         (old_label, old_text), (new_label, new_text) = _read_pair(old, new)
         result = diff_documents(old_text, new_text, old_label, new_label)
@@ -259,6 +291,10 @@ def _write_atomically(path: Path, text: str) -> None:
                    "content did not change.")
 def export(number: int | None, output: Path | None, onto: Path | None) -> None:
     """Write a stored version's YAML (the text as it was published, comments included)."""
+    from switchyard.policy import PolicyError, read_policy_file
+    from switchyard.policy.export import merge_onto
+    from switchyard.store.policy_versions import active_version, get_version
+
     if output is not None and onto is not None and output != onto:
         raise click.UsageError("give either --output or --onto, not both")
     with open_session() as session:
@@ -296,6 +332,8 @@ def export(number: int | None, output: Path | None, onto: Path | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the entries as JSON.")
 def audit(limit: int, as_json: bool) -> None:
     """List the audit log, newest first: who changed what, when and from where."""
+    from switchyard.store.audit import list_events
+
     with open_session() as session:
         rows = list_events(session, limit)
     if as_json:

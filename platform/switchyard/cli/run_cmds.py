@@ -11,14 +11,13 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import click
-from sqlalchemy.exc import OperationalError
 
 from switchyard.cli.context import cli_context
-from switchyard.policy import PolicyError, PolicySnapshot, compile_policy, read_policy_file
 
 if TYPE_CHECKING:
     from litestar import Litestar
 
+    from switchyard.policy import PolicySnapshot
     from switchyard.settings import Settings
     from switchyard.sim import EngineConfig
 
@@ -27,8 +26,11 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 def _prepared_app(settings: Settings) -> Litestar:
     """The gateway app for ``settings`` with logging set up, its database migrated and its policy loaded."""
+    from sqlalchemy.exc import OperationalError
+
     from switchyard.gateway.app import create_app
     from switchyard.logs import configure
+    from switchyard.policy import PolicyError
 
     configure(settings.log_level, settings.log_format)
     if settings.log_level != "debug":
@@ -177,6 +179,7 @@ def sim(ctx: click.Context, policy_path: Path | None, regions: tuple[str, ...], 
     """
     if ctx.invoked_subcommand is not None:
         return
+    from switchyard.policy import PolicyError, compile_policy, read_policy_file
     from switchyard.sim import ControlAddress, EngineConfig, run_engines
 
     if control_port is not None and not 0 <= control_port <= 65535:
