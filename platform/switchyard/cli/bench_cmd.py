@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import signal
 import sys
 import time
@@ -13,6 +14,16 @@ import click
 #: Exit status when a scenario could not run to the end (a missed goal is not a failure).
 EXIT_SCENARIO_FAILED = 1
 EXIT_INTERRUPTED = 130
+#: What the bench needs beyond the gateway: the ``bench`` extra (``pip install 'switchyard[bench]'``).
+BENCH_EXTRA = ("numpy", "matplotlib", "tqdm")
+
+
+def _require_bench_extra() -> None:
+    """Refuse to start without the bench extra: the plots would fail only after the whole run."""
+    missing = [name for name in BENCH_EXTRA if importlib.util.find_spec(name) is None]
+    if missing:
+        raise click.ClickException(f"switchyard bench needs {', '.join(missing)}, which the bench extra installs: "
+                                   "pip install 'switchyard[bench]'")
 
 
 def _interrupt(_signum: int, _frame: FrameType | None) -> None:
@@ -53,6 +64,7 @@ def bench(names: tuple[str, ...], scenarios: tuple[str, ...], out_dir: Path | No
     open-loop load, and writes report.md, report.json and PNG plots. Exits 1 if a scenario could
     not run to the end; a missed goal is reported, not an error.
     """
+    _require_bench_extra()
     from switchyard.bench.runner import run_bench
     from switchyard.bench.scenarios import DEFAULT_SCENARIOS, SCENARIOS, BenchOptions
 
