@@ -27,6 +27,13 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert tests in ci.splitlines(), ".ci/run must call the README's test command verbatim"
 
 
+def test_ci_checks_lint_and_types_before_the_tests() -> None:
+    lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    tests = lines.index(_readme_commands()[1])
+    for check in (".venv/bin/ruff check platform tests", ".venv/bin/mypy"):
+        assert check in lines[:tests], f".ci/run must run `{check}` before the tests"
+
+
 def test_platform_is_a_source_root_not_a_package() -> None:
     assert not (ROOT / "platform" / "__init__.py").exists(), "it would shadow the stdlib module 'platform'"
     for package in ("policy", "decide", "gateway", "engines", "store", "admin", "sim", "bench", "whatif", "batch"):
@@ -40,9 +47,9 @@ def test_dependency_direction() -> None:
     replay) the decisions, the simulator, bench's workloads and the limit store, never the gateway; batch
     the gateway (its lines go through the gateway's request path), the store and the decisions. sim,
     bench and whatif may also use ``switchyard.figures``, a leaf that imports nothing of switchyard."""
-    allowed = {"policy": {"policy"}, "decide": {"decide", "policy"}, "sim": {"sim", "figures"},
-               "bench": {"bench", "sim", "figures"},
-               "whatif": {"whatif", "decide", "policy", "sim", "bench", "store", "figures"},
+    allowed = {"policy": {"policy"}, "decide": {"decide", "policy"}, "state": {"state", "policy"},
+               "sim": {"sim", "figures"}, "bench": {"bench", "sim", "figures"},
+               "whatif": {"whatif", "decide", "state", "policy", "sim", "bench", "store", "figures"},
                "batch": {"batch", "gateway", "store", "decide", "policy"}}
     for package, ok in allowed.items():
         for path in (ROOT / "platform" / "switchyard" / package).rglob("*.py"):
