@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from switchyard.bench.labelled import load_prompts
-from switchyard.bench.scenarios.auto import QUICK_EVERY
+from switchyard.bench.scenarios.auto.scenario import QUICK_EVERY
 from switchyard.bench.tables import render_goal_row, render_row
 from switchyard.decide.dryrun import dry_run
 from switchyard.policy import compile_policy

@@ -13,21 +13,9 @@ from ruamel.yaml import YAML
 from switchyard.bench.labelled import Label, LabelledPrompt, Quality, Split, default_prompts_path, load_prompts
 from switchyard.bench.results import Result
 from switchyard.bench.scenarios import DEFAULT_SCENARIOS, SCENARIOS
-from switchyard.bench.scenarios.auto import (
-    ARM,
-    DUMMY_TOOL,
-    Routed,
-    RoutePolicy,
-    cost_per_1000,
-    cost_rows,
-    endpoint_count,
-    figures,
-    request_body,
-    routed_of,
-    shipped_policy,
-    tables_of,
-    with_endpoints,
-)
+from switchyard.bench.scenarios.auto.client import ARM, DUMMY_TOOL, request_body
+from switchyard.bench.scenarios.auto.figures import Routed, cost_per_1000, cost_rows, figures, routed_of, tables_of
+from switchyard.bench.scenarios.auto.policy import RoutePolicy, endpoint_count, shipped_policy, with_endpoints
 
 HARD = "Prove there are infinitely many primes, then show the gaps between consecutive primes are unbounded."
 EASY = "What is the capital of Australia?"

@@ -26,7 +26,8 @@ Must not touch: the gateway's or the simulator's internals. Scenarios start real
 
 from __future__ import annotations
 
-from switchyard.bench.scenarios import auto, overhead, prefix, reload, soak
+from switchyard.bench.scenarios import overhead, prefix, reload, soak
+from switchyard.bench.scenarios.auto import scenario as auto_scenario
 from switchyard.bench.scenarios.base import BenchOptions, Outcome, Scenario, ScenarioContext
 from switchyard.bench.scenarios.batch import scenario as batch_scenario
 from switchyard.bench.scenarios.cache import scenario as cache_scenario
@@ -48,7 +49,7 @@ SCENARIOS: dict[str, Scenario] = {
                  "lane's share of the idle capacity, interactive TTFT with and without a batch", batch_scenario.run),
         Scenario("reload", "policy lifecycle: publishes and rollbacks under load on two replicas", reload.run),
         Scenario("auto", "routing cheap requests to cheap models: the auto route on a labelled prompt set, "
-                 "cost per 1,000 requests vs all-large", auto.run),
+                 "cost per 1,000 requests vs all-large", auto_scenario.run),
         Scenario("soak", "a steady mixed load (streams, hang-ups, errors, cache hits, policy rewrites) for "
                  "--duration seconds: the gateway's RSS trend and unexpected errors", soak.run),
     )
