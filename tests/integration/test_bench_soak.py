@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from switchyard.bench.scenarios.soak import MIX
+from switchyard.bench.scenarios.soak.workload import MIX
 from tests.integration.conftest import SWITCHYARD
 from tests.integration.test_bench import _complete_report
 

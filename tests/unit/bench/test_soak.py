@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from switchyard.bench.scenarios.soak import GROWTH_FLOOR_MIB, Sample, cache_hits, trend
+from switchyard.bench.scenarios.soak.figures import GROWTH_FLOOR_MIB, Sample, cache_hits, trend
 
 
 def _samples(rss: list[float], every_s: float = 10.0) -> list[Sample]:

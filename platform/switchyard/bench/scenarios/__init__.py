@@ -26,13 +26,14 @@ Must not touch: the gateway's or the simulator's internals. Scenarios start real
 
 from __future__ import annotations
 
-from switchyard.bench.scenarios import overhead, prefix, reload, soak
+from switchyard.bench.scenarios import overhead, prefix, reload
 from switchyard.bench.scenarios.auto import scenario as auto_scenario
 from switchyard.bench.scenarios.base import BenchOptions, Outcome, Scenario, ScenarioContext
 from switchyard.bench.scenarios.batch import scenario as batch_scenario
 from switchyard.bench.scenarios.cache import scenario as cache_scenario
 from switchyard.bench.scenarios.failover import scenario as failover_scenario
 from switchyard.bench.scenarios.overload import scenario as overload_scenario
+from switchyard.bench.scenarios.soak import scenario as soak_scenario
 
 SCENARIOS: dict[str, Scenario] = {
     s.name: s for s in (
@@ -51,7 +52,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("auto", "routing cheap requests to cheap models: the auto route on a labelled prompt set, "
                  "cost per 1,000 requests vs all-large", auto_scenario.run),
         Scenario("soak", "a steady mixed load (streams, hang-ups, errors, cache hits, policy rewrites) for "
-                 "--duration seconds: the gateway's RSS trend and unexpected errors", soak.run),
+                 "--duration seconds: the gateway's RSS trend and unexpected errors", soak_scenario.run),
     )
 }
 #: Other names of a scenario: ``--scenario chaos`` runs ``failover`` (its report keeps that name).

@@ -1,27 +1,6 @@
-"""``soak``: a steady mixed load for a long time, watching the gateway's memory and every failure.
-
-One gateway (``switchyard serve``, embedded defaults: SQLite and in-process counters, or the
-PostgreSQL and Redis of ``SWITCHYARD_DATABASE_URL`` / ``SWITCHYARD_REDIS_URL`` when set) over a pool
-of simulated engines gets an open-loop Poisson load of a fixed mix for ``--duration`` seconds
-(default 300; the issue's check is ``--duration 1800``):
-
-- chats and text completions answered whole, and streamed chats read to ``[DONE]``;
-- streamed chats the client hangs up on after the first event (the gateway must cancel the engine's
-  request and release the reservation);
-- deterministic repeats of a few prompts that the policy's exact cache rule answers (cache hits);
-- a tenant on a tier with a small token limit (429s, each releasing nothing it did not take);
-- bad requests: invalid JSON (400), an unknown model (404), no key (401);
-- and every ``reload_every`` seconds the policy file is rewritten (two documents in turn), so the
-  gateway validates, records and activates a new version under load.
-
-Every few seconds the scenario reads the gateway's resident memory (``VmRSS``), threads and open
-file descriptors from ``/proc`` (and the engines' memory, for comparison). After a warm-up (the
-first third of the run: the prefix index and caches fill to their age bounds) a least-squares line through
-the gateway's RSS gives its trend; the goal is no growing trend: the line's rise over the steady part
-at most 3% of the median RSS (or 4 MiB, whichever is larger). Each request's status is checked
-against what its kind must get; anything else (a 5xx, a dropped connection, a timeout, a stream
-without ``[DONE]``, a 200 where a refusal was due) is an unexpected error, and the goal is zero.
-"""
+"""The ``soak`` scenario's run: engines and a gateway, the mixed load for ``--duration`` seconds with the
+resource readings and the policy rewrites under it, then the goals and the report (what the scenario registry
+calls is :func:`run`)."""
 
 from __future__ import annotations
 
@@ -31,23 +10,37 @@ import json
 import os
 import random
 import time
-from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
-import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
 from switchyard.bench.loadgen import send_one
-from switchyard.bench.policies import PRIORITY, TENANT, TIER
+from switchyard.bench.policies import TENANT, TIER
 from switchyard.bench.procs import create_key, free_ports, http_get, start_gateway, start_sims, state_env
 from switchyard.bench.prompts import segment_text, unique_key
 from switchyard.bench.report import build_report, write_report
 from switchyard.bench.results import Result
 from switchyard.bench.scenarios.base import Outcome, ScenarioContext
+from switchyard.bench.scenarios.soak.figures import (
+    GROWTH_FLOOR_MIB,
+    GROWTH_SHARE,
+    WARMUP_SHARE,
+    Sample,
+    Tally,
+    cache_hits,
+    open_fds,
+    proc_status,
+    trend,
+)
+from switchyard.bench.scenarios.soak.workload import (
+    CACHED_PROMPTS,
+    LIMITED_TENANT,
+    LIMITED_TIER,
+    MIX,
+    PROFILE,
+    Kind,
+    soak_policy,
+)
 from switchyard.bench.tables import goal, num, table, text
 
 RATE = 30.0
@@ -59,158 +52,7 @@ RELOAD_EVERY_S = 20.0
 QUICK_RELOAD_EVERY_S = 3.0
 TIME_SCALE = 10.0
 ENGINES = 2
-PROFILE = "h100-8b"
-SERVED = "sim-8b"
-#: Share of the run left out of the trend, while state that is bounded by age fills to its bound: the prefix
-#: index remembers 10 minutes of traffic (``decide.prefix``), the response cache 2 (this policy's TTL), and
-#: connection pools and the request log's buffer fill too. A third of a 30-minute run covers the longest.
-WARMUP_SHARE = 1 / 3
-#: The goal: the RSS trend's rise over the steady part at most this share of the median RSS ...
-GROWTH_SHARE = 0.03
-#: ... or this many MiB, whichever is larger (allocator noise on a small process).
-GROWTH_FLOOR_MIB = 4.0
 REQUEST_TIMEOUT_S = 30.0
-#: Distinct prompts the cache-repeat kind cycles through (each is a miss once, then hits until its TTL).
-CACHED_PROMPTS = 40
-LIMITED_TENANT = "soak-limited"
-LIMITED_TIER = "limited"
-
-
-@dataclass(frozen=True, slots=True)
-class Kind:
-    """One kind of request in the soak's mix.
-
-    Attributes:
-        name: Its label in the report.
-        weight: Relative frequency.
-        expected: The statuses it may get; anything else is an unexpected error.
-    """
-
-    name: str
-    weight: float
-    expected: frozenset[int]
-
-
-MIX = (
-    Kind("chat", 28, frozenset({200})),
-    Kind("stream", 22, frozenset({200})),
-    Kind("abandoned stream", 10, frozenset({200})),
-    Kind("cache repeat", 15, frozenset({200})),
-    Kind("completion", 5, frozenset({200})),
-    Kind("over limit", 8, frozenset({200, 429})),
-    Kind("bad JSON", 4, frozenset({400})),
-    Kind("unknown model", 4, frozenset({404})),
-    Kind("no key", 4, frozenset({401})),
-)
-
-
-def soak_policy(ports: Sequence[int], *, queue_ms: int) -> str:
-    """One pool of simulated engines, an exact cache rule for ``chat``, and a tier with a small limit.
-
-    ``queue_ms`` tells the two documents the scenario alternates apart (each write is a new version).
-    """
-    urls = ", ".join(f"http://127.0.0.1:{p}" for p in ports)
-    return f"""\
-schema: 1
-regions: [local]
-pools:
-  - {{name: soak, region: local, served_model: {SERVED}, endpoints: [{urls}],
-      kv_cache_tokens: 100000, sim_profile: {PROFILE}}}
-models:
-  - {{name: chat, pools: [soak], context_window: 8192, price: {{input_per_mtok: 0, output_per_mtok: 0}}}}
-priorities:
-  {PRIORITY}: {{max_queue_ms: {queue_ms}}}
-tiers:
-  - {{name: {TIER}, priority: {PRIORITY}, models: ["*"]}}
-  - {{name: {LIMITED_TIER}, priority: {PRIORITY}, models: ["*"], limits: {{tokens_per_minute: 3000}}}}
-cache:
-  - {{name: exact, match: {{models: [chat]}}, ttl: 2m}}
-"""
-
-
-@dataclass(frozen=True, slots=True)
-class Sample:
-    """One reading of the processes' resources.
-
-    Attributes:
-        t_s: Seconds since the load began.
-        rss_mib: The gateway's resident memory.
-        threads: The gateway's threads.
-        fds: The gateway's open file descriptors.
-        engines_rss_mib: The simulated engines' process's resident memory.
-        requests: Requests finished so far.
-        unexpected: Unexpected errors so far.
-    """
-
-    t_s: float
-    rss_mib: float
-    threads: int
-    fds: int
-    engines_rss_mib: float
-    requests: int
-    unexpected: int
-
-
-def cache_hits(exposition: str) -> float:
-    """The gateway's response-cache hits so far, from its ``/metrics``."""
-    return sum(sample.value for family in text_string_to_metric_families(exposition)
-               if family.name == "switchyard_cache_lookups" for sample in family.samples
-               if sample.name.endswith("_total") and sample.labels.get("result") == "hit")
-
-
-def _proc_status(pid: int) -> tuple[float, int]:
-    """``(VmRSS in MiB, threads)`` of a process, from ``/proc``."""
-    rss_kib, threads = 0.0, 0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            rss_kib = float(line.split()[1])
-        elif line.startswith("Threads:"):
-            threads = int(line.split()[1])
-    return rss_kib / 1024, threads
-
-
-def _open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def trend(samples: Sequence[Sample], warmup_s: float) -> dict[str, Any]:
-    """The gateway's RSS trend after the warm-up: slope, rise over the steady part, and the goal's verdict."""
-    steady = [s for s in samples if s.t_s >= warmup_s]
-    if len(steady) < 3:
-        return {"samples": len(steady), "slope_mib_per_h": None, "rise_mib": None, "median_mib": None,
-                "allowed_mib": None, "met": None, "first_mib": None, "last_mib": None, "max_mib": None}
-    t = np.array([s.t_s for s in steady])
-    rss = np.array([s.rss_mib for s in steady])
-    slope, _ = np.polyfit(t, rss, 1)
-    span = float(t[-1] - t[0])
-    rise = float(slope) * span
-    median = float(np.median(rss))
-    allowed = max(GROWTH_SHARE * median, GROWTH_FLOOR_MIB)
-    third = max(1, len(steady) // 3)
-    return {"samples": len(steady), "steady_from_s": float(t[0]), "steady_to_s": float(t[-1]),
-            "slope_mib_per_h": float(slope) * 3600, "rise_mib": rise, "median_mib": median,
-            "allowed_mib": allowed, "met": rise <= allowed, "first_mib": float(np.mean(rss[:third])),
-            "last_mib": float(np.mean(rss[-third:])), "max_mib": float(rss.max()),
-            "fds_first": steady[0].fds, "fds_last": steady[-1].fds, "fds_max": max(s.fds for s in steady),
-            "threads_first": steady[0].threads, "threads_last": steady[-1].threads}
-
-
-@dataclass
-class Tally:
-    """What each kind of request got."""
-
-    sent: Counter[str] = field(default_factory=Counter)
-    expected: Counter[str] = field(default_factory=Counter)
-    unexpected: Counter[tuple[str, str]] = field(default_factory=Counter)
-    statuses: Counter[tuple[str, int]] = field(default_factory=Counter)
-
-    @property
-    def finished(self) -> int:
-        return sum(self.expected.values()) + sum(self.unexpected.values())
-
-    @property
-    def unexpected_total(self) -> int:
-        return sum(self.unexpected.values())
 
 
 class Soak:
@@ -372,9 +214,9 @@ class Soak:
         self.cache_hits = cache_hits(http_get(f"{self.gateway.base_url}/metrics").decode())
 
     def _sample(self, t_s: float) -> None:
-        rss, threads = _proc_status(self.gateway.proc.pid)
-        engines_rss, _ = _proc_status(self.engines.pid)
-        self.samples.append(Sample(t_s, rss, threads, _open_fds(self.gateway.proc.pid), engines_rss,
+        rss, threads = proc_status(self.gateway.proc.pid)
+        engines_rss, _ = proc_status(self.engines.pid)
+        self.samples.append(Sample(t_s, rss, threads, open_fds(self.gateway.proc.pid), engines_rss,
                                    self.tally.finished, self.tally.unexpected_total))
 
     async def _watch(self, start: float) -> None:
