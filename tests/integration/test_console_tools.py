@@ -117,11 +117,12 @@ def test_a_dry_run_shows_what_the_evaluator_decides_at_every_stage(console: Test
     assert element(answer.text, "dry-run-decided-region") == "eu-west"
     assert element(answer.text, "dry-run-decided-class") == expected.priority == "sheddable"
     assert expected.endpoint is not None and expected.endpoint in result
-    # Every trace line the evaluator gives, in its order: route, home region, class, cache rule, endpoint, fallbacks.
+    # Every trace line the evaluator gives, in its order: route, home region, class, cache rule, fallbacks, endpoint.
     assert trace_of(answer.text) == list(expected.trace)
     assert any(line.startswith("route auto: rule short matched → small") for line in expected.trace)
     assert any(line.startswith("cache rule cache[0] (exact, tenant)") for line in expected.trace)
-    assert expected.trace[-1].startswith("fallback plan:")
+    assert expected.trace[-2].startswith("fallback plan:")
+    assert expected.trace[-1].startswith(f"endpoint {expected.endpoint} of pool small-eu")
     # the limits it would be charged: the free tier's tokens per minute and per day
     limits = element(answer.text, "dry-run-limits")
     assert "tokens_per_minute" in limits and "tokens_per_day" in limits and "tier free" in limits

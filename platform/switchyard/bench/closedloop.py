@@ -51,7 +51,7 @@ async def run_closed_loop(spec: RequestSpec, target: Target, *, concurrency: int
     """
     body = spec.encode()
     url = target.url(spec.kind)
-    headers = target.headers_for(spec.tenant)
+    headers = {**target.headers_for(spec.tenant), **spec.labels.headers}
     connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0)
     loop = asyncio.get_running_loop()
     now = loop.time

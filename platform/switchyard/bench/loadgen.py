@@ -382,6 +382,8 @@ async def run_open_loop(workload: Workload | Sequence[RequestSpec], target: Targ
                 await bodies.prepare_until(due)
                 body = bodies.take()
                 headers = tenant_headers[spec.tenant]
+                if spec.labels.headers:
+                    headers = {**headers, **spec.labels.headers}
                 if request_id_prefix is not None:
                     headers = {**headers, "x-request-id": f"{request_id_prefix}-{target.name}-{spec.index}"}
                 result = Result(spec.index, target.name, spec.tenant, spec.request_class, spec.model, spec.kind,

@@ -35,6 +35,7 @@ class Labels:
         kind: ``chat`` (one user message) or ``completion`` (a prompt string).
         stream: Ask for server-sent events.
         extra_body: More fields for the request body (``temperature``, ``ignore_eos``, ...).
+        headers: Request headers it carries (``x-switchyard-priority``, ``x-switchyard-region``, ...).
     """
 
     tenant: str = "default"
@@ -43,6 +44,7 @@ class Labels:
     kind: Kind = "chat"
     stream: bool = True
     extra_body: Mapping[str, Any] = field(default_factory=dict)
+    headers: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

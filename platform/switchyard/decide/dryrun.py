@@ -2,8 +2,9 @@
 
 The policy tests, the console's dry-run and ``switchyard policy test`` ask this. It runs the decision
 procedure (:func:`switchyard.decide.procedure.decide`) itself, the gateway's own, answering its effects
-as a quiet fleet would: every endpoint idle and healthy (unless a fleet view is given), no prefix or
-session history, ties going to the first endpoint, fresh limit buckets (only a request larger than a
+as a quiet fleet would: every endpoint idle and healthy, no prefix or session history (unless a live
+fleet view is given: then as that fleet is now, read-only), ties going to the first endpoint, fresh
+limit buckets (only a request larger than a
 limit is refused), an empty response cache, no embedding classifier (its rules do not match, and the
 trace says so), and every try answered. A request that would queue is taken to wait out its deadline:
 a dry run's fleet does not change while it waits.
@@ -22,7 +23,17 @@ from switchyard.decide.flow import Queue, Waited
 from switchyard.decide.pick import Strategy
 from switchyard.decide.procedure import Ask, Attempt, Caller, Decision, LookupCache, Mark, Retry, Score, Tried, decide
 from switchyard.decide.tokens import TokenCounter
-from switchyard.decide.views import NO_MEMORY, Candidate, EndpointView, FleetView, ScorerMemory
+from switchyard.decide.views import (
+    NO_MEMORY,
+    Candidate,
+    DrainView,
+    EndpointView,
+    FleetView,
+    PrefixMemory,
+    QueueView,
+    ScorerMemory,
+    SessionMemory,
+)
 from switchyard.policy.schema import Lane, Limits, Pool
 from switchyard.policy.snapshot import PolicySnapshot
 
@@ -94,6 +105,90 @@ class IdleFleet:
 
     def full(self, candidate: Candidate, ceiling: float, now: float, preempting: bool) -> bool:
         return False
+
+
+class _Unwritten:
+    """A scorer memory read as it is, and never written (a dry run records nothing)."""
+
+    def __init__(self, memory: ScorerMemory) -> None:
+        self._memory = memory
+
+    @property
+    def prefixes(self) -> PrefixMemory:
+        return _ReadPrefixes(self._memory.prefixes)
+
+    @property
+    def sessions(self) -> SessionMemory:
+        return _ReadSessions(self._memory.sessions)
+
+
+class _ReadPrefixes:
+    def __init__(self, prefixes: PrefixMemory) -> None:
+        self._prefixes = prefixes
+
+    def affinity(self, hashes: Sequence[bytes], urls: Sequence[str], now: float) -> dict[str, float]:
+        return self._prefixes.affinity(hashes, urls, now)
+
+    def record(self, hashes: Sequence[bytes], url: str, now: float) -> None:
+        return None
+
+
+class _ReadSessions:
+    def __init__(self, sessions: SessionMemory) -> None:
+        self._sessions = sessions
+
+    def get(self, key: str, now: float) -> str | None:
+        return self._sessions.get(key, now)
+
+    def record(self, key: str, url: str, now: float) -> None:
+        return None
+
+
+class Looking:
+    """A live :class:`~switchyard.decide.views.FleetView` as a dry run reads it: everything as it is, but the
+    stateful scorers' memory is only read, round-robin does not advance, and ties go to the first endpoint."""
+
+    rng = None
+
+    def __init__(self, fleet: FleetView) -> None:
+        self._fleet = fleet
+        self.memory = _Unwritten(fleet.memory)
+
+    def now(self) -> float:
+        return self._fleet.now()
+
+    def rotation(self) -> int:
+        return 0
+
+    def endpoint(self, candidate: Candidate, lane: Lane, now: float) -> EndpointView:
+        return self._fleet.endpoint(candidate, lane, now)
+
+    def pool_utilisation(self, pool: Pool, lane: Lane, now: float) -> float:
+        return self._fleet.pool_utilisation(pool, lane, now)
+
+    def queues(self, pool: Pool) -> QueueView:
+        return self._fleet.queues(pool)
+
+    def service(self, pool: Pool) -> DrainView:
+        return self._fleet.service(pool)
+
+    def reserved_tokens(self, pool: Pool) -> int:
+        return self._fleet.reserved_tokens(pool)
+
+    def out_of_service(self, options: Sequence[Candidate], now: float) -> tuple[str, float]:
+        return self._fleet.out_of_service(options, now)
+
+    def yielders(self, url: str) -> Sequence[float]:
+        return self._fleet.yielders(url)
+
+    def prefilling(self, url: str) -> int:
+        return self._fleet.prefilling(url)
+
+    def available(self, candidate: Candidate, now: float) -> bool:
+        return self._fleet.available(candidate, now)
+
+    def full(self, candidate: Candidate, ceiling: float, now: float, preempting: bool) -> bool:
+        return self._fleet.full(candidate, ceiling, now, preempting)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,14 +275,14 @@ def dry_run(snapshot: PolicySnapshot, tier: str, features: RequestFeatures,
     request body (default: one made of ``features``); ``key_region``: the API key's (or tenant's) home
     region; ``gateway_region``: the gateway's; ``tenant_limits``, ``key_limits``: the tenant's and the
     key's limit overrides; ``counters``: the models' prompt counters (their tokenizers); ``fleet``: the
-    fleet as it is (default: idle).
+    fleet as it is (default: idle), read and never changed (:class:`Looking`).
     """
     request = dict(body) if body is not None else body_of_features(features)
     if priority is not None:
         request["priority"] = priority
     caller = Caller(tier, tenant, "dry-run", tenant_limits, key_limits, key_region)
     ask = Ask(kind, request, features, caller, gateway_region, strategy, counters=counters or {})
-    return summary(run_idle(Decision(snapshot, ask), fleet or IdleFleet()))
+    return summary(run_idle(Decision(snapshot, ask), Looking(fleet) if fleet is not None else IdleFleet()))
 
 
 def summary(d: Decision) -> DryRun:

@@ -23,6 +23,8 @@ from switchyard.gateway.errors import (
     RateLimited,
 )
 
+#: The response header of a 429 that names the limit that refused it (``tokens_per_minute``, ...).
+LIMIT_HEADER = "x-switchyard-limit"
 #: The API error of each refusal status but 429 (a 499 is the client's own leaving: nobody reads it).
 _REFUSALS: dict[int, type[ApiError]] = {400: BadRequest, 403: Forbidden, 404: NotFound, 499: ClientLeft,
                                         503: Overloaded}
@@ -36,6 +38,7 @@ def refusal_error(refusal: Refusal, headers: dict[str, str] | None = None) -> Ap
         headers["Retry-After"] = str(max(1, math.ceil(refusal.retry_after_s)))
     if refusal.status == 429:
         assert refusal.limit is not None
+        headers[LIMIT_HEADER] = refusal.limit
         return RateLimited(refusal.message, code=refusal.code, limit=refusal.limit, headers=headers)
     cls = _REFUSALS[refusal.status]
     return cls(refusal.message, code=refusal.code, param=refusal.param, headers=headers)

@@ -243,6 +243,11 @@ class _Run:
 
     async def _conclude(self) -> Response[Any]:
         d, req, record, runtime = self.d, self.req, self.record, self.runtime
+        attempts = d.attempts
+        if attempts is not None:
+            for moved in attempts.moved_on:
+                if moved.endswith(" unavailable"):
+                    runtime.metrics.fallbacks.labels(self._asked(), "unavailable").inc()
         if d.outcome == "served":
             assert d.tried is not None
             if d.tried.outcome == "ok":
@@ -253,11 +258,6 @@ class _Run:
             assert req.cache is not None
             return await serve_hit(runtime, req.kind, req.body, req.cache, req.identity, d, req.lease, req.rid,
                                    record)
-        attempts = d.attempts
-        if attempts is not None:
-            for moved in attempts.moved_on:
-                if moved.endswith(" unavailable"):
-                    runtime.metrics.fallbacks.labels(self._asked(), "unavailable").inc()
         headers = self._headers() if d.cls is not None else {}
         if d.outcome == "failed":
             assert attempts is not None

@@ -97,6 +97,14 @@ class Fleet:
                                   max_model_len=config.max_model_len)
                 self.endpoints[url] = SimEndpoint(url, pool, config, core)
 
+    def occupy(self, url: str, count: int, output_tokens: int = 256) -> None:
+        """Start ``count`` requests in ``url``'s engine that no replayed request sent (other gateways' traffic):
+        short prompts, ``output_tokens`` each."""
+        endpoint = self.endpoints[url]
+        for i in range(count):
+            endpoint.submit(SimRequest(request_id=f"background-{url}-{i}", prompt=list(range(1, 17)),
+                                       max_output=output_tokens, arrival=0.0, seed=i, budget=output_tokens))
+
     def view(self, candidate: Candidate) -> EndpointView:
         """The picker's view of an endpoint."""
         return self.endpoints[candidate.url].view()

@@ -33,6 +33,10 @@ class ReplayOutcome:
         requested: The ``model`` it asked for.
         status: 200 when served, else the status the gateway would answer with.
         code: The error code of a refusal.
+        limit: The limit that refused it (429).
+        resolved_model: The model its request resolved to (its route's choice), if it got that far.
+        priority: The priority class it was served in (its tier's, or lower when it asked), if classed.
+        plan: Its fallback plan's stages, in order.
         model: The model that served it (a fallback's when the plan moved on), if any.
         pool, region, endpoint: Where it ran, if it did.
         prompt_tokens: Prompt tokens the engine saw (chat template included).
@@ -53,6 +57,10 @@ class ReplayOutcome:
     requested: str
     status: int = 200
     code: str | None = None
+    limit: str | None = None
+    resolved_model: str | None = None
+    priority: str | None = None
+    plan: tuple[str, ...] = ()
     model: str | None = None
     pool: str | None = None
     region: str | None = None

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Coroutine, Sequence
+from collections.abc import Collection, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -38,7 +38,7 @@ from typing import Any, TypeVar, cast
 from switchyard.bench.spec import RequestSpec, Workload
 from switchyard.decide.admit import LimitAnswer, LimitCharge, Reserve, actual_amounts, spend_of
 from switchyard.decide.cache import CachePlan
-from switchyard.decide.features import RequestFeatures, chat_features, completion_features
+from switchyard.decide.features import chat_features, completion_features
 from switchyard.decide.flow import Queue, Waited
 from switchyard.decide.pick import Strategy
 from switchyard.decide.procedure import (
@@ -121,6 +121,11 @@ class _Arm:
     strategy: Strategy
     seed: int
     flow_control: bool = True
+    #: Who each tenant label of the workload is (a label not in it is a tier, and a tenant of its own).
+    callers: Mapping[str, Caller] = field(default_factory=dict)
+    gateway_region: str | None = None
+    #: Endpoints out of service for the whole replay.
+    down: frozenset[str] = frozenset()
     limits: MemoryLimitStore = field(default_factory=MemoryLimitStore)
     running: list[_Running] = field(default_factory=list)
     unsettled: dict[SimRequest, _Running] = field(default_factory=dict)
@@ -131,7 +136,7 @@ class _Arm:
     view: ReplayView = field(init=False)
 
     def __post_init__(self) -> None:
-        self.view = ReplayView(self.fleet, lambda: self.clock, self.seed)
+        self.view = ReplayView(self.fleet, lambda: self.clock, self.seed, self.down)
 
     # --- time -------------------------------------------------------------------------------------
 
@@ -182,11 +187,13 @@ class _Arm:
     def route(self, spec: RequestSpec) -> None:
         """Run the decision procedure for ``spec`` at its arrival (see the module doc)."""
         body = spec.body()
-        features = _features(body)
-        tier = self.snapshot.tiers.get(spec.tenant)
+        headers = {k.lower(): v for k, v in spec.labels.headers.items()}
+        features = chat_features(body, headers) if "messages" in body else completion_features(body, headers)
+        caller = self.callers.get(spec.tenant) or Caller(spec.tenant, spec.tenant, spec.tenant)
+        tier = self.snapshot.tiers.get(caller.tier)
         outcome = ReplayOutcome(spec.index, spec.arrival_s, spec.tenant, tier.priority if tier else "-", spec.model)
-        ask = Ask("chat" if "messages" in body else "completion", body, features,
-                  Caller(spec.tenant, spec.tenant, spec.tenant), strategy=self.strategy, flow_control=self.flow_control)
+        ask = Ask("chat" if "messages" in body else "completion", body, features, caller, self.gateway_region,
+                  self.strategy, self.flow_control)
         d = Decision(self.snapshot, ask)
         entry = _Running(outcome, spec, d, decide(d, self.view))
         self.running.append(entry)
@@ -216,6 +223,11 @@ class _Arm:
     def _decided(self, entry: _Running) -> None:
         """The procedure ended: the outcome of a refusal or a cache hit (a served request's comes at its end)."""
         d, outcome = entry.decision, entry.outcome
+        outcome.plan = tuple(s.label for s in d.stages)
+        if d.model is not None:
+            outcome.resolved_model = d.model.model.name
+        if d.cls is not None:
+            outcome.priority = d.cls.name
         if d.scheduled is not None and d.scheduled.downgraded_from is not None:
             outcome.downgraded_from = d.scheduled.downgraded_from.name
         if d.outcome == "cache_hit":
@@ -231,7 +243,7 @@ class _Arm:
             self._settle(entry, round(charge * (hit.prompt_tokens + hit.completion_tokens)), outcome.cost)
         elif d.outcome == "refused":
             assert d.refusal is not None
-            outcome.status, outcome.code = d.refusal.status, d.refusal.code
+            outcome.status, outcome.code, outcome.limit = d.refusal.status, d.refusal.code, d.refusal.limit
             self._settle(entry, 0, 0.0)
         elif d.tried is not None and d.tried.outcome == "refused":  # the engine's 400
             outcome.status, outcome.code = 400, d.tried.kind
@@ -338,12 +350,6 @@ class _Arm:
         return done
 
 
-def _features(body: dict[str, Any]) -> RequestFeatures:
-    if "messages" in body:
-        return chat_features(body, {})
-    return completion_features(body, {})
-
-
 def _fill(entry: _Running) -> ReplayOutcome:
     outcome, request, model = entry.outcome, entry.request, entry.model
     if request is None or model is None:
@@ -361,18 +367,36 @@ def _fill(entry: _Running) -> ReplayOutcome:
 
 def replay_policy(snapshot: PolicySnapshot, workload: Workload | Sequence[RequestSpec], *, name: str = "candidate",
                   base_dir: Path | None = None, strategy: Strategy = "prefix-aware", seed: int = 0,
-                  flow_control: bool = True) -> ArmResult:
+                  flow_control: bool = True, callers: Mapping[str, Caller] | None = None,
+                  gateway_region: str | None = None, down: Collection[str] = (),
+                  background: Mapping[str, int] | None = None) -> ArmResult:
     """Replay ``workload`` through ``snapshot``'s decisions on fresh simulated engines.
 
-    ``flow_control``: False sends every admitted request straight to its engine (as a gateway with
-    ``SWITCHYARD_FLOW_CONTROL`` off would).
+    Args:
+        snapshot: The policy.
+        workload: The requests, in arrival order.
+        name: The arm's name in the report.
+        base_dir: Where relative ``sim_profile`` paths are.
+        strategy: The picking strategy (the policy's profiles, or a baseline).
+        seed: Seeds the engines and the picker's ties.
+        flow_control: False sends every admitted request straight to its engine (as a gateway with
+            ``SWITCHYARD_FLOW_CONTROL`` off would).
+        callers: Who each tenant label is: its tier and limit overrides (default: each label is a tier, and a
+            tenant of its own).
+        gateway_region: The region of the gateway replayed (a home region for requests with none).
+        down: Endpoints out of service for the whole replay (a region down, say).
+        background: Requests already running in an endpoint's engine when the replay starts (other
+            gateways' traffic), by URL.
 
     Raises:
         FleetError: A pool of the policy cannot be simulated.
     """
     specs = workload.specs if isinstance(workload, Workload) else tuple(workload)
     started = time.perf_counter()
-    arm = _Arm(snapshot, Fleet(snapshot, base_dir, seed), strategy, seed, flow_control)
+    fleet = Fleet(snapshot, base_dir, seed)
+    for url, count in (background or {}).items():
+        fleet.occupy(url, count)
+    arm = _Arm(snapshot, fleet, strategy, seed, flow_control, callers or {}, gateway_region, frozenset(down))
     outcomes: list[ReplayOutcome] = []
     for i, spec in enumerate(specs):
         arm.run_until(spec.arrival_s)

@@ -4,14 +4,15 @@
 What a gateway in front of these engines would know at the replay's simulated time: each engine's
 requests and queue as a fresh scrape would report them, the replay's own reservations there, flow
 control's queues and service times, and the stateful scorers' memory, all on the simulated clock.
-Every engine stays healthy (failures are not modelled), and no request gives way to another (batch
-preemption is not modelled).
+Endpoints named out of service stay out for the whole replay; the others stay healthy (failures are
+not modelled), and no request gives way to another (batch preemption is not modelled).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from switchyard.decide.flow import batch_pool_utilisation
 from switchyard.decide.views import Candidate, EndpointView
@@ -33,8 +34,9 @@ class ReplayMemory:
 class ReplayView:
     """A replay arm's fleet, queues and memory at its simulated time (see the module doc)."""
 
-    def __init__(self, fleet: Fleet, clock: Callable[[], float], seed: int) -> None:
+    def __init__(self, fleet: Fleet, clock: Callable[[], float], seed: int, down: frozenset[str] = frozenset()) -> None:
         self.fleet = fleet
+        self.down = down
         self._clock = clock
         self.memory = ReplayMemory()
         #: Breaks ties between equally scored endpoints, reproducibly.
@@ -51,11 +53,13 @@ class ReplayView:
         return self._rotation
 
     def endpoint(self, candidate: Candidate, lane: Lane, now: float) -> EndpointView:
-        return self.fleet.endpoints[candidate.url].view()
+        view = self.fleet.endpoints[candidate.url].view()
+        return replace(view, healthy=False) if candidate.url in self.down else view
 
     def pool_utilisation(self, pool: Pool, lane: Lane, now: float) -> float:
         """Its least-loaded endpoint's utilisation; the batch lane's keeps the pool's reserved slots free."""
-        views = [self.fleet.endpoints[url].view() for url in pool.endpoints]
+        views = ([self.fleet.endpoints[url].view() for url in pool.endpoints if url not in self.down]
+                 or [self.fleet.endpoints[url].view() for url in pool.endpoints])
         if lane == "interactive":
             return min(v.utilisation for v in views)
         return batch_pool_utilisation(pool, [v.utilisation for v in views], sum(v.load for v in views))
@@ -80,7 +84,8 @@ class ReplayView:
         return sum(self.fleet.endpoints[url].reserved for url in pool.endpoints)
 
     def out_of_service(self, options: Sequence[Candidate], now: float) -> tuple[str, float]:
-        return "no endpoint", 1.0
+        down = [o.url for o in options if o.url in self.down]
+        return (", ".join(f"{url} down (out of service in this replay)" for url in down) or "no endpoint"), 1.0
 
     def yielders(self, url: str) -> Sequence[float]:
         return ()
@@ -89,7 +94,7 @@ class ReplayView:
         return 0
 
     def available(self, candidate: Candidate, now: float) -> bool:
-        return True
+        return candidate.url not in self.down
 
     def full(self, candidate: Candidate, ceiling: float, now: float, preempting: bool) -> bool:
         return self.fleet.endpoints[candidate.url].view().utilisation >= ceiling

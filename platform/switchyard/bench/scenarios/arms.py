@@ -97,8 +97,8 @@ async def measure_capacity(ports: Sequence[int], specs: Sequence[RequestSpec], *
                 spec = specs[next(order) % len(specs)]
                 result = Result(spec.index, target.name, spec.tenant, spec.request_class, spec.model, spec.kind,
                                 spec.stream, spec.prompt_tokens, spec.max_tokens, spec.prefix_group, now() - start)
-                await send_one(session, spec.encode(), target.url(spec.kind), target.headers_for(spec.tenant),
-                               result, now, start)
+                headers = {**target.headers_for(spec.tenant), **spec.labels.headers}
+                await send_one(session, spec.encode(), target.url(spec.kind), headers, result, now, start)
                 if begin <= result.done_s < end:
                     window.append(result)
 
