@@ -14,7 +14,7 @@ from litestar.testing import TestClient
 from switchyard.decide.dryrun import DryRun, dry_run
 from switchyard.decide.policy_tests import body_of_request, features_of_request
 from switchyard.gateway.runtime import GatewayRuntime
-from switchyard.policy.schema import PolicyTestRequest
+from switchyard.policy.policy_tests import PolicyTestRequest
 from switchyard.store import db
 from switchyard.store.audit import append_event, list_events
 from switchyard.store.cache import CacheEntry

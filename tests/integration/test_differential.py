@@ -46,7 +46,7 @@ from switchyard.engines.endpoints import EngineSignals
 from switchyard.gateway.app import create_app
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy import compile_policy
-from switchyard.policy.schema import Limits
+from switchyard.policy.tiers import Limits
 from switchyard.settings import Settings
 from switchyard.store import db
 from switchyard.store.keys import create_key

@@ -13,7 +13,7 @@ from switchyard.admin import openapi_docs as docs
 from switchyard.admin.common import admin_token_guard
 from switchyard.engines.breakers import CircuitBreaker
 from switchyard.gateway.runtime import GatewayRuntime
-from switchyard.policy.schema import Pool
+from switchyard.policy.fleet import Pool
 
 
 def endpoint_row(runtime: GatewayRuntime, pool: Pool, url: str, now: float) -> dict[str, Any]:

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from sqlmodel import Session
 
     from switchyard.policy import PolicySnapshot
-    from switchyard.policy.schema import Limits
+    from switchyard.policy.tiers import Limits
     from switchyard.settings import Settings
 
 

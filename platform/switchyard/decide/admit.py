@@ -26,8 +26,9 @@ from typing import Literal
 
 from switchyard.decide.refusals import Refusal
 from switchyard.decide.tokens import TEMPLATE_TOKENS_PER_PROMPT
-from switchyard.policy.schema import Limits, Model
+from switchyard.policy.fleet import Model
 from switchyard.policy.snapshot import PolicySnapshot
+from switchyard.policy.tiers import Limits
 
 Unit = Literal["tokens", "requests", "spend"]
 

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from switchyard.policy.schema import CacheRule
+from switchyard.policy.cache_rules import CacheRule
 from switchyard.policy.snapshot import PolicySnapshot
 
 #: The request header by which a client opts out of the cache for one request.

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from switchyard.policy.schema import PriorityClass
 from switchyard.policy.snapshot import PolicySnapshot
+from switchyard.policy.tiers import PriorityClass
 
 #: The request header that lowers a request's class.
 PRIORITY_HEADER = "x-switchyard-priority"

@@ -34,8 +34,9 @@ from switchyard.decide.views import (
     ScorerMemory,
     SessionMemory,
 )
-from switchyard.policy.schema import Lane, Limits, Pool
+from switchyard.policy.fleet import Pool
 from switchyard.policy.snapshot import PolicySnapshot
+from switchyard.policy.tiers import Lane, Limits
 
 _IDLE = EndpointView()
 

@@ -44,8 +44,9 @@ from switchyard.decide.classes import ClassDecision
 from switchyard.decide.pick import EndpointChoice, pools_within
 from switchyard.decide.refusals import Refusal
 from switchyard.decide.views import Candidate, DrainView, FleetView, QueueView
-from switchyard.policy.schema import Lane, Model, Pool
+from switchyard.policy.fleet import Model, Pool
 from switchyard.policy.snapshot import PolicySnapshot
+from switchyard.policy.tiers import Lane
 
 #: A batch request sent to an endpoint less than this share of its usual interactive time to first byte ago
 #: has most likely not had its first engine step yet (that time is the engine's frontend, the wait for the

@@ -29,8 +29,8 @@ from typing import Literal
 
 from switchyard.decide.plugins import Option, PickRequest, Profile, compile_profile
 from switchyard.decide.views import Candidate, EndpointView
+from switchyard.policy.fleet import Model, Pool
 from switchyard.policy.routing import BASELINE_PROFILES, DEFAULT_PROFILE
-from switchyard.policy.schema import Model, Pool
 from switchyard.policy.snapshot import PolicySnapshot
 
 #: ``prefix-aware`` runs each model's endpoint profile (Switchyard's picking); the other two are the

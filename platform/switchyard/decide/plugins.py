@@ -33,7 +33,7 @@ from switchyard.decide.prefix import block_hashes, prompt_text
 from switchyard.decide.sessions import session_key
 from switchyard.decide.views import NO_MEMORY, EndpointView, ScorerMemory
 from switchyard.policy import routing as spec
-from switchyard.policy.schema import Pool
+from switchyard.policy.fleet import Pool
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from switchyard.decide.features import RequestFeatures
 from switchyard.decide.tokens import estimate_chat_tokens
 from switchyard.policy.errors import PolicyError, PolicyIssue, issues_at
 from switchyard.policy.load import parse_yaml
-from switchyard.policy.schema import PolicyTest, PolicyTestExpect, PolicyTestRequest
+from switchyard.policy.policy_tests import PolicyTest, PolicyTestExpect, PolicyTestRequest
 from switchyard.policy.snapshot import PolicySnapshot, compile_policy
 
 

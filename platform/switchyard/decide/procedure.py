@@ -65,8 +65,8 @@ from switchyard.decide.regions import REGION_HEADER, Placement, place
 from switchyard.decide.resolve import ModelDecision, NeedsScore, resolve_model
 from switchyard.decide.tokens import TokenCounter
 from switchyard.decide.views import FleetView
-from switchyard.policy.schema import Limits
 from switchyard.policy.snapshot import PolicySnapshot
+from switchyard.policy.tiers import Limits
 
 #: A batch-lane request preempted this many times runs to its end: every request makes progress.
 MAX_PREEMPTIONS = 8

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from switchyard.decide.pick import pools_within
 from switchyard.decide.refusals import Refused
-from switchyard.policy.schema import Model
+from switchyard.policy.fleet import Model
 from switchyard.policy.snapshot import PolicySnapshot
 
 REGION_HEADER = "x-switchyard-region"

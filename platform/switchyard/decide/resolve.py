@@ -12,7 +12,8 @@ from switchyard.decide.admit import estimate
 from switchyard.decide.difficulty import difficulty_score
 from switchyard.decide.features import RequestFeatures
 from switchyard.decide.refusals import Refused
-from switchyard.policy.schema import Model, Route, RuleConditions
+from switchyard.policy.fleet import Model
+from switchyard.policy.routes import Route, RuleConditions
 from switchyard.policy.snapshot import PolicySnapshot
 
 

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from switchyard.policy.schema import Lane, Pool
+from switchyard.policy.fleet import Pool
+from switchyard.policy.tiers import Lane
 
 
 @dataclass(frozen=True, slots=True)

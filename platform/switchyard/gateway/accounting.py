@@ -8,7 +8,7 @@ from switchyard.decide.admit import spend_of
 from switchyard.engines.upstream import usage_counts
 from switchyard.gateway.activity import RequestRecord
 from switchyard.gateway.request import PendingRequest
-from switchyard.policy.schema import Model
+from switchyard.policy.fleet import Model
 
 if TYPE_CHECKING:
     from switchyard.gateway.runtime import GatewayRuntime

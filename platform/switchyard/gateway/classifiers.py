@@ -31,8 +31,8 @@ import msgspec
 
 from switchyard.engines.endpoints import EndpointRegistry
 from switchyard.engines.upstream import read_engine_error
+from switchyard.policy.fleet import Pool
 from switchyard.policy.routing import EmbeddingClassifier
-from switchyard.policy.schema import Pool
 from switchyard.policy.snapshot import PolicySnapshot
 
 if TYPE_CHECKING:

@@ -31,7 +31,7 @@ from switchyard.decide.flow import Queue, Scheduled, Waited, batch_pool_utilisat
 from switchyard.decide.refusals import Refusal
 from switchyard.engines.endpoints import EndpointRegistry, EndpointState
 from switchyard.gateway.metrics import GatewayMetrics
-from switchyard.policy.schema import Pool
+from switchyard.policy.fleet import Pool
 from switchyard.state.queues import EXPIRED, GRANTED, LEFT, PoolQueues, ServiceTime, Ticket
 
 #: How often pools with waiting requests are re-examined without another trigger.

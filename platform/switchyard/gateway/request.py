@@ -16,7 +16,7 @@ from litestar import Request
 from switchyard.decide.procedure import Decision
 from switchyard.gateway.admission import NO_LEASE, Lease
 from switchyard.gateway.tracing import OFF, RequestTrace
-from switchyard.policy.schema import Pool
+from switchyard.policy.fleet import Pool
 from switchyard.state.queues import Ticket
 from switchyard.store.keys import KeyIdentity
 

@@ -17,7 +17,8 @@ from switchyard.decide.flow import batch_view
 from switchyard.decide.views import Candidate, EndpointView
 from switchyard.engines.endpoints import EndpointRegistry
 from switchyard.gateway.flow import FlowController
-from switchyard.policy.schema import Lane, Pool
+from switchyard.policy.fleet import Pool
+from switchyard.policy.tiers import Lane
 from switchyard.state.prefix import PrefixIndex
 from switchyard.state.queues import PoolQueues, ServiceTime
 from switchyard.state.sessions import SessionIndex

@@ -16,11 +16,11 @@ from typing import Any
 from pydantic_core import PydanticUndefined
 from ruamel.yaml import YAML
 
+from switchyard.policy.cache_rules import CacheRule
 from switchyard.policy.diff import plain_data
 from switchyard.policy.errors import PolicyError, PolicyIssue
 from switchyard.policy.export import MergedText, merge_onto
 from switchyard.policy.load import parse_yaml
-from switchyard.policy.schema import CacheRule
 
 #: Top-level sections of named items, and how one item is called in messages.
 _KINDS = {"tiers": "tier", "models": "model"}

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 from difflib import get_close_matches
 
 from switchyard.policy.errors import Loc
-from switchyard.policy.schema import PolicyDocument, split_fallback
+from switchyard.policy.fleet import split_fallback
+from switchyard.policy.schema import PolicyDocument
 
 Finding = tuple[Loc, str]
 

@@ -11,8 +11,11 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from switchyard.policy.fleet import Model, Pool
 from switchyard.policy.load import parse_policy
-from switchyard.policy.schema import Model, PolicyDocument, Pool, PriorityClass, Route, Tier
+from switchyard.policy.routes import Route
+from switchyard.policy.schema import PolicyDocument
+from switchyard.policy.tiers import PriorityClass, Tier
 
 #: Added to a batch-lane class's default vLLM priority, so that the engine preempts batch work first.
 BATCH_ENGINE_PRIORITY = 1000

@@ -22,7 +22,7 @@ import heapq
 import itertools
 from typing import Any
 
-from switchyard.policy.schema import Lane
+from switchyard.policy.tiers import Lane
 
 WAITING, GRANTED, EXPIRED, LEFT = "waiting", "granted", "expired", "left"
 

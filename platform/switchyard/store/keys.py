@@ -17,7 +17,7 @@ from typing import Any
 
 from sqlmodel import Session, col, func, select
 
-from switchyard.policy.schema import Limits
+from switchyard.policy.tiers import Limits
 from switchyard.store.audit import append_event
 from switchyard.store.errors import Conflict, NotFound
 from switchyard.store.key_changes import announce

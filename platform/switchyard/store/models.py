@@ -59,7 +59,7 @@ def _region() -> Any:
 
 
 def _limits() -> Any:
-    # Overrides of the policy's limits, shaped as a tier's ``limits`` (policy.schema.Limits);
+    # Overrides of the policy's limits, shaped as a tier's ``limits`` (policy.tiers.Limits);
     # NULL (not JSON null) when there is none.
     return Field(default=None, sa_column=Column(JSON(none_as_null=True), nullable=True))
 

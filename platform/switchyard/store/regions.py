@@ -10,7 +10,7 @@ import re
 
 from switchyard.store.errors import StoreError
 
-#: How a region is named: the same rule as the policy's names (``policy.schema.Name``).
+#: How a region is named: the same rule as the policy's names (``policy.base.Name``).
 REGION_PATTERN = r"^[a-z][a-z0-9_-]{0,62}$"
 REGION_MAX_LENGTH = 63
 _REGION = re.compile(REGION_PATTERN)

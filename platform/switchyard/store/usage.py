@@ -24,7 +24,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from switchyard.policy.schema import Limits
+from switchyard.policy.tiers import Limits
 from switchyard.store.audit import append_event
 from switchyard.store.errors import NotFound, StoreError
 from switchyard.store.key_changes import announce

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from switchyard.decide.views import Candidate, EndpointView
-from switchyard.policy.schema import Pool
+from switchyard.policy.fleet import Pool
 from switchyard.policy.snapshot import PolicySnapshot
 from switchyard.sim.config import EngineConfig, ResolvedConfig, resolve
 from switchyard.sim.core import EngineCore

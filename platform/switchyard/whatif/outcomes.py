@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from switchyard.policy.schema import Model
+from switchyard.policy.fleet import Model
 from switchyard.sim.chat import render_chat
 from switchyard.sim.tokens import SPECIAL_TOKENS, tokenize
 

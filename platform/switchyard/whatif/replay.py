@@ -53,7 +53,7 @@ from switchyard.decide.procedure import (
     Tried,
     decide,
 )
-from switchyard.policy.schema import Model
+from switchyard.policy.fleet import Model
 from switchyard.policy.snapshot import PolicySnapshot
 from switchyard.sim.request import SimRequest
 from switchyard.state.queues import Ticket

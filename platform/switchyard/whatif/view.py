@@ -16,7 +16,8 @@ from dataclasses import replace
 
 from switchyard.decide.flow import batch_pool_utilisation
 from switchyard.decide.views import Candidate, EndpointView
-from switchyard.policy.schema import Lane, Pool
+from switchyard.policy.fleet import Pool
+from switchyard.policy.tiers import Lane
 from switchyard.state.prefix import PrefixIndex
 from switchyard.state.queues import PoolQueues, ServiceTime
 from switchyard.state.sessions import SessionIndex

@@ -6,7 +6,7 @@ import pytest
 
 from switchyard.decide.admit import LIMIT_PERIODS, actual_amounts, estimate, expected_output, limit_charges, spend_of
 from switchyard.policy import compile_policy
-from switchyard.policy.schema import Limits
+from switchyard.policy.tiers import Limits
 from tests.unit.policy.base import base, to_yaml
 
 SNAP = compile_policy(to_yaml(base()))  # free: 1000 tpm, 10000 per day; pro: large 500 tpm

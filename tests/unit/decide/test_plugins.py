@@ -13,8 +13,8 @@ from switchyard.decide.plugins import Option, PickRequest, Subject, build, compi
 from switchyard.decide.views import Candidate, EndpointView
 from switchyard.policy import PolicyError, compile_policy
 from switchyard.policy import routing as spec
+from switchyard.policy.fleet import Pool
 from switchyard.policy.routing import BASELINE_PROFILES, DEFAULT_PROFILE, EndpointProfile
-from switchyard.policy.schema import Pool
 from tests.unit.policy.base import base, to_yaml
 
 US = Pool(name="p-us", region="us-east", served_model="m", endpoints=["http://us1", "http://us2"],

@@ -22,7 +22,7 @@ from switchyard.gateway.flow import FlowController, never
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.view import LiveView, Memory
 from switchyard.policy import PolicySnapshot, compile_policy
-from switchyard.policy.schema import Model
+from switchyard.policy.fleet import Model
 from switchyard.state.queues import Ticket
 from tests.unit.policy.base import base, to_yaml
 

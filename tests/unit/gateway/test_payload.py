@@ -11,7 +11,8 @@ from switchyard.decide.features import chat_features
 from switchyard.decide.procedure import Ask, Caller, Decision
 from switchyard.gateway.request import PendingRequest
 from switchyard.policy import compile_policy
-from switchyard.policy.schema import Pool, PriorityClass
+from switchyard.policy.fleet import Pool
+from switchyard.policy.tiers import PriorityClass
 from switchyard.store.keys import KeyIdentity
 from tests.unit.policy.base import base, to_yaml
 

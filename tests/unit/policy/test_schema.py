@@ -9,7 +9,7 @@ import pytest
 
 from switchyard.decide.policy_tests import compile_checked
 from switchyard.policy import PolicyDocument, compile_policy, policy_sha256
-from switchyard.policy.schema import split_fallback
+from switchyard.policy.fleet import split_fallback
 from switchyard.policy.units import _parse_duration
 from tests.unit.policy.base import base, to_yaml
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from switchyard.policy.schema import Name
+from switchyard.policy.base import Name
 from switchyard.store.errors import StoreError
 from switchyard.store.keys import KeyIdentity
 from switchyard.store.models import ApiKeyCreate, TenantCreate

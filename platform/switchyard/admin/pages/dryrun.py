@@ -1,7 +1,7 @@
 """Console page: the dry-run. What the gateway would decide for a request, stage by stage, without
 sending it anywhere or changing any state.
 
-The form describes a request the way a policy test does (:class:`~switchyard.policy.schema.PolicyTestRequest`),
+The form describes a request the way a policy test does (:class:`~switchyard.policy.policy_tests.PolicyTestRequest`),
 and the answer comes from the evaluator the policy tests and ``switchyard policy test`` use
 (:func:`switchyard.decide.dryrun.dry_run`, which runs the gateway's own decisions), with the features
 and body built by the same helpers as a policy test's. The POST is a read (viewer role): it only
@@ -27,8 +27,9 @@ from switchyard.decide.policy_tests import body_of_request, features_of_request
 from switchyard.decide.regions import REGION_HEADER
 from switchyard.gateway.errors import ApiError
 from switchyard.gateway.runtime import GatewayRuntime
-from switchyard.policy.schema import Limits, PolicyTestRequest
+from switchyard.policy.policy_tests import PolicyTestRequest
 from switchyard.policy.snapshot import PolicySnapshot
+from switchyard.policy.tiers import Limits
 from switchyard.store.models import TenantPublic
 from switchyard.store.tenants import get_tenant, list_tenants
 

@@ -26,7 +26,7 @@ from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy import PolicyIssue
 from switchyard.policy.diff import plain_data
 from switchyard.policy.load import parse_yaml
-from switchyard.policy.schema import Limits
+from switchyard.policy.tiers import Limits
 from switchyard.store import errors as store_errors
 from switchyard.store.policy_versions import active_version, list_versions
 

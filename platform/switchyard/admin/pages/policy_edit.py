@@ -32,7 +32,7 @@ from switchyard.policy import PolicyError, PolicyIssue, compile_policy
 from switchyard.policy.diff import PolicyDiff, diff_documents
 from switchyard.policy.edit import set_cache_rule, set_model_fallback, set_tier_limits
 from switchyard.policy.export import MergedText
-from switchyard.policy.schema import Limits
+from switchyard.policy.tiers import Limits
 from switchyard.store.models import PolicyVersionPublic
 from switchyard.store.policy_versions import active_version, publish, rollback
 

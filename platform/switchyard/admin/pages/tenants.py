@@ -27,8 +27,8 @@ from switchyard.decide.admit import LIMIT_PERIODS, Estimate, LimitCharge, limit_
 from switchyard.figures import fixed
 from switchyard.gateway.errors import ApiError
 from switchyard.gateway.runtime import GatewayRuntime
-from switchyard.policy.schema import Limits
 from switchyard.policy.snapshot import PolicySnapshot
+from switchyard.policy.tiers import Limits
 from switchyard.store import errors as store_errors
 from switchyard.store.admin_users import RANK
 from switchyard.store.keys import key_limit_overrides, list_keys
