@@ -38,9 +38,9 @@ from litestar.testing import TestClient
 from switchyard.bench.prompts import LiteralText
 from switchyard.bench.spec import Labels, RequestSpec
 from switchyard.decide import procedure
+from switchyard.decide.decision import Caller
 from switchyard.decide.dryrun import dry_run
 from switchyard.decide.features import chat_features
-from switchyard.decide.procedure import Caller
 from switchyard.engines.breakers import CircuitBreaker
 from switchyard.engines.endpoints import EngineSignals
 from switchyard.gateway.app import create_app

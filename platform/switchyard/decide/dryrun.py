@@ -18,10 +18,11 @@ from typing import Any
 
 from switchyard.decide.admit import LimitCharge, Reserve, fresh_buckets
 from switchyard.decide.cache import RequestKind
+from switchyard.decide.decision import Ask, Attempt, Caller, Decision, LookupCache, Mark, Retry, Score, Tried
 from switchyard.decide.features import RequestFeatures
 from switchyard.decide.flow import Queue, Waited
 from switchyard.decide.pick import Strategy
-from switchyard.decide.procedure import Ask, Attempt, Caller, Decision, LookupCache, Mark, Retry, Score, Tried, decide
+from switchyard.decide.procedure import decide
 from switchyard.decide.tokens import TokenCounter
 from switchyard.decide.views import (
     NO_MEMORY,

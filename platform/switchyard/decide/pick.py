@@ -27,7 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from switchyard.decide.plugins import Option, PickRequest, Profile, compile_profile
+from switchyard.decide.picking import Option, PickRequest
+from switchyard.decide.plugins import Profile, compile_profile
 from switchyard.decide.views import Candidate, EndpointView
 from switchyard.policy.fleet import Model, Pool
 from switchyard.policy.routing import BASELINE_PROFILES, DEFAULT_PROFILE

@@ -1,7 +1,8 @@
-"""The endpoint picker's plugins: interfaces, one implementation per spec of :mod:`switchyard.policy.routing`.
+"""The endpoint picker's plugins: one implementation per spec of :mod:`switchyard.policy.routing`.
 
-Every plugin is a pure function of the candidates and what the executor knows of them (an
-:class:`Option` per endpoint) and of the request (:class:`PickRequest`):
+Their interfaces are :mod:`switchyard.decide.picking`. Every plugin is a pure function of the
+candidates and what the executor knows of them (an :class:`Option` per endpoint) and of the request
+(:class:`PickRequest`):
 
 - a :class:`Filter` keeps some candidates. A filter that would leave none is ignored (the trace
   says so): better to try a busy or cooling-down replica, or one whose scrape named another model
@@ -23,127 +24,15 @@ every spec class the schema accepts has a plugin.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeVar, get_args, runtime_checkable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar, get_args
 
 from pydantic import BaseModel
 
-from switchyard.decide.prefix import block_hashes, prompt_text
+from switchyard.decide.picking import Answer, Filter, Observer, Option, Picker, PickRequest, Scorer
 from switchyard.decide.sessions import session_key
-from switchyard.decide.views import NO_MEMORY, EndpointView, ScorerMemory
 from switchyard.policy import routing as spec
-from switchyard.policy.fleet import Pool
-
-
-@dataclass(frozen=True, slots=True)
-class Option:
-    """A candidate endpoint and its view."""
-
-    pool: Pool
-    url: str
-    view: EndpointView
-
-
-@dataclass(slots=True, eq=False)
-class Subject:
-    """What stateful scorers key their memory on: the request's prompt and who sent it.
-
-    The prompt's block hashes are computed on first use (only profiles that score prefix affinity
-    among more than one endpoint need them) and kept for the request's later picks and hooks.
-    """
-
-    body: Mapping[str, Any] = field(default_factory=dict)
-    headers: Mapping[str, str] = field(default_factory=dict)
-    tenant: str = ""
-    _hashes: list[bytes] | None = None
-
-    def hashes(self) -> list[bytes]:
-        """The prompt's chained block hashes (:func:`switchyard.decide.prefix.block_hashes`)."""
-        if self._hashes is None:
-            self._hashes = block_hashes(prompt_text(self.body))
-        return self._hashes
-
-
-@dataclass(frozen=True, slots=True)
-class PickRequest:
-    """What the plugins know of the request at one pick.
-
-    Attributes:
-        memory: The stateful scorers' memory (the executor's).
-        subject: What they key it on.
-        model: The model of the plan's stage being picked for.
-        alternatives: How many endpoints that stage has (with one, affinity cannot matter).
-        home_region: The region it prefers (None: no preference).
-        ceiling: The utilisation under which its class is dispatched (1.0, batch lane less).
-        rotation: A counter for round-robin.
-        rng: Breaks ties (None: the first of the tied candidates, for reproducible dry runs).
-        now: The executor's clock.
-    """
-
-    memory: ScorerMemory = NO_MEMORY
-    subject: Subject = field(default_factory=Subject)
-    model: str = ""
-    alternatives: int = 1
-    home_region: str | None = None
-    ceiling: float = 1.0
-    rotation: int = 0
-    rng: random.Random | None = None
-    now: float = 0.0
-
-
-#: What became of a request at the endpoint it was sent to: answered, preempted by flow control (it
-#: ran there for a while), or failed before answering.
-Answer = Literal["ok", "preempted", "failed"]
-
-
-@runtime_checkable
-class Filter(Protocol):
-    """Keeps the candidates it passes."""
-
-    @property
-    def name(self) -> str: ...
-
-    def keep(self, options: Sequence[Option], request: PickRequest) -> list[Option]: ...
-
-
-@runtime_checkable
-class Scorer(Protocol):
-    """Scores each candidate in [0, 1]."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def weight(self) -> float:
-        """How much its score counts in the profile's weighted mean."""
-        ...
-
-    def score(self, options: Sequence[Option], request: PickRequest) -> list[float]: ...
-
-
-@runtime_checkable
-class Picker(Protocol):
-    """Chooses one candidate by its score."""
-
-    @property
-    def name(self) -> str: ...
-
-    def pick(self, options: Sequence[Option], scores: Sequence[float], request: PickRequest) -> int: ...
-
-
-@runtime_checkable
-class Observer(Protocol):
-    """A plugin that keeps state: told what was picked and what became of it."""
-
-    def picked(self, url: str, request: PickRequest) -> None:
-        """``url`` was chosen for the request (before it is sent)."""
-        ...
-
-    def answered(self, url: str, request: PickRequest, answer: Answer) -> None:
-        """The request's try at ``url`` ended as ``answer``."""
-        ...
-
 
 Plugin = Filter | Scorer | Picker
 P = TypeVar("P", bound=type)

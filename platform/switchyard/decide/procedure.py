@@ -23,273 +23,40 @@ written twice cannot drift (``tests/integration/test_differential.py`` checks it
 from __future__ import annotations
 
 import functools
-from collections.abc import Generator, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Generator
+from typing import Any
 
 from switchyard.decide.admit import (
     DoesNotFit,
-    Estimate,
     LimitAnswer,
-    LimitCharge,
     Reserve,
     check_fits,
     estimate,
     limit_charges,
     limit_refusal,
 )
-from switchyard.decide.cache import (
-    CACHE_CONTROL_HEADER,
-    BadCacheControl,
-    CachePlan,
-    RequestKind,
-    parse_cache_control,
-    plan_cache,
+from switchyard.decide.cache import CACHE_CONTROL_HEADER, BadCacheControl, parse_cache_control, plan_cache
+from switchyard.decide.classes import PRIORITY_HEADER, BadPriority, classify
+from switchyard.decide.decision import (
+    Attempt,
+    Attempts,
+    CacheHit,
+    Decision,
+    Effect,
+    LookupCache,
+    Mark,
+    Retry,
+    Score,
+    Tried,
 )
-from switchyard.decide.classes import PRIORITY_HEADER, BadPriority, ClassDecision, classify
 from switchyard.decide.features import RequestFeatures, count_prompts
-from switchyard.decide.flow import Queue, Scheduled, schedule, steer
-from switchyard.decide.pick import (
-    EndpointChoice,
-    Stage,
-    Strategy,
-    fallback_plan,
-    pick_endpoint,
-    plan_trace,
-    profile_for,
-    usable_stages,
-)
-from switchyard.decide.plugins import PickRequest, Subject
+from switchyard.decide.flow import Scheduled, schedule, steer
+from switchyard.decide.pick import fallback_plan, pick_endpoint, plan_trace, profile_for, usable_stages
+from switchyard.decide.picking import PickRequest, Subject
 from switchyard.decide.refusals import Refusal, Refused
-from switchyard.decide.regions import REGION_HEADER, Placement, place
-from switchyard.decide.resolve import ModelDecision, NeedsScore, resolve_model
-from switchyard.decide.tokens import TokenCounter
+from switchyard.decide.regions import REGION_HEADER, place
+from switchyard.decide.resolve import NeedsScore, resolve_model
 from switchyard.decide.views import FleetView
-from switchyard.policy.snapshot import PolicySnapshot
-from switchyard.policy.tiers import Limits
-
-#: A batch-lane request preempted this many times runs to its end: every request makes progress.
-MAX_PREEMPTIONS = 8
-
-
-@dataclass(frozen=True, slots=True)
-class Caller:
-    """Who sends the request, as authentication found it.
-
-    Attributes:
-        tier: The tenant's tier.
-        tenant: A stable id of the tenant (limit buckets and queue fairness are keyed by it).
-        key: A stable id of the API key.
-        tenant_limits: The tenant's limit override (each limit it sets replaces the tier's).
-        key_limits: The key's own limits (charged in addition).
-        region: The key's or tenant's home region.
-    """
-
-    tier: str
-    tenant: str
-    key: str
-    tenant_limits: Limits | None = None
-    key_limits: Limits | None = None
-    region: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Ask:
-    """A request to decide.
-
-    Attributes:
-        kind: ``chat`` or ``completion``.
-        body: The parsed, validated OpenAI request body.
-        features: What the policy looks at in it (its headers included).
-        caller: Who sends it.
-        gateway_region: The executing gateway's region (a home region when the caller has none).
-        strategy: The picking strategy (the policy's profiles, or a baseline the bench measures against).
-        flow_control: Whether flow control runs (off: every admitted request goes at once).
-        counters: Prompt counters by model (a model's own tokenizer counts exactly; others estimate).
-    """
-
-    kind: RequestKind
-    body: Mapping[str, Any]
-    features: RequestFeatures
-    caller: Caller
-    gateway_region: str | None = None
-    strategy: Strategy = "prefix-aware"
-    flow_control: bool = True
-    counters: Mapping[str, TokenCounter] = field(default_factory=dict)
-
-
-# --- effects: what the procedure asks its executor -------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class Score:
-    """The score of classifier ``name`` for the request (an embedding); answered with a float, or None when
-    it cannot be had (its rules then do not match)."""
-
-    name: str
-    features: RequestFeatures
-
-
-@dataclass(frozen=True, slots=True)
-class CacheHit:
-    """A response-cache entry for the request: the answer's usage."""
-
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class LookupCache:
-    """Look the request up in the response cache under ``plan``; answered with a :class:`CacheHit` or None."""
-
-    plan: CachePlan
-
-
-@dataclass(frozen=True, slots=True)
-class Retry:
-    """Whether the retry budget lets the ``number``-th try go (the first is always let go, and counted)."""
-
-    number: int
-
-
-@dataclass(frozen=True, slots=True)
-class Attempt:
-    """Send the request to ``choice`` (of ``stage`` of the plan); answered with :class:`Tried`."""
-
-    decision: Decision
-    stage: Stage
-    choice: EndpointChoice
-
-
-@dataclass(frozen=True, slots=True)
-class Mark:
-    """A stage ended (``queue``: flow control; ``pick``: an endpoint choice), for executors that time or trace
-    stages; answered with None.
-
-    Attributes:
-        stage: Its name.
-        started: The fleet's clock when it began.
-        attributes: What it decided (``switchyard.*`` names, as the trace spans carry them).
-        error: Why it refused, if it did.
-    """
-
-    stage: Literal["queue", "pick"]
-    started: float
-    attributes: Mapping[str, str | float]
-    error: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Tried:
-    """What one try at an endpoint came to.
-
-    Attributes:
-        outcome: ``ok`` (it answered), ``refused`` (it answered with the client's error, which is final),
-            ``failed`` (worth trying elsewhere) or ``preempted`` (flow control took it back for an
-            interactive request: it queues again).
-        kind: Why it failed, short (``connect_error``, ``timeout``, ``first_token_timeout``, a status...).
-        reason: Why it failed, for the trace.
-        answer: The executor's own answer (its response, or its error for the client).
-    """
-
-    outcome: Literal["ok", "refused", "failed", "preempted"]
-    kind: str = ""
-    reason: str = ""
-    answer: Any = None
-
-
-Effect = Score | LookupCache | Reserve | Queue | Retry | Attempt | Mark
-
-
-# --- what was decided ------------------------------------------------------------------------------
-
-@dataclass(slots=True)
-class Attempts:
-    """One dispatch's way through its fallback plan: what was tried, what was passed over, and why.
-
-    Attributes:
-        limit: The most tries (the policy's ``resilience.retries.max_attempts``).
-        tried: The endpoints tried.
-        failures: Every step that moved the request on, in order: ``"<url or stage>: <reason>"``.
-        moved_on: The same, short (``"<url or stage> <kind>"``), for the route header.
-        last: The last failed try.
-        budget_spent: A retry was not sent because the retry budget was spent.
-        retry_in: Seconds until an endpoint that is out may take requests again, when known.
-    """
-
-    limit: int
-    tried: set[str] = field(default_factory=set)
-    failures: list[str] = field(default_factory=list)
-    moved_on: list[str] = field(default_factory=list)
-    last: Tried | None = None
-    budget_spent: bool = False
-    retry_in: float | None = None
-
-    @property
-    def count(self) -> int:
-        """Tries made."""
-        return len(self.tried)
-
-    def failed(self, url: str, tried: Tried) -> None:
-        """The try at ``url`` failed."""
-        self.failures.append(f"{url}: {tried.reason}")
-        self.moved_on.append(f"{url} {tried.kind}")
-        self.last = tried
-
-    def passed_over(self, stage: str, reason: str) -> None:
-        """A stage of the plan had no endpoint that could take the request."""
-        self.failures.append(f"{stage}: {reason}")
-        self.moved_on.append(f"{stage} unavailable")
-
-
-Outcome = Literal["deciding", "refused", "cache_hit", "served", "failed"]
-
-
-@dataclass(slots=True, eq=False)
-class Decision:
-    """Everything decided for one request, filled in as the procedure goes (an executor may read it at any
-    point, for instance to record how far a request came before its client left).
-
-    ``outcome``: ``refused`` (``refusal`` says why), ``cache_hit`` (``hit``), ``served`` (``tried`` is the
-    try that answered: ``ok``, or the engine's own refusal of the client's request), ``failed`` (every
-    try failed: ``attempts.last``).
-    """
-
-    snapshot: PolicySnapshot
-    ask: Ask
-    outcome: Outcome = "deciding"
-    model: ModelDecision | None = None
-    placement: Placement | None = None
-    cls: ClassDecision | None = None
-    cache: CachePlan | None = None
-    hit: CacheHit | None = None
-    prompt_tokens: int = 0
-    estimate: Estimate | None = None
-    charges: tuple[LimitCharge, ...] = ()
-    scheduled: Scheduled | None = None
-    stages: list[Stage] = field(default_factory=list)
-    attempts: Attempts | None = None
-    stage: Stage | None = None
-    choice: EndpointChoice | None = None
-    tried: Tried | None = None
-    preemptions: int = 0
-    refusal: Refusal | None = None
-    trace: list[str] = field(default_factory=list)
-
-    @property
-    def gives_way(self) -> bool:
-        """Whether the request gives way to interactive requests while in flight: a batch-lane request
-        answered as one JSON object (nothing has reached its client until it ends), preempted fewer than
-        :data:`MAX_PREEMPTIONS` times."""
-        cls = self.cls
-        return (cls is not None and cls.cls.lane == "batch" and not self.ask.body.get("stream")
-                and self.preemptions < MAX_PREEMPTIONS)
-
-    def refuse(self, refusal: Refusal) -> Decision:
-        """End the procedure with ``refusal``."""
-        self.outcome, self.refusal = "refused", refusal
-        self.trace.append(f"refused {refusal.status} ({refusal.code}): {refusal.message}")
-        return self
-
 
 #: The procedure as its executors drive it: effects out, answers in, the decision at the end.
 Steps = Generator[Effect, Any, Decision]

@@ -42,9 +42,6 @@ from typing import TYPE_CHECKING, Any
 from switchyard.figures import to_ms, utc_iso
 
 if TYPE_CHECKING:
-    from switchyard.decide.classes import ClassDecision
-    from switchyard.decide.resolve import ModelDecision
-    from switchyard.gateway.response_cache import Lookup
     from switchyard.store.keys import KeyIdentity
 
 #: Seconds of per-second buckets kept (and the longest window a summary covers).
@@ -97,8 +94,9 @@ class RequestRecord:
         deterministic: Whether it asked for a reproducible answer (temperature 0 or a seed).
         cache: ``hit``, ``miss``, ``error`` (counted as a miss), ``bypass``, ``off`` or ``none`` (no rule).
         cache_rule: The cache rule that applied.
-        trace: The decision trace: model decision, placement, class, cache plan, failed tries and the
-            ``x-switchyard-route`` value.
+        trace: The decision trace: the decision procedure's lines (model, placement, class, cache plan,
+            flow control, fallback plan, each endpoint chosen and why: what the dry-run shows), and this
+            gateway's own (the cache's answer, failed tries, the ``x-switchyard-route`` value).
     """
 
     request_id: str
@@ -145,25 +143,6 @@ class RequestRecord:
         """Who sent it (never the key itself)."""
         self.tenant, self.tenant_id, self.key_id, self.tier = (identity.tenant, identity.tenant_id,
                                                                 identity.key_id, identity.tier)
-
-    def decided(self, decision: ModelDecision) -> None:
-        """The model decision, with its trace."""
-        self.resolved_model = decision.model.name
-        self.trace.extend(decision.trace)
-
-    def classed(self, cls: ClassDecision) -> None:
-        """The priority class, with its trace."""
-        self.priority = cls.name
-        self.trace.append(cls.trace)
-
-    def cached(self, found: Lookup | None) -> None:
-        """What the response cache said (None: no rule applies)."""
-        if found is not None:
-            header = found.header
-            self.cache = header.partition(";")[0]
-            self.cache_rule = found.plan.label
-            self.trace.append(found.plan.trace)
-            self.trace.append(f"cache: {header}")
 
     def as_dict(self) -> dict[str, Any]:
         """The record as JSON-ready data."""

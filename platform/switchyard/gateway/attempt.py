@@ -19,8 +19,8 @@ from litestar import Response
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
+from switchyard.decide.decision import Tried
 from switchyard.decide.pick import EndpointChoice, Stage
-from switchyard.decide.procedure import Tried
 from switchyard.engines.breakers import Trial
 from switchyard.engines.upstream import (
     StreamRelay,

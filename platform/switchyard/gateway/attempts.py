@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
+from switchyard.decide.decision import Attempts
 from switchyard.decide.pick import EndpointChoice
-from switchyard.decide.procedure import Attempts
 from switchyard.decide.refusals import Refusal
 from switchyard.engines.upstream import EngineError, UpstreamFailure
 from switchyard.gateway.activity import RequestRecord

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from litestar import Response
 
 from switchyard.decide.admit import spend_of
-from switchyard.decide.procedure import Decision
+from switchyard.decide.decision import Decision
 from switchyard.gateway.activity import CACHE_POOL, RequestRecord
 from switchyard.gateway.admission import Lease
 from switchyard.gateway.request import Kind

@@ -18,9 +18,7 @@ from litestar import Request, Response
 
 from switchyard.decide.admit import LimitAnswer, Reserve
 from switchyard.decide.cache import is_deterministic, request_digest
-from switchyard.decide.features import RequestFeatures, chat_features, completion_features
-from switchyard.decide.flow import Queue, Waited
-from switchyard.decide.procedure import (
+from switchyard.decide.decision import (
     Ask,
     Attempt,
     CacheHit,
@@ -32,8 +30,10 @@ from switchyard.decide.procedure import (
     Retry,
     Score,
     Tried,
-    decide,
 )
+from switchyard.decide.features import RequestFeatures, chat_features, completion_features
+from switchyard.decide.flow import Queue, Waited
+from switchyard.decide.procedure import decide
 from switchyard.gateway.activity import CACHE_POOL, RequestRecord
 from switchyard.gateway.attempt import Try
 from switchyard.gateway.attempts import final_error, record_tries, refusal_error

@@ -48,10 +48,11 @@ from sqlalchemy.exc import DBAPIError
 from sqlmodel import col, select
 
 from switchyard.decide.policy_tests import compile_checked
-from switchyard.decide.tokens import TokenCounter, TokenizerCache, load_token_counters
+from switchyard.decide.tokens import TokenCounter
 from switchyard.gateway.auth import KeyAuthenticator
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.policy_state import PolicyHolder, record_file
+from switchyard.gateway.tokenizers import TokenizerCache, load_token_counters
 from switchyard.policy import PolicyError, PolicySnapshot, policy_sha256, read_policy_file
 from switchyard.settings import Settings
 from switchyard.store import key_changes

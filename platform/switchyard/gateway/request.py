@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 from litestar import Request
 
-from switchyard.decide.procedure import Decision
+from switchyard.decide.decision import Decision
 from switchyard.gateway.admission import NO_LEASE, Lease
 from switchyard.gateway.tracing import OFF, RequestTrace
 from switchyard.policy.fleet import Pool

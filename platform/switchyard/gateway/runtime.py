@@ -18,7 +18,6 @@ import anyio.to_thread
 from sqlalchemy import Engine
 from sqlmodel import Session
 
-from switchyard.decide.tokens import TokenizerCache, load_token_counters
 from switchyard.engines.breakers import STATE_VALUE, CircuitBreaker, State
 from switchyard.engines.endpoints import EndpointRegistry
 from switchyard.engines.health import HealthProber, Target
@@ -35,6 +34,7 @@ from switchyard.gateway.reload import PolicyReloader, following
 from switchyard.gateway.response_cache import CacheRunner
 from switchyard.gateway.retries import RetryBudget
 from switchyard.gateway.stalls import StallSampler
+from switchyard.gateway.tokenizers import TokenizerCache, load_token_counters
 from switchyard.gateway.tracing import Tracing
 from switchyard.gateway.view import LiveView, Memory
 from switchyard.settings import Settings

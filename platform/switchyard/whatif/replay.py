@@ -38,21 +38,11 @@ from typing import Any, TypeVar, cast
 from switchyard.bench.spec import RequestSpec, Workload
 from switchyard.decide.admit import LimitAnswer, LimitCharge, Reserve, actual_amounts, spend_of
 from switchyard.decide.cache import CachePlan
+from switchyard.decide.decision import Ask, Attempt, CacheHit, Caller, Decision, LookupCache, Retry, Tried
 from switchyard.decide.features import chat_features, completion_features
 from switchyard.decide.flow import Queue, Waited
 from switchyard.decide.pick import Strategy
-from switchyard.decide.procedure import (
-    Ask,
-    Attempt,
-    CacheHit,
-    Caller,
-    Decision,
-    LookupCache,
-    Retry,
-    Steps,
-    Tried,
-    decide,
-)
+from switchyard.decide.procedure import Steps, decide
 from switchyard.policy.fleet import Model
 from switchyard.policy.snapshot import PolicySnapshot
 from switchyard.sim.request import SimRequest

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from switchyard.decide.pick import pick_endpoint, profile_for
-from switchyard.decide.plugins import Option, PickRequest, Subject, build, compile_profile
+from switchyard.decide.picking import Option, PickRequest, Subject
+from switchyard.decide.plugins import build, compile_profile
 from switchyard.decide.views import Candidate, EndpointView
 from switchyard.policy import PolicyError, compile_policy
 from switchyard.policy import routing as spec

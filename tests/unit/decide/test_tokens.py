@@ -1,4 +1,5 @@
-"""Prompt token counts: the served model's tokenizer when the policy names one, else the estimate."""
+"""Prompt token counts: the served model's tokenizer when the policy names one (read once per file by the
+gateway's loader), else the estimate."""
 
 from __future__ import annotations
 
@@ -14,12 +15,11 @@ from switchyard.decide.tokens import (
     TEMPLATE_TOKENS_PER_MESSAGE,
     TEMPLATE_TOKENS_PER_PROMPT,
     TokenCounter,
-    TokenizerCache,
-    TokenizerError,
     estimate_chat_tokens,
     estimate_text_tokens,
-    load_token_counters,
 )
+from switchyard.gateway import tokenizers
+from switchyard.gateway.tokenizers import TokenizerCache, TokenizerError, load_token_counters
 from switchyard.policy import compile_policy
 from switchyard.policy.errors import PolicyError
 from tests.unit.policy.base import base, to_yaml
@@ -106,7 +106,7 @@ class _CountingLoader:
 def test_each_file_is_read_once_and_again_only_when_it_changes(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     loader = _CountingLoader()
-    monkeypatch.setattr(tokens, "Tokenizer", loader)
+    monkeypatch.setattr(tokenizers, "Tokenizer", loader)
     path = make_tokenizer(tmp_path / "models" / "small" / "tokenizer.json")
     cache = TokenizerCache()
     snapshot = compile_policy(policy_with_tokenizer("models/small/tokenizer.json"))

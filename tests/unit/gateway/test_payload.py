@@ -7,8 +7,8 @@ import json
 import msgspec
 
 from switchyard.decide.classes import ClassDecision
+from switchyard.decide.decision import Ask, Caller, Decision
 from switchyard.decide.features import chat_features
-from switchyard.decide.procedure import Ask, Caller, Decision
 from switchyard.gateway.request import PendingRequest
 from switchyard.policy import compile_policy
 from switchyard.policy.fleet import Pool
