@@ -1,5 +1,7 @@
-"""The admin console (htmx + Jinja2) and, later, its JSON admin API.
+"""The admin console (htmx + Jinja2 pages under ``/admin``) and its JSON admin API (``/admin/api``).
 
-Owns: pages under ``/admin``. Must not touch: the request path, SQL (it calls ``store``),
-decision logic (it calls ``decide``). This first console is read-only and shows no secrets.
+Owns: logins, sessions, roles and CSRF for the console; its pages (overview, policy with edits,
+publish, history and the replay before publish, tenants and keys, usage, requests, dry-run, cache,
+batches, audit) and the admin API's routes. Must not touch: the request path, SQL (every query is a
+``store`` function), decision logic (the dry-run and policy tests run ``decide``'s procedure).
 """

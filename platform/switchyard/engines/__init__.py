@@ -1,5 +1,8 @@
-"""Endpoints and pools as the gateway observes them: in-flight counts, the upstream client.
+"""Endpoints and pools as the gateway observes them, and the client that calls them.
 
-Owns: the shared HTTP connection pool to the engines and per-endpoint observations. Must not
-touch: policy decisions (it reports state; ``decide`` chooses), the database.
+Owns: per-endpoint state (``endpoints``: this process's in-flight accounting, the scraped load
+signals, health and the circuit breakers of endpoints and pools), the health probes and breaker
+trials (``health``, ``breakers``), the ``/metrics`` scraper (``scrape``), and the upstream HTTP
+client with its answers' checks and the SSE relay (``upstream``, ``streams``). Must not touch:
+policy decisions (it reports state; ``decide`` chooses), the database.
 """

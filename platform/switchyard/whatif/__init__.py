@@ -5,12 +5,12 @@ active one and a candidate) in simulated time, and the report of what changes be
 where requests go, what they cost, which are refused, how fast they start, how much prompt is
 served from cache.
 
-How: every request goes through the gateway's own decisions (``decide``: resolve the model,
-admit it against the tier's limits, plan the fallback stages, pick an endpoint with the same
-scorer and prefix index) and then into
-the simulator's engine core (``sim.core.EngineCore``, one per endpoint, built from the pool's
-hardware profile and KV capacity) driven by a discrete-event clock, so a replay runs as fast as
-the engine model can be computed, not in wall-clock time.
+How: every request runs the gateway's own decision procedure (``decide.procedure``), this package
+being its executor on a simulated clock (``replay``, reading the fleet through ``view``): the same
+resolution, admission, flow control, plan and pick, with each try answered by the simulator's engine
+core (``sim.core.EngineCore``, one per endpoint, built from the pool's hardware profile and KV
+capacity) driven by a discrete-event clock, so a replay runs as fast as the engine model can be
+computed, not in wall-clock time.
 
 Also the offline fit of the built-in difficulty classifier's weights (``whatif.difficulty_fit``):
 like the replay, it runs the decisions' own code on bench's data.
@@ -19,9 +19,9 @@ Workloads come from a trace file (bench's builders) or from the request log (``w
 read through the store by its callers' sessions).
 
 Must not touch: the gateway or the network; the database only through a session its caller
-gives. It imports ``decide``, ``policy``, ``sim``, the workload builders of ``bench``, the
-in-process limit store (``store.limits``, driven on the simulated clock) and the request log's
-table.
+gives. It imports ``decide``, ``state`` (queues and indexes of its own), ``policy``, ``sim``,
+the workload builders of ``bench``, the in-process limit store (``store.limits``, driven on the
+simulated clock) and the request log's table.
 """
 
 from switchyard.whatif.outcomes import ArmResult, ReplayOutcome
