@@ -22,14 +22,8 @@ from litestar.response import Stream
 from switchyard.decide.decision import Tried
 from switchyard.decide.pick import EndpointChoice, Stage
 from switchyard.engines.breakers import Trial
-from switchyard.engines.upstream import (
-    StreamRelay,
-    UpstreamFailure,
-    first_chunk,
-    post,
-    read_answer,
-    read_engine_error,
-)
+from switchyard.engines.streams import StreamRelay, first_chunk
+from switchyard.engines.upstream import UpstreamFailure, post, read_answer, read_engine_error
 from switchyard.gateway.accounting import account
 from switchyard.gateway.activity import RequestRecord
 from switchyard.gateway.attempts import BUSY_STATUS, RETRYABLE_STATUS, engine_error, failure_error, record_tries

@@ -10,12 +10,11 @@ import aiohttp
 import msgspec
 import pytest
 
+from switchyard.engines.streams import StreamRelay, first_chunk
 from switchyard.engines.upstream import (
-    StreamRelay,
     UpstreamFailure,
     UpstreamTimeouts,
     create_client_session,
-    first_chunk,
     post,
     read_body,
     read_engine_error,
