@@ -27,7 +27,8 @@ import msgspec
 from litestar import Response
 
 from switchyard.decide.cache import CachePlan
-from switchyard.gateway.cache_replay import assemble, for_client, replay
+from switchyard.gateway.cache_assemble import assemble
+from switchyard.gateway.cache_replay import for_client, replay
 from switchyard.gateway.classifiers import ClassifierError, ClassifierRunner
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.policy.snapshot import PolicySnapshot

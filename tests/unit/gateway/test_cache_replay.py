@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from switchyard.gateway.cache_replay import DONE, Kind, assemble, for_client, replay
+from switchyard.gateway.cache_assemble import assemble
+from switchyard.gateway.cache_replay import DONE, Kind, for_client, replay
 from switchyard.sim.logprobs import chat_logprobs, completion_logprobs
 from switchyard.sim.responses import ChoiceOutput, ResponseShaper, Usage
 from switchyard.sim.tokens import detokenize, filler_ids
