@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine
 
 from switchyard.admin.session import CSRF_COOKIE, CSRF_HEADER, LOGIN_PATH
-from switchyard.gateway.app import create_app
+from switchyard.app import create_app
 from switchyard.settings import Settings
 from switchyard.store import db
 from switchyard.store.admin_users import create_user

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from litestar.testing import TestClient
 
-from switchyard.gateway.app import create_app
+from switchyard.app import create_app
 from switchyard.policy import policy_sha256
 from switchyard.settings import Settings
 from tests.unit.policy.base import base, free_tokens_per_day, to_yaml

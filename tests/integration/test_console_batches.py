@@ -17,8 +17,8 @@ from litestar.testing import TestClient
 from sqlalchemy import Engine
 from sqlmodel import Session
 
+from switchyard.app import create_app
 from switchyard.batch.intake import create_batch
-from switchyard.gateway.app import create_app
 from switchyard.settings import Settings
 from switchyard.store import db
 from switchyard.store.audit import list_events

@@ -23,7 +23,7 @@ from sqlmodel import select
 
 from switchyard.admin import console as console_module
 from switchyard.admin.session import CSRF_COOKIE, CSRF_HEADER, SESSION_COOKIE
-from switchyard.gateway.app import create_app
+from switchyard.app import create_app
 from switchyard.resources import static_dir, templates_dir
 from switchyard.settings import Settings
 from switchyard.store import db

@@ -16,7 +16,7 @@ from litestar.testing import TestClient
 from sqlalchemy import Engine
 
 from switchyard.admin.pages import policy_replay
-from switchyard.gateway.app import create_app
+from switchyard.app import create_app
 from switchyard.settings import Settings
 from switchyard.store import db
 from switchyard.store.models import RequestLogEntry

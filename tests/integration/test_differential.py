@@ -35,6 +35,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from litestar.testing import TestClient
 
+from switchyard.app import create_app
 from switchyard.bench.prompts import LiteralText
 from switchyard.bench.spec import Labels, RequestSpec
 from switchyard.decide import procedure
@@ -43,7 +44,6 @@ from switchyard.decide.dryrun import dry_run
 from switchyard.decide.features import chat_features
 from switchyard.engines.breakers import CircuitBreaker
 from switchyard.engines.endpoints import EngineSignals
-from switchyard.gateway.app import create_app
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy import compile_policy
 from switchyard.policy.tiers import Limits

@@ -43,7 +43,7 @@ from schemathesis import Case, CheckContext, Response
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 from sqlalchemy import text
 
-from switchyard.gateway.app import create_app
+from switchyard.app import create_app
 from switchyard.settings import Settings
 from switchyard.store import db
 from tests.integration.conftest import ADMIN_TOKEN, Engines, Gateway, eventually, http_json, start_gateway, stop

@@ -26,8 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from ruamel.yaml import YAML
 from ruamel.yaml.constructor import SafeConstructor
 
+from switchyard.app import create_app
 from switchyard.decide.policy_tests import compile_checked
-from switchyard.gateway.app import create_app
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.policy import PolicySnapshot
 from switchyard.settings import Settings

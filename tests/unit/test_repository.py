@@ -41,20 +41,54 @@ def test_platform_is_a_source_root_not_a_package() -> None:
         assert init.read_text().lstrip().startswith('"""'), f"{package} needs a docstring saying what it owns"
 
 
+def _switchyard_imports(path: Path) -> set[str]:
+    """The switchyard modules ``path`` imports, dotted: ``from switchyard.api import headers`` is
+    ``switchyard.api.headers``, ``from switchyard.api.headers import X`` too."""
+    text = path.read_text()
+    found = set(re.findall(r"^\s*import (switchyard(?:\.\w+)+)", text, flags=re.M))
+    for module, grouped, names in re.findall(r"^\s*from (switchyard(?:\.\w+)+) import (?:\(([^)]*)\)|(.*))", text,
+                                             flags=re.M):
+        folder = ROOT / "platform" / Path(*module.split("."))
+        submodules = [name for name in re.findall(r"\w+", grouped or names)
+                      if (folder / f"{name}.py").exists() or (folder / name / "__init__.py").exists()]
+        found |= {f"{module}.{name}" for name in submodules} or {module}
+    return found
+
+
 def test_dependency_direction() -> None:
     """policy imports no other switchyard package; decide only policy; sim only itself; bench only
     itself and sim (it drives the gateway as a process, never from inside); whatif (the pre-publish
     replay) the decisions, the simulator, bench's workloads and the limit store, never the gateway; batch
     the gateway (its lines go through the gateway's request path), the store and the decisions. sim,
-    bench and whatif may also use ``switchyard.figures``, a leaf that imports nothing of switchyard."""
-    allowed = {"policy": {"policy"}, "decide": {"decide", "policy"}, "state": {"state", "policy"},
-               "sim": {"sim", "figures"}, "bench": {"bench", "sim", "figures"},
+    bench and whatif may also use ``switchyard.figures``, a leaf that imports nothing of switchyard.
+
+    ``switchyard.api`` (the HTTP surface's shared vocabulary: errors, OpenAPI pieces, header names) imports
+    nothing of switchyard but itself; decide and bench may read its header names (``switchyard.api.headers``,
+    a leaf) and nothing else of it. The gateway imports neither the console and admin API nor the Batch API
+    (the composition root, ``switchyard.app``, assembles them), and those take errors and OpenAPI pieces from
+    ``switchyard.api``, never from the gateway."""
+    allowed = {"policy": {"policy"}, "decide": {"decide", "policy", "api"}, "state": {"state", "policy"},
+               "sim": {"sim", "figures"}, "bench": {"bench", "sim", "figures", "api"},
                "whatif": {"whatif", "decide", "state", "policy", "sim", "bench", "store", "figures"},
-               "batch": {"batch", "gateway", "store", "decide", "policy"}}
+               "batch": {"batch", "gateway", "store", "decide", "policy", "api"}, "api": {"api"}}
     for package, ok in allowed.items():
         for path in (ROOT / "platform" / "switchyard" / package).rglob("*.py"):
             for imported in re.findall(r"^\s*(?:from|import) switchyard\.(\w+)", path.read_text(), flags=re.M):
                 assert imported in ok, f"{path.relative_to(ROOT)} imports switchyard.{imported}"
+    package_of = {path: path.relative_to(ROOT / "platform" / "switchyard").parts[0]
+                  for path in (ROOT / "platform" / "switchyard").rglob("*.py")}
+    for path, package in package_of.items():
+        where = path.relative_to(ROOT)
+        imported = _switchyard_imports(path)
+        if package in ("decide", "bench"):
+            from_api = {m for m in imported if m == "switchyard.api" or m.startswith("switchyard.api.")}
+            assert from_api <= {"switchyard.api.headers"}, f"{where} imports {sorted(from_api)}"
+        if package == "gateway":
+            assert not {m for m in imported if m.split(".")[1] in ("admin", "batch")}, f"{where} imports {imported}"
+        if package in ("admin", "batch"):
+            assert "switchyard.gateway.openapi_docs" not in imported, f"{where} reaches into the gateway's docs"
+    headers = ROOT / "platform" / "switchyard" / "api" / "headers.py"
+    assert _switchyard_imports(headers) == set(), "switchyard.api.headers is a leaf"
 
 
 def test_python_m_switchyard_can_be_re_run_by_a_worker_process() -> None:

@@ -17,14 +17,15 @@ from switchyard.admin import openapi_docs as docs
 from switchyard.admin import overview
 from switchyard.admin.common import runtime_of
 from switchyard.admin.policy_api import Limit
+from switchyard.api.errors import BadRequest, NotFound
+from switchyard.api.openapi import admin_operation, ok
 from switchyard.gateway.activity import HORIZON_S
-from switchyard.gateway.errors import BadRequest, NotFound
 
 Window = Annotated[float, QueryParameter(gt=0, le=HORIZON_S, description="Seconds to look back (at most 900).")]
 
 
 @get("/activity", operation_id="adminActivity",
-     operation_class=docs.admin_operation(docs.ok("This process's traffic.", docs.ACTIVITY), 400))
+     operation_class=admin_operation(ok("This process's traffic.", docs.ACTIVITY), 400))
 async def activity(request: Request[Any, Any, Any], window: Window = 300) -> dict[str, Any]:
     """This process's traffic over the last ``window`` seconds, per pool and in total: requests/s, TTFT p50 and
     p99 (ms), error, shed, limited, fallback and cache hit rates, and sparkline series (10-second points)."""
@@ -32,7 +33,7 @@ async def activity(request: Request[Any, Any, Any], window: Window = 300) -> dic
 
 
 @get("/requests", operation_id="adminRequests",
-     operation_class=docs.admin_operation(docs.ok("Recent requests, newest first.", docs.REQUESTS), 400))
+     operation_class=admin_operation(ok("Recent requests, newest first.", docs.REQUESTS), 400))
 async def recent_requests(request: Request[Any, Any, Any], tenant: FromQuery[str | None] = None,
                           model: FromQuery[str | None] = None, status: FromQuery[str | None] = None,
                           limit: Limit = 100) -> dict[str, Any]:
@@ -51,7 +52,7 @@ async def recent_requests(request: Request[Any, Any, Any], tenant: FromQuery[str
 
 
 @get("/requests/{request_id:str}", operation_id="adminRequest",
-     operation_class=docs.admin_operation(docs.ok("The request and its decision trace.", docs.REQUEST), 404))
+     operation_class=admin_operation(ok("The request and its decision trace.", docs.REQUEST), 404))
 async def one_request(request: Request[Any, Any, Any], request_id: FromPath[str]) -> dict[str, Any]:
     """One recent request by its ``x-request-id`` (the newest, if a client reused the id)."""
     record = runtime_of(request).activity.get(request_id)

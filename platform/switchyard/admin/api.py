@@ -11,6 +11,7 @@ from litestar import Request, Router, get
 from switchyard.admin import activity_api, cache_api, policy_api, usage_api
 from switchyard.admin import openapi_docs as docs
 from switchyard.admin.common import admin_token_guard
+from switchyard.api.openapi import admin_operation, ok
 from switchyard.engines.breakers import CircuitBreaker
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy.fleet import Pool
@@ -63,7 +64,7 @@ def breaker_row(breaker: CircuitBreaker, now: float) -> dict[str, Any]:
 
 
 @get("/endpoints", name="admin:api:endpoints", operation_id="adminEndpoints",
-     operation_class=docs.admin_operation(docs.ok("Every endpoint and pool.", docs.ENDPOINTS)))
+     operation_class=admin_operation(ok("Every endpoint and pool.", docs.ENDPOINTS)))
 async def endpoints(request: Request[Any, Any, Any]) -> dict[str, Any]:
     """Every endpoint of the active policy (pool, health, breaker, in-flight count, scraped load signals)
     and every pool's breaker."""

@@ -11,6 +11,7 @@ from sqlmodel import Session
 from switchyard.admin import openapi_docs as docs
 from switchyard.admin.common import in_db, json_body, origin_of, runtime_of
 from switchyard.admin.policy_api import Author
+from switchyard.api.openapi import admin_operation, ok
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.store.audit import append_event
 from switchyard.store.tenants import get_tenant
@@ -25,7 +26,7 @@ class PurgeRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 
 @get("/cache", operation_id="adminCache",
-     operation_class=docs.admin_operation(docs.ok("The response cache's figures.", docs.CACHE)))
+     operation_class=admin_operation(ok("The response cache's figures.", docs.CACHE)))
 async def cache_stats(request: Request[Any, Any, Any]) -> dict[str, Any]:
     """The response cache's backend, entries, bytes and evictions by reason."""
     return await cache_state(runtime_of(request))
@@ -40,8 +41,8 @@ async def cache_state(runtime: GatewayRuntime) -> dict[str, Any]:
 
 
 @post("/cache/purge", operation_id="adminCachePurge", status_code=200,
-      operation_class=docs.admin_operation(docs.ok("How many entries were removed.", docs.PURGED), 400, 404, 413,
-                                           body=docs.PURGE_BODY))
+      operation_class=admin_operation(ok("How many entries were removed.", docs.PURGED), 400, 404, 413,
+                                      body=docs.PURGE_BODY))
 async def purge(request: Request[Any, Any, Any]) -> dict[str, Any]:
     """Remove cached answers: ``{"tenant": NAME}``, ``{"model": NAME}``, both, or ``{}`` for everything.
 

@@ -13,7 +13,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 from sqlmodel import Session
 
-from switchyard.gateway.errors import BadRequest, Forbidden, NotFound, Unauthorized
+from switchyard.api.errors import BadRequest, Forbidden, NotFound, Unauthorized
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.store import errors as store_errors
 from switchyard.store.db import in_transaction

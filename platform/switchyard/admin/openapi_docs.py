@@ -1,37 +1,22 @@
-"""What the OpenAPI document says of the admin JSON API (``/admin/api``): request bodies, answers and
-errors (see :mod:`switchyard.gateway.openapi_docs`, whose building blocks these are).
-
-The admin API's error shape is the gateway's error object, ``{"error": {"message", "type", "param",
-"code"}}``; a policy document that was not accepted (422) adds ``"issues"``, every reason with its
-YAML path and line.
+"""What the OpenAPI document says of the admin JSON API's routes (``/admin/api``): request bodies and
+answers, built from the shared pieces of :mod:`switchyard.api.openapi` (which also holds the admin API's
+error object and :func:`~switchyard.api.openapi.admin_operation`). The bounds of an author and a region
+are the store's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from litestar.openapi.spec import OpenAPIFormat, OpenAPIMediaType, OpenAPIType, RequestBody, Schema
 
-from litestar.openapi.spec import (
-    OpenAPIFormat,
-    OpenAPIMediaType,
-    OpenAPIResponse,
-    OpenAPIType,
-    Operation,
-    RequestBody,
-    Schema,
-)
-
-from switchyard.gateway.openapi_docs import (
-    ADMIN_TOKEN,
+from switchyard.api.openapi import (
     ANY_OBJECT,
     BOOLEAN,
     DATE_TIME,
-    ERROR_DETAIL,
     INTEGER,
+    ISSUE,
     NUMBER,
     STRING,
     array,
-    documented,
-    header,
     json_request_body,
     json_response,
     nullable,
@@ -39,44 +24,6 @@ from switchyard.gateway.openapi_docs import (
 )
 from switchyard.store.policy_versions import MAX_AUTHOR
 from switchyard.store.regions import REGION_PATTERN
-
-#: One reason a policy document was refused.
-ISSUE = obj({"path": STRING, "message": STRING, "line": nullable(OpenAPIType.INTEGER), "source": STRING},
-            ["path", "message", "line", "source"])
-
-#: The admin API's error object.
-ADMIN_ERROR = obj({"error": ERROR_DETAIL, "issues": array(ISSUE)}, ["error"], extra=False,
-                  description='{"error": {"message", "type", "param", "code"}}, and "issues" when a policy '
-                              "document was refused (422).")
-
-ADMIN_ERRORS: dict[int, OpenAPIResponse] = {
-    400: json_response("A malformed body or parameter.", ADMIN_ERROR),
-    401: json_response("No admin token, or a wrong one (Authorization: Bearer <SWITCHYARD_ADMIN_TOKEN>).",
-                       ADMIN_ERROR, {"WWW-Authenticate": header("Bearer")}),
-    403: json_response("The admin API is disabled: SWITCHYARD_ADMIN_TOKEN is not set.", ADMIN_ERROR),
-    404: json_response("No such version, tenant, key or request.", ADMIN_ERROR),
-    409: json_response("The policy file is the truth (policy_source=file): the policy changes only through it.",
-                       ADMIN_ERROR),
-    413: json_response("The request body is too large.", ADMIN_ERROR),
-    422: json_response("The policy document was refused (every issue, with its path and line); nothing was "
-                       "written.", obj({"error": ERROR_DETAIL, "issues": array(ISSUE)}, ["error", "issues"],
-                                       extra=False)),
-    500: json_response("A bug in the gateway (logged with its traceback).", ADMIN_ERROR),
-}
-
-
-def admin_operation(ok: Mapping[int, OpenAPIResponse], *errors: int,
-                    body: RequestBody | None = None) -> type[Operation]:
-    """The ``operation_class`` of an admin API route: ``ok`` and ``errors`` besides those of the token guard."""
-    statuses = sorted({401, 403, 500, *errors})
-    return documented(security=ADMIN_TOKEN, body=body,
-                      responses={**ok, **{status: ADMIN_ERRORS[status] for status in statuses}})
-
-
-def ok(description: str, schema: Schema) -> dict[int, OpenAPIResponse]:
-    """A 200 answer."""
-    return {200: json_response(description, schema)}
-
 
 # --- /admin/api/endpoints -----------------------------------------------------------------------
 

@@ -18,9 +18,9 @@ from sqlmodel import Session
 
 from switchyard.admin import openapi_docs as docs
 from switchyard.admin.common import in_db, json_body, origin_of, runtime_of
+from switchyard.api.errors import ApiError, BadRequest
+from switchyard.api.openapi import admin_operation, json_request_body, obj, ok
 from switchyard.decide.policy_tests import compile_checked
-from switchyard.gateway.errors import ApiError, BadRequest
-from switchyard.gateway.openapi_docs import json_request_body, obj
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy import PolicyError, policy_sha256, read_policy_file
 from switchyard.policy.diff import diff_documents
@@ -143,8 +143,8 @@ def _version_ref(session: Session, ref: str) -> tuple[str, str]:
 
 
 @get("/policy", operation_id="adminPolicy",
-     operation_class=docs.admin_operation(docs.ok("The active version, and what this process serves.", docs.POLICY),
-                                          404))
+     operation_class=admin_operation(ok("The active version, and what this process serves.", docs.POLICY),
+                                     404))
 async def policy_overview(request: Request[Any, Any, Any]) -> dict[str, Any]:
     """The active version (metadata and text), what this process serves, and drift from the file."""
     runtime = runtime_of(request)
@@ -190,7 +190,7 @@ def _rejected_state(runtime: GatewayRuntime) -> dict[str, Any] | None:
 
 
 @get("/policy/versions", operation_id="adminPolicyVersions",
-     operation_class=docs.admin_operation(docs.ok("Versions, newest first.", docs.VERSIONS), 400))
+     operation_class=admin_operation(ok("Versions, newest first.", docs.VERSIONS), 400))
 async def versions(request: Request[Any, Any, Any], limit: Limit = 50) -> dict[str, Any]:
     """Versions, newest first."""
     rows = await in_db(runtime_of(request), lambda s: list_versions(s, limit))
@@ -198,7 +198,7 @@ async def versions(request: Request[Any, Any, Any], limit: Limit = 50) -> dict[s
 
 
 @get("/policy/versions/{number:int}", operation_id="adminPolicyVersion",
-     operation_class=docs.admin_operation(docs.ok("The version and its text.", docs.VERSION_WITH_TEXT), 400, 404))
+     operation_class=admin_operation(ok("The version and its text.", docs.VERSION_WITH_TEXT), 400, 404))
 async def version(request: Request[Any, Any, Any], number: Id) -> dict[str, Any]:
     """One version: metadata and its YAML text."""
     def read(session: Session) -> dict[str, Any]:
@@ -209,7 +209,7 @@ async def version(request: Request[Any, Any, Any], number: Id) -> dict[str, Any]
 
 
 @get("/policy/diff", operation_id="adminPolicyDiff",
-     operation_class=docs.admin_operation(docs.ok("What changes.", docs.DIFF), 400, 404))
+     operation_class=admin_operation(ok("What changes.", docs.DIFF), 400, 404))
 async def diff(request: Request[Any, Any, Any],
                from_: Annotated[str, QueryParameter(name="from", schema_extra={"pattern": _VERSION_REF})],
                to: Annotated[str, QueryParameter(name="to", schema_extra={"pattern": _VERSION_REF})] = "active",
@@ -234,8 +234,8 @@ async def _document(request: Request[Any, Any, Any]) -> str:
 
 
 @post("/policy/validate", operation_id="adminPolicyValidate", status_code=200,
-      operation_class=docs.admin_operation(docs.ok("Whether the document is valid, and why not.", docs.VALIDATION),
-                                           400, 413, body=docs.VALIDATE_BODY))
+      operation_class=admin_operation(ok("Whether the document is valid, and why not.", docs.VALIDATION),
+                                      400, 413, body=docs.VALIDATE_BODY))
 async def validate(request: Request[Any, Any, Any]) -> dict[str, Any]:
     """Check a document (schema, references, policy tests) without writing anything.
 
@@ -259,7 +259,7 @@ async def validate(request: Request[Any, Any, Any]) -> dict[str, Any]:
 
 
 @post("/policy/versions", operation_id="adminPolicyPublish",
-      operation_class=docs.admin_operation(docs.WRITTEN_RESPONSES, 400, 409, 413, 422, body=docs.PUBLISH_BODY))
+      operation_class=admin_operation(docs.WRITTEN_RESPONSES, 400, 409, 413, 422, body=docs.PUBLISH_BODY))
 async def publish_version(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     """Validate a document and make it the active version (201; 200 when it is the active content).
 
@@ -279,7 +279,7 @@ async def publish_version(request: Request[Any, Any, Any]) -> Response[dict[str,
 
 
 @post("/policy/rollback", operation_id="adminPolicyRollback",
-      operation_class=docs.admin_operation(docs.WRITTEN_RESPONSES, 400, 404, 409, 413, 422, body=ROLLBACK_BODY))
+      operation_class=admin_operation(docs.WRITTEN_RESPONSES, 400, 404, 409, 413, 422, body=ROLLBACK_BODY))
 async def rollback_version(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     """Make an earlier version's content active again, as a new version (201; 200 when it already is).
 
@@ -300,7 +300,7 @@ async def rollback_version(request: Request[Any, Any, Any]) -> Response[dict[str
 
 
 @get("/policy/audit", operation_id="adminPolicyAudit",
-     operation_class=docs.admin_operation(docs.ok("The policy's audit entries, newest first.", docs.EVENTS), 400))
+     operation_class=admin_operation(ok("The policy's audit entries, newest first.", docs.EVENTS), 400))
 async def audit(request: Request[Any, Any, Any], limit: Limit = 50) -> dict[str, Any]:
     """The policy's entries in the audit log, newest first."""
     rows = await in_db(runtime_of(request), lambda s: list_events(s, limit, action="policy."))

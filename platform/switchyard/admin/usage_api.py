@@ -20,6 +20,7 @@ from litestar.params import FromPath, FromQuery
 from switchyard.admin import openapi_docs as docs
 from switchyard.admin.common import in_db, json_body, origin_of, runtime_of
 from switchyard.admin.policy_api import Author, Id, Limit
+from switchyard.api.openapi import admin_operation, ok
 from switchyard.store.audit import list_events
 from switchyard.store.keys import set_key_region
 from switchyard.store.tenants import set_tenant_region
@@ -41,7 +42,7 @@ class RegionBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 @get("/usage", operation_id="adminUsage",
-     operation_class=docs.admin_operation(docs.ok("Ledger rows and their totals.", docs.USAGE), 400, 404))
+     operation_class=admin_operation(ok("Ledger rows and their totals.", docs.USAGE), 400, 404))
 async def usage_report(request: Request[Any, Any, Any], tenant: FromQuery[str | None] = None,
                        model: FromQuery[str | None] = None, since: FromQuery[date | None] = None,
                        until: FromQuery[date | None] = None) -> dict[str, Any]:
@@ -61,24 +62,24 @@ async def _set(request: Request[Any, Any, Any], *, tenant: str | None = None,
 
 
 @put("/tenants/{name:str}/limits", operation_id="adminTenantLimits",
-     operation_class=docs.admin_operation(docs.ok("The override now.", docs.LIMITS), 400, 404, 413,
-                                          body=docs.LIMITS_BODY))
+     operation_class=admin_operation(ok("The override now.", docs.LIMITS), 400, 404, 413,
+                                     body=docs.LIMITS_BODY))
 async def tenant_limits(request: Request[Any, Any, Any], name: FromPath[str]) -> dict[str, Any]:
     """Set (or clear, with ``{"limits": null}``) a tenant's override of its tier's limits."""
     return await _set(request, tenant=name)
 
 
 @put("/keys/{key_id:int}/limits", operation_id="adminKeyLimits",
-     operation_class=docs.admin_operation(docs.ok("The override now.", docs.LIMITS), 400, 404, 413,
-                                          body=docs.LIMITS_BODY))
+     operation_class=admin_operation(ok("The override now.", docs.LIMITS), 400, 404, 413,
+                                     body=docs.LIMITS_BODY))
 async def key_limits(request: Request[Any, Any, Any], key_id: Id) -> dict[str, Any]:
     """Set (or clear) an API key's own limits, charged on top of its tenant's."""
     return await _set(request, key_id=key_id)
 
 
 @put("/tenants/{name:str}/region", operation_id="adminTenantRegion",
-     operation_class=docs.admin_operation(docs.ok("The home region now.", docs.TENANT_REGION), 400, 404, 413,
-                                          body=docs.REGION_BODY))
+     operation_class=admin_operation(ok("The home region now.", docs.TENANT_REGION), 400, 404, 413,
+                                     body=docs.REGION_BODY))
 async def tenant_region(request: Request[Any, Any, Any], name: FromPath[str]) -> dict[str, Any]:
     """Set (or clear, with ``{"region": null}``) a tenant's home region, used by its keys that have none."""
     data = await json_body(request, RegionBody)
@@ -89,8 +90,8 @@ async def tenant_region(request: Request[Any, Any, Any], name: FromPath[str]) ->
 
 
 @put("/keys/{key_id:int}/region", operation_id="adminKeyRegion",
-     operation_class=docs.admin_operation(docs.ok("The key's region and the home region it routes by.",
-                                                  docs.KEY_REGION), 400, 404, 413, body=docs.REGION_BODY))
+     operation_class=admin_operation(ok("The key's region and the home region it routes by.",
+                                        docs.KEY_REGION), 400, 404, 413, body=docs.REGION_BODY))
 async def key_region(request: Request[Any, Any, Any], key_id: Id) -> dict[str, Any]:
     """Set (or clear) an API key's own home region; ``home_region`` is what routing then prefers
     (the key's own, else its tenant's)."""
@@ -102,7 +103,7 @@ async def key_region(request: Request[Any, Any, Any], key_id: Id) -> dict[str, A
 
 
 @get("/audit", operation_id="adminAudit",
-     operation_class=docs.admin_operation(docs.ok("Audit entries, newest first.", docs.EVENTS), 400))
+     operation_class=admin_operation(ok("Audit entries, newest first.", docs.EVENTS), 400))
 async def audit_log(request: Request[Any, Any, Any], limit: Limit = 50,
                     action: FromQuery[str | None] = None) -> dict[str, Any]:
     """The whole audit log (policy changes, limit overrides, ...), newest first; ``action`` filters by prefix."""

@@ -30,9 +30,8 @@ from litestar.openapi.spec import (
 from litestar.params import QueryParameter
 from sqlmodel import Session
 
-from switchyard.batch import intake
-from switchyard.gateway.errors import BadRequest, NotFound, PayloadTooLarge
-from switchyard.gateway.openapi_docs import (
+from switchyard.api.errors import BadRequest, NotFound, PayloadTooLarge
+from switchyard.api.openapi import (
     API_KEY,
     BOOLEAN,
     INTEGER,
@@ -45,6 +44,7 @@ from switchyard.gateway.openapi_docs import (
     obj,
     v1_errors,
 )
+from switchyard.batch import intake
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.store import batches, files
 from switchyard.store import errors as store_errors

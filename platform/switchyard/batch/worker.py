@@ -36,8 +36,8 @@ from litestar import Response
 from sqlalchemy import Engine
 from sqlmodel import Session
 
-from switchyard.decide.classes import PRIORITY_HEADER
-from switchyard.gateway.errors import ApiError
+from switchyard.api.errors import ApiError
+from switchyard.api.headers import PRIORITY_HEADER
 from switchyard.gateway.request import Incoming, Kind, never
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy import PolicySnapshot

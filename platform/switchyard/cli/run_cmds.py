@@ -28,7 +28,7 @@ def _prepared_app(settings: Settings) -> Litestar:
     """The gateway app for ``settings`` with logging set up, its database migrated and its policy loaded."""
     from sqlalchemy.exc import OperationalError
 
-    from switchyard.gateway.app import create_app
+    from switchyard.app import create_app
     from switchyard.logs import configure
     from switchyard.policy import PolicyError
 

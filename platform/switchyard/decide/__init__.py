@@ -11,5 +11,6 @@ the dry-run and the policy tests (``dryrun``, ``policy_tests``) and the what-if 
 Must not touch: I/O of any kind (network, database, files, clocks) or state that changes: what the
 decisions read of the world comes through the read-only views an executor hands in (``views``),
 and the state of the stateful scorers is the executor's, written only through the scorers' own
-observation hooks. It imports ``policy`` only.
+observation hooks. It imports ``policy`` only, and the header names of ``api.headers`` (the request
+headers its decisions read).
 """

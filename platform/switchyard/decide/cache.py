@@ -26,11 +26,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from switchyard.api.headers import CACHE_CONTROL_HEADER
 from switchyard.policy.cache_rules import CacheRule
 from switchyard.policy.snapshot import PolicySnapshot
-
-#: The request header by which a client opts out of the cache for one request.
-CACHE_CONTROL_HEADER = "x-switchyard-cache-control"
 
 #: Tokens of :data:`CACHE_CONTROL_HEADER` and what each turns off: (read, write).
 _CONTROL_TOKENS: dict[str, tuple[bool, bool]] = {

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from switchyard.api.headers import PRIORITY_HEADER
 from switchyard.policy.snapshot import PolicySnapshot
 from switchyard.policy.tiers import PriorityClass
-
-#: The request header that lowers a request's class.
-PRIORITY_HEADER = "x-switchyard-priority"
 
 
 class BadPriority(ValueError):

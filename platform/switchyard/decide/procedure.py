@@ -26,6 +26,7 @@ import functools
 from collections.abc import Generator
 from typing import Any
 
+from switchyard.api.headers import CACHE_CONTROL_HEADER, PRIORITY_HEADER, REGION_HEADER
 from switchyard.decide.admit import (
     DoesNotFit,
     LimitAnswer,
@@ -35,8 +36,8 @@ from switchyard.decide.admit import (
     limit_charges,
     limit_refusal,
 )
-from switchyard.decide.cache import CACHE_CONTROL_HEADER, BadCacheControl, parse_cache_control, plan_cache
-from switchyard.decide.classes import PRIORITY_HEADER, BadPriority, classify
+from switchyard.decide.cache import BadCacheControl, parse_cache_control, plan_cache
+from switchyard.decide.classes import BadPriority, classify
 from switchyard.decide.decision import (
     Attempt,
     Attempts,
@@ -54,7 +55,7 @@ from switchyard.decide.flow import Scheduled, schedule, steer
 from switchyard.decide.pick import fallback_plan, pick_endpoint, plan_trace, profile_for, usable_stages
 from switchyard.decide.picking import PickRequest, Subject
 from switchyard.decide.refusals import Refusal, Refused
-from switchyard.decide.regions import REGION_HEADER, place
+from switchyard.decide.regions import place
 from switchyard.decide.resolve import NeedsScore, resolve_model
 from switchyard.decide.views import FleetView
 

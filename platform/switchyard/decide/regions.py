@@ -13,12 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from switchyard.api.headers import REGION_HEADER
 from switchyard.decide.pick import pools_within
 from switchyard.decide.refusals import Refused
 from switchyard.policy.fleet import Model
 from switchyard.policy.snapshot import PolicySnapshot
-
-REGION_HEADER = "x-switchyard-region"
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from switchyard.api.errors import Overloaded
 from switchyard.decide.admit import LimitAnswer, LimitCharge, actual_amounts, duration
-from switchyard.gateway.errors import Overloaded
 from switchyard.policy.resilience import FailureMode
 from switchyard.store.limits import Admission, BucketState, Charge, LimitStore, MemoryLimitStore, answer_of, charges_of
 

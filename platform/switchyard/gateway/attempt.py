@@ -19,6 +19,7 @@ from litestar import Response
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
+from switchyard.api.errors import ApiError, GatewayTimeout
 from switchyard.decide.decision import Tried
 from switchyard.decide.pick import EndpointChoice, Stage
 from switchyard.engines.breakers import Trial
@@ -27,7 +28,6 @@ from switchyard.engines.upstream import UpstreamFailure, post, read_answer, read
 from switchyard.gateway.accounting import account
 from switchyard.gateway.activity import RequestRecord
 from switchyard.gateway.attempts import BUSY_STATUS, RETRYABLE_STATUS, engine_error, failure_error, record_tries
-from switchyard.gateway.errors import ApiError, GatewayTimeout
 from switchyard.gateway.flow import Yielder
 from switchyard.gateway.request import PendingRequest, RequestIds
 from switchyard.gateway.tracing import end

@@ -5,12 +5,7 @@ from __future__ import annotations
 
 import math
 
-from switchyard.decide.decision import Attempts
-from switchyard.decide.pick import EndpointChoice
-from switchyard.decide.refusals import Refusal
-from switchyard.engines.upstream import EngineError, UpstreamFailure
-from switchyard.gateway.activity import RequestRecord
-from switchyard.gateway.errors import (
+from switchyard.api.errors import (
     ApiError,
     BadGateway,
     BadRequest,
@@ -22,9 +17,13 @@ from switchyard.gateway.errors import (
     PayloadTooLarge,
     RateLimited,
 )
+from switchyard.api.headers import ATTEMPTS_HEADER, LIMIT_HEADER, ROUTE_HEADER
+from switchyard.decide.decision import Attempts
+from switchyard.decide.pick import EndpointChoice
+from switchyard.decide.refusals import Refusal
+from switchyard.engines.upstream import EngineError, UpstreamFailure
+from switchyard.gateway.activity import RequestRecord
 
-#: The response header of a 429 that names the limit that refused it (``tokens_per_minute``, ...).
-LIMIT_HEADER = "x-switchyard-limit"
 #: The API error of each refusal status but 429 (a 499 is the client's own leaving: nobody reads it).
 _REFUSALS: dict[int, type[ApiError]] = {400: BadRequest, 403: Forbidden, 404: NotFound, 499: ClientLeft,
                                         503: Overloaded}
@@ -100,7 +99,7 @@ def final_error(attempts: Attempts, headers: dict[str, str]) -> ApiError:
     elif attempts.count > 1 or len(attempts.failures) > 1:
         error.message = f"All {attempts.count} attempts failed: " + "; ".join(attempts.failures)
     if attempts.count > 1:
-        error.headers = {**(error.headers or {}), "x-switchyard-attempts": str(attempts.count)}
+        error.headers = {**(error.headers or {}), ATTEMPTS_HEADER: str(attempts.count)}
     return error
 
 
@@ -109,6 +108,6 @@ def record_tries(record: RequestRecord, attempts: Attempts, headers: dict[str, s
     record.attempts = attempts.count
     record.moved_on = attempts.moved_on
     record.trace.extend(attempts.failures)
-    route = headers.get("x-switchyard-route")
+    route = headers.get(ROUTE_HEADER)
     if route is not None:
         record.trace.append(f"route: {route}")

@@ -60,7 +60,7 @@ import anyio.to_thread
 from sqlalchemy.exc import DBAPIError, DisconnectionError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-from switchyard.gateway.errors import Overloaded, Unauthorized
+from switchyard.api.errors import Overloaded, Unauthorized
 from switchyard.policy.resilience import FailureMode
 from switchyard.store.key_changes import parse_notice
 from switchyard.store.keys import KeyIdentity, hash_key

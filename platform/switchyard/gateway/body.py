@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from switchyard.gateway.errors import BadRequest
+from switchyard.api.errors import BadRequest
 
 #: Most choices one request may ask for (``n``), as OpenAI allows: each is a sequence of its own, and
 #: admission reserves output for every one of them.

@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 from litestar import Response
 
+from switchyard.api.headers import CACHE_HEADER, CLASS_HEADER, ROUTE_HEADER
 from switchyard.decide.admit import spend_of
 from switchyard.decide.decision import Decision
 from switchyard.gateway.activity import CACHE_POOL, RequestRecord
 from switchyard.gateway.admission import Lease
 from switchyard.gateway.request import Kind
-from switchyard.gateway.response_cache import CACHE_HEADER, Lookup
+from switchyard.gateway.response_cache import Lookup
 from switchyard.store.keys import KeyIdentity
 
 if TYPE_CHECKING:
@@ -33,14 +34,14 @@ async def serve_hit(runtime: GatewayRuntime, kind: Kind, body: dict[str, Any], f
     assert cls is not None
     model = decision.model
     charge = found.plan.rule.hit_charge
-    headers = {"x-request-id": rid, CACHE_HEADER: found.header, "x-switchyard-class": cls.trace,
-               "x-switchyard-route": "; ".join([f"model={model.name}",
-                                                *([f"route={decision.route}", f"rule={decision.rule}"]
-                                                  if decision.route else []),
-                                                f"cache={found.plan.label}", f"policy={d.snapshot.label}"]),
+    headers = {"x-request-id": rid, CACHE_HEADER: found.header, CLASS_HEADER: cls.trace,
+               ROUTE_HEADER: "; ".join([f"model={model.name}",
+                                         *([f"route={decision.route}", f"rule={decision.rule}"]
+                                           if decision.route else []),
+                                         f"cache={found.plan.label}", f"policy={d.snapshot.label}"]),
                **lease.headers}
     record.served_model, record.pool = model.name, CACHE_POOL
-    record.trace.append(f"route: {headers['x-switchyard-route']}")
+    record.trace.append(f"route: {headers[ROUTE_HEADER]}")
     spend = charge * spend_of(model, entry.prompt_tokens, entry.completion_tokens, 0)
     runtime.usage.record(identity.tenant_id, identity.key_id, model.name, entry.prompt_tokens,
                          entry.completion_tokens, entry.prompt_tokens, spend)

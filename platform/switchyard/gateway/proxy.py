@@ -16,6 +16,15 @@ from typing import Any
 
 from litestar import Request, Response
 
+from switchyard.api.errors import ApiError
+from switchyard.api.headers import (
+    CACHE_HEADER,
+    CLASS_HEADER,
+    DEGRADED_HEADER,
+    PREEMPTED_HEADER,
+    QUEUE_MS_HEADER,
+    ROUTE_HEADER,
+)
 from switchyard.decide.admit import LimitAnswer, Reserve
 from switchyard.decide.cache import is_deterministic, request_digest
 from switchyard.decide.decision import (
@@ -39,9 +48,7 @@ from switchyard.gateway.attempt import Try
 from switchyard.gateway.attempts import final_error, record_tries, refusal_error
 from switchyard.gateway.body import check_chat, check_completion, decode_json_object
 from switchyard.gateway.cache_hits import serve_hit
-from switchyard.gateway.errors import ApiError
 from switchyard.gateway.request import Incoming, Kind, PendingRequest, RequestIds
-from switchyard.gateway.response_cache import CACHE_HEADER
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.gateway.tracing import RequestTrace, end
 from switchyard.logs import REQUEST_ID
@@ -233,7 +240,7 @@ class _Run:
         d, runtime = self.d, self.runtime
         runtime.endpoints.configure(d.snapshot.document.resilience)
         headers = self._headers()
-        headers["x-switchyard-route"] = route_header(d, effect)
+        headers[ROUTE_HEADER] = route_header(d, effect)
         tried = await Try(runtime, self.ids, self.req, effect.stage, effect.choice, headers, self.record).send()
         if tried.outcome == "failed":
             runtime.metrics.fallbacks.labels(self._asked(), tried.kind).inc()
@@ -302,13 +309,13 @@ class _Run:
         """The headers every answer of a classed request carries (the request's id, limits, class and fate)."""
         d, req = self.d, self.req
         assert d.cls is not None
-        headers = {"x-request-id": req.rid, **req.lease.headers, "x-switchyard-class": d.cls.trace}
+        headers = {"x-request-id": req.rid, **req.lease.headers, CLASS_HEADER: d.cls.trace}
         if self.waited_s:
-            headers["x-switchyard-queue-ms"] = str(round(self.waited_s * 1000))
+            headers[QUEUE_MS_HEADER] = str(round(self.waited_s * 1000))
         if d.scheduled is not None and d.scheduled.note is not None:
-            headers["x-switchyard-degraded"] = d.scheduled.note
+            headers[DEGRADED_HEADER] = d.scheduled.note
         if d.preemptions:
-            headers["x-switchyard-preempted"] = str(d.preemptions)
+            headers[PREEMPTED_HEADER] = str(d.preemptions)
         if req.cache is not None:
             headers[CACHE_HEADER] = req.cache.header
         return headers

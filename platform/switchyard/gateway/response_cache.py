@@ -36,8 +36,6 @@ from switchyard.store.cache import CacheEntry, ResponseCache
 
 log = logging.getLogger("switchyard.cache")
 
-#: The response header that says what the cache did.
-CACHE_HEADER = "x-switchyard-cache"
 #: Longest wait for the embedding of a semantic lookup (a miss after that).
 EMBED_TIMEOUT_S = 0.5
 #: Finish reasons of a complete answer worth storing.

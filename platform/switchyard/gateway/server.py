@@ -23,7 +23,7 @@ stops writing, reads and drops what the client still sends for up to :data:`LING
 closes. Closing a socket with unread data in it resets the connection, and the reset can destroy
 the answer before the client reads it.
 
-Bodies' own limits (size, JSON depth) are the application's (``gateway.app``, ``gateway.body``).
+Bodies' own limits (size, JSON depth) are the application's (``switchyard.app``, ``gateway.body``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from switchyard.gateway.errors import error_body
+from switchyard.api.errors import error_body
 from switchyard.settings import Settings
 
 log = logging.getLogger("switchyard.gateway.server")

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from switchyard.api.headers import CACHE_CONTROL_HEADER
 from switchyard.decide.cache import (
-    CACHE_CONTROL_HEADER,
     BadCacheControl,
     CachePlan,
     canonical_request,

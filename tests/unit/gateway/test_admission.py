@@ -9,10 +9,10 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
+from switchyard.api.errors import Overloaded, RateLimited
 from switchyard.decide.admit import LimitCharge, duration, limit_refusal
 from switchyard.gateway.admission import Admitter, Lease, ratelimit_headers
 from switchyard.gateway.attempts import refusal_error
-from switchyard.gateway.errors import Overloaded, RateLimited
 from switchyard.policy.resilience import FailureMode
 from switchyard.store.limits import Admission, Bucket, BucketState, Charge, MemoryLimitStore
 

@@ -13,8 +13,8 @@ import time
 import pytest
 from sqlalchemy.exc import OperationalError
 
+from switchyard.api.errors import Overloaded, Unauthorized
 from switchyard.gateway.auth import KeyAuthenticator
-from switchyard.gateway.errors import Overloaded, Unauthorized
 from switchyard.store.keys import KEY_PREFIX, KeyIdentity, generate_key, hash_key
 
 GOOD = generate_key()

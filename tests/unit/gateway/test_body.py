@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from switchyard.api.errors import BadRequest
 from switchyard.gateway.body import check_chat, check_completion, decode_json_object
-from switchyard.gateway.errors import BadRequest
 
 MSG = [{"role": "user", "content": "hi"}]
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from switchyard.api.errors import BadRequest
 from switchyard.decide.admit import estimate, expected_output
 from switchyard.decide.features import chat_features
 from switchyard.gateway.body import MAX_CHOICES, MAX_JSON_DEPTH, check_chat, decode_json_object, nested_deeper
-from switchyard.gateway.errors import BadRequest
 from switchyard.policy import compile_policy
 from tests.unit.policy.base import base, to_yaml
 

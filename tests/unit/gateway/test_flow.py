@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from switchyard.api.errors import ClientLeft, Overloaded
 from switchyard.decide import flow as decide_flow
 from switchyard.decide.classes import ClassDecision, classify
 from switchyard.decide.pick import EndpointChoice
@@ -17,7 +18,6 @@ from switchyard.decide.refusals import Refusal
 from switchyard.decide.views import Candidate
 from switchyard.engines.endpoints import EndpointRegistry, EngineSignals
 from switchyard.gateway.attempts import refusal_error
-from switchyard.gateway.errors import ClientLeft, Overloaded
 from switchyard.gateway.flow import FlowController, never
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.view import LiveView, Memory

@@ -23,7 +23,7 @@ from sqlmodel import Session
 
 from switchyard.admin.common import PageError, in_db, runtime_of
 from switchyard.admin.session import console_origin, current_user
-from switchyard.gateway.errors import ApiError
+from switchyard.api.errors import ApiError
 from switchyard.store import errors as store_errors
 from switchyard.store.admin_users import RANK
 from switchyard.store.audit import append_event

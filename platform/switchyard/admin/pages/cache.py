@@ -16,7 +16,7 @@ from litestar.response import Redirect, Response, Template
 from switchyard.admin.cache_api import cache_state, purge_cache
 from switchyard.admin.common import in_db, runtime_of
 from switchyard.admin.session import console_origin, current_user
-from switchyard.gateway.errors import ApiError
+from switchyard.api.errors import ApiError
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.store.tenants import list_tenants
 

@@ -21,11 +21,10 @@ from pydantic import ValidationError
 from sqlmodel import Session
 
 from switchyard.admin.common import in_db, runtime_of
-from switchyard.decide.classes import PRIORITY_HEADER
+from switchyard.api.errors import ApiError
+from switchyard.api.headers import PRIORITY_HEADER, REGION_HEADER
 from switchyard.decide.dryrun import dry_run
 from switchyard.decide.policy_tests import body_of_request, features_of_request
-from switchyard.decide.regions import REGION_HEADER
-from switchyard.gateway.errors import ApiError
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy.policy_tests import PolicyTestRequest
 from switchyard.policy.snapshot import PolicySnapshot

@@ -25,8 +25,8 @@ from switchyard.admin.common import in_db
 from switchyard.admin.pages.policy import active_text, base_context, file_state, refused_page
 from switchyard.admin.policy_api import refuse_in_file_mode, write_version
 from switchyard.admin.session import console_origin
+from switchyard.api.errors import ApiError
 from switchyard.decide.policy_tests import PolicyTestResult, compile_checked, run_policy_tests
-from switchyard.gateway.errors import ApiError
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy import PolicyError, PolicyIssue, compile_policy
 from switchyard.policy.diff import PolicyDiff, diff_documents

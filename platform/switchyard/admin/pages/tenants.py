@@ -23,9 +23,9 @@ from sqlmodel import Session
 
 from switchyard.admin.common import PageError, in_db, runtime_of
 from switchyard.admin.session import current_user
+from switchyard.api.errors import ApiError
 from switchyard.decide.admit import LIMIT_PERIODS, Estimate, LimitCharge, limit_charges
 from switchyard.figures import fixed
-from switchyard.gateway.errors import ApiError
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy.snapshot import PolicySnapshot
 from switchyard.policy.tiers import Limits

@@ -19,7 +19,7 @@ from litestar.response import Template
 from sqlmodel import Session
 
 from switchyard.admin.common import in_db
-from switchyard.gateway.errors import ApiError
+from switchyard.api.errors import ApiError
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.store.models import UsageCounts, UsageDailyPublic, UsageReport
 from switchyard.store.tenants import list_tenants

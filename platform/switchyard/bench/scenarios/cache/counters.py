@@ -17,7 +17,6 @@ BASELINE = "no-cache"
 #: The gateway copies the cache's entry and byte counts into its gauges this often (``CACHE_GAUGES_INTERVAL_S``).
 GAUGE_REFRESH_S = 5.0
 
-CACHE_HEADER = "x-switchyard-cache"
 LOOKUPS = "switchyard_cache_lookups_total"
 STORES = "switchyard_cache_stores_total"
 ENTRIES = "switchyard_cache_entries"

@@ -10,9 +10,10 @@ from typing import Any
 
 import aiohttp
 
-from switchyard.bench.loadgen import Target, connection_limit, send_one
+from switchyard.api.headers import CACHE_CONTROL_HEADER, CACHE_HEADER
+from switchyard.bench.loadgen import connection_limit
 from switchyard.bench.policies import TENANT, TIER, cache_policy
-from switchyard.bench.procs import create_key, free_ports, start_gateway, start_sims, state_env
+from switchyard.bench.procs import free_ports
 from switchyard.bench.prompts import LiteralText, PromptText, SynthText, unique_key
 from switchyard.bench.report import build_report, write_report
 from switchyard.bench.results import Result
@@ -22,7 +23,6 @@ from switchyard.bench.scenarios.cache.analysis import analyse
 from switchyard.bench.scenarios.cache.counters import (
     ARMS,
     BASELINE,
-    CACHE_HEADER,
     GAUGE_REFRESH_S,
     ArmRun,
     Counters,
@@ -48,7 +48,9 @@ from switchyard.bench.scenarios.cache.workload import (
     public_repeats,
     repeat_bounds,
 )
+from switchyard.bench.sender import Target, send_one
 from switchyard.bench.spec import Labels, RequestSpec, Workload
+from switchyard.bench.stack import create_key, start_gateway, start_sims, state_env
 from switchyard.figures import fixed, percent
 
 REPLICAS = 2
@@ -65,7 +67,6 @@ CLIENT_TIMEOUT_S = 60.0
 SCRAPE_TIMEOUT_S = 5.0
 #: Wait after an arm's last answer before reading the counters (a miss is stored just after it is sent).
 SETTLE_S = 0.5
-CONTROL_HEADER = "x-switchyard-cache-control"
 BASELINE_CONTROL = "no-cache, no-store"
 RUNNING = "vllm:num_requests_running"
 
@@ -165,7 +166,7 @@ class CacheBench:
             labels = Labels(tenant=TENANT, request_class=family, model=MODELS[family], stream=stream,
                             extra_body={"temperature": 0, "ignore_eos": True})
             specs.append(RequestSpec(i, 0.2 * i, prompt, 8, labels))
-        target = Target(base_url, "warmup", default_api_key=key, headers={CONTROL_HEADER: "no-store"})
+        target = Target(base_url, "warmup", default_api_key=key, headers={CACHE_CONTROL_HEADER: "no-store"})
         results, _ = asyncio.run(drive(Workload(tuple(specs), 1.0, {"source": "warm-up"}), target))
         failed = [f"{r.status} {r.error_type}: {r.error_message}" for r in results if not r.ok]
         if failed:
@@ -191,7 +192,7 @@ class CacheBench:
         cache_ended = time.monotonic()
         for name in ARMS:
             arm = ArmRun(name, self.plan("" if name == "cache" else name))
-            headers = {} if name == "cache" else {CONTROL_HEADER: BASELINE_CONTROL}
+            headers = {} if name == "cache" else {CACHE_CONTROL_HEADER: BASELINE_CONTROL}
             ctx.say(f"cache: {name}: {len(arm.plan.workload)} requests over {self.duration_s:g} s")
             asyncio.run(self.run_arm(arm, Target(gateway.base_url, name, default_api_key=key, headers=headers)))
             self.arms.append(arm)
@@ -240,7 +241,7 @@ def run(ctx: ScenarioContext) -> Outcome:
         f"{PARAPHRASE_FLOOR:g}.",
         f"Arms on the same engines ({REPLICAS} replicas of `{PROFILE}` at time scale {bench.time_scale:g}, one "
         f"embeddings engine) and gateway, one after the other: `cache`, then `no-cache` (every request sends "
-        f"`{CONTROL_HEADER}: {BASELINE_CONTROL}`); the no-cache arm's chat prompts are other texts of the same "
+        f"`{CACHE_CONTROL_HEADER}: {BASELINE_CONTROL}`); the no-cache arm's chat prompts are other texts of the same "
         "lengths, so that it starts with cold engine prefix caches as the cache arm did.",
     ]
     if hits["sampled"]["hits"] or hits["sampled"].get("with_header"):

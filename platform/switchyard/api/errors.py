@@ -1,4 +1,8 @@
-"""One exception tree for the API; one handler turns it into OpenAI's error object."""
+"""One exception tree for the API; one handler turns it into OpenAI's error object.
+
+The gateway's ``/v1`` routes, the Batch API and the admin API raise these; the composition root
+(``switchyard.app``) installs the handlers for the whole app.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
+# (The gateway's logger, as before the tree moved here: log filters and dashboards select on its name.)
 log = logging.getLogger("switchyard.gateway")
 
 
@@ -33,30 +38,40 @@ class ApiError(Exception):
 
 
 class BadRequest(ApiError):
+    """400: a malformed or invalid request."""
+
     status_code = 400
     type = "invalid_request_error"
     code = "invalid_request"
 
 
 class Unauthorized(ApiError):
+    """401: no credentials, or wrong ones."""
+
     status_code = 401
     type = "authentication_error"
     code = "invalid_api_key"
 
 
 class Forbidden(ApiError):
+    """403: the caller may not do this."""
+
     status_code = 403
     type = "permission_error"
     code = "forbidden"
 
 
 class NotFound(ApiError):
+    """404: no such thing (or none the caller owns)."""
+
     status_code = 404
     type = "invalid_request_error"
     code = "not_found"
 
 
 class PayloadTooLarge(ApiError):
+    """413: the body is larger than allowed."""
+
     status_code = 413
     type = "invalid_request_error"
     code = "request_too_large"
@@ -78,6 +93,8 @@ class RateLimited(ApiError):
 
 
 class Overloaded(ApiError):
+    """503: shed under overload, or nothing healthy to serve it."""
+
     status_code = 503
     type = "overloaded_error"
     code = "upstream_overloaded"
@@ -92,12 +109,16 @@ class ClientLeft(ApiError):
 
 
 class BadGateway(ApiError):
+    """502: the engine could not be reached, broke off, or failed."""
+
     status_code = 502
     type = "upstream_error"
     code = "bad_gateway"
 
 
 class GatewayTimeout(ApiError):
+    """504: the engine did not answer in time."""
+
     status_code = 504
     type = "upstream_error"
     code = "upstream_timeout"

@@ -1,4 +1,10 @@
-"""``create_app(settings)``: assembles the gateway, its console and their lifespan."""
+"""The composition root: ``create_app(settings)`` assembles the whole HTTP app.
+
+It wires the OpenAI-compatible gateway (:mod:`switchyard.gateway`), the Batch API and its worker
+(:mod:`switchyard.batch`), the console and the admin API (:mod:`switchyard.admin`), the static files, the
+lifespan, the error handlers (:mod:`switchyard.api.errors`), CSRF and the OpenAPI document. It is the one
+place that knows all of them, so that none of those packages needs to import another to be assembled.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +19,11 @@ from switchyard.admin.api import admin_api_router
 from switchyard.admin.console import admin_router
 from switchyard.admin.login import login_router
 from switchyard.admin.session import console_security_headers, csrf_config
+from switchyard.api.errors import ApiError, api_error_handler, http_exception_handler, internal_error_handler
+from switchyard.api.openapi import openapi_config
 from switchyard.batch import api as batch_api
 from switchyard.batch.worker import worker_lifespan
 from switchyard.gateway import openai_api, ops
-from switchyard.gateway.errors import ApiError, api_error_handler, http_exception_handler, internal_error_handler
-from switchyard.gateway.openapi_docs import openapi_config
 from switchyard.gateway.proxy import Proxy
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.resources import static_dir, templates_dir
@@ -25,7 +31,8 @@ from switchyard.settings import Settings
 
 
 def create_app(settings: Settings) -> Litestar:
-    """A gateway app for ``settings``; nothing is opened until its lifespan starts."""
+    """The app for ``settings``: gateway, Batch API, console and admin API; nothing is opened until its
+    lifespan starts."""
     runtime = GatewayRuntime(settings)
     proxy = Proxy(runtime)
     app = Litestar(
