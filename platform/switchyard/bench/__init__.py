@@ -13,8 +13,9 @@ Owns: what ``switchyard bench`` starts, sends and reports.
   structure; ``profile`` summarises py-spy samples.
 - Running: ``procs`` starts and always stops real processes on loopback (simulated engines,
   gateways, ``instant`` — an engine that answers at once, a measuring device — and the LiteLLM
-  proxy of ``litellm_env``); ``policies`` writes the policy each scenario runs; ``scenarios``
-  holds one module per ``--scenario``; ``runner`` runs them and writes the run's index.
+  proxy of ``litellm_env``), ``stack`` the Switchyard ones among them and its command line;
+  ``policies`` writes the policy each scenario runs; ``scenarios`` holds one module per
+  ``--scenario``; ``runner`` runs them and writes the run's index.
 
 Must not touch: the gateway's internals. It talks to gateways and engines only over HTTP, as a
 client would, starts them only through the ``switchyard`` command line, and imports nothing of

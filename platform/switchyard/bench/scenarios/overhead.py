@@ -45,17 +45,7 @@ from switchyard.bench import litellm_env
 from switchyard.bench.closedloop import Saturation, run_closed_loop
 from switchyard.bench.loadgen import Target, run_open_loop
 from switchyard.bench.policies import TENANT, TIER, overhead_policy
-from switchyard.bench.procs import (
-    Proc,
-    StartError,
-    cpu_seconds,
-    create_key,
-    free_port,
-    start_gateway,
-    start_instant_engine,
-    state_env,
-    wait_http,
-)
+from switchyard.bench.procs import Proc, StartError, cpu_seconds, free_port, wait_http
 from switchyard.bench.profile import ProfileSummary, record_profile
 from switchyard.bench.results import Result
 from switchyard.bench.sampler import histogram_buckets, scrape_text
@@ -69,6 +59,7 @@ from switchyard.bench.scenarios.overhead_figures import (
     write,
 )
 from switchyard.bench.spec import RequestSpec
+from switchyard.bench.stack import create_key, start_gateway, start_instant_engine, state_env
 from switchyard.bench.stats import percentiles
 from switchyard.bench.synthetic import RequestTemplate, poisson
 

@@ -34,21 +34,14 @@ import msgspec
 
 from switchyard.bench.loadgen import Target, run_open_loop
 from switchyard.bench.policies import PRIORITY, TENANT, TIER, replicas_policy
-from switchyard.bench.procs import (
-    StartError,
-    create_key,
-    free_ports,
-    http_get,
-    start_gateway,
-    start_sims,
-    state_env,
-)
+from switchyard.bench.procs import StartError, free_ports, http_get
 from switchyard.bench.prompts import SynthText
 from switchyard.bench.report import build_report, write_report
 from switchyard.bench.results import Result
 from switchyard.bench.sampler import MetricsSampler, sum_series
 from switchyard.bench.scenarios.base import Outcome, ScenarioContext
 from switchyard.bench.spec import Labels, Workload
+from switchyard.bench.stack import create_key, start_gateway, start_sims, state_env
 from switchyard.bench.stats import summarize
 from switchyard.bench.tables import goal, ms, num, pct, ratio, table, text
 from switchyard.bench.traces import mooncake

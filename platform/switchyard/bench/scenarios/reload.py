@@ -30,10 +30,11 @@ import aiohttp
 
 from switchyard.bench.loadgen import Target, run_open_loop
 from switchyard.bench.policies import TENANT, TIER, replicas_policy
-from switchyard.bench.procs import GatewayHandle, create_key, free_ports, start_gateway, start_sims, state_env
+from switchyard.bench.procs import free_ports
 from switchyard.bench.report import build_report, write_report
 from switchyard.bench.results import Result
 from switchyard.bench.scenarios.base import Outcome, ScenarioContext
+from switchyard.bench.stack import GatewayHandle, create_key, start_gateway, start_sims, state_env
 from switchyard.bench.stats import percentiles
 from switchyard.bench.synthetic import RequestTemplate, poisson
 from switchyard.bench.tables import goal, ms, num, table, text

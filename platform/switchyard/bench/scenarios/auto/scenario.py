@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 
 from switchyard.bench.labelled import default_prompts_path, load_prompts
-from switchyard.bench.procs import create_key, free_ports, start_gateway, start_sims, state_env
+from switchyard.bench.procs import free_ports
 from switchyard.bench.report import build_report, write_report
 from switchyard.bench.scenarios.auto.client import ARM, CONCURRENCY, TENANT, TIER, send_prompts
 from switchyard.bench.scenarios.auto.figures import figures, goals_of, routed_of, tables_of
 from switchyard.bench.scenarios.auto.policy import ROUTE, RoutePolicy, endpoint_count, shipped_policy, with_endpoints
 from switchyard.bench.scenarios.base import Outcome, ScenarioContext
+from switchyard.bench.stack import create_key, start_gateway, start_sims, state_env
 from switchyard.figures import fixed
 
 #: Simulated seconds per wall-clock second: answers of one token take a few milliseconds.

@@ -13,7 +13,7 @@ import aiohttp
 from switchyard.api.headers import CACHE_CONTROL_HEADER, CACHE_HEADER
 from switchyard.bench.loadgen import Target, connection_limit, send_one
 from switchyard.bench.policies import TENANT, TIER, cache_policy
-from switchyard.bench.procs import create_key, free_ports, start_gateway, start_sims, state_env
+from switchyard.bench.procs import free_ports
 from switchyard.bench.prompts import LiteralText, PromptText, SynthText, unique_key
 from switchyard.bench.report import build_report, write_report
 from switchyard.bench.results import Result
@@ -49,6 +49,7 @@ from switchyard.bench.scenarios.cache.workload import (
     repeat_bounds,
 )
 from switchyard.bench.spec import Labels, RequestSpec, Workload
+from switchyard.bench.stack import create_key, start_gateway, start_sims, state_env
 from switchyard.figures import fixed, percent
 
 REPLICAS = 2

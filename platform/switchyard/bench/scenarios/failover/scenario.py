@@ -14,16 +14,7 @@ import aiohttp
 
 from switchyard.bench.loadgen import Target, run_open_loop
 from switchyard.bench.policies import TENANT, TIER, two_region_policy
-from switchyard.bench.procs import (
-    Proc,
-    create_key,
-    free_ports,
-    post_faults,
-    start_gateway,
-    start_sims,
-    state_env,
-    wait_http,
-)
+from switchyard.bench.procs import Proc, free_ports, wait_http
 from switchyard.bench.report import build_report, write_report
 from switchyard.bench.results import Result
 from switchyard.bench.sampler import MetricsSampler, scrape_text
@@ -60,6 +51,7 @@ from switchyard.bench.scenarios.failover.workload import (
     mix,
 )
 from switchyard.bench.spec import Workload
+from switchyard.bench.stack import create_key, post_faults, start_gateway, start_sims, state_env
 from switchyard.bench.synthetic import poisson
 from switchyard.bench.tables import goal, ms, num, pct, ratio, table, text
 

@@ -16,7 +16,7 @@ import aiohttp
 
 from switchyard.bench.loadgen import send_one
 from switchyard.bench.policies import TENANT, TIER
-from switchyard.bench.procs import create_key, free_ports, http_get, start_gateway, start_sims, state_env
+from switchyard.bench.procs import free_ports, http_get
 from switchyard.bench.prompts import segment_text, unique_key
 from switchyard.bench.report import build_report, write_report
 from switchyard.bench.results import Result
@@ -41,6 +41,7 @@ from switchyard.bench.scenarios.soak.workload import (
     Kind,
     soak_policy,
 )
+from switchyard.bench.stack import create_key, start_gateway, start_sims, state_env
 from switchyard.bench.tables import goal, num, table, text
 
 RATE = 30.0
