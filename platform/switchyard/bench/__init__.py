@@ -5,9 +5,9 @@ Owns: what ``switchyard bench`` starts, sends and reports.
 - Workloads: ``workload`` builds schedules of requests (trace replays of Mooncake and Azure
   traces, synthetic Poisson and bursty mixes) with prompt text exact in tokens under the
   simulator's tokenizer (``prompts``).
-- Driving: ``loadgen`` sends them open-loop over HTTP and records what the client saw
-  (``results``, with ``sse`` parsing streams); ``closedloop`` saturates a server; ``sampler``
-  reads engines' ``/metrics`` over time.
+- Driving: ``loadgen`` sends them open-loop over HTTP, each request through ``sender``, which
+  records what the client saw (``results``, with ``sse`` parsing streams); ``closedloop``
+  saturates a server; ``sampler`` reads engines' ``/metrics`` over time.
 - Reading: ``stats`` turns results into percentiles, SLO attainment, goodput and time series;
   ``report`` (with ``plots`` and ``tables``) writes Markdown, JSON and PNG from one computed
   structure; ``profile`` summarises py-spy samples.

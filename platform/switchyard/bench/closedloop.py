@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from switchyard.bench.loadgen import Target, send_one
 from switchyard.bench.results import Result
+from switchyard.bench.sender import Target, send_one
 from switchyard.bench.spec import RequestSpec
 
 

@@ -14,9 +14,10 @@ from ruamel.yaml import YAML
 
 from switchyard.bench import instant, litellm_env
 from switchyard.bench.closedloop import run_closed_loop
-from switchyard.bench.loadgen import Target, run_open_loop
+from switchyard.bench.loadgen import run_open_loop
 from switchyard.bench.profile import owner, summarize_collapsed
 from switchyard.bench.sampler import MetricsSampler, sum_series
+from switchyard.bench.sender import Target
 from switchyard.bench.sse import SseParser
 from switchyard.bench.synthetic import RequestTemplate, poisson
 from switchyard.engines.scrape import parse_engine_metrics

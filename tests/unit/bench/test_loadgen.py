@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 import pytest
 from aiohttp import web
 
-from switchyard.bench.loadgen import Target, connection_limit, run_open_loop
+from switchyard.bench.loadgen import connection_limit, run_open_loop
 from switchyard.bench.prompts import LiteralText
 from switchyard.bench.results import Outcome
+from switchyard.bench.sender import Target
 from switchyard.bench.spec import Labels, RequestSpec
 from tests.helpers import free_port
 

@@ -21,10 +21,10 @@ from typing import Any, Generic, TypeVar
 
 import aiohttp
 
-from switchyard.bench.loadgen import Target, send_one
 from switchyard.bench.procs import Proc, Processes, wait_http
 from switchyard.bench.results import Result
 from switchyard.bench.scenarios.base import ScenarioContext
+from switchyard.bench.sender import Target, send_one
 from switchyard.bench.spec import RequestSpec, Workload
 from switchyard.bench.stack import GatewayHandle, run_cli, start_gateway, state_env, switchyard_command
 from switchyard.bench.synthetic import RequestTemplate, poisson

@@ -43,7 +43,7 @@ import aiohttp
 
 from switchyard.bench import litellm_env
 from switchyard.bench.closedloop import Saturation, run_closed_loop
-from switchyard.bench.loadgen import Target, run_open_loop
+from switchyard.bench.loadgen import run_open_loop
 from switchyard.bench.policies import TENANT, TIER, overhead_policy
 from switchyard.bench.procs import Proc, StartError, cpu_seconds, free_port, wait_http
 from switchyard.bench.profile import ProfileSummary, record_profile
@@ -58,6 +58,7 @@ from switchyard.bench.scenarios.overhead_figures import (
     STALL_SAMPLER_MS,
     write,
 )
+from switchyard.bench.sender import Target
 from switchyard.bench.spec import RequestSpec
 from switchyard.bench.stack import create_key, start_gateway, start_instant_engine, state_env
 from switchyard.bench.stats import percentiles

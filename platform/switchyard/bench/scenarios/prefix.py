@@ -32,7 +32,7 @@ from typing import Any
 
 import msgspec
 
-from switchyard.bench.loadgen import Target, run_open_loop
+from switchyard.bench.loadgen import run_open_loop
 from switchyard.bench.policies import PRIORITY, TENANT, TIER, replicas_policy
 from switchyard.bench.procs import StartError, free_ports, http_get
 from switchyard.bench.prompts import SynthText
@@ -40,6 +40,7 @@ from switchyard.bench.report import build_report, write_report
 from switchyard.bench.results import Result
 from switchyard.bench.sampler import MetricsSampler, sum_series
 from switchyard.bench.scenarios.base import Outcome, ScenarioContext
+from switchyard.bench.sender import Target
 from switchyard.bench.spec import Labels, Workload
 from switchyard.bench.stack import create_key, start_gateway, start_sims, state_env
 from switchyard.bench.stats import summarize

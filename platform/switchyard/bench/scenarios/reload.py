@@ -28,12 +28,13 @@ from typing import Any
 
 import aiohttp
 
-from switchyard.bench.loadgen import Target, run_open_loop
+from switchyard.bench.loadgen import run_open_loop
 from switchyard.bench.policies import TENANT, TIER, replicas_policy
 from switchyard.bench.procs import free_ports
 from switchyard.bench.report import build_report, write_report
 from switchyard.bench.results import Result
 from switchyard.bench.scenarios.base import Outcome, ScenarioContext
+from switchyard.bench.sender import Target
 from switchyard.bench.stack import GatewayHandle, create_key, start_gateway, start_sims, state_env
 from switchyard.bench.stats import percentiles
 from switchyard.bench.synthetic import RequestTemplate, poisson

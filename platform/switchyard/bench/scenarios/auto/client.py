@@ -12,9 +12,9 @@ import aiohttp
 import msgspec
 
 from switchyard.bench.labelled import LabelledPrompt
-from switchyard.bench.loadgen import Target, send_one
 from switchyard.bench.results import Result
 from switchyard.bench.scenarios.auto.policy import ROUTE
+from switchyard.bench.sender import Target, send_one
 from switchyard.sim.tokens import count_tokens
 
 TIER = "pro"

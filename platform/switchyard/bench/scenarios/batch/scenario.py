@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from switchyard.bench.loadgen import Target, run_open_loop
+from switchyard.bench.loadgen import run_open_loop
 from switchyard.bench.procs import free_ports
 from switchyard.bench.report import build_report, render_markdown, write_report
 from switchyard.bench.sampler import by_label
@@ -58,6 +58,7 @@ from switchyard.bench.scenarios.batch.workload import (
     batch_policy,
     interactive_mix,
 )
+from switchyard.bench.sender import Target
 from switchyard.bench.spec import Workload
 from switchyard.bench.stats import ratio
 from switchyard.bench.synthetic import RequestTemplate

@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 
 from switchyard.api.headers import CACHE_CONTROL_HEADER, CACHE_HEADER
-from switchyard.bench.loadgen import Target, connection_limit, send_one
+from switchyard.bench.loadgen import connection_limit
 from switchyard.bench.policies import TENANT, TIER, cache_policy
 from switchyard.bench.procs import free_ports
 from switchyard.bench.prompts import LiteralText, PromptText, SynthText, unique_key
@@ -48,6 +48,7 @@ from switchyard.bench.scenarios.cache.workload import (
     public_repeats,
     repeat_bounds,
 )
+from switchyard.bench.sender import Target, send_one
 from switchyard.bench.spec import Labels, RequestSpec, Workload
 from switchyard.bench.stack import create_key, start_gateway, start_sims, state_env
 from switchyard.figures import fixed, percent

@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 
-from switchyard.bench.loadgen import Target, run_open_loop
+from switchyard.bench.loadgen import run_open_loop
 from switchyard.bench.policies import TENANT, TIER, two_region_policy
 from switchyard.bench.procs import Proc, free_ports, wait_http
 from switchyard.bench.report import build_report, write_report
@@ -50,6 +50,7 @@ from switchyard.bench.scenarios.failover.workload import (
     TIME_SCALE,
     mix,
 )
+from switchyard.bench.sender import Target
 from switchyard.bench.spec import Workload
 from switchyard.bench.stack import create_key, post_faults, start_gateway, start_sims, state_env
 from switchyard.bench.synthetic import poisson

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from switchyard.bench.loadgen import Target, run_open_loop
+from switchyard.bench.loadgen import run_open_loop
 from switchyard.bench.procs import free_ports, http_get
 from switchyard.bench.report import build_report, write_report
 from switchyard.bench.results import Outcome as RequestOutcome
@@ -43,6 +43,7 @@ from switchyard.bench.scenarios.overload.workload import (
     slo_spec,
     tenant_name,
 )
+from switchyard.bench.sender import Target
 from switchyard.bench.spec import Workload
 from switchyard.bench.stats import ratio
 from switchyard.bench.synthetic import RequestTemplate

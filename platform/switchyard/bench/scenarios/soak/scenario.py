@@ -14,7 +14,6 @@ from typing import Any
 
 import aiohttp
 
-from switchyard.bench.loadgen import send_one
 from switchyard.bench.policies import TENANT, TIER
 from switchyard.bench.procs import free_ports, http_get
 from switchyard.bench.prompts import segment_text, unique_key
@@ -41,6 +40,7 @@ from switchyard.bench.scenarios.soak.workload import (
     Kind,
     soak_policy,
 )
+from switchyard.bench.sender import send_one
 from switchyard.bench.stack import create_key, start_gateway, start_sims, state_env
 from switchyard.bench.tables import goal, num, table, text
 
