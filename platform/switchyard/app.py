@@ -4,6 +4,9 @@ It wires the OpenAI-compatible gateway (:mod:`switchyard.gateway`), the Batch AP
 (:mod:`switchyard.batch`), the console and the admin API (:mod:`switchyard.admin`), the static files, the
 lifespan, the error handlers (:mod:`switchyard.api.errors`), CSRF and the OpenAPI document. It is the one
 place that knows all of them, so that none of those packages needs to import another to be assembled.
+
+The console and the admin API are not handed the gateway's runtime: :func:`admin_dependencies` gives
+them each piece they use by itself (:mod:`switchyard.admin.dependencies`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from litestar.template import TemplateConfig
 import switchyard
 from switchyard.admin.api import admin_api_router
 from switchyard.admin.console import admin_router
+from switchyard.admin.dependencies import AdminDependencies
 from switchyard.admin.login import login_router
 from switchyard.admin.session import console_security_headers, csrf_config
 from switchyard.api.errors import ApiError, api_error_handler, http_exception_handler, internal_error_handler
@@ -30,19 +34,29 @@ from switchyard.resources import static_dir, templates_dir
 from switchyard.settings import Settings
 
 
+def admin_dependencies(runtime: GatewayRuntime) -> AdminDependencies:
+    """What the console and the admin API use of ``runtime``, piece by piece (the policy holder and the
+    database engine are read per request: they exist once the lifespan started)."""
+    return AdminDependencies(
+        settings=runtime.settings, policy=lambda: runtime.policy, db=lambda: runtime.engine,
+        activity=runtime.activity, endpoints=runtime.endpoints, cache=runtime.cache, limits=runtime.admitter,
+        change_keys=runtime.change_keys, policy_changed=runtime.policy_changed)
+
+
 def create_app(settings: Settings) -> Litestar:
     """The app for ``settings``: gateway, Batch API, console and admin API; nothing is opened until its
     lifespan starts."""
     runtime = GatewayRuntime(settings)
     proxy = Proxy(runtime)
+    admin = admin_dependencies(runtime)
     app = Litestar(
         route_handlers=[
             *openai_api.ROUTES,
             *batch_api.ROUTES,
             *ops.ROUTES,
-            login_router,
-            admin_router,
-            admin_api_router,
+            login_router(admin),
+            admin_router(admin),
+            admin_api_router(admin),
             create_static_files_router(path="/static", directories=[static_dir()], include_in_schema=False),
         ],
         lifespan=[runtime.lifespan, worker_lifespan(runtime, proxy.serve)],

@@ -66,7 +66,8 @@ def test_dependency_direction() -> None:
     nothing of switchyard but itself; decide and bench may read its header names (``switchyard.api.headers``,
     a leaf) and nothing else of it. The gateway imports neither the console and admin API nor the Batch API
     (the composition root, ``switchyard.app``, assembles them), and those take errors and OpenAPI pieces from
-    ``switchyard.api``, never from the gateway."""
+    ``switchyard.api``, never from the gateway; the admin package is given narrow dependencies, never the
+    gateway's runtime."""
     allowed = {"policy": {"policy"}, "decide": {"decide", "policy", "api"}, "state": {"state", "policy"},
                "sim": {"sim", "figures"}, "bench": {"bench", "sim", "figures", "api"},
                "whatif": {"whatif", "decide", "state", "policy", "sim", "bench", "store", "figures"},
@@ -87,6 +88,8 @@ def test_dependency_direction() -> None:
             assert not {m for m in imported if m.split(".")[1] in ("admin", "batch")}, f"{where} imports {imported}"
         if package in ("admin", "batch"):
             assert "switchyard.gateway.openapi_docs" not in imported, f"{where} reaches into the gateway's docs"
+        if package == "admin":  # its handlers are given narrow dependencies (admin.dependencies)
+            assert "switchyard.gateway.runtime" not in imported, f"{where} reaches for the gateway's runtime"
     headers = ROOT / "platform" / "switchyard" / "api" / "headers.py"
     assert _switchyard_imports(headers) == set(), "switchyard.api.headers is a leaf"
 

@@ -10,31 +10,31 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from litestar import Request, get
+from litestar import get
+from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, QueryParameter
 
 from switchyard.admin import openapi_docs as docs
 from switchyard.admin import overview
-from switchyard.admin.common import runtime_of
 from switchyard.admin.policy_api import Limit
 from switchyard.api.errors import BadRequest, NotFound
 from switchyard.api.openapi import admin_operation, ok
-from switchyard.gateway.activity import HORIZON_S
+from switchyard.gateway.activity import HORIZON_S, Activity
 
 Window = Annotated[float, QueryParameter(gt=0, le=HORIZON_S, description="Seconds to look back (at most 900).")]
 
 
 @get("/activity", operation_id="adminActivity",
      operation_class=admin_operation(ok("This process's traffic.", docs.ACTIVITY), 400))
-async def activity(request: Request[Any, Any, Any], window: Window = 300) -> dict[str, Any]:
+async def activity(activity: NamedDependency[Activity], window: Window = 300) -> dict[str, Any]:
     """This process's traffic over the last ``window`` seconds, per pool and in total: requests/s, TTFT p50 and
     p99 (ms), error, shed, limited, fallback and cache hit rates, and sparkline series (10-second points)."""
-    return overview.summary(runtime_of(request).activity, window)
+    return overview.summary(activity, window)
 
 
 @get("/requests", operation_id="adminRequests",
      operation_class=admin_operation(ok("Recent requests, newest first.", docs.REQUESTS), 400))
-async def recent_requests(request: Request[Any, Any, Any], tenant: FromQuery[str | None] = None,
+async def recent_requests(activity: NamedDependency[Activity], tenant: FromQuery[str | None] = None,
                           model: FromQuery[str | None] = None, status: FromQuery[str | None] = None,
                           limit: Limit = 100) -> dict[str, Any]:
     """The requests this process finished lately (the last 500), newest first, with their decision traces.
@@ -44,8 +44,8 @@ async def recent_requests(request: Request[Any, Any, Any], tenant: FromQuery[str
     ``limited``, ``refused``, ``client_closed``).
     """
     try:
-        records = overview.recent_requests(runtime_of(request).activity, tenant=tenant or None,
-                                           model=model or None, status=status or None, limit=limit)
+        records = overview.recent_requests(activity, tenant=tenant or None, model=model or None,
+                                           status=status or None, limit=limit)
     except ValueError as exc:
         raise BadRequest(str(exc), param="status") from None
     return {"requests": [r.as_dict() for r in records]}
@@ -53,9 +53,9 @@ async def recent_requests(request: Request[Any, Any, Any], tenant: FromQuery[str
 
 @get("/requests/{request_id:str}", operation_id="adminRequest",
      operation_class=admin_operation(ok("The request and its decision trace.", docs.REQUEST), 404))
-async def one_request(request: Request[Any, Any, Any], request_id: FromPath[str]) -> dict[str, Any]:
+async def one_request(activity: NamedDependency[Activity], request_id: FromPath[str]) -> dict[str, Any]:
     """One recent request by its ``x-request-id`` (the newest, if a client reused the id)."""
-    record = runtime_of(request).activity.get(request_id)
+    record = activity.get(request_id)
     if record is None:
         raise NotFound(f"no recent request with id {request_id!r} in this gateway process (it keeps the last 500)")
     return record.as_dict()

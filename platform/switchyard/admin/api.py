@@ -6,20 +6,22 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from litestar import Request, Router, get
+from litestar import Router, get
+from litestar.di import NamedDependency
 
 from switchyard.admin import activity_api, cache_api, policy_api, usage_api
 from switchyard.admin import openapi_docs as docs
 from switchyard.admin.common import admin_token_guard
+from switchyard.admin.dependencies import AdminDependencies
 from switchyard.api.openapi import admin_operation, ok
 from switchyard.engines.breakers import CircuitBreaker
-from switchyard.gateway.runtime import GatewayRuntime
+from switchyard.engines.endpoints import EndpointRegistry
+from switchyard.gateway.policy_state import PolicyHolder
 from switchyard.policy.fleet import Pool
 
 
-def endpoint_row(runtime: GatewayRuntime, pool: Pool, url: str, now: float) -> dict[str, Any]:
-    """What the gateway knows of one endpoint: health, in-flight count and its last scrape."""
-    registry = runtime.endpoints
+def endpoint_row(registry: EndpointRegistry, pool: Pool, url: str, now: float) -> dict[str, Any]:
+    """What the gateway knows of one endpoint (in ``registry``): health, in-flight count and its last scrape."""
     state = registry.state(url)
     signals = state.signals
     age = now - state.scraped_at if signals is not None else None
@@ -65,20 +67,23 @@ def breaker_row(breaker: CircuitBreaker, now: float) -> dict[str, Any]:
 
 @get("/endpoints", name="admin:api:endpoints", operation_id="adminEndpoints",
      operation_class=admin_operation(ok("Every endpoint and pool.", docs.ENDPOINTS)))
-async def endpoints(request: Request[Any, Any, Any]) -> dict[str, Any]:
+async def endpoints(policy: NamedDependency[PolicyHolder],
+                    endpoints: NamedDependency[EndpointRegistry]) -> dict[str, Any]:
     """Every endpoint of the active policy (pool, health, breaker, in-flight count, scraped load signals)
     and every pool's breaker."""
-    runtime: GatewayRuntime = request.app.state.runtime
-    snapshot = runtime.policy.snapshot
+    snapshot = policy.snapshot
     now = time.monotonic()
-    rows = [endpoint_row(runtime, pool, url, now) for pool in snapshot.pools.values() for url in pool.endpoints]
+    rows = [endpoint_row(endpoints, pool, url, now) for pool in snapshot.pools.values() for url in pool.endpoints]
     pools = [{"pool": pool.name, "region": pool.region,
-              "breaker": breaker_row(runtime.endpoints.pool_breaker(pool.name), now)}
+              "breaker": breaker_row(endpoints.pool_breaker(pool.name), now)}
              for pool in snapshot.pools.values()]
     return {"policy": snapshot.label, "endpoints": rows, "pools": pools}
 
 
-admin_api_router = Router(path="/admin/api",
-                          route_handlers=[endpoints, *policy_api.ROUTES, *usage_api.ROUTES, *cache_api.ROUTES,
-                                          *activity_api.ROUTES],
-                          tags=["admin"], guards=[admin_token_guard])
+def admin_api_router(dependencies: AdminDependencies) -> Router:
+    """The admin API's routes under ``/admin/api``, behind the admin token, given ``dependencies``."""
+    return Router(path="/admin/api",
+                  route_handlers=[endpoints, *policy_api.ROUTES, *usage_api.ROUTES, *cache_api.ROUTES,
+                                  *activity_api.ROUTES],
+                  tags=["admin"], guards=[admin_token_guard(dependencies.settings)],
+                  dependencies=dependencies.providers())

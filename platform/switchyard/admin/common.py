@@ -1,5 +1,5 @@
-"""What the admin API's handlers share: the runtime, database calls off the event loop, the
-request body, where a change came from, and the admin token guard."""
+"""What the admin API's handlers share: database calls off the event loop, the request body, where a
+change came from, and the admin token guard."""
 
 from __future__ import annotations
 
@@ -11,10 +11,13 @@ import msgspec
 from litestar import Request
 from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
+from litestar.types import Guard
+from sqlalchemy import Engine
 from sqlmodel import Session
 
+from switchyard.admin.dependencies import KeyChanger
 from switchyard.api.errors import BadRequest, Forbidden, NotFound, Unauthorized
-from switchyard.gateway.runtime import GatewayRuntime
+from switchyard.settings import Settings
 from switchyard.store import errors as store_errors
 from switchyard.store.db import in_transaction
 
@@ -25,17 +28,21 @@ T = TypeVar("T")
 B = TypeVar("B", bound=msgspec.Struct)
 
 
-def admin_token_guard(connection: ASGIConnection[Any, Any, Any, Any], _handler: BaseRouteHandler) -> None:
-    """Let an admin API request through only with ``Authorization: Bearer <token>`` matching the admin token."""
-    runtime: GatewayRuntime = connection.app.state.runtime
-    token = runtime.settings.admin_token
-    expected = token.get_secret_value() if token is not None else ""
-    if not expected:
-        raise Forbidden(f"the admin API is disabled: set {ADMIN_TOKEN_ENV}", code="admin_api_disabled")
-    scheme, _, given = connection.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected.encode()):
-        raise Unauthorized(f"the admin API needs the admin token: Authorization: Bearer <{ADMIN_TOKEN_ENV}>",
-                           code="invalid_admin_token", headers={"WWW-Authenticate": "Bearer"})
+def admin_token_guard(settings: Settings) -> Guard:
+    """The guard of the admin API: a request goes through only with ``Authorization: Bearer <token>`` matching
+    ``settings``' admin token."""
+    token = settings.admin_token
+
+    def guard(connection: ASGIConnection[Any, Any, Any, Any], _handler: BaseRouteHandler) -> None:
+        expected = token.get_secret_value() if token is not None else ""
+        if not expected:
+            raise Forbidden(f"the admin API is disabled: set {ADMIN_TOKEN_ENV}", code="admin_api_disabled")
+        scheme, _, given = connection.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected.encode()):
+            raise Unauthorized(f"the admin API needs the admin token: Authorization: Bearer <{ADMIN_TOKEN_ENV}>",
+                               code="invalid_admin_token", headers={"WWW-Authenticate": "Bearer"})
+
+    return guard
 
 
 class PageError(Exception):
@@ -47,19 +54,14 @@ class PageError(Exception):
         self.status = status
 
 
-def runtime_of(request: Request[Any, Any, Any]) -> GatewayRuntime:
-    runtime: GatewayRuntime = request.app.state.runtime
-    return runtime
-
-
-async def in_db(runtime: GatewayRuntime, work: Callable[[Session], T], *, keys: bool = False) -> T:
-    """Run ``work`` in one transaction on a worker thread (the database calls block); ``keys``: it changes
-    what key lookups answer (a revocation, a tenant's deletion or tier), so return only once every gateway
-    process dropped it from its key cache (``GatewayRuntime.change_keys``)."""
+async def in_db(db: Engine, work: Callable[[Session], T], *, keys: KeyChanger | None = None) -> T:
+    """Run ``work`` in one transaction on a worker thread (the database calls block), the store's refusals as
+    API errors; ``keys``: ``work`` changes what key lookups answer (a revocation, a tenant's deletion or tier),
+    so it runs through ``keys`` and returns only once every gateway process dropped it from its key cache."""
     try:
-        if keys:
-            return (await runtime.change_keys(work))[0]
-        return await in_transaction(runtime.engine, work)
+        if keys is not None:
+            return (await keys(work))[0]
+        return await in_transaction(db, work)
     except store_errors.NotFound as exc:
         raise NotFound(str(exc)) from None
     except store_errors.StoreError as exc:

@@ -13,10 +13,13 @@ from typing import Any
 
 import anyio.to_thread
 from litestar import Router, get
+from litestar.di import NamedDependency
 from litestar.plugins.htmx import HTMXRequest, HTMXTemplate
 from litestar.response import Template
+from sqlalchemy import Engine
 
 from switchyard.admin.api import endpoint_row
+from switchyard.admin.dependencies import AdminDependencies
 from switchyard.admin.login import logout
 from switchyard.admin.overview import live_stats
 from switchyard.admin.pages import (
@@ -33,8 +36,11 @@ from switchyard.admin.pages import (
     usage,
 )
 from switchyard.admin.session import CONSOLE_EXCEPTION_HANDLERS, console_guard, security_headers
-from switchyard.gateway.runtime import GatewayRuntime
+from switchyard.engines.endpoints import EndpointRegistry
+from switchyard.gateway.activity import Activity
+from switchyard.gateway.policy_state import PolicyHolder
 from switchyard.policy import PolicyError, policy_sha256, read_policy_file
+from switchyard.settings import Settings
 from switchyard.store.db import session_scope
 from switchyard.store.policy_versions import list_versions
 
@@ -42,50 +48,51 @@ from switchyard.store.policy_versions import list_versions
 HISTORY = 10
 
 
-def _overview_context(runtime: GatewayRuntime) -> dict[str, Any]:
-    snapshot = runtime.policy.snapshot
+def _overview_context(policy: PolicyHolder, endpoints: EndpointRegistry, activity: Activity,
+                      settings: Settings) -> dict[str, Any]:
+    snapshot = policy.snapshot
     now = time.monotonic()
     regions = []
     for region in snapshot.document.regions:
         pools = [
             {"name": p.name, "served_model": p.served_model, "kv_cache_tokens": p.kv_cache_tokens,
-             "endpoints": [endpoint_row(runtime, p, u, now) for u in p.endpoints],
+             "endpoints": [endpoint_row(endpoints, p, u, now) for u in p.endpoints],
              "models": [m.name for m in snapshot.models.values() if p.name in m.pools]}
             for p in snapshot.pools.values() if p.region == region
         ]
         regions.append({"name": region, "pools": pools})
     return {
         "snapshot": snapshot,
-        "policy_error": runtime.policy.last_error,
-        "policy_error_source": runtime.policy.error_source,
+        "policy_error": policy.last_error,
+        "policy_error_source": policy.error_source,
         "regions": regions,
-        "live": live_stats(runtime.activity, regions),
-        "settings": runtime.settings,
+        "live": live_stats(activity, regions),
+        "settings": settings,
     }
 
 
-def _history(runtime: GatewayRuntime) -> dict[str, Any]:
+def _history(settings: Settings, db: Engine, policy: PolicyHolder) -> dict[str, Any]:
     """The last versions, and in file mode whether the file holds what is running."""
-    settings = runtime.settings
-    with session_scope(runtime.engine) as session:
+    with session_scope(db) as session:
         versions = list_versions(session, HISTORY)
     file_matches: bool | None = None
     if settings.policy_source == "file":
         try:
-            file_matches = policy_sha256(read_policy_file(settings.policy_file)) == runtime.policy.snapshot.sha256
+            file_matches = policy_sha256(read_policy_file(settings.policy_file)) == policy.snapshot.sha256
         except PolicyError:
             file_matches = False
     return {"versions": versions, "file_matches": file_matches}
 
 
 @get("/", name="admin:overview", operation_id="adminOverview", include_in_schema=False)
-async def overview(request: HTMXRequest) -> Template:
+async def overview(request: HTMXRequest, settings: NamedDependency[Settings], policy: NamedDependency[PolicyHolder],
+                   db: NamedDependency[Engine], activity: NamedDependency[Activity],
+                   endpoints: NamedDependency[EndpointRegistry]) -> Template:
     """The overview page (or just its live part, ``#engines``, for htmx polling)."""
-    runtime: GatewayRuntime = request.app.state.runtime
-    context = _overview_context(runtime)
+    context = _overview_context(policy, endpoints, activity, settings)
     if request.htmx:
         return HTMXTemplate(template_name="admin/partials/_engines.html.j2", context=context)
-    context |= await anyio.to_thread.run_sync(_history, runtime)
+    context |= await anyio.to_thread.run_sync(_history, settings, db, policy)
     return Template(template_name="admin/overview.html.j2", context=context)
 
 
@@ -93,5 +100,9 @@ PAGES = [overview, logout, *policy.ROUTES, *policy_edit.ROUTES, *policy_replay.R
          *tenant_forms.ROUTES, *usage.ROUTES, *requests.ROUTES,
          *dryrun.ROUTES, *cache.ROUTES, *audit.ROUTES, *batches.ROUTES]
 
-admin_router = Router(path="/admin", route_handlers=PAGES, request_class=HTMXRequest, guards=[console_guard],
-                      exception_handlers=CONSOLE_EXCEPTION_HANDLERS, after_request=security_headers)
+
+def admin_router(dependencies: AdminDependencies) -> Router:
+    """The console's routes under ``/admin``, behind its login guard, given ``dependencies``."""
+    return Router(path="/admin", route_handlers=PAGES, request_class=HTMXRequest,
+                  guards=[console_guard(dependencies.db)], exception_handlers=CONSOLE_EXCEPTION_HANDLERS,
+                  after_request=security_headers, dependencies=dependencies.providers())

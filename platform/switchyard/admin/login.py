@@ -1,4 +1,4 @@
-"""Console login and logout."""
+"""Console login and logout (the login form's router, :func:`login_router`; logout is a console page)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,14 @@ from typing import Annotated, Any
 import anyio.to_thread
 from litestar import Request, Response, Router, get, post
 from litestar.datastructures import Cookie
+from litestar.di import NamedDependency, Provide
 from litestar.enums import RequestEncodingType
 from litestar.params import Body, QueryParameter
 from litestar.response import Redirect, Template
 from msgspec import Struct
+from sqlalchemy import Engine
 
+from switchyard.admin.dependencies import AdminDependencies
 from switchyard.admin.session import (
     CONSOLE_EXCEPTION_HANDLERS,
     LOGIN_PATH,
@@ -23,7 +26,7 @@ from switchyard.admin.session import (
     secure_request,
     security_headers,
 )
-from switchyard.gateway.runtime import GatewayRuntime
+from switchyard.settings import Settings
 from switchyard.store.admin_users import close_session, open_session, verify_password
 from switchyard.store.db import session_scope
 
@@ -41,16 +44,6 @@ def _safe_next(target: str) -> str:
     return "/admin/"
 
 
-def _throttle(request: Request[Any, Any, Any]) -> LoginThrottle:
-    state = request.app.state
-    throttle: LoginThrottle | None = getattr(state, "login_throttle", None)
-    if throttle is None:
-        settings = state.runtime.settings
-        throttle = state.login_throttle = LoginThrottle(settings.console_login_attempts,
-                                                        settings.console_login_window_s)
-    return throttle
-
-
 def _form(next_: str, error: str | None = None, username: str = "", status: int = 200,
           headers: dict[str, str] | None = None) -> Template:
     return Template(template_name="admin/login.html.j2", status_code=status, headers={**SECURITY_HEADERS,
@@ -65,23 +58,23 @@ async def login_form(next_page: Annotated[str, QueryParameter(name="next")] = "/
 
 @post(LOGIN_PATH, include_in_schema=False)
 async def login(request: Request[Any, Any, Any],
-                data: Annotated[LoginForm, Body(media_type=RequestEncodingType.URL_ENCODED)]) -> Response[Any]:
+                data: Annotated[LoginForm, Body(media_type=RequestEncodingType.URL_ENCODED)],
+                settings: NamedDependency[Settings], db: NamedDependency[Engine],
+                throttle: NamedDependency[LoginThrottle]) -> Response[Any]:
     """Check the password (rate-limited per username and per address); on success set the session cookie."""
-    runtime: GatewayRuntime = request.app.state.runtime
     client = request.client.host if request.client is not None else "?"
     keys = (f"user:{data.username.lower()}", f"addr:{client}")
-    throttle = _throttle(request)
     wait = throttle.retry_after(keys)
     if wait > 0:
         return _form(data.next, f"Too many failed logins. Try again in {int(wait) + 1} s.", data.username,
                      status=429, headers={"Retry-After": str(int(wait) + 1)})
 
     def check() -> str | None:
-        with session_scope(runtime.engine) as session:
+        with session_scope(db) as session:
             user = verify_password(session, data.username, data.password)
             if user is None:
                 return None
-            return open_session(session, user, timedelta(seconds=runtime.settings.console_session_ttl_s), client)
+            return open_session(session, user, timedelta(seconds=settings.console_session_ttl_s), client)
 
     token = await anyio.to_thread.run_sync(check)
     if token is None:
@@ -89,20 +82,19 @@ async def login(request: Request[Any, Any, Any],
         return _form(data.next, "Wrong username or password.", data.username, status=401)
     throttle.succeeded(keys[:1])
     cookie = Cookie(key=SESSION_COOKIE, value=token, path="/admin", httponly=True, samesite="lax",
-                    secure=secure_request(runtime.settings, request),
-                    max_age=int(runtime.settings.console_session_ttl_s))
+                    secure=secure_request(settings, request),
+                    max_age=int(settings.console_session_ttl_s))
     return Redirect(path=_safe_next(data.next), status_code=303, cookies=[cookie], headers=SECURITY_HEADERS)
 
 
 @post("/logout", name="admin:logout", include_in_schema=False)
-async def logout(request: Request[Any, Any, Any]) -> Response[Any]:
+async def logout(request: Request[Any, Any, Any], db: NamedDependency[Engine]) -> Response[Any]:
     """End this session everywhere and go back to the login form."""
-    runtime: GatewayRuntime = request.app.state.runtime
     token = request.cookies.get(SESSION_COOKIE, "")
     current_user(request)  # the guard let a live session in
 
     def close() -> None:
-        with session_scope(runtime.engine) as session:
+        with session_scope(db) as session:
             close_session(session, token)
 
     await anyio.to_thread.run_sync(close)
@@ -111,5 +103,12 @@ async def logout(request: Request[Any, Any, Any]) -> Response[Any]:
     return response
 
 
-login_router = Router(path="/", route_handlers=[login_form, login], after_request=security_headers,
-                      exception_handlers=CONSOLE_EXCEPTION_HANDLERS)
+def login_router(dependencies: AdminDependencies) -> Router:
+    """The login form's routes (outside the console's guard), given ``dependencies`` and this app's login
+    throttle (failed logins are counted per process)."""
+    settings = dependencies.settings
+    throttle = LoginThrottle(settings.console_login_attempts, settings.console_login_window_s)
+    return Router(path="/", route_handlers=[login_form, login], after_request=security_headers,
+                  exception_handlers=CONSOLE_EXCEPTION_HANDLERS,
+                  dependencies={**dependencies.providers(),
+                                "throttle": Provide(lambda: throttle, use_cache=True, sync_to_thread=False)})

@@ -12,16 +12,19 @@ from typing import Annotated, Any
 
 import msgspec
 from litestar import Request, Response, get, post
+from litestar.di import NamedDependency
 from litestar.openapi.spec import OpenAPIType, Schema
 from litestar.params import PathParameter, QueryParameter
+from sqlalchemy import Engine
 from sqlmodel import Session
 
 from switchyard.admin import openapi_docs as docs
-from switchyard.admin.common import in_db, json_body, origin_of, runtime_of
+from switchyard.admin.common import in_db, json_body, origin_of
+from switchyard.admin.dependencies import PolicyChanged
 from switchyard.api.errors import ApiError, BadRequest
 from switchyard.api.openapi import admin_operation, json_request_body, obj, ok
 from switchyard.decide.policy_tests import compile_checked
-from switchyard.gateway.runtime import GatewayRuntime
+from switchyard.gateway.policy_state import PolicyHolder
 from switchyard.policy import PolicyError, policy_sha256, read_policy_file
 from switchyard.policy.diff import diff_documents
 from switchyard.settings import Settings
@@ -88,9 +91,8 @@ def _rejected(error: PolicyError) -> Response[dict[str, Any]]:
                      "issues": [i.as_dict() for i in error.issues]}, status_code=422)
 
 
-def refuse_in_file_mode(runtime: GatewayRuntime) -> None:
+def refuse_in_file_mode(settings: Settings) -> None:
     """Raise :class:`Conflict` when the policy file is the truth (``policy_source=file``)."""
-    settings = runtime.settings
     if settings.policy_source == "file":
         raise Conflict(f"policy_source is file: {settings.policy_file} is the truth, so the policy changes only "
                        "through that file", code="policy_source_is_file")
@@ -99,27 +101,27 @@ def refuse_in_file_mode(runtime: GatewayRuntime) -> None:
 Written = tuple[PolicyVersionPublic, bool]
 
 
-async def write_version(runtime: GatewayRuntime, write: Callable[[Session], Written]) -> Written:
+async def write_version(db: Engine, policy_changed: PolicyChanged, write: Callable[[Session], Written]) -> Written:
     """Publish (or roll back) through ``write``; returns the active version and whether it is new.
 
-    This process switches over before returning; the other replicas hear of the version through
-    the store (NOTIFY on PostgreSQL, and their poll).
+    This process switches over before returning (``policy_changed``); the other replicas hear of the
+    version through the store (NOTIFY on PostgreSQL, and their poll).
 
     Raises:
         PolicyError: the document is invalid (nothing written).
     """
-    row, created = await in_db(runtime, write)
+    row, created = await in_db(db, write)
     if created:
-        await runtime.policy_changed()
+        await policy_changed()
     return row, created
 
 
-async def _write_version(runtime: GatewayRuntime,
+async def _write_version(db: Engine, policy_changed: PolicyChanged,
                          write: Callable[[Session], tuple[PolicyVersionPublic, bool]]) -> Response[dict[str, Any]]:
     """Publish (or roll back) through ``write``: 201 with the new version, 200 when its content was
     already active, 422 with every issue when it is invalid (nothing written)."""
     try:
-        row, created = await write_version(runtime, write)
+        row, created = await write_version(db, policy_changed, write)
     except PolicyError as error:
         return _rejected(error)
     return Response({"created": created, "version": _meta(row)}, status_code=201 if created else 200)
@@ -145,10 +147,9 @@ def _version_ref(session: Session, ref: str) -> tuple[str, str]:
 @get("/policy", operation_id="adminPolicy",
      operation_class=admin_operation(ok("The active version, and what this process serves.", docs.POLICY),
                                      404))
-async def policy_overview(request: Request[Any, Any, Any]) -> dict[str, Any]:
+async def policy_overview(settings: NamedDependency[Settings], db: NamedDependency[Engine],
+                          policy: NamedDependency[PolicyHolder]) -> dict[str, Any]:
     """The active version (metadata and text), what this process serves, and drift from the file."""
-    runtime = runtime_of(request)
-    settings = runtime.settings
 
     def read(session: Session) -> dict[str, Any]:
         row = active_version(session)
@@ -157,8 +158,8 @@ async def policy_overview(request: Request[Any, Any, Any]) -> dict[str, Any]:
         file = policy_file_state(settings) if settings.policy_source == "file" else None
         return {"active": _meta(row), "text": row.yaml_text, "file": file}
 
-    found = await in_db(runtime, read)
-    snapshot = runtime.policy.snapshot
+    found = await in_db(db, read)
+    snapshot = policy.snapshot
     file = found["file"]
     return {
         "policy_source": settings.policy_source,
@@ -167,7 +168,7 @@ async def policy_overview(request: Request[Any, Any, Any]) -> dict[str, Any]:
         "serving": {"version": snapshot.label, "sha256": snapshot.sha256},
         "file": file,
         "matches_file": None if file is None else file["sha256"] == found["active"]["sha256"],
-        "rejected": _rejected_state(runtime),
+        "rejected": _rejected_state(policy),
     }
 
 
@@ -181,9 +182,8 @@ def policy_file_state(settings: Settings) -> dict[str, Any]:
     return file
 
 
-def _rejected_state(runtime: GatewayRuntime) -> dict[str, Any] | None:
+def _rejected_state(holder: PolicyHolder) -> dict[str, Any] | None:
     """The document this process last rejected (where from, every issue), if one is outstanding."""
-    holder = runtime.policy
     if holder.last_error is None:
         return None
     return {"source": holder.error_source, "issues": [i.as_dict() for i in holder.last_error.issues]}
@@ -191,26 +191,26 @@ def _rejected_state(runtime: GatewayRuntime) -> dict[str, Any] | None:
 
 @get("/policy/versions", operation_id="adminPolicyVersions",
      operation_class=admin_operation(ok("Versions, newest first.", docs.VERSIONS), 400))
-async def versions(request: Request[Any, Any, Any], limit: Limit = 50) -> dict[str, Any]:
+async def versions(db: NamedDependency[Engine], limit: Limit = 50) -> dict[str, Any]:
     """Versions, newest first."""
-    rows = await in_db(runtime_of(request), lambda s: list_versions(s, limit))
+    rows = await in_db(db, lambda s: list_versions(s, limit))
     return {"versions": [_meta(r) for r in rows]}
 
 
 @get("/policy/versions/{number:int}", operation_id="adminPolicyVersion",
      operation_class=admin_operation(ok("The version and its text.", docs.VERSION_WITH_TEXT), 400, 404))
-async def version(request: Request[Any, Any, Any], number: Id) -> dict[str, Any]:
+async def version(db: NamedDependency[Engine], number: Id) -> dict[str, Any]:
     """One version: metadata and its YAML text."""
     def read(session: Session) -> dict[str, Any]:
         row = get_version(session, number)
         return {**_meta(row), "text": row.yaml_text}
 
-    return await in_db(runtime_of(request), read)
+    return await in_db(db, read)
 
 
 @get("/policy/diff", operation_id="adminPolicyDiff",
      operation_class=admin_operation(ok("What changes.", docs.DIFF), 400, 404))
-async def diff(request: Request[Any, Any, Any],
+async def diff(db: NamedDependency[Engine],
                from_: Annotated[str, QueryParameter(name="from", schema_extra={"pattern": _VERSION_REF})],
                to: Annotated[str, QueryParameter(name="to", schema_extra={"pattern": _VERSION_REF})] = "active",
                ) -> dict[str, Any]:
@@ -220,7 +220,7 @@ async def diff(request: Request[Any, Any, Any],
         return {"from": old_label, "to": new_label,
                 **diff_documents(old_text, new_text, old_label, new_label).as_dict()}
 
-    return await in_db(runtime_of(request), compare)
+    return await in_db(db, compare)
 
 
 async def _document(request: Request[Any, Any, Any]) -> str:
@@ -236,7 +236,7 @@ async def _document(request: Request[Any, Any, Any]) -> str:
 @post("/policy/validate", operation_id="adminPolicyValidate", status_code=200,
       operation_class=admin_operation(ok("Whether the document is valid, and why not.", docs.VALIDATION),
                                       400, 413, body=docs.VALIDATE_BODY))
-async def validate(request: Request[Any, Any, Any]) -> dict[str, Any]:
+async def validate(request: Request[Any, Any, Any], db: NamedDependency[Engine]) -> dict[str, Any]:
     """Check a document (schema, references, policy tests) without writing anything.
 
     The body is the YAML itself or ``{"yaml": ...}``. A valid document comes back with what
@@ -253,21 +253,22 @@ async def validate(request: Request[Any, Any, Any]) -> dict[str, Any]:
         return {"valid": True, "issues": [], "sha256": snapshot.sha256, "changes_from_active": changes}
 
     try:
-        return await in_db(runtime_of(request), check)
+        return await in_db(db, check)
     except PolicyError as error:
         return {"valid": False, "issues": [i.as_dict() for i in error.issues]}
 
 
 @post("/policy/versions", operation_id="adminPolicyPublish",
       operation_class=admin_operation(docs.WRITTEN_RESPONSES, 400, 409, 413, 422, body=docs.PUBLISH_BODY))
-async def publish_version(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+async def publish_version(request: Request[Any, Any, Any], settings: NamedDependency[Settings],
+                          db: NamedDependency[Engine],
+                          policy_changed: NamedDependency[PolicyChanged]) -> Response[dict[str, Any]]:
     """Validate a document and make it the active version (201; 200 when it is the active content).
 
     The body: ``{"yaml": "<the document>", "message": "why", "author": "who"}``. An invalid
     document is answered 422 with every issue (path, line, message), and nothing is written.
     """
-    runtime = runtime_of(request)
-    refuse_in_file_mode(runtime)
+    refuse_in_file_mode(settings)
     data = await json_body(request, PublishRequest)
     origin = origin_of(request)
 
@@ -275,18 +276,19 @@ async def publish_version(request: Request[Any, Any, Any]) -> Response[dict[str,
         return publish(session, data.yaml, source="api", author=data.author or "api", message=data.message,
                        origin=origin, document="<request>")
 
-    return await _write_version(runtime, write)
+    return await _write_version(db, policy_changed, write)
 
 
 @post("/policy/rollback", operation_id="adminPolicyRollback",
       operation_class=admin_operation(docs.WRITTEN_RESPONSES, 400, 404, 409, 413, 422, body=ROLLBACK_BODY))
-async def rollback_version(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+async def rollback_version(request: Request[Any, Any, Any], settings: NamedDependency[Settings],
+                           db: NamedDependency[Engine],
+                           policy_changed: NamedDependency[PolicyChanged]) -> Response[dict[str, Any]]:
     """Make an earlier version's content active again, as a new version (201; 200 when it already is).
 
     The body: ``{"version": 5, "message": "why", "author": "who"}``.
     """
-    runtime = runtime_of(request)
-    refuse_in_file_mode(runtime)
+    refuse_in_file_mode(settings)
     data = await json_body(request, RollbackRequest)
     if not data.version.is_integer():
         raise BadRequest(f"version must be a whole number, got {data.version}", param="version")
@@ -296,14 +298,14 @@ async def rollback_version(request: Request[Any, Any, Any]) -> Response[dict[str
     def write(session: Session) -> tuple[PolicyVersionPublic, bool]:
         return rollback(session, number, author=data.author or "api", message=data.message, origin=origin)
 
-    return await _write_version(runtime, write)
+    return await _write_version(db, policy_changed, write)
 
 
 @get("/policy/audit", operation_id="adminPolicyAudit",
      operation_class=admin_operation(ok("The policy's audit entries, newest first.", docs.EVENTS), 400))
-async def audit(request: Request[Any, Any, Any], limit: Limit = 50) -> dict[str, Any]:
+async def audit(db: NamedDependency[Engine], limit: Limit = 50) -> dict[str, Any]:
     """The policy's entries in the audit log, newest first."""
-    rows = await in_db(runtime_of(request), lambda s: list_events(s, limit, action="policy."))
+    rows = await in_db(db, lambda s: list_events(s, limit, action="policy."))
     return {"events": [r.model_dump(mode="json") for r in rows]}
 
 

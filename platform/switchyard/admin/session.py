@@ -1,11 +1,11 @@
 """Who is using the console: session cookies, roles on every route, login throttling, CSRF settings
 and the security headers of console pages.
 
-Every console route sits behind :func:`console_guard`: no session, no page (a browser is sent to
-the login form, htmx gets ``HX-Redirect``). A route's ``opt={"role": ...}`` names the least role
-that may use it (``viewer`` when unset). The JSON admin API (``/admin/api``) does not take
-cookies at all: it wants the admin token (:func:`switchyard.admin.common.admin_token_guard`), so
-no browser can be tricked into calling it and it needs no CSRF token. Console forms and htmx
+Every console route sits behind the guard :func:`console_guard` makes: no session, no page (a
+browser is sent to the login form, htmx gets ``HX-Redirect``). A route's ``opt={"role": ...}``
+names the least role that may use it (``viewer`` when unset). The JSON admin API (``/admin/api``)
+does not take cookies at all: it wants the admin token (:func:`switchyard.admin.common.admin_token_guard`),
+so no browser can be tricked into calling it and it needs no CSRF token. Console forms and htmx
 writes carry Litestar's CSRF token (double-submit cookie signed with the console secret).
 
 The security headers go on every console response however it was made (a page, a guard's redirect, a
@@ -19,6 +19,7 @@ import collections
 import os
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -32,9 +33,9 @@ from litestar.enums import ScopeType
 from litestar.exceptions import NotAuthorizedException, PermissionDeniedException
 from litestar.handlers import BaseRouteHandler
 from litestar.response import Redirect, Template
-from litestar.types import ExceptionHandlersMap, Message, Scope
+from litestar.types import ExceptionHandlersMap, Guard, Message, Scope
+from sqlalchemy import Engine
 
-from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.settings import Settings
 from switchyard.store.admin_users import RANK, ConsoleUser, session_user
 from switchyard.store.db import session_scope
@@ -92,27 +93,33 @@ def secure_request(settings: Settings, connection: ASGIConnection[Any, Any, Any,
     return connection.url.scheme == "https" or forwarded == "https"
 
 
-async def console_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
-    """Let a console request through only with a live session whose role includes the route's."""
-    token = connection.cookies.get(SESSION_COOKIE)
-    runtime: GatewayRuntime = connection.app.state.runtime
-    user: ConsoleUser | None = None
-    if token:
-        def lookup() -> ConsoleUser | None:
-            with session_scope(runtime.engine) as session:
-                return session_user(session, token)
+def console_guard(db: Callable[[], Engine]) -> Guard:
+    """The guard of every console route: a request goes through only with a live session (looked up in the
+    database ``db`` gives) whose role includes the route's."""
 
-        user = await anyio.to_thread.run_sync(lookup)
-    if user is None:
-        raise NotAuthorizedException("log in to use the console")
-    connection.state.console_user = user
-    needed = str((handler.opt or {}).get("role", "viewer"))
-    if RANK[user.role] < RANK[needed]:
-        raise PermissionDeniedException(f"this needs the {needed} role; {user.username} is a {user.role}")
+    async def guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+        token = connection.cookies.get(SESSION_COOKIE)
+        user: ConsoleUser | None = None
+        if token:
+            engine = db()
+
+            def lookup() -> ConsoleUser | None:
+                with session_scope(engine) as session:
+                    return session_user(session, token)
+
+            user = await anyio.to_thread.run_sync(lookup)
+        if user is None:
+            raise NotAuthorizedException("log in to use the console")
+        connection.state.console_user = user
+        needed = str((handler.opt or {}).get("role", "viewer"))
+        if RANK[user.role] < RANK[needed]:
+            raise PermissionDeniedException(f"this needs the {needed} role; {user.username} is a {user.role}")
+
+    return guard
 
 
 def current_user(request: Request[Any, Any, Any]) -> ConsoleUser:
-    """The user :func:`console_guard` let in."""
+    """The user the console's guard (:func:`console_guard`) let in."""
     user: ConsoleUser = request.state.console_user
     return user
 

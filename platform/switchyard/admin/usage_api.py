@@ -15,10 +15,12 @@ from typing import Any
 
 import msgspec
 from litestar import Request, get, put
+from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery
+from sqlalchemy import Engine
 
 from switchyard.admin import openapi_docs as docs
-from switchyard.admin.common import in_db, json_body, origin_of, runtime_of
+from switchyard.admin.common import in_db, json_body, origin_of
 from switchyard.admin.policy_api import Author, Id, Limit
 from switchyard.api.openapi import admin_operation, ok
 from switchyard.store.audit import list_events
@@ -43,20 +45,19 @@ class RegionBody(msgspec.Struct, forbid_unknown_fields=True):
 
 @get("/usage", operation_id="adminUsage",
      operation_class=admin_operation(ok("Ledger rows and their totals.", docs.USAGE), 400, 404))
-async def usage_report(request: Request[Any, Any, Any], tenant: FromQuery[str | None] = None,
+async def usage_report(db: NamedDependency[Engine], tenant: FromQuery[str | None] = None,
                        model: FromQuery[str | None] = None, since: FromQuery[date | None] = None,
                        until: FromQuery[date | None] = None) -> dict[str, Any]:
     """The usage ledger: rows per UTC day, tenant, key and model, and their totals."""
-    report = await in_db(runtime_of(request), lambda s: usage(s, tenant=tenant, model=model, since=since,
-                                                              until=until))
+    report = await in_db(db, lambda s: usage(s, tenant=tenant, model=model, since=since, until=until))
     return report.model_dump(mode="json")
 
 
-async def _set(request: Request[Any, Any, Any], *, tenant: str | None = None,
+async def _set(request: Request[Any, Any, Any], db: Engine, *, tenant: str | None = None,
                key_id: int | None = None) -> dict[str, Any]:
     data = await json_body(request, LimitsBody)
     origin = origin_of(request)
-    checked = await in_db(runtime_of(request), lambda s: set_limits(
+    checked = await in_db(db, lambda s: set_limits(
         s, tenant=tenant, key_id=key_id, limits=data.limits, actor=data.author or "api", origin=origin))
     return {"limits": None if checked is None else checked.model_dump(exclude_unset=True)}
 
@@ -64,27 +65,29 @@ async def _set(request: Request[Any, Any, Any], *, tenant: str | None = None,
 @put("/tenants/{name:str}/limits", operation_id="adminTenantLimits",
      operation_class=admin_operation(ok("The override now.", docs.LIMITS), 400, 404, 413,
                                      body=docs.LIMITS_BODY))
-async def tenant_limits(request: Request[Any, Any, Any], name: FromPath[str]) -> dict[str, Any]:
+async def tenant_limits(request: Request[Any, Any, Any], db: NamedDependency[Engine],
+                        name: FromPath[str]) -> dict[str, Any]:
     """Set (or clear, with ``{"limits": null}``) a tenant's override of its tier's limits."""
-    return await _set(request, tenant=name)
+    return await _set(request, db, tenant=name)
 
 
 @put("/keys/{key_id:int}/limits", operation_id="adminKeyLimits",
      operation_class=admin_operation(ok("The override now.", docs.LIMITS), 400, 404, 413,
                                      body=docs.LIMITS_BODY))
-async def key_limits(request: Request[Any, Any, Any], key_id: Id) -> dict[str, Any]:
+async def key_limits(request: Request[Any, Any, Any], db: NamedDependency[Engine], key_id: Id) -> dict[str, Any]:
     """Set (or clear) an API key's own limits, charged on top of its tenant's."""
-    return await _set(request, key_id=key_id)
+    return await _set(request, db, key_id=key_id)
 
 
 @put("/tenants/{name:str}/region", operation_id="adminTenantRegion",
      operation_class=admin_operation(ok("The home region now.", docs.TENANT_REGION), 400, 404, 413,
                                      body=docs.REGION_BODY))
-async def tenant_region(request: Request[Any, Any, Any], name: FromPath[str]) -> dict[str, Any]:
+async def tenant_region(request: Request[Any, Any, Any], db: NamedDependency[Engine],
+                        name: FromPath[str]) -> dict[str, Any]:
     """Set (or clear, with ``{"region": null}``) a tenant's home region, used by its keys that have none."""
     data = await json_body(request, RegionBody)
     origin = origin_of(request)
-    record = await in_db(runtime_of(request), lambda s: set_tenant_region(
+    record = await in_db(db, lambda s: set_tenant_region(
         s, name, data.region, actor=data.author or "api", origin=origin))
     return {"region": record.region}
 
@@ -92,22 +95,22 @@ async def tenant_region(request: Request[Any, Any, Any], name: FromPath[str]) ->
 @put("/keys/{key_id:int}/region", operation_id="adminKeyRegion",
      operation_class=admin_operation(ok("The key's region and the home region it routes by.",
                                         docs.KEY_REGION), 400, 404, 413, body=docs.REGION_BODY))
-async def key_region(request: Request[Any, Any, Any], key_id: Id) -> dict[str, Any]:
+async def key_region(request: Request[Any, Any, Any], db: NamedDependency[Engine], key_id: Id) -> dict[str, Any]:
     """Set (or clear) an API key's own home region; ``home_region`` is what routing then prefers
     (the key's own, else its tenant's)."""
     data = await json_body(request, RegionBody)
     origin = origin_of(request)
-    record = await in_db(runtime_of(request), lambda s: set_key_region(
+    record = await in_db(db, lambda s: set_key_region(
         s, key_id, data.region, actor=data.author or "api", origin=origin))
     return {"region": record.region, "home_region": record.home_region}
 
 
 @get("/audit", operation_id="adminAudit",
      operation_class=admin_operation(ok("Audit entries, newest first.", docs.EVENTS), 400))
-async def audit_log(request: Request[Any, Any, Any], limit: Limit = 50,
+async def audit_log(db: NamedDependency[Engine], limit: Limit = 50,
                     action: FromQuery[str | None] = None) -> dict[str, Any]:
     """The whole audit log (policy changes, limit overrides, ...), newest first; ``action`` filters by prefix."""
-    rows = await in_db(runtime_of(request), lambda s: list_events(s, limit, action=action))
+    rows = await in_db(db, lambda s: list_events(s, limit, action=action))
     return {"events": [r.model_dump(mode="json") for r in rows]}
 
 

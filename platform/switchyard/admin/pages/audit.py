@@ -7,12 +7,12 @@ from typing import Any
 from urllib.parse import urlencode
 
 from litestar import get
+from litestar.di import NamedDependency
 from litestar.params import FromQuery
-from litestar.plugins.htmx import HTMXRequest
 from litestar.response import Template
+from sqlalchemy import Engine
 
 from switchyard.admin.common import in_db
-from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.store.audit import list_events
 
 TEMPLATE = "admin/audit.html.j2"
@@ -34,10 +34,10 @@ def _whole(raw: str | None, label: str, low: int, high: int) -> tuple[int | None
 
 
 @get("/audit", name="admin:audit", include_in_schema=False)
-async def audit_page(request: HTMXRequest, action: FromQuery[str | None] = None, actor: FromQuery[str | None] = None,
-                     limit: FromQuery[str | None] = None, before: FromQuery[str | None] = None) -> Template:
+async def audit_page(db: NamedDependency[Engine], action: FromQuery[str | None] = None,
+                     actor: FromQuery[str | None] = None, limit: FromQuery[str | None] = None,
+                     before: FromQuery[str | None] = None) -> Template:
     """Audit events newest first; ``action`` and ``actor`` filter by prefix, ``before`` pages back (ids below it)."""
-    runtime: GatewayRuntime = request.app.state.runtime
     action = (action or "").strip()
     actor = (actor or "").strip()
     size, size_error = _whole(limit, "Limit", 1, MAX_LIMIT)
@@ -49,8 +49,8 @@ async def audit_page(request: HTMXRequest, action: FromQuery[str | None] = None,
                                "max_limit": MAX_LIMIT, "default_limit": DEFAULT_LIMIT, "before": before_id}
     if error is not None:
         return Template(template_name=TEMPLATE, status_code=400, context=context)
-    rows = await in_db(runtime, lambda s: list_events(s, count + 1, action=action or None, actor=actor or None,
-                                                      before_id=before_id))
+    rows = await in_db(db, lambda s: list_events(s, count + 1, action=action or None, actor=actor or None,
+                                                 before_id=before_id))
     more = len(rows) > count
     rows = rows[:count]
     kept = {k: v for k, v in filters.items() if v}

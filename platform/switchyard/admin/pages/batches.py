@@ -16,12 +16,14 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 from litestar import Response, get, post
+from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery
 from litestar.plugins.htmx import HTMXRequest, HTMXTemplate
 from litestar.response import Redirect, Template
+from sqlalchemy import Engine
 from sqlmodel import Session
 
-from switchyard.admin.common import PageError, in_db, runtime_of
+from switchyard.admin.common import PageError, in_db
 from switchyard.admin.session import console_origin, current_user
 from switchyard.api.errors import ApiError
 from switchyard.store import errors as store_errors
@@ -113,7 +115,7 @@ def _read_list(session: Session, status: str, tenant: str, before: str, limit: i
 
 
 @get("/batches", name="admin:batches", include_in_schema=False)
-async def batches_page(request: HTMXRequest, status: FromQuery[str | None] = None,
+async def batches_page(request: HTMXRequest, db: NamedDependency[Engine], status: FromQuery[str | None] = None,
                        tenant: FromQuery[str | None] = None, limit: FromQuery[str | None] = None,
                        before: FromQuery[str | None] = None) -> Template:
     """Every tenant's batches, newest first (or just the table, for htmx polling); a bad filter is a 400."""
@@ -127,8 +129,8 @@ async def batches_page(request: HTMXRequest, status: FromQuery[str | None] = Non
             raise PageError(f"unknown status {filters['status']!r}; a batch is one of: {', '.join(BATCH_STATUSES)}")
     except PageError as exc:
         error = exc.message
-    listing = await in_db(runtime_of(request), lambda s: _read_list(s, "" if error else filters["status"],
-                                                                  filters["tenant"], after, size))
+    listing = await in_db(db, lambda s: _read_list(s, "" if error else filters["status"], filters["tenant"], after,
+                                                   size))
     if error is not None:
         listing.rows, listing.more = [], False
     error = error or listing.error
@@ -187,9 +189,9 @@ def _read_batch(session: Session, batch_id: str) -> dict[str, Any] | None:
     }
 
 
-async def _batch_page(request: HTMXRequest, batch_id: str, *, error: str | None = None,
+async def _batch_page(request: HTMXRequest, db: Engine, batch_id: str, *, error: str | None = None,
                       status: int = 200) -> Template:
-    batch = await in_db(runtime_of(request), lambda s: _read_batch(s, batch_id))
+    batch = await in_db(db, lambda s: _read_batch(s, batch_id))
     can_operate = RANK[current_user(request).role] >= RANK["operator"]
     context = {"batch": batch, "batch_id": batch_id, "error": error, "can_operate": can_operate,
                "failed_shown": FAILED_SHOWN}
@@ -201,13 +203,13 @@ async def _batch_page(request: HTMXRequest, batch_id: str, *, error: str | None 
 
 
 @get("/batches/{batch_id:str}", name="admin:batch", include_in_schema=False)
-async def batch_page(request: HTMXRequest, batch_id: FromPath[str]) -> Template:
+async def batch_page(request: HTMXRequest, db: NamedDependency[Engine], batch_id: FromPath[str]) -> Template:
     """One batch whole (or just its changing part, for htmx polling); 404 when there is no such batch."""
-    return await _batch_page(request, batch_id)
+    return await _batch_page(request, db, batch_id)
 
 
 @post("/batches/{batch_id:str}/cancel", opt={"role": "operator"}, include_in_schema=False)
-async def batch_cancel(request: HTMXRequest, batch_id: FromPath[str]) -> Response[Any]:
+async def batch_cancel(request: HTMXRequest, db: NamedDependency[Engine], batch_id: FromPath[str]) -> Response[Any]:
     """Cancel a running batch for its tenant (audited as ``batch.cancel``), then back to its page."""
     actor, origin = console_origin(request)
 
@@ -225,16 +227,16 @@ async def batch_cancel(request: HTMXRequest, batch_id: FromPath[str]) -> Respons
         return True
 
     try:
-        found = await in_db(runtime_of(request), cancel)
+        found = await in_db(db, cancel)
     except PageError as exc:
-        return await _batch_page(request, batch_id, error=exc.message, status=exc.status)
+        return await _batch_page(request, db, batch_id, error=exc.message, status=exc.status)
     except ApiError as exc:
         if exc.status_code >= 500:
             raise
         status = 409 if isinstance(exc.__context__, store_errors.Conflict) else exc.status_code
-        return await _batch_page(request, batch_id, error=exc.message, status=status)
+        return await _batch_page(request, db, batch_id, error=exc.message, status=status)
     if not found:
-        return await _batch_page(request, batch_id)  # the 404 page
+        return await _batch_page(request, db, batch_id)  # the 404 page
     return Redirect(path=_url(batch_id), status_code=303)
 
 

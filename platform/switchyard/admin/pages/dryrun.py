@@ -15,20 +15,23 @@ from typing import Any
 
 from litestar import get, post
 from litestar.datastructures import FormMultiDict
+from litestar.di import NamedDependency
 from litestar.plugins.htmx import HTMXRequest
 from litestar.response import Template
 from pydantic import ValidationError
+from sqlalchemy import Engine
 from sqlmodel import Session
 
-from switchyard.admin.common import in_db, runtime_of
+from switchyard.admin.common import in_db
 from switchyard.api.errors import ApiError
 from switchyard.api.headers import PRIORITY_HEADER, REGION_HEADER
 from switchyard.decide.dryrun import dry_run
 from switchyard.decide.policy_tests import body_of_request, features_of_request
-from switchyard.gateway.runtime import GatewayRuntime
+from switchyard.gateway.policy_state import PolicyHolder
 from switchyard.policy.policy_tests import PolicyTestRequest
 from switchyard.policy.snapshot import PolicySnapshot
 from switchyard.policy.tiers import Limits
+from switchyard.settings import Settings
 from switchyard.store.models import TenantPublic
 from switchyard.store.tenants import get_tenant, list_tenants
 
@@ -69,19 +72,18 @@ def _choices(snapshot: PolicySnapshot, tenants: list[TenantPublic]) -> dict[str,
     }
 
 
-async def _page(request: HTMXRequest, values: dict[str, str], flags: set[str], status: int = 200,
+async def _page(db: Engine, policy: PolicyHolder, values: dict[str, str], flags: set[str], status: int = 200,
                 error: str | None = None, result: dict[str, Any] | None = None) -> Template:
-    runtime = runtime_of(request)
-    tenants = await in_db(runtime, list_tenants)
-    context = {**_choices(runtime.policy.snapshot, tenants), "values": values, "flags": flags, "error": error,
+    tenants = await in_db(db, list_tenants)
+    context = {**_choices(policy.snapshot, tenants), "values": values, "flags": flags, "error": error,
                "result": result}
     return Template(template_name=TEMPLATE, status_code=status, context=context)
 
 
 @get("/dry-run", name="admin:dry-run", include_in_schema=False)
-async def dry_run_form(request: HTMXRequest) -> Template:
+async def dry_run_form(db: NamedDependency[Engine], policy: NamedDependency[PolicyHolder]) -> Template:
     """The dry-run form."""
-    return await _page(request, dict(DEFAULTS), set())
+    return await _page(db, policy, dict(DEFAULTS), set())
 
 
 def _number(values: dict[str, str], name: str, label: str, kind: type[int] | type[float]) -> Any:
@@ -119,8 +121,8 @@ def _request_of(snapshot: PolicySnapshot, values: dict[str, str], flags: set[str
                                  f"{e['msg']}" for e in invalid.errors())) from None
 
 
-async def _who(runtime: GatewayRuntime, values: dict[str, str]) -> Who:
-    snapshot = runtime.policy.snapshot
+async def _who(db: Engine, policy: PolicyHolder, values: dict[str, str]) -> Who:
+    snapshot = policy.snapshot
     name = values["tenant"]
     if name:
         def lookup(session: Session) -> Who:
@@ -129,7 +131,7 @@ async def _who(runtime: GatewayRuntime, values: dict[str, str]) -> Who:
             return Who(tenant.name, tenant.tier, tenant.region, limits)
 
         try:
-            who = await in_db(runtime, lookup)
+            who = await in_db(db, lookup)
         except ApiError:
             raise BadInput(f"unknown tenant {name!r}") from None
         if who.tier not in snapshot.tiers:
@@ -153,29 +155,29 @@ def _values(form: FormMultiDict) -> tuple[dict[str, str], set[str]]:
 
 
 @post("/dry-run", include_in_schema=False, status_code=200)
-async def dry_run_submit(request: HTMXRequest) -> Template:
+async def dry_run_submit(request: HTMXRequest, settings: NamedDependency[Settings], db: NamedDependency[Engine],
+                         policy: NamedDependency[PolicyHolder]) -> Template:
     """Run the dry-run of the form's request and show every decision (400 with the form when it is wrong)."""
-    runtime = runtime_of(request)
-    snapshot = runtime.policy.snapshot  # read once: the whole answer comes from one policy version
+    snapshot = policy.snapshot  # read once: the whole answer comes from one policy version
     values, flags = _values(await request.form())
     try:
-        who = await _who(runtime, values)
+        who = await _who(db, policy, values)
         test_request = _request_of(snapshot, values, flags, who.tier)
     except BadInput as bad:
-        return await _page(request, values, flags, status=400, error=str(bad))
+        return await _page(db, policy, values, flags, status=400, error=str(bad))
     features = features_of_request(test_request)
     body = body_of_request(test_request)
     if "stream" in flags:
         body["stream"] = True
     # The gateway's own decisions, with the tenant's limit override and the models' tokenizers.
-    run = dry_run(snapshot, who.tier, features, strategy=runtime.settings.picker, priority=test_request.priority,
-                  key_region=who.region, gateway_region=runtime.settings.region, body=body,
-                  tenant=who.tenant or "dry-run", tenant_limits=who.limits, counters=runtime.policy.counters)
+    run = dry_run(snapshot, who.tier, features, strategy=settings.picker, priority=test_request.priority,
+                  key_region=who.region, gateway_region=settings.region, body=body,
+                  tenant=who.tenant or "dry-run", tenant_limits=who.limits, counters=policy.counters)
     prompt_tokens = run.prompt_tokens if run.prompt_tokens is not None else features.prompt_tokens
     result = {"run": run, "who": who, "policy": snapshot.label, "prompt_tokens": prompt_tokens,
               "max_tokens": features.max_tokens, "estimated_tokens": run.estimated_tokens, "charges": run.charges,
               "stream": "stream" in flags, "cache_rules": bool(snapshot.document.cache)}
-    return await _page(request, values, flags, result=result)
+    return await _page(db, policy, values, flags, result=result)
 
 
 ROUTES: list[Any] = [dry_run_form, dry_run_submit]

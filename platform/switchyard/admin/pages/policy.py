@@ -8,13 +8,16 @@ before it is published. With ``policy_source=file`` the page is read-only.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, get_args
 
 import anyio.to_thread
 from litestar import get
+from litestar.di import NamedDependency, Provide
 from litestar.params import FromPath
 from litestar.plugins.htmx import HTMXRequest, HTMXTemplate
 from litestar.response import Template
+from sqlalchemy import Engine
 from sqlmodel import Session
 
 from switchyard.admin.common import in_db
@@ -22,11 +25,12 @@ from switchyard.admin.policy_api import policy_file_state
 from switchyard.admin.session import current_user
 from switchyard.decide.policy_tests import run_policy_tests
 from switchyard.figures import duration
-from switchyard.gateway.runtime import GatewayRuntime
+from switchyard.gateway.policy_state import PolicyHolder
 from switchyard.policy import PolicyIssue
 from switchyard.policy.diff import plain_data
 from switchyard.policy.load import parse_yaml
 from switchyard.policy.tiers import Limits
+from switchyard.settings import Settings
 from switchyard.store import errors as store_errors
 from switchyard.store.policy_versions import active_version, list_versions
 
@@ -44,6 +48,19 @@ FORMS = {
 SPARE_STEPS = 2
 
 
+@dataclass(frozen=True, slots=True)
+class PolicyPages:
+    """What the policy pages read (injected as ``pages``, made of the console's own dependencies)."""
+
+    settings: NamedDependency[Settings]
+    policy: NamedDependency[PolicyHolder]
+    db: NamedDependency[Engine]
+
+
+#: The ``dependencies`` of a policy page's handler: its :class:`PolicyPages`.
+PAGES_DEPENDENCY = {"pages": Provide(PolicyPages, sync_to_thread=False)}
+
+
 def active_text(session: Session) -> str:
     """The active version's YAML text (what the forms and the editor start from)."""
     row = active_version(session)
@@ -54,9 +71,8 @@ def active_text(session: Session) -> str:
 
 # --- what the page shows -------------------------------------------------------------------------
 
-def _can_write(request: HTMXRequest) -> bool:
-    runtime: GatewayRuntime = request.app.state.runtime
-    return runtime.settings.policy_source != "file" and current_user(request).may("operator")
+def _can_write(request: HTMXRequest, settings: Settings) -> bool:
+    return settings.policy_source != "file" and current_user(request).may("operator")
 
 
 def fmt_duration(seconds: float | None) -> str:
@@ -175,29 +191,28 @@ def _notes(query: Any) -> list[str]:
     return notes
 
 
-def base_context(request: HTMXRequest) -> dict[str, Any]:
+def base_context(request: HTMXRequest, pages: PolicyPages) -> dict[str, Any]:
     """What every policy page's template is given: settings, the active snapshot, what the user may do."""
-    runtime: GatewayRuntime = request.app.state.runtime
-    return {"settings": runtime.settings, "snapshot": runtime.policy.snapshot,
-            "file_mode": runtime.settings.policy_source == "file", "can_write": _can_write(request),
+    settings = pages.settings
+    return {"settings": settings, "snapshot": pages.policy.snapshot,
+            "file_mode": settings.policy_source == "file", "can_write": _can_write(request, settings),
             # the candidate-check view's replay panel (pages.policy_replay): operators, drafts in file mode too
             "can_replay": current_user(request).may("operator"),
             "fmt_duration": fmt_duration, "fmt_value": fmt_value}
 
 
-async def file_state(runtime: GatewayRuntime) -> dict[str, Any] | None:
+async def file_state(pages: PolicyPages) -> dict[str, Any] | None:
     """With ``policy_source=file``: the file's state and whether it matches the active version; else None."""
-    if runtime.settings.policy_source != "file":
+    if pages.settings.policy_source != "file":
         return None
-    file = await anyio.to_thread.run_sync(policy_file_state, runtime.settings)
-    return {**file, "matches": file["sha256"] == runtime.policy.snapshot.sha256}
+    file = await anyio.to_thread.run_sync(policy_file_state, pages.settings)
+    return {**file, "matches": file["sha256"] == pages.policy.snapshot.sha256}
 
 
-@get("/policy", name="admin:policy", include_in_schema=False)
-async def policy_page(request: HTMXRequest) -> Template:
+@get("/policy", name="admin:policy", include_in_schema=False, dependencies=PAGES_DEPENDENCY)
+async def policy_page(request: HTMXRequest, pages: NamedDependency[PolicyPages]) -> Template:
     """The active document by section, its tests, the edit forms and the history."""
-    runtime: GatewayRuntime = request.app.state.runtime
-    snapshot = runtime.policy.snapshot
+    snapshot = pages.policy.snapshot
     query = request.query_params
 
     def read(session: Session) -> dict[str, Any]:
@@ -206,35 +221,34 @@ async def policy_page(request: HTMXRequest) -> Template:
         return {"versions": list_versions(session, HISTORY), "tests": run_policy_tests(snapshot),
                 **_forms_context(text, query)}
 
-    context = base_context(request) | await in_db(runtime, read)
+    context = base_context(request, pages) | await in_db(pages.db, read)
     document = snapshot.document
     context |= {
-        "file": await file_state(runtime),
+        "file": await file_state(pages),
         "notes": _notes(query),
-        "policy_error": runtime.policy.last_error,
-        "policy_error_source": runtime.policy.error_source,
+        "policy_error": pages.policy.last_error,
+        "policy_error_source": pages.policy.error_source,
         "resilience": _flatten(document.resilience.model_dump(mode="json")),
         "priority_rows": [(name, cls, snapshot.engine_priority[name]) for name, cls in document.priorities.items()],
     }
     return Template(template_name=PAGE, context=context)
 
 
-@get("/policy/forms/{kind:str}", include_in_schema=False, opt={"role": "operator"})
-async def policy_form(request: HTMXRequest, kind: FromPath[str]) -> Template:
+@get("/policy/forms/{kind:str}", include_in_schema=False, opt={"role": "operator"}, dependencies=PAGES_DEPENDENCY)
+async def policy_form(request: HTMXRequest, pages: NamedDependency[PolicyPages], kind: FromPath[str]) -> Template:
     """One edit form, for the tier, model or cache rule the query names (htmx swaps it in on a change)."""
     if kind not in FORMS:
-        return refused_page(request, 404, f"there is no {kind!r} form")
-    runtime: GatewayRuntime = request.app.state.runtime
+        return refused_page(request, pages, 404, f"there is no {kind!r} form")
     query = request.query_params
-    context = await in_db(runtime, lambda session: _forms_context(active_text(session), query))
-    return HTMXTemplate(template_name=FORMS[kind], context=base_context(request) | context)
+    context = await in_db(pages.db, lambda session: _forms_context(active_text(session), query))
+    return HTMXTemplate(template_name=FORMS[kind], context=base_context(request, pages) | context)
 
 
-def refused_page(request: HTMXRequest, status: int, reason: str,
+def refused_page(request: HTMXRequest, pages: PolicyPages, status: int, reason: str,
                  issues: list[PolicyIssue] | None = None) -> Template:
     """The page that says why a form or an edit was refused (and the issues, where the policy gate gave some)."""
     return Template(template_name=REFUSED, status_code=status,
-                    context=base_context(request) | {"reason": reason, "issues": issues or []})
+                    context=base_context(request, pages) | {"reason": reason, "issues": issues or []})
 
 
 ROUTES: list[Any] = [policy_page, policy_form]

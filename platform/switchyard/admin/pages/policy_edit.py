@@ -17,17 +17,25 @@ from typing import Any
 
 from litestar import get, post
 from litestar.datastructures import FormMultiDict
+from litestar.di import NamedDependency
 from litestar.plugins.htmx import HTMXRequest, HTMXTemplate
 from litestar.response import Redirect, Response, Template
 from sqlmodel import Session
 
 from switchyard.admin.common import in_db
-from switchyard.admin.pages.policy import active_text, base_context, file_state, refused_page
+from switchyard.admin.dependencies import PolicyChanged
+from switchyard.admin.pages.policy import (
+    PAGES_DEPENDENCY,
+    PolicyPages,
+    active_text,
+    base_context,
+    file_state,
+    refused_page,
+)
 from switchyard.admin.policy_api import refuse_in_file_mode, write_version
 from switchyard.admin.session import console_origin
 from switchyard.api.errors import ApiError
 from switchyard.decide.policy_tests import PolicyTestResult, compile_checked, run_policy_tests
-from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy import PolicyError, PolicyIssue, compile_policy
 from switchyard.policy.diff import PolicyDiff, diff_documents
 from switchyard.policy.edit import set_cache_rule, set_model_fallback, set_tier_limits
@@ -93,36 +101,34 @@ def text_of(form: FormMultiDict) -> str:
 
 # --- the editor -----------------------------------------------------------------------------------
 
-async def _editor(request: HTMXRequest, text: str, *, heading: str = "Edit the policy", message: str = "",
-                  note: str | None = None, refused: str | None = None, status: int = 200) -> Template:
+async def _editor(request: HTMXRequest, pages: PolicyPages, text: str, *, heading: str = "Edit the policy",
+                  message: str = "", note: str | None = None, refused: str | None = None,
+                  status: int = 200) -> Template:
     """The editor and review view of a candidate: its text, validation, diff and tests."""
-    runtime: GatewayRuntime = request.app.state.runtime
-    check = await in_db(runtime, lambda session: check_candidate(session, text))
-    context = base_context(request) | {
+    check = await in_db(pages.db, lambda session: check_candidate(session, text))
+    context = base_context(request, pages) | {
         "text": text, "check": check, "heading": heading, "message": message, "note": note, "refused": refused,
-        "file": await file_state(runtime),
+        "file": await file_state(pages),
     }
     return Template(template_name=EDITOR, context=context, status_code=status)
 
 
-@get("/policy/edit", include_in_schema=False)
-async def policy_editor(request: HTMXRequest) -> Template:
+@get("/policy/edit", include_in_schema=False, dependencies=PAGES_DEPENDENCY)
+async def policy_editor(request: HTMXRequest, pages: NamedDependency[PolicyPages]) -> Template:
     """The YAML editor on the active version's text."""
-    runtime: GatewayRuntime = request.app.state.runtime
-    text = await in_db(runtime, active_text)
-    return await _editor(request, text)
+    text = await in_db(pages.db, active_text)
+    return await _editor(request, pages, text)
 
 
-@post("/policy/validate", include_in_schema=False, status_code=200)
-async def policy_validate(request: HTMXRequest) -> Template:
+@post("/policy/validate", include_in_schema=False, status_code=200, dependencies=PAGES_DEPENDENCY)
+async def policy_validate(request: HTMXRequest, pages: NamedDependency[PolicyPages]) -> Template:
     """Check a candidate (writes nothing): the validation partial for htmx, else the whole editor."""
     form = await request.form()
     text = text_of(form)
     if not request.htmx:
-        return await _editor(request, text, message=str(form.get("message", "")))
-    runtime: GatewayRuntime = request.app.state.runtime
-    check = await in_db(runtime, lambda session: check_candidate(session, text))
-    return HTMXTemplate(template_name=VALIDATION, context=base_context(request) | {"check": check})
+        return await _editor(request, pages, text, message=str(form.get("message", "")))
+    check = await in_db(pages.db, lambda session: check_candidate(session, text))
+    return HTMXTemplate(template_name=VALIDATION, context=base_context(request, pages) | {"check": check})
 
 
 # --- structured edits: a candidate, never a publish ------------------------------------------------
@@ -146,57 +152,61 @@ def _names_list(text: str) -> list[str] | None:
     return names or None
 
 
-async def _edit(request: HTMXRequest, edit: Callable[[str], MergedText], heading: str, message: str) -> Template:
-    runtime: GatewayRuntime = request.app.state.runtime
+async def _edit(request: HTMXRequest, pages: PolicyPages, edit: Callable[[str], MergedText], heading: str,
+                message: str) -> Template:
     try:
-        refuse_in_file_mode(runtime)
-        active = await in_db(runtime, active_text)
+        refuse_in_file_mode(pages.settings)
+        active = await in_db(pages.db, active_text)
     except ApiError as error:
-        return refused_page(request, error.status_code, error.message)
+        return refused_page(request, pages, error.status_code, error.message)
     try:
         merged = edit(active)
     except PolicyError as error:  # it names what is not there
-        return refused_page(request, 404, "the edit could not be applied to the active version", error.issues)
+        return refused_page(request, pages, 404, "the edit could not be applied to the active version",
+                            error.issues)
     note = "Not published yet: review the candidate below, then publish it."
     if not merged.kept_layout:
         note += " (The document's comments and layout could not be kept for this edit.)"
-    return await _editor(request, merged.text, heading=heading, message=message, note=note)
+    return await _editor(request, pages, merged.text, heading=heading, message=message, note=note)
 
 
-@post("/policy/edit/tier-limits", include_in_schema=False, status_code=200, opt={"role": "operator"})
-async def edit_tier_limits(request: HTMXRequest) -> Template:
+@post("/policy/edit/tier-limits", include_in_schema=False, status_code=200, opt={"role": "operator"},
+      dependencies=PAGES_DEPENDENCY)
+async def edit_tier_limits(request: HTMXRequest, pages: NamedDependency[PolicyPages]) -> Template:
     """A candidate with one tier's ``limits`` changed (an empty field removes that limit)."""
     form = await request.form()
     tier = str(form.get("tier", ""))
     limits = {name: _number(str(form.get(name, ""))) for name in Limits.model_fields}
-    return await _edit(request, lambda text: set_tier_limits(text, tier, limits),
+    return await _edit(request, pages, lambda text: set_tier_limits(text, tier, limits),
                        f"Review: limits of tier {tier}", f"tier {tier}: limits")
 
 
-@post("/policy/edit/fallback", include_in_schema=False, status_code=200, opt={"role": "operator"})
-async def edit_fallback(request: HTMXRequest) -> Template:
+@post("/policy/edit/fallback", include_in_schema=False, status_code=200, opt={"role": "operator"},
+      dependencies=PAGES_DEPENDENCY)
+async def edit_fallback(request: HTMXRequest, pages: NamedDependency[PolicyPages]) -> Template:
     """A candidate with one model's fallback chain replaced (in the order given; blank steps dropped)."""
     form = await request.form()
     model = str(form.get("model", ""))
     chain = [s for s in (str(v).strip() for v in form.getall("fallback", [])) if s]
-    return await _edit(request, lambda text: set_model_fallback(text, model, chain),
+    return await _edit(request, pages, lambda text: set_model_fallback(text, model, chain),
                        f"Review: fallback chain of model {model}", f"model {model}: fallback")
 
 
-@post("/policy/edit/cache-rule", include_in_schema=False, status_code=200, opt={"role": "operator"})
-async def edit_cache_rule(request: HTMXRequest) -> Template:
+@post("/policy/edit/cache-rule", include_in_schema=False, status_code=200, opt={"role": "operator"},
+      dependencies=PAGES_DEPENDENCY)
+async def edit_cache_rule(request: HTMXRequest, pages: NamedDependency[PolicyPages]) -> Template:
     """A candidate with one cache rule's main fields changed (an empty field takes the default)."""
     form = await request.form()
     rule = str(form.get("rule", ""))
     if not rule.isdigit():
-        return refused_page(request, 400, "choose a cache rule")
+        return refused_page(request, pages, 400, "choose a cache rule")
     index = int(rule)
     fields = {"mode": str(form.get("mode", "")).strip() or None, "ttl": _number(str(form.get("ttl", ""))),
               "scope": str(form.get("scope", "")).strip() or None,
               "min_similarity": _number(str(form.get("min_similarity", ""))),
               "embedding_pool": str(form.get("embedding_pool", "")).strip() or None}
     match = {key: _names_list(str(form.get(f"match_{key}", ""))) for key in ("models", "routes", "tiers")}
-    return await _edit(request, lambda text: set_cache_rule(text, index, fields, match),
+    return await _edit(request, pages, lambda text: set_cache_rule(text, index, fields, match),
                        f"Review: cache rule #{index + 1}", f"cache rule #{index + 1}")
 
 
@@ -207,10 +217,11 @@ def _done(row: PolicyVersionPublic, created: bool, what: str) -> Redirect:
     return Redirect(path=f"/admin/policy?{key}={row.number}", status_code=303)
 
 
-@post("/policy/publish", include_in_schema=False, status_code=200, opt={"role": "operator"})
-async def policy_publish(request: HTMXRequest) -> Response[Any]:
+@post("/policy/publish", include_in_schema=False, status_code=200, opt={"role": "operator"},
+      dependencies=PAGES_DEPENDENCY)
+async def policy_publish(request: HTMXRequest, pages: NamedDependency[PolicyPages],
+                         policy_changed: NamedDependency[PolicyChanged]) -> Response[Any]:
     """Publish a candidate as the console user; an invalid one is refused (422) and nothing is written."""
-    runtime: GatewayRuntime = request.app.state.runtime
     form = await request.form()
     text, message = text_of(form), str(form.get("message", "")).strip()
     actor, origin = console_origin(request)
@@ -220,42 +231,44 @@ async def policy_publish(request: HTMXRequest) -> Response[Any]:
                        document=CANDIDATE)
 
     try:
-        refuse_in_file_mode(runtime)
-        row, created = await write_version(runtime, write)
+        refuse_in_file_mode(pages.settings)
+        row, created = await write_version(pages.db, policy_changed, write)
     except ApiError as error:
         if error.status_code == 409:
-            return refused_page(request, error.status_code, error.message)
-        return await _editor(request, text, message=message, refused=error.message, status=error.status_code)
+            return refused_page(request, pages, error.status_code, error.message)
+        return await _editor(request, pages, text, message=message, refused=error.message,
+                             status=error.status_code)
     except PolicyError as error:
         count = len(error.issues)
-        return await _editor(request, text, message=message, status=422,
+        return await _editor(request, pages, text, message=message, status=422,
                              refused=f"Not published: the candidate has {count} issue{'s' if count != 1 else ''}; "
                                      "nothing was written.")
     return _done(row, created, "published")
 
 
-@post("/policy/rollback", include_in_schema=False, status_code=200, opt={"role": "operator"})
-async def policy_rollback(request: HTMXRequest) -> Response[Any]:
+@post("/policy/rollback", include_in_schema=False, status_code=200, opt={"role": "operator"},
+      dependencies=PAGES_DEPENDENCY)
+async def policy_rollback(request: HTMXRequest, pages: NamedDependency[PolicyPages],
+                          policy_changed: NamedDependency[PolicyChanged]) -> Response[Any]:
     """Make an earlier version's content active again, as a new version by the console user."""
-    runtime: GatewayRuntime = request.app.state.runtime
     form = await request.form()
     version = str(form.get("version", ""))
     message = str(form.get("message", "")).strip() or None
     if not version.isdigit():
-        return refused_page(request, 400, "choose a version to roll back to")
+        return refused_page(request, pages, 400, "choose a version to roll back to")
     actor, origin = console_origin(request)
 
     def write(session: Session) -> tuple[PolicyVersionPublic, bool]:
         return rollback(session, int(version), author=actor, message=message, origin=origin)
 
     try:
-        refuse_in_file_mode(runtime)
-        row, created = await write_version(runtime, write)
+        refuse_in_file_mode(pages.settings)
+        row, created = await write_version(pages.db, policy_changed, write)
     except ApiError as error:
-        return refused_page(request, error.status_code, error.message)
+        return refused_page(request, pages, error.status_code, error.message)
     except PolicyError as error:
-        return refused_page(request, 422, f"v{version} no longer passes the policy gate; nothing was written",
-                        error.issues)
+        return refused_page(request, pages, 422,
+                            f"v{version} no longer passes the policy gate; nothing was written", error.issues)
     return _done(row, created, "rolled_back")
 
 

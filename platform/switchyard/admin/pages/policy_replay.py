@@ -29,16 +29,19 @@ import anyio
 import anyio.to_process
 import anyio.to_thread
 from litestar import post
-from litestar.datastructures import State
+from litestar.di import NamedDependency
 from litestar.plugins.htmx import HTMXRequest, HTMXTemplate
 from litestar.response import Template
+from sqlalchemy import Engine
 
-from switchyard.admin.common import in_db, runtime_of
+from switchyard.admin.common import in_db
 from switchyard.admin.pages.policy_edit import CANDIDATE, text_of
 from switchyard.decide.pick import Strategy
 from switchyard.decide.policy_tests import compile_checked
 from switchyard.figures import DASH, fixed, percent
+from switchyard.gateway.policy_state import PolicyHolder
 from switchyard.policy import PolicyError, compile_policy
+from switchyard.settings import Settings
 
 if TYPE_CHECKING:
     from sqlmodel import Session
@@ -49,8 +52,6 @@ PANEL = "admin/partials/_policy_replay.html.j2"
 PAGE = "admin/policy_replay.html.j2"
 #: Log entries replayed at most (the newest are kept): bounds the replay to a few seconds.
 MAX_LOG_ENTRIES = 20_000
-#: ``app.state`` key of the limiter that runs one replay at a time in this process.
-LIMITER_KEY = "policy_replay_limiter"
 #: Placement moves listed one by one (the report may list more; the rest are summed).
 TOP_MOVES = 10
 MINUS = "\u2212"
@@ -330,15 +331,6 @@ def _read_log(session: Session, span: timedelta) -> list[LogEntry]:
     return read_log(session, window=span, limit=MAX_LOG_ENTRIES + 1)
 
 
-def _limiter(state: State) -> anyio.CapacityLimiter:
-    """This process's one-replay-at-a-time limiter (made on first use, kept on the app's state)."""
-    limiter = state.get(LIMITER_KEY)
-    if not isinstance(limiter, anyio.CapacityLimiter):
-        limiter = anyio.CapacityLimiter(1)
-        state[LIMITER_KEY] = limiter
-    return limiter
-
-
 def _window_of(value: Any) -> tuple[str, Window] | None:
     key = value if isinstance(value, str) and value else DEFAULT_WINDOW
     return (key, WINDOWS[key]) if key in WINDOWS else None
@@ -353,12 +345,13 @@ def _respond(request: HTMXRequest, text: str, context: dict[str, Any]) -> Templa
 
 
 @post("/policy/replay", include_in_schema=False, status_code=200, opt={"role": "operator"})
-async def policy_replay(request: HTMXRequest) -> Template:
+async def policy_replay(request: HTMXRequest, settings: NamedDependency[Settings], db: NamedDependency[Engine],
+                        policy: NamedDependency[PolicyHolder],
+                        replay_limiter: NamedDependency[anyio.CapacityLimiter]) -> Template:
     """Replay the request log through the serving policy and the posted candidate; the panel (htmx) or a
-    page. Every outcome is a 200 with the panel saying what happened (htmx swaps only 2xx answers)."""
-    runtime = runtime_of(request)
-    settings = runtime.settings
-    active = runtime.policy.snapshot  # read once: the whole comparison is against one version
+    page. Every outcome is a 200 with the panel saying what happened (htmx swaps only 2xx answers).
+    ``replay_limiter`` runs one replay at a time in this process."""
+    active = policy.snapshot  # read once: the whole comparison is against one version
     form = await request.form()
     text = text_of(form)
     chosen = _window_of(form.get("replay_window"))
@@ -374,7 +367,7 @@ async def policy_replay(request: HTMXRequest) -> Template:
         return _respond(request, text, base | {
             "alert": True, "message": f"The candidate is not valid ({count} issue{'s' if count != 1 else ''}), "
                                       "so it was not replayed: fix it first."})
-    entries = await in_db(runtime, lambda session: _read_log(session, window.span))
+    entries = await in_db(db, lambda session: _read_log(session, window.span))
     capped = len(entries) > MAX_LOG_ENTRIES
     entries = entries[-MAX_LOG_ENTRIES:]  # oldest first: keep the newest
     folder = settings.policy_file.resolve().parent  # where relative sim_profile paths start, as the CLI does
@@ -382,8 +375,7 @@ async def policy_replay(request: HTMXRequest) -> Template:
 
     try:
         replayed = await anyio.to_process.run_sync(_replay, (active.text, active.version), text, entries, folder,
-                                                   settings.picker,
-                                                   limiter=_limiter(request.app.state))
+                                                   settings.picker, limiter=replay_limiter)
     except FleetError as error:
         return _respond(request, text, base | {
             "alert": True, "message": f"The replay cannot simulate the policies' engines: {error}. "

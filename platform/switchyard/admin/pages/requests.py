@@ -15,14 +15,16 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 from litestar import get
+from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery
 from litestar.plugins.htmx import HTMXRequest, HTMXTemplate
 from litestar.response import Template
+from sqlalchemy import Engine
 
 from switchyard.admin.common import in_db
 from switchyard.admin.overview import recent_requests, status_filter
-from switchyard.gateway.activity import RECENT
-from switchyard.gateway.runtime import GatewayRuntime
+from switchyard.gateway.activity import RECENT, Activity
+from switchyard.settings import Settings
 from switchyard.store import request_log
 
 #: Rows shown unless ``limit`` says otherwise.
@@ -111,23 +113,23 @@ def _limit(text: str | None) -> int:
     return value
 
 
-async def _from_log(runtime: GatewayRuntime, filters: dict[str, str], limit: int) -> list[dict[str, Any]]:
+async def _from_log(db: Engine, filters: dict[str, str], limit: int) -> list[dict[str, Any]]:
     """Request-log entries matching the page's filters."""
     status = filters["status"]
     wanted = status_filter(status) if status else None  # raises ValueError for a bad one, as the live view does
     text = status.lower()
     by = ({"status_class": int(text[0])} if text.endswith("xx") else {"statuses": [int(text)]} if text.isdigit()
           else {"outcome": text}) if wanted is not None else {}
-    return await in_db(runtime, lambda s: request_log.search(s, tenant=filters["tenant"] or None,
-                                                            model=filters["model"] or None, limit=limit, **by))
+    return await in_db(db, lambda s: request_log.search(s, tenant=filters["tenant"] or None,
+                                                       model=filters["model"] or None, limit=limit, **by))
 
 
 @get("/requests", name="admin:requests", include_in_schema=False)
-async def requests_page(request: HTMXRequest, tenant: FromQuery[str | None] = None,
+async def requests_page(request: HTMXRequest, settings: NamedDependency[Settings], db: NamedDependency[Engine],
+                        activity: NamedDependency[Activity], tenant: FromQuery[str | None] = None,
                         model: FromQuery[str | None] = None, status: FromQuery[str | None] = None,
                         limit: FromQuery[str | None] = None, source: FromQuery[str | None] = None) -> Template:
     """The recent requests, filtered (or just the table, for htmx polling); a bad filter is a 400 page."""
-    runtime: GatewayRuntime = request.app.state.runtime
     filters = {"tenant": (tenant or "").strip(), "model": (model or "").strip(), "status": (status or "").strip(),
                "limit": (limit or "").strip(), "source": (source or "").strip()}
     error: str | None = None
@@ -137,16 +139,16 @@ async def requests_page(request: HTMXRequest, tenant: FromQuery[str | None] = No
             raise ValueError(f"source must be live or log; got {filters['source']!r}")
         count = _limit(filters["limit"])
         if filters["source"] == "log":
-            rows = await _from_log(runtime, filters, count)
+            rows = await _from_log(db, filters, count)
         else:
             rows = [r.as_dict() for r in recent_requests(
-                runtime.activity, tenant=filters["tenant"] or None, model=filters["model"] or None,
+                activity, tenant=filters["tenant"] or None, model=filters["model"] or None,
                 status=filters["status"] or None, limit=count)]
     except ValueError as exc:
         error = str(exc)
     query = urlencode({k: v for k, v in filters.items() if v})
     context = {"filters": filters, "filtered": any(filters[k] for k in ("tenant", "model", "status")),
-               "from_log": filters["source"] == "log", "logging": runtime.settings.request_log,
+               "from_log": filters["source"] == "log", "logging": settings.request_log,
                "records": [_row(r) for r in rows], "error": error, "query": query, "keep": RECENT,
                "default_limit": DEFAULT_LIMIT, "status_options": STATUS_OPTIONS,
                "known_status": any(value == filters["status"] for value, _ in STATUS_OPTIONS)}
@@ -157,12 +159,12 @@ async def requests_page(request: HTMXRequest, tenant: FromQuery[str | None] = No
 
 
 @get("/requests/{request_id:str}", name="admin:request", include_in_schema=False)
-async def request_page(request: HTMXRequest, request_id: FromPath[str]) -> Template:
+async def request_page(db: NamedDependency[Engine], activity: NamedDependency[Activity],
+                       request_id: FromPath[str]) -> Template:
     """One request whole: every field, what it moved on from and its decision trace, from this process's
     memory or else from the request log (404 when neither holds it)."""
-    runtime: GatewayRuntime = request.app.state.runtime
-    record = runtime.activity.get(request_id)
-    row = record.as_dict() if record is not None else await in_db(runtime, lambda s: request_log.find(s, request_id))
+    record = activity.get(request_id)
+    row = record.as_dict() if record is not None else await in_db(db, lambda s: request_log.find(s, request_id))
     if row is None:
         return Template(template_name="admin/requests_detail.html.j2", status_code=404,
                         context={"record": None, "request_id": request_id, "keep": RECENT})

@@ -17,13 +17,23 @@ from typing import Any
 
 from litestar import Response, post
 from litestar.datastructures import FormMultiDict
+from litestar.di import NamedDependency
 from litestar.params import FromPath
 from litestar.plugins.htmx import HTMXRequest
 from litestar.response import Redirect, Template
 from sqlmodel import Session
 
-from switchyard.admin.common import PageError, runtime_of
-from switchyard.admin.pages.tenants import LIMIT_FIELDS, page_db, show_tenant, show_tenants, tenant_url
+from switchyard.admin.common import PageError
+from switchyard.admin.dependencies import KeyChanger
+from switchyard.admin.pages.tenants import (
+    LIMIT_FIELDS,
+    PAGES_DEPENDENCY,
+    TenantPages,
+    page_db,
+    show_tenant,
+    show_tenants,
+    tenant_url,
+)
 from switchyard.admin.session import console_origin
 from switchyard.policy.snapshot import PolicySnapshot
 from switchyard.store.audit import append_event
@@ -80,12 +90,12 @@ def _limits_of(form: FormMultiDict) -> dict[str, Any] | None:
 
 # --- handlers ------------------------------------------------------------------------------------
 
-@post("/tenants", opt={"role": "admin"}, include_in_schema=False)
-async def tenants_create(request: HTMXRequest) -> Response[Any]:
+@post("/tenants", opt={"role": "admin"}, include_in_schema=False, dependencies=PAGES_DEPENDENCY)
+async def tenants_create(request: HTMXRequest, pages: NamedDependency[TenantPages]) -> Response[Any]:
     """Create a tenant in a tier of the active policy (audited as ``tenant.create``)."""
     form = await request.form()
     values = {"name": _text(form, "name"), "tier": _text(form, "tier"), "region": _text(form, "region")}
-    snapshot = runtime_of(request).policy.snapshot
+    snapshot = pages.policy.snapshot
     actor, origin = console_origin(request)
     try:
         name = values["name"]
@@ -101,19 +111,20 @@ async def tenants_create(request: HTMXRequest) -> Response[Any]:
                          detail={"tier": tier, "region": region})
             return tenant
 
-        await page_db(runtime_of(request), create)
+        await page_db(pages.db, create)
     except PageError as exc:
-        return await show_tenants(request, error=exc.message, status=exc.status, values=values)
+        return await show_tenants(request, pages, error=exc.message, status=exc.status, values=values)
     return Redirect(path=tenant_url(name), status_code=303)
 
 
-@post("/tenants/{name:str}/tier", opt={"role": "admin"}, include_in_schema=False)
-async def tenant_tier(request: HTMXRequest, name: FromPath[str]) -> Response[Any]:
+@post("/tenants/{name:str}/tier", opt={"role": "admin"}, include_in_schema=False, dependencies=PAGES_DEPENDENCY)
+async def tenant_tier(request: HTMXRequest, pages: NamedDependency[TenantPages],
+                      change_keys: NamedDependency[KeyChanger], name: FromPath[str]) -> Response[Any]:
     """Move a tenant to another tier of the active policy (audited as ``tenant.tier``)."""
     form = await request.form()
     actor, origin = console_origin(request)
     try:
-        tier = _check_tier(runtime_of(request).policy.snapshot, _text(form, "tier"))
+        tier = _check_tier(pages.policy.snapshot, _text(form, "tier"))
 
         def move(session: Session) -> None:
             previous = get_tenant(session, name).tier
@@ -121,14 +132,15 @@ async def tenant_tier(request: HTMXRequest, name: FromPath[str]) -> Response[Any
             append_event(session, actor=actor, origin=origin, action="tenant.tier", target=f"tenant:{name}",
                          detail={"tier": tier, "previous": previous})
 
-        await page_db(runtime_of(request), move, keys=True)
+        await page_db(pages.db, move, keys=change_keys)
     except PageError as exc:
-        return await show_tenant(request, name, error=exc.message, status=exc.status)
+        return await show_tenant(request, pages, name, error=exc.message, status=exc.status)
     return Redirect(path=tenant_url(name), status_code=303)
 
 
-@post("/tenants/{name:str}/delete", opt={"role": "admin"}, include_in_schema=False)
-async def tenant_delete(request: HTMXRequest, name: FromPath[str]) -> Response[Any]:
+@post("/tenants/{name:str}/delete", opt={"role": "admin"}, include_in_schema=False, dependencies=PAGES_DEPENDENCY)
+async def tenant_delete(request: HTMXRequest, pages: NamedDependency[TenantPages],
+                        change_keys: NamedDependency[KeyChanger], name: FromPath[str]) -> Response[Any]:
     """Delete a tenant with its keys, files, batches, usage and request log (audited as ``tenant.delete``);
     its keys stop working at the next request on every gateway process. The form repeats the name."""
     form = await request.form()
@@ -136,29 +148,30 @@ async def tenant_delete(request: HTMXRequest, name: FromPath[str]) -> Response[A
     try:
         if _text(form, "confirm") != name:
             raise PageError(f"type the tenant's name ({name}) to confirm its deletion")
-        await page_db(runtime_of(request), lambda s: delete_tenant(s, name, actor=actor, origin=origin), keys=True)
+        await page_db(pages.db, lambda s: delete_tenant(s, name, actor=actor, origin=origin), keys=change_keys)
     except PageError as exc:
-        return await show_tenant(request, name, error=exc.message, status=exc.status)
+        return await show_tenant(request, pages, name, error=exc.message, status=exc.status)
     return Redirect(path="/admin/tenants", status_code=303)
 
 
-@post("/tenants/{name:str}/limits", opt={"role": "operator"}, include_in_schema=False)
-async def tenant_limits(request: HTMXRequest, name: FromPath[str]) -> Response[Any]:
+@post("/tenants/{name:str}/limits", opt={"role": "operator"}, include_in_schema=False, dependencies=PAGES_DEPENDENCY)
+async def tenant_limits(request: HTMXRequest, pages: NamedDependency[TenantPages],
+                        name: FromPath[str]) -> Response[Any]:
     """Set or clear a tenant's override of its tier's limits (``store.usage.set_limits`` audits it)."""
     form = await request.form()
     actor, origin = console_origin(request)
     try:
         limits = _limits_of(form)
-        await page_db(runtime_of(request), lambda s: set_limits(s, tenant=name, limits=limits, actor=actor,
-                                                                origin=origin))
+        await page_db(pages.db, lambda s: set_limits(s, tenant=name, limits=limits, actor=actor, origin=origin))
     except PageError as exc:
         values = {f: _text(form, f) for f in LIMIT_FIELDS}
-        return await show_tenant(request, name, error=exc.message, status=exc.status, values=values)
+        return await show_tenant(request, pages, name, error=exc.message, status=exc.status, values=values)
     return Redirect(path=tenant_url(name), status_code=303)
 
 
-@post("/tenants/{name:str}/keys", opt={"role": "admin"}, include_in_schema=False)
-async def tenant_key_create(request: HTMXRequest, name: FromPath[str]) -> Response[Any]:
+@post("/tenants/{name:str}/keys", opt={"role": "admin"}, include_in_schema=False, dependencies=PAGES_DEPENDENCY)
+async def tenant_key_create(request: HTMXRequest, pages: NamedDependency[TenantPages],
+                            name: FromPath[str]) -> Response[Any]:
     """Create a key; the answer is the tenant page with the secret, the only time it is shown."""
     form = await request.form()
     actor, origin = console_origin(request)
@@ -166,7 +179,7 @@ async def tenant_key_create(request: HTMXRequest, name: FromPath[str]) -> Respon
         label = _text(form, "name") or None
         if label is not None and len(label) > KEY_NAME_MAX:
             raise PageError(f"a key's name has at most {KEY_NAME_MAX} characters")
-        region = _check_region(runtime_of(request).policy.snapshot, _text(form, "region"))
+        region = _check_region(pages.policy.snapshot, _text(form, "region"))
 
         def create(session: Session) -> tuple[str, ApiKeyPublic]:
             secret, record = create_key(session, name, label, region)
@@ -174,27 +187,28 @@ async def tenant_key_create(request: HTMXRequest, name: FromPath[str]) -> Respon
                          detail={"tenant": name, "prefix": record.prefix, "name": label, "region": region})
             return secret, record
 
-        secret, record = await page_db(runtime_of(request), create)
+        secret, record = await page_db(pages.db, create)
     except PageError as exc:
-        return await show_tenant(request, name, error=exc.message, status=exc.status)
-    return await show_tenant(request, name, status=201,
+        return await show_tenant(request, pages, name, error=exc.message, status=exc.status)
+    return await show_tenant(request, pages, name, status=201,
                              new_key={"secret": secret, "id": record.id, "prefix": record.prefix,
                                       "name": record.name})
 
 
-async def _key_tenant(request: HTMXRequest, key_id: int) -> str | None:
-    return await page_db(runtime_of(request), lambda s: tenant_of_key(s, key_id))
+async def _key_tenant(pages: TenantPages, key_id: int) -> str | None:
+    return await page_db(pages.db, lambda s: tenant_of_key(s, key_id))
 
 
-async def _key_error(request: HTMXRequest, key_id: int, exc: PageError) -> Template:
-    tenant = await _key_tenant(request, key_id)
+async def _key_error(request: HTMXRequest, pages: TenantPages, key_id: int, exc: PageError) -> Template:
+    tenant = await _key_tenant(pages, key_id)
     if tenant is None:
-        return await show_tenants(request, error=exc.message, status=exc.status)
-    return await show_tenant(request, tenant, error=exc.message, status=exc.status)
+        return await show_tenants(request, pages, error=exc.message, status=exc.status)
+    return await show_tenant(request, pages, tenant, error=exc.message, status=exc.status)
 
 
-@post("/keys/{key_id:int}/revoke", opt={"role": "admin"}, include_in_schema=False)
-async def key_revoke(request: HTMXRequest, key_id: FromPath[int]) -> Response[Any]:
+@post("/keys/{key_id:int}/revoke", opt={"role": "admin"}, include_in_schema=False, dependencies=PAGES_DEPENDENCY)
+async def key_revoke(request: HTMXRequest, pages: NamedDependency[TenantPages],
+                     change_keys: NamedDependency[KeyChanger], key_id: FromPath[int]) -> Response[Any]:
     """Revoke a key for good (audited as ``key.revoke``)."""
     actor, origin = console_origin(request)
 
@@ -205,24 +219,23 @@ async def key_revoke(request: HTMXRequest, key_id: FromPath[int]) -> Response[An
         return record
 
     try:
-        record = await page_db(runtime_of(request), revoke, keys=True)
+        record = await page_db(pages.db, revoke, keys=change_keys)
     except PageError as exc:
-        return await _key_error(request, key_id, exc)
+        return await _key_error(request, pages, key_id, exc)
     return Redirect(path=tenant_url(record.tenant), status_code=303)
 
 
-@post("/keys/{key_id:int}/limits", opt={"role": "operator"}, include_in_schema=False)
-async def key_limits(request: HTMXRequest, key_id: FromPath[int]) -> Response[Any]:
+@post("/keys/{key_id:int}/limits", opt={"role": "operator"}, include_in_schema=False, dependencies=PAGES_DEPENDENCY)
+async def key_limits(request: HTMXRequest, pages: NamedDependency[TenantPages], key_id: FromPath[int]) -> Response[Any]:
     """Set or clear a key's own limits, charged on top of its tenant's (audited by the store)."""
     form = await request.form()
     actor, origin = console_origin(request)
     try:
         limits = _limits_of(form)
-        await page_db(runtime_of(request), lambda s: set_limits(s, key_id=key_id, limits=limits, actor=actor,
-                                                                origin=origin))
-        tenant = await _key_tenant(request, key_id)
+        await page_db(pages.db, lambda s: set_limits(s, key_id=key_id, limits=limits, actor=actor, origin=origin))
+        tenant = await _key_tenant(pages, key_id)
     except PageError as exc:
-        return await _key_error(request, key_id, exc)
+        return await _key_error(request, pages, key_id, exc)
     return Redirect(path=tenant_url(tenant or ""), status_code=303)
 
 

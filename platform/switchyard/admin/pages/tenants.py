@@ -16,19 +16,24 @@ from urllib.parse import quote
 
 import anyio
 from litestar import get
+from litestar.di import NamedDependency, Provide
 from litestar.params import FromPath
 from litestar.plugins.htmx import HTMXRequest
 from litestar.response import Template
+from sqlalchemy import Engine
 from sqlmodel import Session
 
-from switchyard.admin.common import PageError, in_db, runtime_of
+from switchyard.admin.common import PageError, in_db
+from switchyard.admin.dependencies import KeyChanger
 from switchyard.admin.session import current_user
 from switchyard.api.errors import ApiError
 from switchyard.decide.admit import LIMIT_PERIODS, Estimate, LimitCharge, limit_charges
 from switchyard.figures import fixed
-from switchyard.gateway.runtime import GatewayRuntime
+from switchyard.gateway.admission import Admitter
+from switchyard.gateway.policy_state import PolicyHolder
 from switchyard.policy.snapshot import PolicySnapshot
 from switchyard.policy.tiers import Limits
+from switchyard.settings import Settings
 from switchyard.store import errors as store_errors
 from switchyard.store.admin_users import RANK
 from switchyard.store.keys import key_limit_overrides, list_keys
@@ -48,11 +53,25 @@ LIMIT_FIELDS = tuple(LIMIT_PERIODS)
 _PERIOD_WORDS = {60.0: "minute", 86_400.0: "day", 30 * 86_400.0: "30 days"}
 
 
-async def page_db(runtime: GatewayRuntime, work: Callable[[Session], T], *, keys: bool = False) -> T:
+@dataclass(frozen=True, slots=True)
+class TenantPages:
+    """What the tenant pages read (injected as ``pages``, made of the console's own dependencies)."""
+
+    settings: NamedDependency[Settings]
+    policy: NamedDependency[PolicyHolder]
+    db: NamedDependency[Engine]
+    limits: NamedDependency[Admitter]
+
+
+#: The ``dependencies`` of a tenant page's handler: its :class:`TenantPages`.
+PAGES_DEPENDENCY = {"pages": Provide(TenantPages, sync_to_thread=False)}
+
+
+async def page_db(db: Engine, work: Callable[[Session], T], *, keys: KeyChanger | None = None) -> T:
     """``in_db`` with the store's refusals as :class:`PageError` (a duplicate is 409, a missing record 404);
-    ``keys``: a change of what key lookups answer, done once every gateway process dropped it."""
+    ``keys``: a change of what key lookups answer, done through it once every gateway process dropped it."""
     try:
-        return await in_db(runtime, work, keys=keys)
+        return await in_db(db, work, keys=keys)
     except ApiError as exc:
         if exc.status_code >= 500:
             raise
@@ -117,13 +136,12 @@ class _Live:
     note: str | None = None
 
 
-async def _peek(runtime: GatewayRuntime, charges: list[LimitCharge]) -> _Live:
+async def _peek(admitter: Admitter, settings: Settings, charges: list[LimitCharge]) -> _Live:
     """What the limit store's buckets of ``charges`` hold now (changing nothing)."""
     if not charges:
         return _Live()
-    admitter = runtime.admitter
     store = admitter.store
-    if runtime.settings.redis_url is None:
+    if settings.redis_url is None:
         note = "Live counters of this gateway process (no Redis configured: each process counts its own)."
     else:
         note = "Live counters from the shared limit store (Redis)."
@@ -174,10 +192,9 @@ def _drawn(charge: LimitCharge, live: _Live) -> dict[str, Any] | None:
             "percent": min(100.0, 100.0 * used / state.limit) if state.limit else 0.0}
 
 
-async def _tenant_context(request: HTMXRequest, name: str) -> dict[str, Any]:
-    runtime = runtime_of(request)
-    data = await page_db(runtime, lambda s: _read_tenant(s, name))
-    snapshot = runtime.policy.snapshot
+async def _tenant_context(request: HTMXRequest, pages: TenantPages, name: str) -> dict[str, Any]:
+    data = await page_db(pages.db, lambda s: _read_tenant(s, name))
+    snapshot = pages.policy.snapshot
     tenant = data.tenant
     tier = snapshot.tiers.get(tenant.tier)
     override = Limits.model_validate(data.limits) if data.limits is not None else None
@@ -199,7 +216,7 @@ async def _tenant_context(request: HTMXRequest, name: str) -> dict[str, Any]:
     live = _Live()
     if tier is not None:
         base, per_model, key_charges = _charges(snapshot, tenant, override, key_overrides)
-        live = await _peek(runtime, base + per_model + key_charges)
+        live = await _peek(pages.limits, pages.settings, base + per_model + key_charges)
         effective = {c.limit: c for c in base}
         own = override.model_fields_set if override is not None else set()
         for name_, (period, unit) in LIMIT_PERIODS.items():
@@ -243,7 +260,7 @@ async def _tenant_context(request: HTMXRequest, name: str) -> dict[str, Any]:
         "model_rows": model_rows,
         "keys": keys,
         "ledger": {k: _num(v, "spend" if k == "spend_30d" else "tokens") for k, v in ledger.items()},
-        "flush_s": runtime.settings.usage_flush_interval_s,
+        "flush_s": pages.settings.usage_flush_interval_s,
         "live_note": live.note,
         "can_admin": _can(request, "admin"),
         "can_operate": _can(request, "operator"),
@@ -253,30 +270,30 @@ async def _tenant_context(request: HTMXRequest, name: str) -> dict[str, Any]:
     }
 
 
-async def _list_context(request: HTMXRequest) -> dict[str, Any]:
-    runtime = runtime_of(request)
-    context = await page_db(runtime, _read_list)
-    snapshot = runtime.policy.snapshot
+async def _list_context(request: HTMXRequest, pages: TenantPages) -> dict[str, Any]:
+    context = await page_db(pages.db, _read_list)
+    snapshot = pages.policy.snapshot
     return context | {"tiers": list(snapshot.tiers), "regions": list(snapshot.document.regions),
                       "can_admin": _can(request, "admin"), "error": None, "values": {}}
 
 
-async def show_tenants(request: HTMXRequest, *, error: str | None = None, status: int = 200,
+async def show_tenants(request: HTMXRequest, pages: TenantPages, *, error: str | None = None, status: int = 200,
                        values: Mapping[str, str] | None = None) -> Template:
     """The tenant list, with ``error`` (answered with ``status``) and the create form's ``values``."""
-    context = await _list_context(request)
+    context = await _list_context(request, pages)
     context |= {"error": error, "values": dict(values or {})}
     return Template(template_name="admin/tenants.html.j2", context=context, status_code=status)
 
 
-async def show_tenant(request: HTMXRequest, name: str, *, error: str | None = None, status: int = 200,
-                      new_key: Mapping[str, Any] | None = None, values: Mapping[str, str] | None = None) -> Template:
+async def show_tenant(request: HTMXRequest, pages: TenantPages, name: str, *, error: str | None = None,
+                      status: int = 200, new_key: Mapping[str, Any] | None = None,
+                      values: Mapping[str, str] | None = None) -> Template:
     """One tenant's page (the list with the error when there is no such tenant), with ``error``
     (answered with ``status``), a key just created (its secret shown this once) and the forms' ``values``."""
     try:
-        context = await _tenant_context(request, name)
+        context = await _tenant_context(request, pages, name)
     except PageError as exc:  # no such tenant
-        return await show_tenants(request, error=exc.message, status=exc.status)
+        return await show_tenants(request, pages, error=exc.message, status=exc.status)
     context |= {"error": error, "new_key": new_key, "values": dict(values or {})}
     return Template(template_name="admin/tenant.html.j2", context=context, status_code=status)
 
@@ -288,16 +305,16 @@ def tenant_url(name: str) -> str:
 
 # --- handlers ------------------------------------------------------------------------------------
 
-@get("/tenants", name="admin:tenants", include_in_schema=False)
-async def tenants_page(request: HTMXRequest) -> Template:
+@get("/tenants", name="admin:tenants", include_in_schema=False, dependencies=PAGES_DEPENDENCY)
+async def tenants_page(request: HTMXRequest, pages: NamedDependency[TenantPages]) -> Template:
     """Every tenant, and the form that creates one."""
-    return await show_tenants(request)
+    return await show_tenants(request, pages)
 
 
-@get("/tenants/{name:str}", name="admin:tenant", include_in_schema=False)
-async def tenant_page(request: HTMXRequest, name: FromPath[str]) -> Template:
+@get("/tenants/{name:str}", name="admin:tenant", include_in_schema=False, dependencies=PAGES_DEPENDENCY)
+async def tenant_page(request: HTMXRequest, pages: NamedDependency[TenantPages], name: FromPath[str]) -> Template:
     """One tenant: tier, effective limits and their use, keys, and the forms that change them."""
-    return await show_tenant(request, name, status=200)
+    return await show_tenant(request, pages, name, status=200)
 
 
 ROUTES: list[Any] = [tenants_page, tenant_page]

@@ -13,14 +13,17 @@ from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 from litestar import get
+from litestar.di import NamedDependency
 from litestar.params import FromQuery
 from litestar.plugins.htmx import HTMXRequest, HTMXTemplate
 from litestar.response import Template
+from sqlalchemy import Engine
 from sqlmodel import Session
 
 from switchyard.admin.common import in_db
 from switchyard.api.errors import ApiError
-from switchyard.gateway.runtime import GatewayRuntime
+from switchyard.gateway.policy_state import PolicyHolder
+from switchyard.settings import Settings
 from switchyard.store.models import UsageCounts, UsageDailyPublic, UsageReport
 from switchyard.store.tenants import list_tenants
 from switchyard.store.usage import usage
@@ -131,11 +134,11 @@ def _days_param(raw: str | None) -> int:
 
 
 @get("/usage", name="admin:usage", include_in_schema=False)
-async def usage_page(request: HTMXRequest, tenant: FromQuery[str | None] = None,
+async def usage_page(request: HTMXRequest, settings: NamedDependency[Settings], db: NamedDependency[Engine],
+                     policy: NamedDependency[PolicyHolder], tenant: FromQuery[str | None] = None,
                      model: FromQuery[str | None] = None, days: FromQuery[str | None] = None) -> Template:
     """Usage per day, tenant and model over the last ``days`` UTC days (today included)."""
-    runtime: GatewayRuntime = request.app.state.runtime
-    snapshot = runtime.policy.snapshot
+    snapshot = policy.snapshot
     tenant = (tenant or "").strip() or None
     model = (model or "").strip() or None
     error: str | None = None
@@ -150,13 +153,13 @@ async def usage_page(request: HTMXRequest, tenant: FromQuery[str | None] = None,
     tenants: list[str] = []
     if error is None:
         try:
-            report, tenants = await in_db(runtime, lambda s: _read(s, tenant, model, since, until))
+            report, tenants = await in_db(db, lambda s: _read(s, tenant, model, since, until))
         except ApiError as exc:  # an unknown tenant
             if exc.status_code >= 500:
                 raise
             error, status = exc.message, exc.status_code
     if not tenants:
-        tenants = await in_db(runtime, lambda s: [t.name for t in list_tenants(s)])
+        tenants = await in_db(db, lambda s: [t.name for t in list_tenants(s)])
 
     per_day: dict[date, Sums] = {since + timedelta(days=i): Sums() for i in range(n_days)}
     for row in report.rows:
@@ -175,7 +178,7 @@ async def usage_page(request: HTMXRequest, tenant: FromQuery[str | None] = None,
         "by_model": _grouped(report.rows, "model"),
         "totals": totals,
         "chart": chart(days_list),
-        "flush_s": runtime.settings.usage_flush_interval_s,
+        "flush_s": settings.usage_flush_interval_s,
         "error": error,
     }
     if request.htmx and request.htmx.target == "usage-results":
