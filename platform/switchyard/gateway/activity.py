@@ -25,7 +25,7 @@ A record never holds the ``Authorization`` header, an API key, or prompt or answ
 ids, names, numbers and the decision trace's sentences.
 
 What people are shown of them (the summary's rows and rates, sparklines, status filters) is
-:mod:`switchyard.admin.overview`'s: this module keeps the counts and hands them out.
+the console's (``admin.overview``): this module keeps the counts and hands them out.
 """
 
 from __future__ import annotations
