@@ -262,9 +262,9 @@ def _spec(case: Case, nonce: str) -> RequestSpec:
                        Labels(tenant="case", model=case.model, stream=False, extra_body=extra, headers=case.headers))
 
 
-def _plan(trace: list[str]) -> tuple[str, ...]:
+def _plan(trace: list[Any]) -> tuple[str, ...]:
     """The stages of the ``fallback plan: a (pools) → b (pools); ...`` line of a trace."""
-    lines = [line for line in trace if line.startswith("fallback plan: ")]
+    lines = [str(line) for line in trace if str(line).startswith("fallback plan: ")]
     if not lines:
         return ()
     stages = lines[-1][len("fallback plan: "):].split("; ")[0]
@@ -322,6 +322,8 @@ def _gateway(bench: Bench, case: Case, secret: str, body: dict[str, Any]) -> Ver
     return Verdict(served, None if served else answer.status_code,
                    None if served or error is None else error["code"], answer.headers.get("x-switchyard-limit"),
                    record.resolved_model, record.priority, record.pool, record.region, _plan(record.trace))
+
+
 def _dry_run(bench: Bench, case: Case, body: dict[str, Any]) -> Verdict:
     runtime = bench.runtime
     headers = {k.lower(): v for k, v in case.headers.items()}

@@ -41,7 +41,7 @@ LIMIT_PERIODS: dict[str, tuple[float, Unit]] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class LimitCharge:
     """One limit a request is charged against.
 
@@ -65,7 +65,7 @@ class LimitCharge:
     scope: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Estimate:
     """What a request is expected to use."""
 
@@ -244,14 +244,14 @@ def actual_amounts(charges: list[LimitCharge], tokens: int, spend: float) -> dic
 
 # --- the limit store's answer ------------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Reserve:
     """An effect: reserve every charge at once on the executor's limit store; answered with :class:`LimitAnswer`."""
 
     charges: tuple[LimitCharge, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class LimitAnswer:
     """The limit store's answer to a :class:`Reserve`.
 

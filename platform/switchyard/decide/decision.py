@@ -3,11 +3,15 @@
 
 The procedure itself is :mod:`switchyard.decide.procedure`; an executor creates a :class:`Decision` for a
 request and drives the procedure over it.
+
+The decisions' value types here and in the other decision modules are plain (not frozen) slotted
+dataclasses that nothing changes after making them: they are made for every request, and a frozen
+dataclass costs about four times as much to make.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -28,7 +32,7 @@ from switchyard.policy.tiers import Limits
 MAX_PREEMPTIONS = 8
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Caller:
     """Who sends the request, as authentication found it.
 
@@ -49,7 +53,7 @@ class Caller:
     region: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Ask:
     """A request to decide.
 
@@ -76,7 +80,27 @@ class Ask:
 
 # --- effects: what the procedure asks its executor -------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
+class Later:
+    """A trace line put into words only when it is read (most requests' traces never are): ``say(*args)``."""
+
+    __slots__ = ("_args", "_say", "_text")
+
+    def __init__(self, say: Callable[..., str], *args: Any) -> None:
+        self._say = say
+        self._args = args
+        self._text: str | None = None
+
+    def __str__(self) -> str:
+        if self._text is None:
+            self._text = self._say(*self._args)
+        return self._text
+
+
+#: A line of a decision's trace.
+Line = str | Later
+
+
+@dataclass(slots=True)
 class Score:
     """The score of classifier ``name`` for the request (an embedding); answered with a float, or None when
     it cannot be had (its rules then do not match)."""
@@ -85,7 +109,7 @@ class Score:
     features: RequestFeatures
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CacheHit:
     """A response-cache entry for the request: the answer's usage."""
 
@@ -93,48 +117,54 @@ class CacheHit:
     completion_tokens: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class LookupCache:
     """Look the request up in the response cache under ``plan``; answered with a :class:`CacheHit` or None."""
 
     plan: CachePlan
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Retry:
-    """Whether the retry budget lets the ``number``-th try go (the first is always let go, and counted)."""
+    """Whether the retry budget lets a retry go: the ``number``-th try of a dispatch, 2 or more (the first always
+    goes: the executor counts it for its budget when it makes it)."""
 
     number: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Attempt:
-    """Send the request to ``choice`` (of ``stage`` of the plan); answered with :class:`Tried`."""
+    """Send the request to ``choice`` (of ``stage`` of the plan), picked from ``picked`` on the fleet's clock (the
+    pick's stage, for executors that time stages); answered with :class:`Tried`."""
 
     decision: Decision
     stage: Stage
     choice: EndpointChoice
+    picked: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Mark:
-    """A stage ended (``queue``: flow control; ``pick``: an endpoint choice), for executors that time or trace
-    stages; answered with None.
+    """A stage ended (``queue``: flow control; ``pick``: an endpoint choice that is not then tried: none could
+    take the request, or the retry budget was spent), for executors that time or trace stages; answered with
+    None.
 
     Attributes:
         stage: Its name.
         started: The fleet's clock when it began.
-        attributes: What it decided (``switchyard.*`` names, as the trace spans carry them).
-        error: Why it refused, if it did.
+        label: The plan's stage a pick was for.
+        choice: What a pick chose (None: no endpoint could take the request).
+        refusal: Why flow control refused the request, if it did.
     """
 
     stage: Literal["queue", "pick"]
     started: float
-    attributes: Mapping[str, str | float]
-    error: str | None = None
+    label: str = ""
+    choice: EndpointChoice | None = None
+    refusal: Refusal | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Tried:
     """What one try at an endpoint came to.
 
@@ -229,7 +259,7 @@ class Decision:
     tried: Tried | None = None
     preemptions: int = 0
     refusal: Refusal | None = None
-    trace: list[str] = field(default_factory=list)
+    trace: list[Line] = field(default_factory=list)
 
     @property
     def gives_way(self) -> bool:

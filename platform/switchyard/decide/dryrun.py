@@ -295,7 +295,7 @@ def summary(d: Decision) -> DryRun:
     prompt = d.prompt_tokens if d.estimate is not None else None
     common: dict[str, Any] = {"model": model, "priority": priority, "plan": tuple(s.label for s in d.stages),
                               "prompt_tokens": prompt, "estimated_tokens": est, "charges": d.charges,
-                              "trace": tuple(d.trace)}
+                              "trace": tuple(str(line) for line in d.trace)}
     if d.outcome == "refused":
         assert d.refusal is not None
         return DryRun(d.refusal.status, d.refusal.code, limit=d.refusal.limit, **common)

@@ -85,7 +85,7 @@ def predicted_wait_s(pools: Sequence[tuple[QueueView, DrainView, int]], lane: La
     return min(predictions) if predictions else None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class FlowDecision:
     """What flow control does with a newcomer (before any wait).
 
@@ -144,7 +144,7 @@ def plan_flow(snapshot: PolicySnapshot, model: Model, cls: ClassDecision, needed
 
 # --- scheduling: the flow stage of the procedure ---------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Queue:
     """An effect: wait in the queues of ``pools`` until one grants room, the deadline passes or the client
     leaves. The executor answers with :class:`Waited`.
@@ -168,7 +168,7 @@ class Queue:
     deadline_s: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Waited:
     """What became of a :class:`Queue`: granted room, expired, or its client left; after how long."""
 
@@ -176,7 +176,7 @@ class Waited:
     waited_s: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Scheduled:
     """Flow control's answer for a request that may go on.
 
@@ -277,8 +277,9 @@ def steer(choice: EndpointChoice, options: Sequence[Candidate], tried: set[str],
     ``tried``, with room once its yielders are gone, and no more interactive streams in their prefill than
     ``choice``: the newcomer's first engine step would carry theirs) whose youngest yielder was sent last.
     """
-    chosen = Candidate(choice.pool, choice.url)
-    if not fleet.full(chosen, ceiling, now, False):
+    if not any(fleet.yielders(o.url) for o in options):  # no batch work anywhere here: nothing would give way
+        return choice
+    if not fleet.full(Candidate(choice.pool, choice.url), ceiling, now, False):
         return choice
     best: Candidate | None = None
     youngest = -math.inf

@@ -60,7 +60,7 @@ def profile_for(snapshot: PolicySnapshot, model: Model, strategy: Strategy = "pr
     return _BUILTIN if name is None else compiled_profiles(snapshot)[name]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EndpointChoice:
     """The chosen endpoint and why."""
 
@@ -76,13 +76,17 @@ class EndpointChoice:
     @property
     def trace(self) -> str:
         """One line for the decision trace."""
+        return self.describe()
+
+    def describe(self) -> str:
+        """One line for the decision trace: the endpoint, its score and each scorer's, how it was picked."""
         parts = ", ".join(f"{name} {value:.2f}" for name, value in self.parts)
         notes = "".join(f"; {n}" for n in self.notes)
         return (f"endpoint {self.url} of pool {self.pool.name} ({self.pool.region}): score {self.score:.2f}"
                 + (f" ({parts})" if parts else "") + f", {self.picker} of {self.of}{notes}")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Stage:
     """One step of a request's fallback plan: a model and the pools that may serve it."""
 

@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from switchyard.decide.prefix import block_hashes, prompt_text
+from switchyard.decide.sessions import session_key
 from switchyard.decide.views import NO_MEMORY, EndpointView, ScorerMemory
 from switchyard.policy.fleet import Pool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Option:
     """A candidate endpoint and its view."""
 
@@ -40,6 +41,15 @@ class Subject:
     headers: Mapping[str, str] = field(default_factory=dict)
     tenant: str = ""
     _hashes: list[bytes] | None = None
+    #: Session keys already made, by (header, use_user, model): scored, then recorded.
+    _sessions: dict[tuple[str, bool, str], str | None] = field(default_factory=dict)
+
+    def session(self, header: str, use_user: bool, model: str) -> str | None:
+        """The request's session key for ``model`` (:func:`switchyard.decide.sessions.session_key`), made once."""
+        key = (header, use_user, model)
+        if key not in self._sessions:
+            self._sessions[key] = session_key(header, use_user, self.headers, self.body, self.tenant, model)
+        return self._sessions[key]
 
     def hashes(self) -> list[bytes]:
         """The prompt's chained block hashes (:func:`switchyard.decide.prefix.block_hashes`)."""
@@ -48,7 +58,7 @@ class Subject:
         return self._hashes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PickRequest:
     """What the plugins know of the request at one pick.
 

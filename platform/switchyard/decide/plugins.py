@@ -31,7 +31,6 @@ from typing import Any, TypeVar, get_args
 from pydantic import BaseModel
 
 from switchyard.decide.picking import Answer, Filter, Observer, Option, Picker, PickRequest, Scorer
-from switchyard.decide.sessions import session_key
 from switchyard.policy import routing as spec
 
 Plugin = Filter | Scorer | Picker
@@ -222,9 +221,7 @@ class SessionAffinityScorer:
 
     def key(self, request: PickRequest) -> str | None:
         """The request's session under this scorer (None: no session id)."""
-        subject = request.subject
-        return session_key(self._spec.header.lower(), self._spec.use_user, subject.headers, subject.body,
-                           subject.tenant, request.model)
+        return request.subject.session(self._spec.header.lower(), self._spec.use_user, request.model)
 
     def score(self, options: Sequence[Option], request: PickRequest) -> list[float]:
         key = self.key(request)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Generator
+from dataclasses import replace
 from typing import Any
 
 from switchyard.api.headers import CACHE_CONTROL_HEADER, PRIORITY_HEADER, REGION_HEADER
@@ -44,6 +45,7 @@ from switchyard.decide.decision import (
     CacheHit,
     Decision,
     Effect,
+    Later,
     LookupCache,
     Mark,
     Retry,
@@ -52,7 +54,7 @@ from switchyard.decide.decision import (
 )
 from switchyard.decide.features import RequestFeatures, count_prompts
 from switchyard.decide.flow import Scheduled, schedule, steer
-from switchyard.decide.pick import fallback_plan, pick_endpoint, plan_trace, profile_for, usable_stages
+from switchyard.decide.pick import EndpointChoice, fallback_plan, pick_endpoint, plan_trace, profile_for, usable_stages
 from switchyard.decide.picking import PickRequest, Subject
 from switchyard.decide.refusals import Refusal, Refused
 from switchyard.decide.regions import place
@@ -115,12 +117,13 @@ def decide(d: Decision, fleet: FleetView) -> Steps:
         else:
             scheduled = Scheduled(model)
         if isinstance(scheduled, Refusal):
-            yield Mark("queue", started, {"http.response.status_code": scheduled.status}, scheduled.code)
+            yield Mark("queue", started, refusal=scheduled)
             return d.refuse(scheduled)
-        waited_s += scheduled.waited_s
-        d.scheduled = Scheduled(scheduled.model, scheduled.downgraded_from, scheduled.reason, scheduled.note, waited_s)
-        yield Mark("queue", started, {"switchyard.class": d.cls.name,
-                                      "switchyard.queue_ms": round(scheduled.waited_s * 1000, 1)})
+        if waited_s:  # queued again after a preemption: the waits add up
+            scheduled = replace(scheduled, waited_s=waited_s + scheduled.waited_s)
+        waited_s = scheduled.waited_s
+        d.scheduled = scheduled
+        yield Mark("queue", started)
         if scheduled.note is not None:
             d.trace.append(f"flow control: downgraded {scheduled.note}")
         tried = yield from _dispatch(d, fleet)
@@ -202,7 +205,7 @@ def _dispatch(d: Decision, fleet: FleetView) -> Generator[Effect, Any, Tried | N
                                     _needed(ask.features))
     d.stages = stages
     d.trace += skipped
-    d.trace.append(plan_trace(snapshot, stages, d.model.model))
+    d.trace.append(Later(plan_trace, snapshot, stages, d.model.model))
     subject = Subject(ask.body, ask.features.headers, ask.caller.tenant)
     lane, ceiling = klass.lane, klass.dispatch_ceiling
     for stage in stages:
@@ -216,23 +219,22 @@ def _dispatch(d: Decision, fleet: FleetView) -> Generator[Effect, Any, Tried | N
                                    attempts.tried)
             if lane == "interactive" and choice is not None:
                 choice = steer(choice, options, attempts.tried, ceiling, fleet, now)
-            yield Mark("pick", now, {"switchyard.stage": stage.label, "switchyard.endpoint": choice.url,
-                                     "switchyard.pool": choice.pool.name} if choice is not None
-                       else {"switchyard.stage": stage.label, "switchyard.endpoint": "none"})
             if choice is None:
+                yield Mark("pick", now, stage.label)
                 if not any(o.url in attempts.tried for o in options):
                     reason, retry_in = fleet.out_of_service(options, now)
                     attempts.passed_over(stage.label, reason)
                     attempts.retry_in = min(retry_in, attempts.retry_in or retry_in)
                 break
-            if not (yield Retry(attempts.count + 1)):
+            if attempts.count and not (yield Retry(attempts.count + 1)):  # a retry: the budget has the last word
+                yield Mark("pick", now, stage.label, choice)
                 attempts.budget_spent = True
                 break
             attempts.tried.add(choice.url)
             d.stage, d.choice = stage, choice
-            d.trace.append(choice.trace)
+            d.trace.append(Later(EndpointChoice.describe, choice))
             profile.picked(choice.url, request)
-            tried: Tried = yield Attempt(d, stage, choice)
+            tried: Tried = yield Attempt(d, stage, choice, now)
             # (An engine that refused the client's request holds nothing of it: as a failure, for the memory.)
             profile.answered(choice.url, request, "ok" if tried.outcome == "ok" else
                              "preempted" if tried.outcome == "preempted" else "failed")

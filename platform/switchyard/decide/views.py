@@ -19,7 +19,7 @@ from switchyard.policy.fleet import Pool
 from switchyard.policy.tiers import Lane
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Candidate:
     """An endpoint that could serve the request."""
 
@@ -27,7 +27,7 @@ class Candidate:
     url: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EndpointView:
     """What the picker knows of one endpoint.
 

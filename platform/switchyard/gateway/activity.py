@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from switchyard.figures import to_ms, utc_iso
 
 if TYPE_CHECKING:
+    from switchyard.decide.decision import Line
     from switchyard.store.keys import KeyIdentity
 
 #: Seconds of per-second buckets kept (and the longest window a summary covers).
@@ -131,7 +132,7 @@ class RequestRecord:
     deterministic: bool | None = None
     cache: str = "none"
     cache_rule: str | None = None
-    trace: list[str] = field(default_factory=list)
+    trace: list[Line] = field(default_factory=list)
     #: The engine broke the stream off after its first byte (counted as an error).
     broken: bool = False
     #: Called once when the request is finished (its trace span ends there).
@@ -159,7 +160,7 @@ class RequestRecord:
             "cached_tokens": self.cached_tokens, "max_tokens": self.max_tokens,
             "digest": self.digest, "deterministic": self.deterministic, "cache": self.cache,
             "cache_rule": self.cache_rule,
-            "trace": list(self.trace),
+            "trace": [str(line) for line in self.trace],
         }
 
 

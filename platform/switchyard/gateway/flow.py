@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -219,9 +219,10 @@ class FlowController:
         self._yielders.setdefault(url, []).append(yielder)
         return yielder
 
-    def yielder_starts(self, url: str) -> list[float]:
+    def yielder_starts(self, url: str) -> Sequence[float]:
         """When each yielder at ``url`` was sent, oldest first."""
-        return [y.started for y in self._yielders.get(url, ())]
+        at = self._yielders.get(url)
+        return [y.started for y in at] if at else ()
 
     def finished_yielding(self, yielder: Yielder | None) -> None:
         """``yielder``'s request left its endpoint (answered, failed or preempted)."""

@@ -163,20 +163,21 @@ class _Run:
             record.priority = d.cls.name
 
     async def _answer(self, effect: Effect) -> Any:
-        self._sync()
-        if isinstance(effect, Attempt):
-            return await self._attempt(effect)
-        if isinstance(effect, Retry):
-            return self._retry(effect)
-        if isinstance(effect, Mark):
-            self._mark(effect)
+        kind = type(effect)
+        if kind is Attempt:
+            self._sync()  # (a try ends the request's record, with what was decided)
+            return await self._attempt(effect)  # type: ignore[arg-type]
+        if kind is Mark:
+            self._mark(effect)  # type: ignore[arg-type]
             return None
-        if isinstance(effect, Reserve):
-            return await self._reserve(effect)
-        if isinstance(effect, Queue):
-            return await self._queue(effect)
-        if isinstance(effect, LookupCache):
-            return await self._lookup(effect)
+        if kind is Retry:
+            return self._retry(effect)  # type: ignore[arg-type]
+        if kind is Reserve:
+            return await self._reserve(effect)  # type: ignore[arg-type]
+        if kind is Queue:
+            return await self._queue(effect)  # type: ignore[arg-type]
+        if kind is LookupCache:
+            return await self._lookup(effect)  # type: ignore[arg-type]
         assert isinstance(effect, Score), effect
         return await self.runtime.classifiers.score(self.d.snapshot, effect.name, effect.features)
 
@@ -202,6 +203,7 @@ class _Run:
                 effect.charges, d.snapshot.document.resilience.dependencies.redis)
         except ApiError as refused:  # 503: the limit store is unreachable and fails closed
             end(span, {"http.response.status_code": refused.status_code}, refused.code or refused.type)
+            self._sync()
             runtime.finished(self.record, self._asked(), "-", refused.status_code)
             raise
         end(span, None if answer.admitted else {"http.response.status_code": 429},
@@ -216,29 +218,47 @@ class _Run:
         return waited
 
     def _mark(self, mark: Mark) -> None:
-        """A stage of the procedure ended: its trace span (from when it started, on the monotonic clock)."""
-        spans = self.req.trace
-        if spans.enabled:
-            spans.record(mark.stage, mark.started, mark.attributes, mark.error)
-        if mark.stage == "queue" and mark.error is None and self.d.scheduled is not None:
-            assert self.d.cls is not None
-            self.runtime.flow.counted(self.d.cls.name, self.d.scheduled)
+        """A stage of the procedure ended: its trace span (from when it started, on the monotonic clock), and flow
+        control's downgrades counted."""
+        d, spans = self.d, self.req.trace
+        if mark.stage == "queue" and mark.refusal is None and d.scheduled is not None:
+            assert d.cls is not None
+            self.runtime.flow.counted(d.cls.name, d.scheduled)
+        if not spans.enabled:
+            return
+        error = None
+        attributes: dict[str, str | float]
+        if mark.stage == "pick":
+            choice = mark.choice
+            attributes = ({"switchyard.stage": mark.label, "switchyard.endpoint": choice.url,
+                           "switchyard.pool": choice.pool.name} if choice is not None
+                          else {"switchyard.stage": mark.label, "switchyard.endpoint": "none"})
+        elif mark.refusal is not None:
+            attributes, error = {"http.response.status_code": mark.refusal.status}, mark.refusal.code
+        else:
+            assert d.cls is not None and d.scheduled is not None  # noqa: PT018
+            attributes = {"switchyard.class": d.cls.name, "switchyard.queue_ms": round(d.scheduled.waited_s * 1000, 1)}
+        spans.record(mark.stage, mark.started, attributes, error)
 
     def _retry(self, effect: Retry) -> bool:
         runtime = self.runtime
-        retries = self.d.snapshot.document.resilience.retries
-        now = time.monotonic()
-        if effect.number == 1:
-            runtime.retry_budget.request(now, retries)
-            return True
-        if runtime.retry_budget.allow_retry(now, retries):
+        if runtime.retry_budget.allow_retry(time.monotonic(), self.d.snapshot.document.resilience.retries):
             return True
         runtime.metrics.retries_refused.inc()
         return False
 
     async def _attempt(self, effect: Attempt) -> Tried:
         d, runtime = self.d, self.runtime
-        runtime.endpoints.configure(d.snapshot.document.resilience)
+        resilience = d.snapshot.document.resilience
+        runtime.endpoints.configure(resilience)
+        assert d.attempts is not None
+        if d.attempts.count == 1:  # a dispatch's first try: counted for the retry budget
+            runtime.retry_budget.request(time.monotonic(), resilience.retries)
+        spans = self.req.trace
+        if spans.enabled:
+            spans.record("pick", effect.picked, {"switchyard.stage": effect.stage.label,
+                                                 "switchyard.endpoint": effect.choice.url,
+                                                 "switchyard.pool": effect.choice.pool.name})
         headers = self._headers()
         headers[ROUTE_HEADER] = route_header(d, effect)
         tried = await Try(runtime, self.ids, self.req, effect.stage, effect.choice, headers, self.record).send()
