@@ -95,6 +95,18 @@ class UnderSaturationFilter:
 
 # --- scorers ------------------------------------------------------------------------------------
 
+class _Weighted:
+    """A scorer whose weight is the one its spec gives."""
+
+    __slots__ = ()
+    _spec: Any
+
+    @property
+    def weight(self) -> float:
+        """How much its score counts in the profile's weighted mean."""
+        return float(self._spec.weight)
+
+
 def _least_over(values: list[float]) -> list[float]:
     """``(least + 1) / (value + 1)``: 1 for the smallest value, falling towards 0."""
     least = min(values)
@@ -103,15 +115,11 @@ def _least_over(values: list[float]) -> list[float]:
 
 @register(spec.LoadScorer)
 @dataclass(frozen=True, slots=True)
-class LoadScorer:
+class LoadScorer(_Weighted):
     """Fewer requests at the engine score higher."""
 
     _spec: spec.LoadScorer
     name: str = "load"
-
-    @property
-    def weight(self) -> float:
-        return self._spec.weight
 
     def score(self, options: Sequence[Option], request: PickRequest) -> list[float]:
         return _least_over([o.view.load for o in options])
@@ -119,15 +127,11 @@ class LoadScorer:
 
 @register(spec.QueueDepthScorer)
 @dataclass(frozen=True, slots=True)
-class QueueDepthScorer:
+class QueueDepthScorer(_Weighted):
     """Fewer requests waiting inside the engine score higher."""
 
     _spec: spec.QueueDepthScorer
     name: str = "queue-depth"
-
-    @property
-    def weight(self) -> float:
-        return self._spec.weight
 
     def score(self, options: Sequence[Option], request: PickRequest) -> list[float]:
         return [1.0 / (1.0 + o.view.queued) for o in options]
@@ -135,15 +139,11 @@ class QueueDepthScorer:
 
 @register(spec.KvCacheScorer)
 @dataclass(frozen=True, slots=True)
-class KvCacheScorer:
+class KvCacheScorer(_Weighted):
     """More room left in the KV cache (and sequence slots) scores higher."""
 
     _spec: spec.KvCacheScorer
     name: str = "kv-cache"
-
-    @property
-    def weight(self) -> float:
-        return self._spec.weight
 
     def score(self, options: Sequence[Option], request: PickRequest) -> list[float]:
         return [min(1.0, max(0.0, 1.0 - o.view.utilisation)) for o in options]
@@ -151,15 +151,11 @@ class KvCacheScorer:
 
 @register(spec.InflightTokensScorer)
 @dataclass(frozen=True, slots=True)
-class InflightTokensScorer:
+class InflightTokensScorer(_Weighted):
     """Fewer of this gateway's tokens in flight there score higher."""
 
     _spec: spec.InflightTokensScorer
     name: str = "inflight-tokens"
-
-    @property
-    def weight(self) -> float:
-        return self._spec.weight
 
     def score(self, options: Sequence[Option], request: PickRequest) -> list[float]:
         return _least_over([float(o.view.inflight_tokens) for o in options])
@@ -167,7 +163,7 @@ class InflightTokensScorer:
 
 @register(spec.PrefixAffinityScorer)
 @dataclass(frozen=True, slots=True)
-class PrefixAffinityScorer:
+class PrefixAffinityScorer(_Weighted):
     """The share of the prompt's leading blocks an endpoint was sent recently, unless it is busy (herding guard).
 
     Its memory is the executor's :class:`~switchyard.decide.views.PrefixMemory`: after a request was
@@ -176,10 +172,6 @@ class PrefixAffinityScorer:
 
     _spec: spec.PrefixAffinityScorer
     name: str = "prefix-affinity"
-
-    @property
-    def weight(self) -> float:
-        return self._spec.weight
 
     def score(self, options: Sequence[Option], request: PickRequest) -> list[float]:
         if request.alternatives < 2:  # nothing to choose between: the prompt need not even be hashed
@@ -205,7 +197,7 @@ class PrefixAffinityScorer:
 
 @register(spec.SessionAffinityScorer)
 @dataclass(frozen=True, slots=True)
-class SessionAffinityScorer:
+class SessionAffinityScorer(_Weighted):
     """1 for the endpoint that served the request's session last, while it is healthy and has room.
 
     Its memory is the executor's :class:`~switchyard.decide.views.SessionMemory`, keyed per tenant,
@@ -214,10 +206,6 @@ class SessionAffinityScorer:
 
     _spec: spec.SessionAffinityScorer
     name: str = "session-affinity"
-
-    @property
-    def weight(self) -> float:
-        return self._spec.weight
 
     def key(self, request: PickRequest) -> str | None:
         """The request's session under this scorer (None: no session id)."""

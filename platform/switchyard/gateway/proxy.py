@@ -303,7 +303,8 @@ class _Run:
             record.shed = True
         if attempts is not None:
             record_tries(record, attempts, headers)
-        pool = CACHE_POOL if d.hit is None and d.cache is not None and d.estimate is None and d.charges else "-"
+        # A limit that refuses before the request's estimate was made refused a cache hit's charge.
+        pool = CACHE_POOL if refusal.status == 429 and d.estimate is None else "-"
         runtime.finished(record, self._asked(), pool, refusal.status)
         raise refusal_error(refusal, headers)
 
