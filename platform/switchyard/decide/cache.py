@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from switchyard.api.headers import CACHE_CONTROL_HEADER
+from switchyard.decide.admit import spend_of
 from switchyard.policy.cache_rules import CacheRule
+from switchyard.policy.fleet import Model
 from switchyard.policy.snapshot import PolicySnapshot
 
 #: Tokens of :data:`CACHE_CONTROL_HEADER` and what each turns off: (read, write).
@@ -311,3 +313,10 @@ def plan_cache(snapshot: PolicySnapshot, *, kind: RequestKind, model: str, route
             read=read, write=write, trace=trace,
         )
     return None
+
+
+def hit_charge(rule: CacheRule, model: Model, prompt_tokens: int, completion_tokens: int) -> tuple[int, float]:
+    """What a hit of ``rule`` is charged for a cached answer of ``prompt_tokens`` and ``completion_tokens``: the
+    rule's ``hit_charge`` share of its tokens and of its price at ``model``'s rates."""
+    share = rule.hit_charge
+    return round(share * (prompt_tokens + completion_tokens)), share * spend_of(model, prompt_tokens, completion_tokens)

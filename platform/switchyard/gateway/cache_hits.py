@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from litestar import Response
 
 from switchyard.api.headers import CACHE_HEADER, CLASS_HEADER, ROUTE_HEADER
-from switchyard.decide.admit import spend_of
+from switchyard.decide.cache import hit_charge
 from switchyard.decide.decision import Decision
 from switchyard.gateway.activity import CACHE_POOL, RequestRecord
 from switchyard.gateway.admission import Lease
@@ -33,7 +33,6 @@ async def serve_hit(runtime: GatewayRuntime, kind: Kind, body: dict[str, Any], f
     assert decision is not None
     assert cls is not None
     model = decision.model
-    charge = found.plan.rule.hit_charge
     headers = {"x-request-id": rid, CACHE_HEADER: found.header, CLASS_HEADER: cls.trace,
                ROUTE_HEADER: "; ".join([f"model={model.name}",
                                          *([f"route={decision.route}", f"rule={decision.rule}"]
@@ -42,13 +41,13 @@ async def serve_hit(runtime: GatewayRuntime, kind: Kind, body: dict[str, Any], f
                **lease.headers}
     record.served_model, record.pool = model.name, CACHE_POOL
     record.trace.append(f"route: {headers[ROUTE_HEADER]}")
-    spend = charge * spend_of(model, entry.prompt_tokens, entry.completion_tokens, 0)
+    tokens, spend = hit_charge(found.plan.rule, model, entry.prompt_tokens, entry.completion_tokens)
     runtime.usage.record(identity.tenant_id, identity.key_id, model.name, entry.prompt_tokens,
                          entry.completion_tokens, entry.prompt_tokens, spend)
     runtime.metrics.tokens.labels(model.name, "cache_hit").inc(entry.prompt_tokens + entry.completion_tokens)
     runtime.metrics.spend.labels(model.name).inc(spend)
     if lease.reservation is not None:
-        runtime.spawn(lease.settle(round(charge * (entry.prompt_tokens + entry.completion_tokens)), spend))
+        runtime.spawn(lease.settle(tokens, spend))
     response = runtime.cache.hit_response(kind, body, found, headers)
     record.prompt_tokens, record.completion_tokens = entry.prompt_tokens, entry.completion_tokens
     record.cached_tokens = entry.prompt_tokens

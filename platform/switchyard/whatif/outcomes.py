@@ -6,7 +6,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from switchyard.policy.fleet import Model
 from switchyard.sim.chat import render_chat
 from switchyard.sim.tokens import SPECIAL_TOKENS, tokenize
 
@@ -117,10 +116,3 @@ def prompt_ids(body: Mapping[str, Any]) -> list[int]:
     if "messages" in body:
         return render_chat(body["messages"], body.get("tools"), body.get("response_format"))
     return [_BOS, *tokenize(str(body["prompt"]))]
-
-
-def cost_of(model: Model, prompt: int, cached: int, output: int) -> float:
-    """A request's price: uncached and cached prompt tokens and output tokens at the model's rates."""
-    price = model.price
-    cached_rate = price.cached_input_per_mtok if price.cached_input_per_mtok is not None else price.input_per_mtok
-    return ((prompt - cached) * price.input_per_mtok + cached * cached_rate + output * price.output_per_mtok) / 1e6

@@ -37,7 +37,7 @@ from typing import Any, TypeVar, cast
 
 from switchyard.bench.spec import RequestSpec, Workload
 from switchyard.decide.admit import LimitAnswer, LimitCharge, Reserve, actual_amounts, spend_of
-from switchyard.decide.cache import CachePlan
+from switchyard.decide.cache import CachePlan, hit_charge
 from switchyard.decide.decision import Ask, Attempt, CacheHit, Caller, Decision, LookupCache, Retry, Tried
 from switchyard.decide.features import chat_features, completion_features
 from switchyard.decide.flow import Queue, Waited
@@ -49,7 +49,7 @@ from switchyard.sim.request import SimRequest
 from switchyard.state.queues import Ticket
 from switchyard.store.limits import MemoryLimitStore, answer_of, charges_of
 from switchyard.whatif.fleet import Fleet
-from switchyard.whatif.outcomes import ArmResult, ReplayOutcome, cost_of, prompt_ids
+from switchyard.whatif.outcomes import ArmResult, ReplayOutcome, prompt_ids
 from switchyard.whatif.view import ReplayView
 
 #: Simulated seconds between two looks at the queues while requests wait.
@@ -224,13 +224,13 @@ class _Arm:
             assert d.hit is not None
             assert d.model is not None
             assert d.cache is not None
-            model, hit, charge = d.model.model, d.hit, d.cache.rule.hit_charge
+            model, hit = d.model.model, d.hit
             outcome.cache_hit, outcome.model, outcome.pool = True, model.name, "cache"
             outcome.prompt_tokens = outcome.cached_tokens = hit.prompt_tokens
             outcome.output_tokens = hit.completion_tokens
             outcome.ttft_s = outcome.e2e_s = HIT_S
-            outcome.cost = charge * cost_of(model, hit.prompt_tokens, 0, hit.completion_tokens)
-            self._settle(entry, round(charge * (hit.prompt_tokens + hit.completion_tokens)), outcome.cost)
+            tokens, outcome.cost = hit_charge(d.cache.rule, model, hit.prompt_tokens, hit.completion_tokens)
+            self._settle(entry, tokens, outcome.cost)
         elif d.outcome == "refused":
             assert d.refusal is not None
             outcome.status, outcome.code, outcome.limit = d.refusal.status, d.refusal.code, d.refusal.limit
@@ -350,7 +350,7 @@ def _fill(entry: _Running) -> ReplayOutcome:
         outcome.ttft_s = request.first_token_at - outcome.arrival_s
     if request.finished_at is not None:
         outcome.e2e_s = request.finished_at - outcome.arrival_s
-    outcome.cost = cost_of(model, outcome.prompt_tokens, outcome.cached_tokens, outcome.output_tokens)
+    outcome.cost = spend_of(model, outcome.prompt_tokens, outcome.output_tokens, outcome.cached_tokens)
     request.prompt, request.output = [], []  # the outcome is all that is kept
     return outcome
 
