@@ -462,7 +462,7 @@ DRIFT_CASES = {DRIFTS[0]: LONG_PROMPT, DRIFTS[1]: THREE_CHOICES, DRIFTS[2]: TENA
 
 # --- the tests ------------------------------------------------------------------------------------------------
 
-@settings(max_examples=80, deadline=None, derandomize=True, database=None,
+@settings(max_examples=50, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
 @example(case=LONG_PROMPT)
