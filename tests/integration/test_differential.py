@@ -24,6 +24,7 @@ that the comparison fails.
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -59,6 +60,10 @@ from tests.helpers import free_port
 from tests.integration.conftest import ADMIN_AUTH, ADMIN_TOKEN, SIM_TIME_SCALE, SWITCHYARD, stop, wait_http
 from tests.unit.policy.base import to_yaml
 
+#: Generated cases per run: the same 50 every run by default; ``SWITCHYARD_DIFFERENTIAL_EXAMPLES=N`` draws N
+#: random ones instead.
+DEFAULT_EXAMPLES = 50
+EXAMPLES = int(os.environ.get("SWITCHYARD_DIFFERENTIAL_EXAMPLES", DEFAULT_EXAMPLES))
 REGIONS = ("us-east", "eu-west")
 MODELS = ("small", "large")
 #: A model's pool in a region runs on its own simulated engine (one per model and region).
@@ -462,7 +467,7 @@ DRIFT_CASES = {DRIFTS[0]: LONG_PROMPT, DRIFTS[1]: THREE_CHOICES, DRIFTS[2]: TENA
 
 # --- the tests ------------------------------------------------------------------------------------------------
 
-@settings(max_examples=50, deadline=None, derandomize=True, database=None,
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES == DEFAULT_EXAMPLES, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
 @example(case=LONG_PROMPT)
