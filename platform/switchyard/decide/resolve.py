@@ -19,7 +19,7 @@ from switchyard.policy.snapshot import PolicySnapshot
 
 class NeedsScore(Exception):
     """A rule needs the score of a classifier that calls out (an embedding); the procedure asks its executor
-    for it (:class:`switchyard.decide.procedure.Score`) and resolves again with it."""
+    for it (:class:`switchyard.decide.decision.Score`) and resolves again with it."""
 
     def __init__(self, name: str) -> None:
         super().__init__(name)

@@ -1,7 +1,7 @@
 """One try of a request at one endpoint: send it, pass the answer on, or say why to move on.
 
-The decision procedure chose the endpoint (:class:`~switchyard.decide.procedure.Attempt`); a
-:class:`Try` carries it out and answers with :class:`~switchyard.decide.procedure.Tried`. Whatever
+The decision procedure chose the endpoint (:class:`~switchyard.decide.decision.Attempt`); a
+:class:`Try` carries it out and answers with :class:`~switchyard.decide.decision.Tried`. Whatever
 happens, the try is counted once and given back once: at the endpoint (this process's in-flight
 accounting), in flow control (a yielder, an interactive prefill, the pool's service time), in the
 breakers (one trial outcome) and in the metrics. A streamed answer is passed on only once its first

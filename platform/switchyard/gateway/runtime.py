@@ -36,8 +36,9 @@ from switchyard.gateway.retries import RetryBudget
 from switchyard.gateway.stalls import StallSampler
 from switchyard.gateway.tokenizers import TokenizerCache, load_token_counters
 from switchyard.gateway.tracing import Tracing
-from switchyard.gateway.view import LiveView, Memory
+from switchyard.gateway.view import LiveView
 from switchyard.settings import Settings
+from switchyard.state.memory import Memory
 from switchyard.store import db
 from switchyard.store.cache import create_response_cache
 from switchyard.store.key_changes import Propagation, changing_keys, key_marker, libpq_url

@@ -19,18 +19,8 @@ from switchyard.engines.endpoints import EndpointRegistry
 from switchyard.gateway.flow import FlowController
 from switchyard.policy.fleet import Pool
 from switchyard.policy.tiers import Lane
-from switchyard.state.prefix import PrefixIndex
+from switchyard.state.memory import Memory
 from switchyard.state.queues import PoolQueues, ServiceTime
-from switchyard.state.sessions import SessionIndex
-
-
-class Memory:
-    """The stateful scorers' memory in one gateway process: which endpoints hold which prompt blocks, and
-    which endpoint served each session last."""
-
-    def __init__(self) -> None:
-        self.prefixes = PrefixIndex()
-        self.sessions = SessionIndex()
 
 
 class LiveView:

@@ -18,18 +18,9 @@ from switchyard.decide.flow import batch_pool_utilisation
 from switchyard.decide.views import Candidate, EndpointView
 from switchyard.policy.fleet import Pool
 from switchyard.policy.tiers import Lane
-from switchyard.state.prefix import PrefixIndex
+from switchyard.state.memory import Memory
 from switchyard.state.queues import PoolQueues, ServiceTime
-from switchyard.state.sessions import SessionIndex
 from switchyard.whatif.fleet import Fleet
-
-
-class ReplayMemory:
-    """The stateful scorers' memory in a replay (on the simulated clock, as the procedure passes it)."""
-
-    def __init__(self) -> None:
-        self.prefixes = PrefixIndex()
-        self.sessions = SessionIndex()
 
 
 class ReplayView:
@@ -39,7 +30,7 @@ class ReplayView:
         self.fleet = fleet
         self.down = down
         self._clock = clock
-        self.memory = ReplayMemory()
+        self.memory = Memory()  # (its clock is the simulated one the procedure passes)
         #: Breaks ties between equally scored endpoints, reproducibly.
         self.rng: random.Random | None = random.Random(seed)
         self._rotation = 0

@@ -20,9 +20,10 @@ from switchyard.engines.endpoints import EndpointRegistry, EngineSignals
 from switchyard.gateway.attempts import refusal_error
 from switchyard.gateway.flow import FlowController, never
 from switchyard.gateway.metrics import GatewayMetrics
-from switchyard.gateway.view import LiveView, Memory
+from switchyard.gateway.view import LiveView
 from switchyard.policy import PolicySnapshot, compile_policy
 from switchyard.policy.fleet import Model
+from switchyard.state.memory import Memory
 from switchyard.state.queues import Ticket
 from tests.unit.policy.base import base, to_yaml
 
