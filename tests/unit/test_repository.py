@@ -50,7 +50,7 @@ LAYERS: dict[str, set[str]] = {
     # Leaves.
     "policy": set(), "api": set(), "figures": set(), "logs": set(), "resources": set(), "settings": set(),
     # The decisions (pure; the request headers they read are api's names) and the state they read through views.
-    "decide": {"policy", "api"}, "state": {"policy"},
+    "decide": {"policy", "api"}, "state": {"policy", "kvcache"}, "kvcache": set(),
     # What the gateway observes of its engines; the durable state.
     "engines": {"policy"}, "store": {"policy", "decide", "resources"},
     # The product's surfaces: the /v1 path, the Batch API (its lines go through the gateway's path), the console.
