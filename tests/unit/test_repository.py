@@ -49,23 +49,25 @@ def test_platform_is_a_source_root_not_a_package() -> None:
 LAYERS: dict[str, set[str]] = {
     # Leaves.
     "policy": set(), "api": set(), "figures": set(), "logs": set(), "resources": set(), "settings": set(),
+    # The simulated engines' tokenizer and chat template: the simulator serves with them, the gateway routes on them.
+    "simtext": set(),
     # The decisions (pure; the request headers they read are api's names) and the state they read through views.
     "decide": {"policy", "api"}, "state": {"policy", "kvcache"}, "kvcache": set(),
     # What the gateway observes of its engines; the durable state.
     "engines": {"policy"}, "store": {"policy", "decide", "resources"},
     # The product's surfaces: the /v1 path, the Batch API (its lines go through the gateway's path), the console.
-    "gateway": {"api", "decide", "state", "engines", "store", "policy", "figures", "logs", "settings"},
+    "gateway": {"api", "decide", "state", "engines", "store", "policy", "figures", "logs", "settings", "simtext"},
     "batch": {"api", "gateway", "store", "decide", "policy"},
-    "admin": {"api", "gateway", "decide", "engines", "store", "policy", "whatif", "figures", "settings"},
+    "admin": {"api", "gateway", "decide", "engines", "store", "policy", "whatif", "figures", "settings", "simtext"},
     # The composition root assembles the surfaces; the command line reaches everything (lazily).
     "app": {"gateway", "admin", "batch", "api", "settings", "resources"},
     "cli": {"app", "gateway", "admin", "batch", "decide", "state", "engines", "store", "policy", "whatif", "sim",
             "bench", "api", "figures", "logs", "resources", "settings"},
     "__main__": {"cli"},
     # The pre-publish replay: the procedure on the simulator, with bench's workloads and the limit store.
-    "whatif": {"decide", "state", "policy", "sim", "bench", "store", "figures"},
+    "whatif": {"decide", "state", "policy", "sim", "simtext", "bench", "store", "figures"},
     # Tooling: the simulator imports only itself; the bench drives everything as processes, never from inside.
-    "sim": {"figures"}, "bench": {"sim", "figures", "api"},
+    "sim": {"figures", "simtext"}, "bench": {"sim", "simtext", "figures", "api"},
 }
 PLATFORM = ROOT / "platform" / "switchyard"
 

@@ -19,6 +19,6 @@ Owns: what ``switchyard bench`` starts, sends and reports.
 
 Must not touch: the gateway's internals. It talks to gateways and engines only over HTTP, as a
 client would, starts them only through the ``switchyard`` command line, and imports nothing of
-Switchyard's but ``switchyard.sim`` (the tokenizer and chat template, so token counts match the
-simulated engines).
+Switchyard's but ``switchyard.simtext`` (the tokenizer and chat template, so token counts match the
+simulated engines), the simulator's text embedding, ``figures`` and the header names of ``api``.
 """

@@ -1,7 +1,7 @@
 """Prompt text of an exact token count under the simulator's tokenizer, made on demand.
 
 Traces give token counts, never text, so a replay has to invent text: of exactly the right
-length (under ``switchyard.sim.tokens``), equal where the trace says two prompts share a prefix,
+length (under ``switchyard.simtext.tokens``), equal where the trace says two prompts share a prefix,
 and different where it says they do not. Holding that text for a whole trace would take
 hundreds of megabytes (the Mooncake conversation trace is 145 M prompt tokens), so a request
 carries a small recipe (:class:`SynthText`) and its text is built when the request is sent.
@@ -29,8 +29,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from switchyard.sim.chat import render_chat
-from switchyard.sim.tokens import VOCAB_TEXT, count_tokens, filler_ids
+from switchyard.simtext.chat import render_chat
+from switchyard.simtext.tokens import VOCAB_TEXT, count_tokens, filler_ids
 
 Kind = Literal["chat", "completion"]
 
@@ -88,7 +88,7 @@ def unique_key(*parts: object) -> int:
 
 
 def segment_text(key: int, tokens: int, salt: int = 0) -> str:
-    """Text of one segment: exactly ``tokens`` tokens under ``switchyard.sim.tokens``.
+    """Text of one segment: exactly ``tokens`` tokens under ``switchyard.simtext.tokens``.
 
     Args:
         key: The segment key (see :func:`block_key`, :func:`unique_key`).

@@ -8,7 +8,7 @@ A workload is a :class:`Workload` of :class:`RequestSpec` in arrival order. Sour
   :class:`RequestTemplate` (tenants, classes, models, length ranges, shared prefixes);
 - :func:`merge` interleaves several into one schedule.
 
-Prompt text is exact in tokens under ``switchyard.sim.tokens`` and built only when a request is
+Prompt text is exact in tokens under ``switchyard.simtext.tokens`` and built only when a request is
 sent (``RequestSpec.encode``); see ``bench.prompts`` for how shared prefixes stay shared.
 """
 

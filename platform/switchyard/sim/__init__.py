@@ -8,12 +8,13 @@ when KV runs out, and step times from a per-hardware roofline cost model (``prof
 Also fault injection (``/sim/faults`` per engine, and a control server for all the engines of a
 process: ``--control-port``, ``switchyard sim fault``) and a view of the internals (``/sim/state``).
 
-Must not touch: any other switchyard package. It imports only its own modules, the web
+Must not touch: any other switchyard package. It imports only its own modules (and the
+``simtext`` and ``figures`` leaves: its tokenizer and chat template, shared with the gateway), the web
 framework (litestar, uvicorn), msgspec and prometheus_client (and, for calibration and profile
 files, aiohttp and ruamel.yaml), so it can run on its own and be replaced by real vLLM servers
 without anything else noticing.
 
-Layout: ``tokens`` (tokenizer, generated text) · ``chat`` (chat template) · ``kv`` (block
+Layout: the tokenizer, generated text and chat template are ``switchyard.simtext``'s · ``kv`` (block
 pool, prefix cache) · ``request`` / ``core`` (the synchronous scheduler: ``step()``) ·
 ``profiles`` (hardware cost models) · ``runtime`` (the asyncio engine loop on an anchored
 clock) · ``protocol`` / ``responses`` / ``generate`` (the OpenAI surface) · ``metrics`` ·

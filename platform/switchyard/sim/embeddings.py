@@ -38,8 +38,8 @@ import msgspec
 from switchyard.sim.generate import ClientWatch, read_post, send_cut, send_json
 from switchyard.sim.profiles import EngineProfile
 from switchyard.sim.runtime import EngineRuntime
-from switchyard.sim.tokens import SPECIAL_TOKENS, tokenize
 from switchyard.sim.validation import ApiError, Fields, bad, decode_body, invalid, lax_int
+from switchyard.simtext.tokens import SPECIAL_TOKENS, tokenize
 
 Scope = dict[str, Any]
 Receive = Callable[[], Any]

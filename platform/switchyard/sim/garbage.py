@@ -11,7 +11,7 @@ from typing import Any
 
 from switchyard.sim.faults import HUGE_BYTES, FaultMode
 from switchyard.sim.responses import DONE, ChoiceOutput, ResponseShaper, Usage
-from switchyard.sim.tokens import VOCAB_TEXT
+from switchyard.simtext.tokens import VOCAB_TEXT
 
 Send = Callable[[dict[str, Any]], Any]
 

@@ -31,7 +31,7 @@ from switchyard.sim.protocol import (
 from switchyard.sim.request import SimRequest
 from switchyard.sim.responses import DONE, ChoiceOutput, ResponseShaper, Usage
 from switchyard.sim.runtime import Channel, EngineRuntime, Waker
-from switchyard.sim.tokens import VOCAB_TEXT, detokenize
+from switchyard.simtext.tokens import VOCAB_TEXT, detokenize
 
 Scope = dict[str, Any]
 Receive = Callable[[], Any]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from switchyard.sim.tokens import VOCAB_TEXT
+from switchyard.simtext.tokens import VOCAB_TEXT
 
 _ALTERNATIVES = tuple(sorted(VOCAB_TEXT))
 

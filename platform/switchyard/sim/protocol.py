@@ -18,8 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from switchyard.sim.chat import ChatFormatError, render_chat
-from switchyard.sim.tokens import SPECIAL_TOKENS, VOCAB_TEXT, filler_ids, token_hash, tokenize
 from switchyard.sim.validation import (
     ApiError,
     Fields,
@@ -29,6 +27,8 @@ from switchyard.sim.validation import (
     lax_bool,
     lax_int,
 )
+from switchyard.simtext.chat import ChatFormatError, render_chat
+from switchyard.simtext.tokens import SPECIAL_TOKENS, VOCAB_TEXT, filler_ids, token_hash, tokenize
 
 __all__ = ["ApiError", "GenerationSpec", "check_context", "decode_body", "parse_generation",
            "plan_output"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from switchyard.sim.kv import ROOT_HASH, chain_hash
-from switchyard.sim.tokens import filler_ids
+from switchyard.simtext.tokens import filler_ids
 
 
 class Status(enum.Enum):

@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from switchyard.sim.tokens import VOCAB_JSON, detokenize
+from switchyard.simtext.tokens import VOCAB_JSON, detokenize
 
 DONE = b"data: [DONE]\n\n"
 #: The vLLM release whose API the simulator reproduces (also in ``system_fingerprint``).

@@ -14,12 +14,12 @@ from litestar.datastructures import State
 from litestar.handlers import asgi
 from litestar.types import Receive, Scope, Send
 
-from switchyard.sim.chat import ChatFormatError, render_chat
 from switchyard.sim.protocol import check_messages
 from switchyard.sim.responses import VLLM_VERSION
 from switchyard.sim.runtime import EngineRuntime
-from switchyard.sim.tokens import SPECIAL_TOKENS, tokenize
 from switchyard.sim.validation import ApiError, Fields, bad, decode_body, strict_str
+from switchyard.simtext.chat import ChatFormatError, render_chat
+from switchyard.simtext.tokens import SPECIAL_TOKENS, tokenize
 
 _BOS = SPECIAL_TOKENS["<|begin_of_text|>"]
 

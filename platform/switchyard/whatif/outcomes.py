@@ -6,8 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from switchyard.sim.chat import render_chat
-from switchyard.sim.tokens import SPECIAL_TOKENS, tokenize
+from switchyard.simtext.chat import render_chat
+from switchyard.simtext.tokens import SPECIAL_TOKENS, tokenize
 
 #: What the replay leaves out, each with what that means for its figures.
 NOT_MODELLED: tuple[str, ...] = (

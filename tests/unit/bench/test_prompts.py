@@ -14,8 +14,8 @@ from switchyard.bench.prompts import (
     segment_text,
     unique_key,
 )
-from switchyard.sim.chat import render_chat
-from switchyard.sim.tokens import count_tokens, tokenize
+from switchyard.simtext.chat import render_chat
+from switchyard.simtext.tokens import count_tokens, tokenize
 
 
 @pytest.mark.parametrize("tokens", [0, 1, 2, 3, 4, 5, 11, 16, 511, 512, 513, 4096, 70_000, 140_000])

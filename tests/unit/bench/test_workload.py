@@ -23,7 +23,7 @@ from switchyard.bench.workload import (
     poisson,
     prompt_overhead_tokens,
 )
-from switchyard.sim.tokens import count_tokens, tokenize
+from switchyard.simtext.tokens import count_tokens, tokenize
 
 DATA = Path(__file__).parent / "data"
 MOONCAKE = DATA / "mooncake_small.jsonl"

@@ -16,7 +16,7 @@ from switchyard.gateway.cache_assemble import assemble
 from switchyard.gateway.cache_replay import DONE, Kind, for_client, replay
 from switchyard.sim.logprobs import chat_logprobs, completion_logprobs
 from switchyard.sim.responses import ChoiceOutput, ResponseShaper, Usage
-from switchyard.sim.tokens import detokenize, filler_ids
+from switchyard.simtext.tokens import detokenize, filler_ids
 from tests.conformance.observe import assert_shape, shape
 
 # vLLM 0.32's chunk shapes, as the conformance suite checks them against a real server.

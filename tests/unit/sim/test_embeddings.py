@@ -16,7 +16,7 @@ from litestar.testing import AsyncTestClient
 
 from switchyard.sim import EngineConfig, create_engine_app
 from switchyard.sim.embeddings import EMBEDDING_DIM, embed_text, text_features
-from switchyard.sim.tokens import tokenize
+from switchyard.simtext.tokens import tokenize
 
 Client = AsyncTestClient  # type: ignore[type-arg]
 

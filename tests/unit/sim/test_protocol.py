@@ -17,7 +17,7 @@ from switchyard.sim.protocol import (
     parse_generation,
     plan_output,
 )
-from switchyard.sim.tokens import SPECIAL_TOKENS, VOCAB_TEXT, filler_ids, tokenize
+from switchyard.simtext.tokens import SPECIAL_TOKENS, VOCAB_TEXT, filler_ids, tokenize
 
 VOCAB = 128_256
 CONTEXT = 8192

@@ -9,7 +9,7 @@ import pytest
 
 from switchyard.sim.logprobs import chat_logprobs, completion_logprobs, top_logprobs
 from switchyard.sim.responses import ChoiceOutput, ResponseShaper, Usage, system_fingerprint
-from switchyard.sim.tokens import VOCAB_TEXT, filler_ids
+from switchyard.simtext.tokens import VOCAB_TEXT, filler_ids
 
 IDS = filler_ids(11, 0, 4)
 

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from switchyard.bench.spec import WorkloadError
-from switchyard.sim.chat import render_chat
+from switchyard.simtext.chat import render_chat
 from switchyard.whatif import replay_policy
 from switchyard.whatif.logged import DEFAULT_OUTPUT, LogEntry, log_workload
 from switchyard.whatif.outcomes import prompt_ids

@@ -10,7 +10,7 @@ from switchyard.bench.prompts import LiteralText
 from switchyard.bench.spec import Labels, RequestSpec, Workload
 from switchyard.bench.synthetic import RequestTemplate, poisson
 from switchyard.policy import PolicySnapshot, compile_policy
-from switchyard.sim.chat import render_chat
+from switchyard.simtext.chat import render_chat
 from switchyard.whatif import compare_arms, render_report, replay_policy
 from switchyard.whatif.fleet import Fleet, FleetError
 from switchyard.whatif.outcomes import NOT_MODELLED

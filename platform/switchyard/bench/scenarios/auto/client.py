@@ -15,7 +15,7 @@ from switchyard.bench.labelled import LabelledPrompt
 from switchyard.bench.results import Result
 from switchyard.bench.scenarios.auto.policy import ROUTE
 from switchyard.bench.sender import Target, send_one
-from switchyard.sim.tokens import count_tokens
+from switchyard.simtext.tokens import count_tokens
 
 TIER = "pro"
 TENANT = "auto-bench"

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from switchyard.sim.tokens import tokenize
+from switchyard.simtext.tokens import tokenize
 
 #: Tokens one image costs: a 336x336 image in 14x14 patches (CLIP ViT-L/14-336, LLaVA) = 576.
 IMAGE_TOKENS = 576

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from switchyard.sim.chat import IMAGE_TOKENS, render_chat
-from switchyard.sim.tokens import SPECIAL_TOKENS, detokenize, filler_ids, tokenize
+from switchyard.simtext.chat import IMAGE_TOKENS, render_chat
+from switchyard.simtext.tokens import SPECIAL_TOKENS, detokenize, filler_ids, tokenize
 
 ENGLISH = (
     "Switchyard sits in front of the model. The inference engine is an off-the-shelf box "
@@ -22,7 +22,7 @@ ENGLISH = (
 
 
 def test_tokenize_is_deterministic_across_processes() -> None:
-    code = ("from switchyard.sim.tokens import tokenize; "
+    code = ("from switchyard.simtext.tokens import tokenize; "
             f"print(tokenize({ENGLISH!r}))")
     outputs = set()
     for seed in ("1", "2"):
