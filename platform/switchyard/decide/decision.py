@@ -21,6 +21,7 @@ from switchyard.decide.classes import ClassDecision
 from switchyard.decide.features import RequestFeatures
 from switchyard.decide.flow import Queue, Scheduled
 from switchyard.decide.pick import EndpointChoice, Stage, Strategy
+from switchyard.decide.picking import PromptRenderer
 from switchyard.decide.refusals import Refusal
 from switchyard.decide.regions import Placement
 from switchyard.decide.resolve import ModelDecision
@@ -66,6 +67,8 @@ class Ask:
         strategy: The picking strategy (the policy's profiles, or a baseline the bench measures against).
         flow_control: Whether flow control runs (off: every admitted request goes at once).
         counters: Prompt counters by model (a model's own tokenizer counts exactly; others estimate).
+        renderers: Prompt renderers by model: the token ids its engine will cache (for the precise
+            KV-cache scorer; a model without one is scored by the approximate index).
     """
 
     kind: RequestKind
@@ -76,6 +79,7 @@ class Ask:
     strategy: Strategy = "prefix-aware"
     flow_control: bool = True
     counters: Mapping[str, TokenCounter] = field(default_factory=dict)
+    renderers: Mapping[str, PromptRenderer] = field(default_factory=dict)
 
 
 # --- effects: what the procedure asks its executor -------------------------------------------------

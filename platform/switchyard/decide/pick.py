@@ -212,6 +212,10 @@ def pick_endpoint(profile: Profile, options: Sequence[Candidate], view: Callable
     scores = [sum(weight * values[i] for _, weight, values in columns) / total for i in range(n)]
     index = profile.picker.pick(current, scores, request)
     chosen = current[index]
+    for explainer in profile.explainers:
+        note = explainer.explain(chosen.url, request)
+        if note:
+            notes.append(note)
     return EndpointChoice(chosen.pool, chosen.url, scores[index],
                           tuple((name, values[index]) for name, _, values in columns), profile.picker.name, n,
                           tuple(notes))

@@ -10,7 +10,7 @@ picked and what became of it. The plugins themselves are :mod:`switchyard.decide
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -18,6 +18,9 @@ from switchyard.decide.prefix import block_hashes, prompt_text
 from switchyard.decide.sessions import session_key
 from switchyard.decide.views import NO_MEMORY, EndpointView, ScorerMemory
 from switchyard.policy.fleet import Pool
+
+#: A model's request → the token ids its engine will see and cache (None: it cannot say exactly).
+PromptRenderer = Callable[[Mapping[str, Any]], "list[int] | None"]
 
 
 @dataclass(slots=True)
@@ -40,7 +43,13 @@ class Subject:
     body: Mapping[str, Any] = field(default_factory=dict)
     headers: Mapping[str, str] = field(default_factory=dict)
     tenant: str = ""
+    #: The executor's prompt renderers by model (what the precise KV-cache scorer looks up).
+    renderers: Mapping[str, PromptRenderer] = field(default_factory=dict)
     _hashes: list[bytes] | None = None
+    _tokens: dict[str, list[int] | None] = field(default_factory=dict)
+    #: What the precise KV-cache scorer scored each endpoint by, at its last pick: (True, tokens cached) from
+    #: the engine's report, or (False, share of the prompt's blocks) from the approximate index.
+    cache_sources: dict[str, tuple[bool, float]] = field(default_factory=dict)
     #: Session keys already made, by (header, use_user, model): scored, then recorded.
     _sessions: dict[tuple[str, bool, str], str | None] = field(default_factory=dict)
 
@@ -50,6 +59,14 @@ class Subject:
         if key not in self._sessions:
             self._sessions[key] = session_key(header, use_user, self.headers, self.body, self.tenant, model)
         return self._sessions[key]
+
+    def tokens(self, model: str) -> list[int] | None:
+        """The prompt's token ids as ``model``'s engine will see them, made once per model (None: no renderer
+        for it, or the request cannot be rendered exactly)."""
+        if model not in self._tokens:
+            render = self.renderers.get(model)
+            self._tokens[model] = render(self.body) if render is not None else None
+        return self._tokens[model]
 
     def hashes(self) -> list[bytes]:
         """The prompt's chained block hashes (:func:`switchyard.decide.prefix.block_hashes`)."""
@@ -123,6 +140,13 @@ class Picker(Protocol):
     def name(self) -> str: ...
 
     def pick(self, options: Sequence[Option], scores: Sequence[float], request: PickRequest) -> int: ...
+
+
+@runtime_checkable
+class Explains(Protocol):
+    """A scorer that says, for the decision trace, what it scored the chosen endpoint by."""
+
+    def explain(self, url: str, request: PickRequest) -> str | None: ...
 
 
 @runtime_checkable

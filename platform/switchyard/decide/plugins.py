@@ -30,7 +30,7 @@ from typing import Any, TypeVar, get_args
 
 from pydantic import BaseModel
 
-from switchyard.decide.picking import Answer, Filter, Observer, Option, Picker, PickRequest, Scorer
+from switchyard.decide.picking import Answer, Explains, Filter, Observer, Option, Picker, PickRequest, Scorer
 from switchyard.policy import routing as spec
 
 Plugin = Filter | Scorer | Picker
@@ -161,6 +161,14 @@ class InflightTokensScorer(_Weighted):
         return _least_over([float(o.view.inflight_tokens) for o in options])
 
 
+def _yielding(options: Sequence[Option], values: Sequence[float], ceiling: float, margin: float) -> list[float]:
+    """``values``, but 0 at a busy endpoint (requests waiting, at or over ``ceiling``, or more than ``margin``
+    requests above the least loaded candidate): one hot prefix must not pile a burst onto one replica."""
+    least = min(o.view.load for o in options)
+    return [0.0 if (v.queued > 0 or v.utilisation >= ceiling or v.load > least + margin) else value
+            for o, value in zip(options, values, strict=True) for v in (o.view,)]
+
+
 @register(spec.PrefixAffinityScorer)
 @dataclass(frozen=True, slots=True)
 class PrefixAffinityScorer(_Weighted):
@@ -180,19 +188,83 @@ class PrefixAffinityScorer(_Weighted):
         if not hashes:
             return [0.0] * len(options)
         affinity = request.memory.prefixes.affinity(hashes, [o.url for o in options], request.now)
-        ceiling, margin = self._spec.yield_above_utilisation, self._spec.herd_margin
-        least = min(o.view.load for o in options)
-        return [0.0 if (v.queued > 0 or v.utilisation >= ceiling or v.load > least + margin)
-                else affinity.get(o.url, 0.0)
-                for o in options for v in (o.view,)]
+        return _yielding(options, [affinity.get(o.url, 0.0) for o in options],
+                         self._spec.yield_above_utilisation, self._spec.herd_margin)
 
     def picked(self, url: str, request: PickRequest) -> None:
         return None
 
     def answered(self, url: str, request: PickRequest, answer: Answer) -> None:
-        if answer != "failed" and request.alternatives > 1 and request.subject.hashes():
-            # Its prompt is in that engine's prefix cache now.
-            request.memory.prefixes.record(request.subject.hashes(), url, request.now)
+        _remember_prompt(url, request, answer)
+
+
+def _remember_prompt(url: str, request: PickRequest, answer: Answer) -> None:
+    if answer != "failed" and request.alternatives > 1 and request.subject.hashes():
+        # Its prompt is in that engine's prefix cache now (as far as a guess goes).
+        request.memory.prefixes.record(request.subject.hashes(), url, request.now)
+
+
+@register(spec.KvCachePreciseScorer)
+@dataclass(frozen=True, slots=True)
+class KvCachePreciseScorer(_Weighted):
+    """The share of the prompt's tokens an endpoint's prefix cache holds now, as its engine reports it (its
+    KV-cache events: the executor's :class:`~switchyard.decide.views.EngineCacheView`), unless it is busy.
+
+    An endpoint not reported on now (no events, a stream syncing, stale or cut), or a request the executor
+    cannot render into the engine's tokens, is scored by the approximate index as ``prefix-affinity`` scores
+    it; which one decided is kept on the request (:attr:`~switchyard.decide.picking.Subject.cache_sources`)
+    for the decision trace. It also keeps the approximate index up to date, so that the fallback has history.
+    """
+
+    _spec: spec.KvCachePreciseScorer
+    name: str = "kv-cache-precise"
+
+    def score(self, options: Sequence[Option], request: PickRequest) -> list[float]:
+        if request.alternatives < 2:
+            return [0.0] * len(options)
+        subject, now = request.subject, request.now
+        tokens = subject.tokens(request.model)
+        caches = request.memory.engine_caches
+        sources = subject.cache_sources
+        values: list[float] = []
+        guessing: list[int] = []
+        for i, option in enumerate(options):
+            held = caches.held(option.url, tokens, now) if tokens else None
+            if held is None:
+                guessing.append(i)
+                values.append(0.0)
+            else:
+                sources[option.url] = (True, held)
+                values.append(held / len(tokens) if tokens else 0.0)
+        if guessing:
+            hashes = subject.hashes()
+            urls = [options[i].url for i in guessing]
+            affinity = request.memory.prefixes.affinity(hashes, urls, now) if hashes else {}
+            for i in guessing:
+                values[i] = affinity.get(options[i].url, 0.0)
+                sources[options[i].url] = (False, values[i])
+        return _yielding(options, values, self._spec.yield_above_utilisation, self._spec.herd_margin)
+
+    def picked(self, url: str, request: PickRequest) -> None:
+        tokens = request.subject.tokens(request.model)
+        known, held = request.subject.cache_sources.get(url, (False, 0.0))
+        if tokens and known:
+            request.memory.engine_caches.expect(url, tokens, int(held), request.now)
+
+    def answered(self, url: str, request: PickRequest, answer: Answer) -> None:
+        _remember_prompt(url, request, answer)
+
+    def explain(self, url: str, request: PickRequest) -> str | None:
+        """Which knowledge scored the chosen endpoint ``url``, for the decision trace."""
+        if request.alternatives < 2:
+            return None
+        known, value = request.subject.cache_sources.get(url, (False, 0.0))
+        if known:
+            tokens = request.subject.tokens(request.model) or []
+            return f"{self.name}: engine events: {int(value):,} of {len(tokens):,} prompt tokens cached there"
+        why = ("no engine report for it" if request.subject.tokens(request.model)
+               else f"no exact prompt tokens for {request.model}")
+        return f"{self.name}: approximate index ({why}): {value:.0%} of the prompt's blocks"
 
 
 @register(spec.SessionAffinityScorer)
@@ -293,6 +365,8 @@ class Profile:
     home_region: bool
     #: The plugins with observation hooks (the stateful scorers).
     observers: tuple[Observer, ...] = ()
+    #: The scorers that say what they scored the chosen endpoint by.
+    explainers: tuple[Explains, ...] = ()
 
     def picked(self, url: str, request: PickRequest) -> None:
         """Tell the stateful plugins what was picked."""
@@ -313,5 +387,7 @@ def compile_profile(name: str, profile: spec.EndpointProfile) -> Profile:
     assert isinstance(picker, Picker), picker
     plugins = (*filters, *scorers, picker)
     observers = tuple(p for p in plugins if isinstance(p, Observer))
+    explainers = tuple(s for s in scorers if isinstance(s, Explains))
     return Profile(name, tuple(f for f in filters if isinstance(f, Filter)),
-                   tuple(s for s in scorers if isinstance(s, Scorer)), picker, profile.home_region, observers)
+                   tuple(s for s in scorers if isinstance(s, Scorer)), picker, profile.home_region, observers,
+                   explainers)

@@ -206,7 +206,7 @@ def _dispatch(d: Decision, fleet: FleetView) -> Generator[Effect, Any, Tried | N
     d.stages = stages
     d.trace += skipped
     d.trace.append(Later(plan_trace, snapshot, stages, d.model.model))
-    subject = Subject(ask.body, ask.features.headers, ask.caller.tenant)
+    subject = Subject(ask.body, ask.features.headers, ask.caller.tenant, ask.renderers)
     lane, ceiling = klass.lane, klass.dispatch_ceiling
     for stage in stages:
         options = stage.candidates()

@@ -75,6 +75,21 @@ class SessionMemory(Protocol):
         ...
 
 
+class EngineCacheView(Protocol):
+    """What each engine's prefix cache holds, as the engines report it (the precise scorer's truth): the
+    gateway's index fed by KV-cache events, the replay's simulated engines themselves."""
+
+    def held(self, url: str, tokens: Sequence[int], now: float) -> int | None:
+        """Tokens of ``tokens``' longest leading run the engine at ``url`` holds now; None when not known
+        (no events from it, or its stream is syncing, stale or cut)."""
+        ...
+
+    def expect(self, url: str, tokens: Sequence[int], held: int, now: float) -> None:
+        """A request with ``tokens`` was sent to ``url``, which held ``held`` of them (the engine must report
+        the blocks it computes: a stream that then stays silent is stale)."""
+        ...
+
+
 class ScorerMemory(Protocol):
     """The state of the stateful scorers, owned by the executor."""
 
@@ -83,6 +98,9 @@ class ScorerMemory(Protocol):
 
     @property
     def sessions(self) -> SessionMemory: ...
+
+    @property
+    def engine_caches(self) -> EngineCacheView: ...
 
 
 class _Forgets:
@@ -97,12 +115,19 @@ class _Forgets:
     def record(self, *_args: object) -> None:
         return None
 
+    def held(self, url: str, tokens: Sequence[int], now: float) -> int | None:
+        return None
+
+    def expect(self, *_args: object) -> None:
+        return None
+
 
 class NoMemory:
     """:class:`ScorerMemory` with nothing in it, that keeps nothing."""
 
     prefixes: PrefixMemory = _Forgets()
     sessions: SessionMemory = _Forgets()
+    engine_caches: EngineCacheView = _Forgets()
 
 
 NO_MEMORY = NoMemory()

@@ -43,6 +43,48 @@ def _check_endpoint(url: str) -> str:
 EndpointUrl = Annotated[str, AfterValidator(_check_endpoint)]
 
 
+class KvEvents(Strict):
+    """Where a pool's engines publish their KV-cache events (vLLM's ``--kv-events-config``).
+
+    The ports are the same on every endpoint's host (``port``, ``replay_port``: one engine per host, as in
+    Kubernetes), or relative to each endpoint's HTTP port (``port_offset``, ``replay_port_offset``: several
+    engines on one host). Every gateway process subscribes to every endpoint's events.
+    """
+
+    port: int | None = Field(default=None, ge=1, le=65535,
+                             description="The events (ZeroMQ PUB) port on each endpoint's host.")
+    replay_port: int | None = Field(default=None, ge=1, le=65535,
+                                    description="The replay (ZeroMQ ROUTER) port on each endpoint's host.")
+    port_offset: int | None = Field(default=None, description="Events port = the endpoint's HTTP port + this.")
+    replay_port_offset: int | None = Field(
+        default=None, description="Replay port = the endpoint's HTTP port + this.")
+    topic: str = Field(default="", description="The engines' `topic` (the first frame of every message).")
+    stale_after: Duration = Field(
+        default=30.0, gt=0, description="A stream counts as stale (the approximate index routes instead) when "
+        "requests that must have stored blocks at its engine went this long without an event.")
+
+    @model_validator(mode="after")
+    def _one_way(self) -> KvEvents:
+        if (self.port is None) == (self.port_offset is None):
+            raise ValueError("give either `port` or `port_offset`")
+        if self.replay_port is not None and self.replay_port_offset is not None:
+            raise ValueError("give `replay_port` or `replay_port_offset`, not both")
+        if self.port is not None and self.replay_port_offset is not None:
+            raise ValueError("`port` goes with `replay_port`; `port_offset` with `replay_port_offset`")
+        return self
+
+    def addresses(self, endpoint: str) -> tuple[str, str | None]:
+        """The events and replay sockets (``tcp://host:port``) of the engine at ``endpoint``."""
+        parts = urlsplit(endpoint)
+        host = parts.hostname or ""
+        host = f"[{host}]" if ":" in host else host
+        http_port = parts.port or (443 if parts.scheme == "https" else 80)
+        events = self.port if self.port is not None else http_port + (self.port_offset or 0)
+        replay = (self.replay_port if self.replay_port is not None
+                  else http_port + self.replay_port_offset if self.replay_port_offset is not None else None)
+        return f"tcp://{host}:{events}", (f"tcp://{host}:{replay}" if replay is not None else None)
+
+
 class Pool(Strict):
     """A set of vLLM replicas serving one model in one region."""
 
@@ -74,6 +116,9 @@ class Pool(Strict):
     task: Literal["generate", "embed"] = Field(
         default="generate", description="`embed`: the replicas serve an embedding model (`/v1/embeddings`), "
         "for embedding classifiers; models cannot use such a pool.")
+    kv_events: KvEvents | None = Field(
+        default=None, description="Where the replicas publish their KV-cache events (`--kv-events-config`): "
+        "the `kv-cache-precise` scorer routes on what they report.")
 
     @model_validator(mode="after")
     def _unique_endpoints(self) -> Pool:
@@ -82,6 +127,12 @@ class Pool(Strict):
             if url in seen:
                 raise ValueError(f"endpoint {url} is listed twice")
             seen.add(url)
+        if self.kv_events is not None:
+            for url in self.endpoints:
+                for address in self.kv_events.addresses(url):
+                    port = int(address.rsplit(":", 1)[1]) if address else 1
+                    if not 1 <= port <= 65535:
+                        raise ValueError(f"kv_events: endpoint {url} gives port {port}, outside 1-65535")
         return self
 
 
@@ -120,13 +171,25 @@ def split_fallback(target: str) -> tuple[str, str | None]:
     return model, region or None
 
 
+#: The built-in tokenizer ``models[].tokenizer`` may name instead of a file: the stand-in tokenizer (and chat
+#: template) of ``switchyard sim``'s engines, so a gateway in front of simulated engines computes their token ids.
+SIM_TOKENIZER = "switchyard-sim"
+
+
 def _check_tokenizer_path(path: str) -> str:
     if "://" in path:
         raise ValueError(f"tokenizer {path!r} must be a local file path (tokenizers are never downloaded)")
     return path
 
 
+def _check_chat_template_path(path: str) -> str:
+    if "://" in path:
+        raise ValueError(f"chat_template {path!r} must be a local file path (templates are never downloaded)")
+    return path
+
+
 TokenizerPath = Annotated[str, StringConstraints(min_length=1), AfterValidator(_check_tokenizer_path)]
+ChatTemplatePath = Annotated[str, StringConstraints(min_length=1), AfterValidator(_check_chat_template_path)]
 
 
 class OnSaturation(Strict):
@@ -154,7 +217,16 @@ class Model(Strict):
     tokenizer: TokenizerPath | None = Field(
         default=None,
         description="Path of the served model's tokenizer.json, relative to the policy file's folder; prompts "
-        "are then counted with it instead of estimated. A local file: it is never downloaded.",
+        "are then counted with it instead of estimated, and turned into the token ids the engine caches. A local "
+        f"file: it is never downloaded. `{SIM_TOKENIZER}` names the simulator's built-in stand-in tokenizer (and "
+        "its chat template), for pools of `switchyard sim` engines.",
+    )
+    chat_template: ChatTemplatePath | None = Field(
+        default=None,
+        description="Path of the served model's Jinja chat template, relative to the policy file's folder (a "
+        "local file), for turning chat requests into the engine's token ids. Default: the `chat_template.jinja` "
+        "beside the tokenizer.json, else the `chat_template` of the `tokenizer_config.json` beside it, as a "
+        f"Hugging Face model folder has them. Needs a `tokenizer` file; `{SIM_TOKENIZER}` has its own template.",
     )
     on_saturation: OnSaturation | None = Field(
         default=None, description="Degrade before refusing: when the model's pools are saturated, requests "
@@ -179,4 +251,7 @@ class Model(Strict):
             raise ValueError(f"default_max_tokens ({self.default_max_tokens}) exceeds the output cap ({cap})")
         if len(set(self.fallback)) != len(self.fallback):
             raise ValueError("a fallback target is listed twice")
+        if self.chat_template is not None and self.tokenizer in (None, SIM_TOKENIZER):
+            raise ValueError("chat_template needs a tokenizer file (the simulator's tokenizer has its own template)"
+                             if self.tokenizer else "chat_template needs a tokenizer")
         return self

@@ -96,6 +96,21 @@ class PrefixAffinityScorer(_Scorer):
     herd_margin: float = Field(default=4.0, ge=0)
 
 
+class KvCachePreciseScorer(_Scorer):
+    """The share of the prompt, in tokens, that the endpoint's prefix cache holds now, as its engine's
+    KV-cache events report (the pool's ``kv_events``): the longest leading run of the prompt's token blocks
+    it holds, over the prompt's tokens.
+
+    An endpoint whose events are not known now (no ``kv_events``, a stream still syncing, stale or cut)
+    is scored by the approximate index instead, as ``prefix-affinity`` scores; the decision trace says
+    which one decided. Yields (scores 0) at a busy endpoint as ``prefix-affinity`` does.
+    """
+
+    type: Literal["kv-cache-precise"]
+    yield_above_utilisation: float = Field(default=1.0, gt=0, le=2)
+    herd_margin: float = Field(default=4.0, ge=0)
+
+
 class SessionAffinityScorer(_Scorer):
     """1 for the endpoint that served the request's session before (session id from ``header``, else the
     body's ``user`` when ``use_user`` is set), while it is healthy and under ``yield_above_utilisation``."""
@@ -107,7 +122,8 @@ class SessionAffinityScorer(_Scorer):
 
 
 ScorerSpec = Annotated[LoadScorer | QueueDepthScorer | KvCacheScorer | InflightTokensScorer
-                       | PrefixAffinityScorer | SessionAffinityScorer, Field(discriminator="type")]
+                       | PrefixAffinityScorer | KvCachePreciseScorer | SessionAffinityScorer,
+                       Field(discriminator="type")]
 
 
 # --- pickers ------------------------------------------------------------------------------------
