@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from switchyard.policy.fleet import SIM_TOKENIZER
+
 #: The tenant and tier every scenario's requests use.
 TENANT = "bench"
 TIER = "bench"
@@ -42,18 +44,33 @@ models:
   - {{name: {model}, pools: [instant], context_window: 8192, price: {{input_per_mtok: 0, output_per_mtok: 0}}}}""")
 
 
+#: The prefix scenario's precise profile: the engines' own report of their caches (KV-cache events), with load.
+PRECISE_SCORERS = ("[{type: kv-cache-precise, weight: 0.6, herd_margin: 4}, {type: load, weight: 0.4}]")
+
+
 def replicas_policy(ports: Sequence[int], *, model: str, served_model: str, profile: str, kv_cache_tokens: int,
-                    context_window: int) -> str:
-    """One pool of simulated replicas (the prefix scenario)."""
+                    context_window: int, kv_events: tuple[int, int] | None = None) -> str:
+    """One pool of simulated replicas (the prefix scenario).
+
+    With ``kv_events`` (the events and replay ports' offsets from each endpoint's HTTP port), the pool
+    declares where its engines publish their KV-cache events, the model counts and renders prompts with the
+    simulator's own tokenizer, and the model's endpoints are picked by the ``precise`` profile
+    (:data:`PRECISE_SCORERS`, max score).
+    """
+    events = precise = profiles = ""
+    if kv_events is not None:
+        events = f", kv_events: {{port_offset: {kv_events[0]}, replay_port_offset: {kv_events[1]}}}"
+        precise = f", tokenizer: {SIM_TOKENIZER}, endpoint_profile: precise"
+        profiles = f"endpoint_profiles:\n  precise: {{scorers: {PRECISE_SCORERS}}}\n"
     return f"""\
 schema: 1
 regions: [local]
 pools:
   - {{name: replicas, region: local, served_model: {served_model}, endpoints: {_urls(ports)},
-      kv_cache_tokens: {kv_cache_tokens}, sim_profile: {profile}}}
-""" + _tail(f"""\
+      kv_cache_tokens: {kv_cache_tokens}, sim_profile: {profile}{events}}}
+""" + profiles + _tail(f"""\
 models:
-  - {{name: {model}, pools: [replicas], context_window: {context_window},
+  - {{name: {model}, pools: [replicas], context_window: {context_window}{precise},
       price: {{input_per_mtok: 0, output_per_mtok: 0}}}}""")
 
 

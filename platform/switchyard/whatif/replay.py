@@ -16,6 +16,11 @@ the gateway's own, at its arrival time on the simulated clock; this module is it
   its class gets there (a prompt plus output budget larger than the engine's context window is the
   engine's 400).
 
+The ``kv-cache-precise`` scorer reads the simulated engines' own prefix caches, exactly and at once, for
+pools that declare ``kv_events`` (:class:`~switchyard.whatif.view.FleetCaches`), and renders prompts with
+the simulator's tokenizer for models that name a ``tokenizer``, as the gateway renders with theirs; so a
+candidate profile that uses it is compared on what the engines would report.
+
 While requests wait, the clock moves in steps of :data:`FLOW_TICK_S` (the gateway grants on each
 release and every 50 ms). When the last request has arrived, the engines run until they are
 empty. Every request then has what a client would have seen: status, model, pool, region,
@@ -42,6 +47,7 @@ from switchyard.decide.decision import Ask, Attempt, CacheHit, Caller, Decision,
 from switchyard.decide.features import chat_features, completion_features
 from switchyard.decide.flow import Queue, Waited
 from switchyard.decide.pick import Strategy
+from switchyard.decide.picking import PromptRenderer
 from switchyard.decide.procedure import Steps, decide
 from switchyard.policy.fleet import Model
 from switchyard.policy.snapshot import PolicySnapshot
@@ -124,9 +130,14 @@ class _Arm:
     cache: dict[str, OrderedDict[str, _CachedAnswer]] = field(default_factory=dict)
     clock: float = 0.0
     view: ReplayView = field(init=False)
+    #: The prompt renderers of the models that name a tokenizer (the gateway has exact prompt tokens for those
+    #: only): the simulated engines' own, since they are the engines replayed.
+    renderers: dict[str, PromptRenderer] = field(init=False)
 
     def __post_init__(self) -> None:
         self.view = ReplayView(self.fleet, lambda: self.clock, self.seed, self.down)
+        self.renderers = {name: prompt_ids for name, model in self.snapshot.models.items()
+                          if model.tokenizer is not None}
 
     # --- time -------------------------------------------------------------------------------------
 
@@ -183,7 +194,7 @@ class _Arm:
         tier = self.snapshot.tiers.get(caller.tier)
         outcome = ReplayOutcome(spec.index, spec.arrival_s, spec.tenant, tier.priority if tier else "-", spec.model)
         ask = Ask("chat" if "messages" in body else "completion", body, features, caller, self.gateway_region,
-                  self.strategy, self.flow_control)
+                  self.strategy, self.flow_control, renderers=self.renderers)
         d = Decision(self.snapshot, ask)
         entry = _Running(outcome, spec, d, decide(d, self.view))
         self.running.append(entry)

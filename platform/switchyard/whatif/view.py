@@ -6,6 +6,11 @@ requests and queue as a fresh scrape would report them, the replay's own reserva
 control's queues and service times, and the stateful scorers' memory, all on the simulated clock.
 Endpoints named out of service stay out for the whole replay; the others stay healthy (failures are
 not modelled), and no request gives way to another (batch preemption is not modelled).
+
+The ``kv-cache-precise`` scorer's truth (:class:`~switchyard.decide.views.EngineCacheView`) is the
+simulated engines' own block pools (:class:`FleetCaches`): what a gateway subscribed to their KV-cache
+events would know, without delay or loss, for the pools that declare ``kv_events``; the endpoints of
+other pools have no events, so the scorer uses the approximate index there, as in the gateway.
 """
 
 from __future__ import annotations
@@ -18,9 +23,55 @@ from switchyard.decide.flow import batch_pool_utilisation
 from switchyard.decide.views import Candidate, EndpointView
 from switchyard.policy.fleet import Pool
 from switchyard.policy.tiers import Lane
-from switchyard.state.memory import Memory
+from switchyard.sim.kv import ROOT_HASH, chain_hash
+from switchyard.state.prefix import PrefixIndex
 from switchyard.state.queues import PoolQueues, ServiceTime
+from switchyard.state.sessions import SessionIndex
 from switchyard.whatif.fleet import Fleet
+
+
+class FleetCaches:
+    """The simulated engines' prefix caches, as the precise scorer reads them (an
+    :class:`~switchyard.decide.views.EngineCacheView`): exact and current for the endpoints of pools with
+    ``kv_events``, unknown (None) for the others."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        #: The last prompt looked up and its block hashes by block size (the scorer asks once per endpoint).
+        self._tokens: Sequence[int] | None = None
+        self._hashes: dict[int, list[int]] = {}
+
+    def _block_hashes(self, tokens: Sequence[int], size: int) -> list[int]:
+        if tokens is not self._tokens:
+            self._tokens, self._hashes = tokens, {}
+        hashes = self._hashes.get(size)
+        if hashes is None:
+            hashes, parent = [], ROOT_HASH
+            for start in range(0, len(tokens) // size * size, size):
+                parent = chain_hash(parent, tokens[start:start + size])
+                hashes.append(parent)
+            self._hashes[size] = hashes
+        return hashes
+
+    def held(self, url: str, tokens: Sequence[int], now: float) -> int | None:
+        endpoint = self.fleet.endpoints.get(url)
+        if endpoint is None or endpoint.pool.kv_events is None:
+            return None
+        core = endpoint.core
+        return len(core.kv.lookup(self._block_hashes(tokens, core.block_size))) * core.block_size
+
+    def expect(self, url: str, tokens: Sequence[int], held: int, now: float) -> None:
+        return None
+
+
+class ReplayMemory:
+    """A replay arm's :class:`~switchyard.decide.views.ScorerMemory`: the approximate prefix index and the
+    session index as a gateway keeps them, and the engines' caches as their events would report them."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.prefixes = PrefixIndex()
+        self.sessions = SessionIndex()
+        self.engine_caches = FleetCaches(fleet)
 
 
 class ReplayView:
@@ -30,7 +81,7 @@ class ReplayView:
         self.fleet = fleet
         self.down = down
         self._clock = clock
-        self.memory = Memory()  # (its clock is the simulated one the procedure passes)
+        self.memory = ReplayMemory(fleet)  # (its clock is the simulated one the procedure passes)
         #: Breaks ties between equally scored endpoints, reproducibly.
         self.rng: random.Random | None = random.Random(seed)
         self._rotation = 0
