@@ -29,6 +29,7 @@ from switchyard.decide.views import (
     Candidate,
     DrainView,
     EndpointView,
+    EngineCacheView,
     FleetView,
     PrefixMemory,
     QueueView,
@@ -123,6 +124,10 @@ class _Unwritten:
     def sessions(self) -> SessionMemory:
         return _ReadSessions(self._memory.sessions)
 
+    @property
+    def engine_caches(self) -> EngineCacheView:
+        return _ReadEngineCaches(self._memory.engine_caches)
+
 
 class _ReadPrefixes:
     def __init__(self, prefixes: PrefixMemory) -> None:
@@ -132,6 +137,17 @@ class _ReadPrefixes:
         return self._prefixes.affinity(hashes, urls, now)
 
     def record(self, hashes: Sequence[bytes], url: str, now: float) -> None:
+        return None
+
+
+class _ReadEngineCaches:
+    def __init__(self, caches: EngineCacheView) -> None:
+        self._caches = caches
+
+    def held(self, url: str, tokens: Sequence[int], now: float) -> int | None:
+        return self._caches.held(url, tokens, now)
+
+    def expect(self, url: str, tokens: Sequence[int], held: int, now: float) -> None:
         return None
 
 

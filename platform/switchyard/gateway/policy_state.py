@@ -16,6 +16,7 @@ from pathlib import Path
 
 from sqlalchemy import Engine
 
+from switchyard.decide.picking import PromptRenderer
 from switchyard.decide.policy_tests import compile_checked
 from switchyard.decide.tokens import TokenCounter
 from switchyard.policy import PolicyError, PolicySnapshot, read_policy_file
@@ -30,13 +31,14 @@ log = logging.getLogger("switchyard.policy")
 class PolicyHolder:
     """One reference to the active snapshot; a reload swaps it, requests keep what they read.
 
-    ``counters`` (each model's prompt-token counter) is swapped together with the snapshot, in
-    one step of the event loop, so a request that reads both without awaiting in between gets a
-    matching pair.
+    ``counters`` (each model's prompt-token counter) and ``renderers`` (each model's prompt renderer, for
+    the precise KV-cache scorer) are swapped together with the snapshot, in one step of the event loop, so
+    a request that reads them without awaiting in between gets a matching set.
     """
 
     snapshot: PolicySnapshot
     counters: Mapping[str, TokenCounter] = field(default_factory=dict)
+    renderers: Mapping[str, PromptRenderer] = field(default_factory=dict)
     #: The last document rejected since the last good one was read, and where it came from.
     last_error: PolicyError | None = None
     error_source: str = "file"

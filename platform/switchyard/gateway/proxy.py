@@ -111,10 +111,12 @@ class Proxy:
         if runtime.activity.sink is not None:  # the request log keeps what a replay of it needs
             record.digest, record.deterministic = request_digest(kind, body), is_deterministic(body)
         holder = runtime.policy
-        snapshot, counters = holder.snapshot, holder.counters  # read once; this request keeps them to the end
+        # Read once, in one step of the event loop: this request keeps a matching set to the end.
+        snapshot, counters, renderers = holder.snapshot, holder.counters, holder.renderers
         caller = Caller(identity.tier, str(identity.tenant_id), str(identity.key_id), identity.tenant_limits,
                         identity.key_limits, identity.region)
-        ask = Ask(kind, body, features, caller, settings.region, settings.picker, runtime.flow.enabled, counters)
+        ask = Ask(kind, body, features, caller, settings.region, settings.picker, runtime.flow.enabled, counters,
+                  renderers)
         d = Decision(snapshot, ask)
         record.trace = d.trace  # one trace: the procedure's lines, and this gateway's own
         req = PendingRequest(kind, body, incoming.raw, record.stream, record.request_id, record.started, identity, d,

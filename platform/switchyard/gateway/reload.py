@@ -108,6 +108,8 @@ class PolicyReloader:
         self.activations: list[Activation] = [Activation(holder.snapshot.version, holder.snapshot.sha256,
                                                          time.time(), "startup")]
         self.listening = False
+        #: Called with every snapshot made active (what follows the fleet, such as the KV-event subscriptions).
+        self.on_swap: list[Callable[[PolicySnapshot], None]] = []
         self._lock = asyncio.Lock()
         self._file_identity = _file_identity(settings.policy_file)
         # The file's content as last read (at start-up, what the holder serves if the file was valid).
@@ -131,6 +133,8 @@ class PolicyReloader:
         self.activations.append(Activation(snapshot.version, snapshot.sha256, time.time(), via))
         del self.activations[:-100]
         log.info("policy %s (%s) is active (via %s)", snapshot.label, snapshot.sha256[:12], via)
+        for listener in self.on_swap:
+            listener(snapshot)
 
     def _failed(self, error: PolicyError, source: str) -> None:
         self.holder.last_error, self.holder.error_source = error, source

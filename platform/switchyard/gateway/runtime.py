@@ -28,6 +28,7 @@ from switchyard.gateway.admission import Admitter
 from switchyard.gateway.auth import KeyAuthenticator
 from switchyard.gateway.classifiers import ClassifierRunner
 from switchyard.gateway.flow import FlowController
+from switchyard.gateway.kvevents import Subscriptions, sources_of
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.policy_state import PolicyHolder, load_startup_policy
 from switchyard.gateway.reload import PolicyReloader, following
@@ -94,6 +95,8 @@ class GatewayRuntime:
         self.rotation = 0
         #: The stateful scorers' memory, and the view of the fleet every request's decisions read.
         self.memory = Memory()
+        #: The subscriptions to the engines' KV-cache events (inside the lifespan).
+        self.kv_events: Subscriptions | None = None
         # (A random source breaks ties between equally scored endpoints.)
         self.view = LiveView(self.endpoints, self.flow, self.memory, self.next_rotation, random.Random())
 
@@ -300,6 +303,10 @@ class GatewayRuntime:
         self.metrics.set_policy(snapshot.label, snapshot.sha256, snapshot.version)
         self._reloader = PolicyReloader(self.settings, self.engine, self.policy, self.metrics, self.tokenizers,
                                         keys=self.auth)
+        # Every endpoint's KV-cache events, followed off the request path; the fleet's changes follow reloads.
+        kv_events = self.kv_events = Subscriptions(self.memory.engine_caches)
+        kv_events.update(sources_of(snapshot))
+        self._reloader.on_swap.append(lambda active: kv_events.update(sources_of(active)))
         marker = key_marker(self.settings.resolved_database_url)  # SQLite: key changes by other processes
         if marker is not None:
             self.auth.follow_marker(marker.read)
@@ -349,6 +356,7 @@ class GatewayRuntime:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            await kv_events.close()
             if self._background:  # streams that ended during shutdown settle before the store closes
                 await asyncio.wait(self._background, timeout=5)
             ledger.cancel()
