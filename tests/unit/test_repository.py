@@ -67,7 +67,7 @@ LAYERS: dict[str, set[str]] = {
     # The pre-publish replay: the procedure on the simulator, with bench's workloads and the limit store.
     "whatif": {"decide", "state", "policy", "sim", "simtext", "bench", "store", "figures"},
     # Tooling: the simulator imports only itself; the bench drives everything as processes, never from inside.
-    "sim": {"figures", "simtext"}, "bench": {"sim", "simtext", "figures", "api"},
+    "sim": {"figures", "simtext", "kvcache"}, "bench": {"sim", "simtext", "figures", "api"},
 }
 PLATFORM = ROOT / "platform" / "switchyard"
 

@@ -165,11 +165,19 @@ def engines_for_policy(snapshot: PolicySnapshot, regions: tuple[str, ...] = (), 
 @click.option("--control-port", type=int, default=None,
               help="Also run the fault control server on this port (see `switchyard sim fault`).")
 @click.option("--control-host", default="127.0.0.1", show_default=True, help="Listen address of the control server.")
+@click.option("--kv-events-config", "kv_events_config", default=None, metavar="JSON",
+              help="Publish KV-cache events as vLLM does (its --kv-events-config JSON: enable_kv_cache_events, "
+                   "endpoint, replay_endpoint, buffer_steps, hwm, max_queue_size, topic). The Nth engine "
+                   "of the process (from 0, in the order the start-up lines list them) publishes on both "
+                   "endpoints offset by N, as vLLM's data-parallel ranks: a tcp port plus N, an ipc:// or "
+                   "inproc:// name plus _dpN. As in vLLM, an endpoint with * or :: and any ipc:// one is "
+                   "bound; tcp://HOST:PORT is connected to (the subscriber binds it). Machine-local: "
+                   "ipc:///tmp/kv (subscribers connect), replay tcp://127.0.0.1:PORT.")
 @click.pass_context
 def sim(ctx: click.Context, policy_path: Path | None, regions: tuple[str, ...], pools: tuple[str, ...],
         served_model: str | None, port: int | None, host: str, profile: str, kv_cache_tokens: int | None,
         max_model_len: int | None, max_num_seqs: int | None, time_scale: float, seed: int,
-        control_port: int | None, control_host: str) -> None:
+        control_port: int | None, control_host: str, kv_events_config: str | None) -> None:
     """Run simulated vLLM engines: one (--model, --port) or all of a policy's (--policy).
 
     With --control-port, a control server sets the faults of any of them by region, pool or port
@@ -200,8 +208,20 @@ def sim(ctx: click.Context, policy_path: Path | None, regions: tuple[str, ...], 
         configs = [EngineConfig(served_model=served_model, port=port, host=host, profile=profile,
                                 kv_cache_tokens=kv_cache_tokens, max_model_len=max_model_len,
                                 max_num_seqs=max_num_seqs, time_scale=time_scale, seed=seed)]
+    if kv_events_config is not None:
+        configs = _with_kv_events(configs, kv_events_config)
     control = ControlAddress(control_host, control_port) if control_port is not None else None
     run_engines(configs, control)  # bad configuration or a port in use exits with one line saying what is wrong
+
+
+def _with_kv_events(configs: list[EngineConfig], text: str) -> list[EngineConfig]:
+    """Each engine's KV events config: the JSON's endpoints offset by the engine's index."""
+    from switchyard.sim.config import with_kv_events
+
+    try:
+        return with_kv_events(configs, text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--kv-events-config") from None
 
 
 _CONTROL = click.option("--control", "control", required=True, metavar="URL",

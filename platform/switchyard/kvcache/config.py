@@ -38,7 +38,7 @@ class KVEventsConfig:
         return self.enable_kv_cache_events and self.publisher == "zmq"
 
 
-_FIELDS = {f for f in KVEventsConfig.__dataclass_fields__}
+_FIELDS = set(KVEventsConfig.__dataclass_fields__)
 
 
 def parse(text: str) -> KVEventsConfig:

@@ -7,10 +7,14 @@ block hashes, continuous batching with chunked prefill and priority scheduling, 
 when KV runs out, and step times from a per-hardware roofline cost model (``profiles.py``).
 Also fault injection (``/sim/faults`` per engine, and a control server for all the engines of a
 process: ``--control-port``, ``switchyard sim fault``) and a view of the internals (``/sim/state``).
+With ``--kv-events-config`` each engine publishes vLLM's KV-cache events on ZeroMQ (``kv`` records
+them, ``core`` batches them per step, ``switchyard.kvcache.publisher`` sends them) and serves
+``POST /reset_prefix_cache``.
 
 Must not touch: any other switchyard package. It imports only its own modules (and the
-``simtext`` and ``figures`` leaves: its tokenizer and chat template, shared with the gateway), the web
-framework (litestar, uvicorn), msgspec and prometheus_client (and, for calibration and profile
+``simtext`` and ``figures`` leaves: its tokenizer and chat template, shared with the gateway, and the
+``kvcache`` leaf: the events' wire format and publisher), the web
+framework (litestar, uvicorn), msgspec, pyzmq and prometheus_client (and, for calibration and profile
 files, aiohttp and ruamel.yaml), so it can run on its own and be replaced by real vLLM servers
 without anything else noticing.
 

@@ -2,7 +2,8 @@
 
 Routes: ``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``POST /v1/embeddings``, ``GET /version``, ``GET|POST /ping``,
-``GET /load``, ``POST /tokenize`` (as vLLM's OpenAI server), and ``GET/POST /sim/faults``,
+``GET /load``, ``POST /tokenize`` (as vLLM's OpenAI server), ``POST /reset_prefix_cache`` (one of vLLM's
+development endpoints, served only with ``VLLM_SERVER_DEV_MODE=1`` there, always here), and ``GET/POST /sim/faults``,
 ``GET /sim/state`` (simulator only; fault modes and rates are described in ``faults.py``). Unknown paths and
 methods get FastAPI's ``{"detail": …}`` answers, as from vLLM. The app's lifespan starts and stops the engine loop.
 """
@@ -21,6 +22,7 @@ from litestar.datastructures import State
 from litestar.enums import ScopeType
 from litestar.exceptions import HTTPException, MethodNotAllowedException, NotFoundException
 from litestar.handlers import asgi
+from litestar.params import FromQuery
 from litestar.types import ASGIApp, Receive, Scope, Send
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -107,6 +109,16 @@ async def embeddings(scope: Scope, receive: Receive, send: Send) -> None:
     await handle_embeddings(_scope_engine(scope), scope, receive, send)  # type: ignore[arg-type]
 
 
+@post("/reset_prefix_cache", operation_id="resetPrefixCache", status_code=200, sync_to_thread=False)
+def reset_prefix_cache(state: State, reset_running_requests: FromQuery[bool] = False,
+                       reset_external: FromQuery[bool] = False) -> dict[str, bool]:
+    """Forget every cached prefix block: ``{"success": false}`` while requests hold blocks, unless
+    ``reset_running_requests`` preempts them first (they recompute). ``reset_external`` is accepted
+    and ignored (the sim has no KV connector). With KV events on, ``AllBlocksCleared`` goes out with
+    the engine's next step, as from vLLM."""
+    return {"success": _engine(state).reset_prefix_cache(reset_running_requests)}
+
+
 @get("/sim/faults", operation_id="getFaults", sync_to_thread=False)
 def get_faults(state: State) -> dict[str, Any]:
     """Current fault settings."""
@@ -173,7 +185,8 @@ def build_app(config: ResolvedConfig) -> Litestar:
 
     return Litestar(
         route_handlers=[list_models, health, metrics, completions, chat_completions, embeddings,
-                        version, ping, load, tokenize_endpoint, get_faults, set_faults, get_state],
+                        version, ping, load, tokenize_endpoint, reset_prefix_cache, get_faults, set_faults,
+                        get_state],
         state=State({"engine": engine, "metrics": EngineMetrics(engine)}),
         lifespan=[lifespan],
         middleware=[_unavailable_guard],

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from switchyard.kvcache.config import KVEventsConfig, parse
+from switchyard.kvcache.publisher import config_for
 from switchyard.sim.profiles import EngineProfile, get_profile
 
 
@@ -24,6 +28,8 @@ class EngineConfig:
         seed: Seed of the generated text and of fault injection.
         region: Region label (the policy pool's region), for targeting faults; None if unlabelled.
         pool: Pool label (the policy pool's name), for targeting faults; None if unlabelled.
+        kv_events: vLLM's ``--kv-events-config`` for this engine (its own endpoints); None
+            publishes nothing.
     """
 
     served_model: str
@@ -37,6 +43,7 @@ class EngineConfig:
     seed: int = 0
     region: str | None = None
     pool: str | None = None
+    kv_events: KVEventsConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,7 @@ class ResolvedConfig:
     seed: int
     region: str | None = None
     pool: str | None = None
+    kv_events: KVEventsConfig | None = None
 
     @property
     def url(self) -> str:
@@ -66,6 +74,10 @@ class ResolvedConfig:
         """The one line printed when the engine listens."""
         labels = "".join(f", {name} {value}" for name, value in (("pool", self.pool), ("region", self.region))
                          if value is not None)
+        events = self.kv_events
+        if events is not None and events.publishing:
+            replay = f", replay {events.replay_endpoint}" if events.replay_endpoint else ""
+            labels += f", kv events {events.endpoint}{replay}"
         return (f"sim: {self.served_model} on http://{self.host}:{self.port} "
                 f"(profile {self.profile.name}, kv {self.kv_cache_tokens} tokens, "
                 f"max_model_len {self.max_model_len}{labels})")
@@ -100,6 +112,9 @@ def resolve(config: EngineConfig) -> ResolvedConfig:
             raise ValueError(
                 f"sim: max_model_len {max_len} is larger than the KV cache can hold "
                 f"({kv} tokens); raise kv_cache_tokens or lower max_model_len")
+    events = config.kv_events
+    if events is not None and events.enable_kv_cache_events and events.publisher not in ("zmq", "null"):
+        raise ValueError(f"sim: unknown KV events publisher {events.publisher!r} (zmq or null)")
     seqs = config.max_num_seqs if config.max_num_seqs is not None else profile.max_num_seqs
     if seqs < 1:
         raise ValueError(f"sim: max_num_seqs must be at least 1, got {seqs}")
@@ -107,4 +122,19 @@ def resolve(config: EngineConfig) -> ResolvedConfig:
         served_model=config.served_model, host=config.host, port=config.port, profile=profile,
         max_model_len=max_len, kv_cache_tokens=kv, max_num_seqs=seqs,
         max_num_batched_tokens=profile.max_num_batched_tokens,
-        time_scale=config.time_scale, seed=config.seed, region=config.region, pool=config.pool)
+        time_scale=config.time_scale, seed=config.seed, region=config.region, pool=config.pool,
+        kv_events=events)
+
+
+def with_kv_events(configs: Sequence[EngineConfig], kv_events_config: str) -> list[EngineConfig]:
+    """The engines of one process, each publishing KV events per the ``--kv-events-config`` JSON.
+
+    The Nth engine (from 0) gets both endpoints offset by N, as vLLM offsets them per
+    data-parallel rank: a TCP port plus N (port 0 stays 0), an ``ipc://``/``inproc://`` name
+    plus ``_dpN``.
+
+    Raises:
+        ValueError: The JSON is not a valid config, or an endpoint cannot be offset.
+    """
+    events = parse(kv_events_config)
+    return [dataclasses.replace(c, kv_events=config_for(events, i)) for i, c in enumerate(configs)]

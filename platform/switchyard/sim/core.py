@@ -17,6 +17,13 @@ Scheduling follows vLLM v1 with chunked prefill and ``--scheduling-policy priori
    longest cached prefix (whole blocks, never its last token), and is admitted if the
    blocks for its first chunk are free and fewer than ``max_num_seqs`` are running. The
    first one that does not fit stops admission (no overtaking), as in vLLM.
+
+KV-cache events (``enable_kv_events``): the block pool records evictions and resets, and
+``register_full_blocks`` one ``BlockStored`` per request and step for the blocks that became
+full; at the end of each step that recorded any, they go to the sink as one batch, as vLLM's
+scheduler publishes one ``KVEventBatch`` per step. Within a step, evictions come before stores
+(vLLM interleaves them request by request); a reset's ``AllBlocksCleared`` goes out with the next
+step, as in vLLM, where the reset is queued between steps.
 """
 
 from __future__ import annotations
@@ -24,10 +31,12 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from switchyard.kvcache.wire import MEDIUM_GPU, BlockStored, Event
 from switchyard.sim.fastpath import run_decodes
-from switchyard.sim.kv import BlockPool
+from switchyard.sim.kv import HASH_MASK, BlockPool
 from switchyard.sim.profiles import EngineProfile
 from switchyard.sim.request import SimRequest, Status
 from switchyard.sim.stats import EngineStats
@@ -100,6 +109,37 @@ class EngineCore:
         self._seq = itertools.count()
         self.steps = 0
         self.busy_seconds = 0.0
+        #: Receives each step's KV-cache events (None: events are not recorded).
+        self.kv_sink: Callable[[list[Event]], object] | None = None
+
+    def enable_kv_events(self, sink: Callable[[list[Event]], object]) -> None:
+        """Record KV-cache events from now on and hand each step's list to ``sink``."""
+        self.kv_sink = sink
+        if self.kv.events is None:
+            self.kv.events = []
+
+    def flush_kv_events(self) -> None:
+        """Hand the events recorded since the last flush to the sink as one batch (if any)."""
+        events = self.kv.events
+        if events and self.kv_sink is not None:
+            self.kv.events = []
+            self.kv_sink(events)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's ``/reset_prefix_cache``: forget every cached block, if none is in use.
+
+        Args:
+            reset_running_requests: Preempt every running request first (they recompute).
+
+        Returns:
+            Whether the cache was reset.
+        """
+        if reset_running_requests:
+            while self.running:
+                victim = self.running[-1]
+                self._preempt(victim)
+                self.stats.preemptions += 1
+        return self.kv.reset_prefix_cache()
 
     # --- queue management ------------------------------------------------------------------
 
@@ -305,6 +345,8 @@ class EngineCore:
             stats.itl.observe(gap, count)
         if result.finished:
             self.drop_finished()
+        if self.kv.events:
+            self.flush_kv_events()
         return result
 
     def drop_finished(self) -> None:
@@ -357,14 +399,33 @@ class EngineCore:
         req.blocks.extend(self.kv.allocate(need))
         return True
 
-    def register_full_blocks(self, req: SimRequest) -> None:
-        """Put every newly full block of ``req`` into the prefix cache."""
-        full = req.num_computed // self.block_size
-        if full > req.num_registered:
-            hashes = req.full_block_hashes(full, self.block_size)
-            for idx in range(req.num_registered, full):
-                self.kv.register(req.blocks[idx], hashes[idx])
+    def register_full_blocks(self, req: SimRequest, full: int | None = None) -> None:
+        """Put every newly full block of ``req`` into the prefix cache.
+
+        Args:
+            req: The request.
+            full: Register up to this many blocks (default: all the computed tokens fill).
+        """
+        bs = self.block_size
+        if full is None:
+            full = req.num_computed // bs
+        done = req.num_registered
+        if full > done:
+            hashes = req.full_block_hashes(full, bs)
+            kv = self.kv
+            for idx in range(done, full):
+                kv.register(req.blocks[idx], hashes[idx])
             req.num_registered = full
+            events = kv.events
+            if events is not None:
+                salt = req.cache_salt
+                events.append(BlockStored(
+                    block_hashes=[h & HASH_MASK for h in hashes[done:full]],
+                    parent_block_hash=hashes[done - 1] & HASH_MASK if done else None,
+                    token_ids=req.tokens(done * bs, full * bs), block_size=bs, lora_id=None,
+                    medium=MEDIUM_GPU, lora_name=None,
+                    extra_keys=[(salt,) if salt and i == 0 else None for i in range(done, full)],
+                    group_idx=0))
 
     def _preempt(self, req: SimRequest) -> None:
         self.running.remove(req)

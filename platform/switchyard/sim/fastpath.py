@@ -109,13 +109,16 @@ def _apply(core: EngineCore, k: int, ends: list[float], durations: list[float],
 
     kv, bs = core.kv, core.block_size
     finished: list[SimRequest] = []
+    if kv.events is not None:
+        _blocks_step_by_step(core, k)
     for r in running:  # every allocation of the run happens before any finish frees blocks
-        r.generate(k)
-        r.num_computed += k
-        need = -(-r.num_computed // bs) - len(r.blocks)
-        if need > 0:
-            r.blocks.extend(kv.allocate(need))
-        core.register_full_blocks(r)
+        if kv.events is None:
+            r.generate(k)
+            r.num_computed += k
+            need = -(-r.num_computed // bs) - len(r.blocks)
+            if need > 0:
+                r.blocks.extend(kv.allocate(need))
+            core.register_full_blocks(r)
         r.last_token_at = end
         emitted[r] = None
         if len(r.output) >= r.max_output:
@@ -124,3 +127,35 @@ def _apply(core: EngineCore, k: int, ends: list[float], durations: list[float],
         core.finish(r, end)
     if finished:
         core.drop_finished()
+
+
+def _blocks_step_by_step(core: EngineCore, k: int) -> None:
+    """The run's tokens, allocations and registrations with KV events on: one event batch per step.
+
+    Only the steps where a request starts or fills a block do anything, so this costs
+    O(batch + blocks), not O(batch * k). In each step, allocations (and the evictions they
+    cause) come before registrations, as in ``EngineCore.step``.
+    """
+    kv, bs = core.kv, core.block_size
+    work: list[tuple[int, int, int, int]] = []  # (step, 0 allocate / 1 register, request, blocks)
+    running = core.running
+    for order, r in enumerate(running):
+        c = r.num_computed  # the token at position p is computed in step p - c of the run
+        r.generate(k)
+        r.num_computed = c + k
+        for start in range(len(r.blocks) * bs, c + k, bs):
+            work.append((start - c, 0, order, 0))
+        for last in range((c // bs + 1) * bs - 1, c + k, bs):
+            work.append((last - c, 1, order, (last + 1) // bs))
+    work.sort()
+    step = work[0][0] if work else 0
+    for at, kind, order, full in work:
+        if at != step:
+            core.flush_kv_events()
+            step = at
+        r = running[order]
+        if kind == 0:
+            r.blocks.extend(kv.allocate(1))
+        else:
+            core.register_full_blocks(r, full)
+    core.flush_kv_events()

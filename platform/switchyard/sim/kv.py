@@ -10,6 +10,12 @@ the block it takes, so the cache is LRU and only ever uses memory nobody else ne
 
 Requests free their blocks tail first, so that under pressure the end of a sequence (the
 part least likely to be shared) is evicted before its beginning, as vLLM does.
+
+With ``events`` set to a list, the pool records vLLM's KV-cache events as it changes: a
+``BlockRemoved`` per cached block an allocation evicts and ``AllBlocksCleared`` on a reset (the
+engine core adds the ``BlockStored`` events, which need the request's tokens, and publishes each
+step's list as one batch). A block computed twice (two requests at once, or the last block of a
+fully cached prompt, which is always recomputed) is stored and later removed twice, as in vLLM.
 """
 
 from __future__ import annotations
@@ -17,8 +23,17 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from switchyard.kvcache.wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, Event
+
 #: Parent hash of a sequence's first block (no cache salt).
 ROOT_HASH = 0x5EED
+#: Published block hashes are unsigned 64-bit ints, as vLLM's default ``ExternalBlockHash``.
+HASH_MASK = (1 << 64) - 1
+
+
+def external_hash(block_hash: int) -> int:
+    """A block hash as KV-cache events carry it (unsigned 64-bit)."""
+    return block_hash & HASH_MASK
 
 
 def chain_hash(parent: int, tokens: Sequence[int]) -> int:
@@ -47,6 +62,8 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[int, int] = {}
         self.evictions = 0
+        #: Where KV-cache events are recorded (None: not recorded).
+        self.events: list[Event] | None = None
 
     @property
     def num_free(self) -> int:
@@ -101,15 +118,17 @@ class BlockPool:
         if n > len(self._free):
             raise ValueError(f"asked for {n} KV blocks, {len(self._free)} free")
         out: list[int] = []
-        free, ref, hashes, cached = self._free, self._ref, self._hash, self._cached
+        free, ref, hashes, cached, events = self._free, self._ref, self._hash, self._cached, self.events
         for _ in range(n):
             b, _unused = free.popitem(last=False)
             h = hashes[b]
             if h is not None:
                 if cached.get(h) == b:
                     del cached[h]
+                    self.evictions += 1
                 hashes[b] = None
-                self.evictions += 1
+                if events is not None:
+                    events.append(BlockRemoved(block_hashes=[h & HASH_MASK], medium=MEDIUM_GPU, group_idx=0))
             ref[b] = 1
             out.append(b)
         return out
@@ -126,14 +145,23 @@ class BlockPool:
         """Record that ``block`` now holds the full block identified by ``block_hash``.
 
         If another block already holds the same content (two requests computed it at once),
-        the first one stays the cache entry and this one is simply not cached.
+        the first one stays the cache entry; this one only remembers its hash, so that its
+        eviction is reported as vLLM reports it.
         """
         if block_hash not in self._cached:
             self._cached[block_hash] = block
-            self._hash[block] = block_hash
+        self._hash[block] = block_hash
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (contents of in-use blocks are unaffected)."""
-        for b in list(self._cached.values()):
-            self._hash[b] = None
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, as vLLM does: only when no block is in use.
+
+        Returns:
+            Whether the cache was reset (False while a request holds blocks).
+        """
+        if self.num_used:
+            return False
+        self._hash = [None] * self.num_blocks
         self._cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+        return True

@@ -20,6 +20,7 @@ import contextlib
 from collections import deque
 from typing import Any, Protocol
 
+from switchyard.kvcache.publisher import Publisher, open_publisher
 from switchyard.sim.config import ResolvedConfig
 from switchyard.sim.core import EngineCore
 from switchyard.sim.faults import FaultState
@@ -132,11 +133,21 @@ class EngineRuntime:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._live: set[SimRequest] = set()
+        #: Publishes the core's KV-cache events (``--kv-events-config``); None when it does not.
+        self.kv_publisher: Publisher | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the engine loop on the running event loop."""
+        """Start the engine loop on the running event loop (and the KV event publisher, if configured).
+
+        Raises:
+            ValueError: The KV event endpoints cannot be set up.
+        """
+        publisher = open_publisher(self.config.kv_events)
+        if publisher is not None:
+            self.kv_publisher = publisher
+            self.core.enable_kv_events(publisher.publish)
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._wall0 = loop.time()
@@ -151,6 +162,17 @@ class EngineRuntime:
             self._task = None
         for req in list(self._live):
             self.abort(req)
+        publisher, self.kv_publisher = self.kv_publisher, None
+        if publisher is not None:
+            self.core.kv_sink = None
+            await asyncio.to_thread(publisher.close)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's ``POST /reset_prefix_cache``: see ``EngineCore.reset_prefix_cache``."""
+        reset = self.core.reset_prefix_cache(reset_running_requests)
+        if reset_running_requests:
+            self._wake.set()  # the preempted requests run again
+        return reset
 
     @property
     def in_flight(self) -> int:
@@ -285,4 +307,12 @@ class EngineRuntime:
             "faulted": dict(self.faults.counts),
             "listening": self.listening,
             "trace_contexts": list(self.trace_contexts),
+            "kv_events": self._kv_events_state(),
         }
+
+    def _kv_events_state(self) -> dict[str, Any] | None:
+        pub = self.kv_publisher
+        if pub is None:
+            return None
+        return {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint, "topic": pub.config.topic,
+                "batches_sent": pub.sent, "batches_dropped": pub.dropped}
