@@ -39,7 +39,8 @@ def admin_dependencies(runtime: GatewayRuntime) -> AdminDependencies:
     database engine are read per request: they exist once the lifespan started)."""
     return AdminDependencies(
         settings=runtime.settings, policy=lambda: runtime.policy, db=lambda: runtime.engine,
-        activity=runtime.activity, endpoints=runtime.endpoints, cache=runtime.cache, limits=runtime.admitter,
+        activity=runtime.activity, endpoints=runtime.endpoints, engine_caches=runtime.memory.engine_caches,
+        cache=runtime.cache, limits=runtime.admitter,
         change_keys=runtime.change_keys, policy_changed=runtime.policy_changed)
 
 

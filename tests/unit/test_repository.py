@@ -56,9 +56,10 @@ LAYERS: dict[str, set[str]] = {
     # What the gateway observes of its engines; the durable state.
     "engines": {"policy"}, "store": {"policy", "decide", "resources"},
     # The product's surfaces: the /v1 path, the Batch API (its lines go through the gateway's path), the console.
-    "gateway": {"api", "decide", "state", "engines", "store", "policy", "figures", "logs", "settings", "simtext"},
+    "gateway": {"api", "decide", "state", "engines", "store", "policy", "figures", "logs", "settings", "simtext",
+                "kvcache"},
     "batch": {"api", "gateway", "store", "decide", "policy"},
-    "admin": {"api", "gateway", "decide", "engines", "store", "policy", "whatif", "figures", "settings", "simtext"},
+    "admin": {"api", "gateway", "decide", "engines", "state", "store", "policy", "whatif", "figures", "settings", "simtext"},
     # The composition root assembles the surfaces; the command line reaches everything (lazily).
     "app": {"gateway", "admin", "batch", "api", "settings", "resources"},
     "cli": {"app", "gateway", "admin", "batch", "decide", "state", "engines", "store", "policy", "whatif", "sim",

@@ -18,10 +18,41 @@ from switchyard.engines.breakers import CircuitBreaker
 from switchyard.engines.endpoints import EndpointRegistry
 from switchyard.gateway.policy_state import PolicyHolder
 from switchyard.policy.fleet import Pool
+from switchyard.state.kvindex import EngineCaches
 
 
-def endpoint_row(registry: EndpointRegistry, pool: Pool, url: str, now: float) -> dict[str, Any]:
-    """What the gateway knows of one endpoint (in ``registry``): health, in-flight count and its last scrape."""
+def kv_events_row(caches: EngineCaches, pool: Pool, url: str, now: float) -> dict[str, Any] | None:
+    """The state of one endpoint's KV-cache event stream as this process follows it (None: its pool declares
+    no ``kv_events``)."""
+    if pool.kv_events is None:
+        return None
+    cache = caches.get(url)
+    if cache is None:
+        return {"state": "disconnected", "events_url": pool.kv_events.addresses(url)[0], "blocks": 0,
+                "block_size": None, "last_seq": None, "batches": 0, "events": 0, "gaps": 0, "gaps_recovered": 0,
+                "restarts": 0, "orphans": 0, "last_event_age_s": None, "reason": "not followed yet"}
+    at = cache.last_event_at
+    return {
+        "state": cache.state(now),
+        "events_url": cache.events_url,
+        "blocks": len(cache.blocks),
+        "block_size": cache.blocks.block_size,
+        "last_seq": cache.last_seq,
+        "batches": cache.batches,
+        "events": cache.events,
+        "gaps": cache.gaps,
+        "gaps_recovered": cache.gaps_recovered,
+        "restarts": cache.restarts,
+        "orphans": cache.blocks.orphans,
+        "last_event_age_s": round(now - at, 3) if at is not None else None,
+        "reason": cache.reason or None,
+    }
+
+
+def endpoint_row(registry: EndpointRegistry, caches: EngineCaches, pool: Pool, url: str,
+                 now: float) -> dict[str, Any]:
+    """What the gateway knows of one endpoint (in ``registry``): health, in-flight count, its last scrape, and
+    its KV-cache events (in ``caches``)."""
     state = registry.state(url)
     signals = state.signals
     age = now - state.scraped_at if signals is not None else None
@@ -48,6 +79,7 @@ def endpoint_row(registry: EndpointRegistry, pool: Pool, url: str, now: float) -
             "prefix_cache_queries": signals.prefix_queries if signals else None,
             "prefix_cache_hits": signals.prefix_hits if signals else None,
         },
+        "kv_events": kv_events_row(caches, pool, url, now),
     }
 
 
@@ -67,13 +99,14 @@ def breaker_row(breaker: CircuitBreaker, now: float) -> dict[str, Any]:
 
 @get("/endpoints", name="admin:api:endpoints", operation_id="adminEndpoints",
      operation_class=admin_operation(ok("Every endpoint and pool.", docs.ENDPOINTS)))
-async def endpoints(policy: NamedDependency[PolicyHolder],
-                    endpoints: NamedDependency[EndpointRegistry]) -> dict[str, Any]:
-    """Every endpoint of the active policy (pool, health, breaker, in-flight count, scraped load signals)
-    and every pool's breaker."""
+async def endpoints(policy: NamedDependency[PolicyHolder], endpoints: NamedDependency[EndpointRegistry],
+                    engine_caches: NamedDependency[EngineCaches]) -> dict[str, Any]:
+    """Every endpoint of the active policy (pool, health, breaker, in-flight count, scraped load signals, its
+    KV-cache events: connected/stale, blocks held, last sequence, gaps recovered) and every pool's breaker."""
     snapshot = policy.snapshot
     now = time.monotonic()
-    rows = [endpoint_row(endpoints, pool, url, now) for pool in snapshot.pools.values() for url in pool.endpoints]
+    rows = [endpoint_row(endpoints, engine_caches, pool, url, now)
+            for pool in snapshot.pools.values() for url in pool.endpoints]
     pools = [{"pool": pool.name, "region": pool.region,
               "breaker": breaker_row(endpoints.pool_breaker(pool.name), now)}
              for pool in snapshot.pools.values()]

@@ -41,6 +41,7 @@ from switchyard.gateway.activity import Activity
 from switchyard.gateway.policy_state import PolicyHolder
 from switchyard.policy import PolicyError, policy_sha256, read_policy_file
 from switchyard.settings import Settings
+from switchyard.state.kvindex import EngineCaches
 from switchyard.store.db import session_scope
 from switchyard.store.policy_versions import list_versions
 
@@ -48,15 +49,16 @@ from switchyard.store.policy_versions import list_versions
 HISTORY = 10
 
 
-def _overview_context(policy: PolicyHolder, endpoints: EndpointRegistry, activity: Activity,
-                      settings: Settings) -> dict[str, Any]:
+def _overview_context(policy: PolicyHolder, endpoints: EndpointRegistry, engine_caches: EngineCaches,
+                      activity: Activity, settings: Settings) -> dict[str, Any]:
     snapshot = policy.snapshot
     now = time.monotonic()
     regions = []
     for region in snapshot.document.regions:
         pools = [
             {"name": p.name, "served_model": p.served_model, "kv_cache_tokens": p.kv_cache_tokens,
-             "endpoints": [endpoint_row(endpoints, p, u, now) for u in p.endpoints],
+             "endpoints": [endpoint_row(endpoints, engine_caches, p, u, now) for u in p.endpoints],
+             "kv_events": p.kv_events is not None,
              "models": [m.name for m in snapshot.models.values() if p.name in m.pools]}
             for p in snapshot.pools.values() if p.region == region
         ]
@@ -87,9 +89,10 @@ def _history(settings: Settings, db: Engine, policy: PolicyHolder) -> dict[str, 
 @get("/", name="admin:overview", operation_id="adminOverview", include_in_schema=False)
 async def overview(request: HTMXRequest, settings: NamedDependency[Settings], policy: NamedDependency[PolicyHolder],
                    db: NamedDependency[Engine], activity: NamedDependency[Activity],
-                   endpoints: NamedDependency[EndpointRegistry]) -> Template:
+                   endpoints: NamedDependency[EndpointRegistry],
+                   engine_caches: NamedDependency[EngineCaches]) -> Template:
     """The overview page (or just its live part, ``#engines``, for htmx polling)."""
-    context = _overview_context(policy, endpoints, activity, settings)
+    context = _overview_context(policy, endpoints, engine_caches, activity, settings)
     if request.htmx:
         return HTMXTemplate(template_name="admin/partials/_engines.html.j2", context=context)
     context |= await anyio.to_thread.run_sync(_history, settings, db, policy)

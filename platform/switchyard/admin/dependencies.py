@@ -12,6 +12,7 @@ A handler names, as parameters, only the pieces it uses, and Litestar injects ea
 and, where a page needs one thing more, that thing alone:
 
 - ``endpoints``: the endpoint registry (health, breakers, load) of the overview and ``/admin/api/endpoints``;
+- ``engine_caches``: the engines' caches as their KV-cache events report them, and the streams' state;
 - ``cache``: the response cache (its backend's figures and purge, its lookup counters);
 - ``limits``: the admitter (the tenant page reads its limit store's counters);
 - ``change_keys``: a change of what key lookups answer, returned once every gateway process dropped it;
@@ -42,6 +43,7 @@ from switchyard.gateway.admission import Admitter
 from switchyard.gateway.policy_state import PolicyHolder
 from switchyard.gateway.response_cache import CacheRunner
 from switchyard.settings import Settings
+from switchyard.state.kvindex import EngineCaches
 from switchyard.store.key_changes import Propagation
 
 T = TypeVar("T")
@@ -77,6 +79,7 @@ class AdminDependencies:
         db: The database engine, when a request asks for it (it exists once the lifespan started).
         activity: This process's recent traffic.
         endpoints: The endpoint registry.
+        engine_caches: The engines' caches as their KV-cache events report them.
         cache: The response cache.
         limits: The admitter, whose limit store the tenant page reads.
         change_keys: Runs a key change and waits for every gateway process to drop it.
@@ -89,6 +92,7 @@ class AdminDependencies:
     db: Callable[[], Engine]
     activity: Activity
     endpoints: EndpointRegistry
+    engine_caches: EngineCaches
     cache: CacheRunner
     limits: Admitter
     change_keys: KeyChanger
@@ -103,6 +107,7 @@ class AdminDependencies:
             "db": Provide(self.db, sync_to_thread=False),
             "activity": _given(self.activity),
             "endpoints": _given(self.endpoints),
+            "engine_caches": _given(self.engine_caches),
             "cache": _given(self.cache),
             "limits": _given(self.limits),
             "change_keys": _given(self.change_keys),

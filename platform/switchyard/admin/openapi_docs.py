@@ -32,12 +32,23 @@ _BREAKER = obj({"state": Schema(type=OpenAPIType.STRING, enum=["closed", "open",
                 "window": obj({"ok": INTEGER, "failed": INTEGER}, ["ok", "failed"]),
                 "trials_in_flight": nullable(OpenAPIType.INTEGER), "last_reason": nullable(OpenAPIType.STRING)},
                ["state", "consecutive_failures", "window"])
+_KV_EVENTS = obj({
+    "state": Schema(type=OpenAPIType.STRING, enum=["live", "stale", "syncing", "disconnected"],
+                    description="live: routed on; stale: requests went without events (the approximate index "
+                    "routes); syncing: reading the engine's history or filling a gap; disconnected: no connection"),
+    "events_url": STRING, "blocks": INTEGER, "block_size": nullable(OpenAPIType.INTEGER),
+    "last_seq": nullable(OpenAPIType.INTEGER), "batches": INTEGER, "events": INTEGER, "gaps": INTEGER,
+    "gaps_recovered": INTEGER, "restarts": INTEGER, "orphans": INTEGER,
+    "last_event_age_s": nullable(OpenAPIType.NUMBER), "reason": nullable(OpenAPIType.STRING)},
+    ["state", "blocks", "last_seq", "gaps_recovered"], nullable_=True,
+    description="The endpoint's KV-cache event stream as this gateway process follows it (null: its pool "
+    "declares no kv_events).")
 ENDPOINTS = obj({
     "policy": STRING,
     "endpoints": array(obj({"url": STRING, "pool": STRING, "region": STRING, "healthy": BOOLEAN, "up": BOOLEAN,
                             "failure": nullable(OpenAPIType.STRING), "down_for_s": nullable(OpenAPIType.NUMBER),
                             "probe_streak": INTEGER, "breaker": _BREAKER, "in_flight": INTEGER,
-                            "load": nullable(OpenAPIType.NUMBER), "scrape": ANY_OBJECT},
+                            "load": nullable(OpenAPIType.NUMBER), "scrape": ANY_OBJECT, "kv_events": _KV_EVENTS},
                            ["url", "pool", "region", "healthy", "up", "breaker", "in_flight", "scrape"])),
     "pools": array(obj({"pool": STRING, "region": STRING, "breaker": _BREAKER}, ["pool", "region", "breaker"])),
 }, ["policy", "endpoints", "pools"])

@@ -31,6 +31,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.kvcache import wire
 from switchyard.policy import PolicySnapshot
 from switchyard.state.kvindex import EngineCache, EngineCaches
@@ -237,6 +238,46 @@ class Follower:
                 out.append((wire.seq_of(seq_frame), payload))
         finally:
             dealer.close(linger=0)
+
+
+class Exported:
+    """What was last copied into the metrics, so that counters move by what changed."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str], int] = {}
+        self.busy_s = 0.0
+        self.urls: set[str] = set()
+
+
+def export_metrics(subscriptions: Subscriptions, metrics: GatewayMetrics, exported: Exported, now: float) -> None:
+    """Copy every stream's state into ``metrics`` (series of endpoints no longer followed are removed)."""
+    caches = subscriptions.caches
+    urls = {cache.url for cache in caches}
+    for gone in exported.urls - urls:
+        for family in (metrics.kv_connected, metrics.kv_stale, metrics.kv_blocks, metrics.kv_last_seq,
+                       metrics.kv_events, metrics.kv_gaps_recovered, metrics.kv_restarts):
+            with contextlib.suppress(KeyError):
+                family.remove(gone)
+        for key in [k for k in exported.counts if k[0] == gone]:
+            del exported.counts[key]
+    exported.urls = urls
+    for cache in caches:
+        url = cache.url
+        metrics.kv_connected.labels(url).set(1 if cache.connected else 0)
+        metrics.kv_stale.labels(url).set(0 if cache.known(now) else 1)
+        metrics.kv_blocks.labels(url).set(len(cache.blocks))
+        metrics.kv_last_seq.labels(url).set(cache.last_seq if cache.last_seq is not None else -1)
+        for name, family, value in (("events", metrics.kv_events, cache.events),
+                                    ("gaps", metrics.kv_gaps_recovered, cache.gaps_recovered),
+                                    ("restarts", metrics.kv_restarts, cache.restarts)):
+            before = exported.counts.get((url, name), 0)
+            if value > before:
+                family.labels(url).inc(value - before)
+            exported.counts[(url, name)] = value
+    busy = subscriptions.busy_s
+    if busy > exported.busy_s:
+        metrics.kv_seconds.inc(busy - exported.busy_s)
+    exported.busy_s = busy
 
 
 class Subscriptions:

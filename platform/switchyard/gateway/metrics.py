@@ -152,6 +152,30 @@ class GatewayMetrics:
             "switchyard_dependency_failures", "Requests served or refused while a dependency of the gateway was "
             "unreachable, by dependency (redis, database) and what was done (fail_open, fail_closed).",
             ["dependency", "mode"], registry=self.registry)
+        # The engines' KV-cache events, copied from the streams' state every few seconds.
+        self.kv_connected = Gauge(
+            "switchyard_kv_events_connected", "1 while this process is connected to the endpoint's KV-cache events.",
+            ["endpoint"], registry=self.registry)
+        self.kv_stale = Gauge(
+            "switchyard_kv_events_stale", "1 while the endpoint's events are not routed on (syncing, stale or cut: "
+            "the approximate index routes instead).", ["endpoint"], registry=self.registry)
+        self.kv_blocks = Gauge(
+            "switchyard_kv_events_blocks", "Blocks the endpoint's prefix cache holds, as its events report.",
+            ["endpoint"], registry=self.registry)
+        self.kv_last_seq = Gauge(
+            "switchyard_kv_events_last_sequence", "The sequence number of the endpoint's last batch applied.",
+            ["endpoint"], registry=self.registry)
+        self.kv_events = Counter(
+            "switchyard_kv_events", "KV-cache events applied, by endpoint.", ["endpoint"], registry=self.registry)
+        self.kv_gaps_recovered = Counter(
+            "switchyard_kv_events_gaps_recovered", "Sequence gaps filled from the endpoint's replay socket.",
+            ["endpoint"], registry=self.registry)
+        self.kv_restarts = Counter(
+            "switchyard_kv_events_restarts", "Times the endpoint's sequence went back (its engine restarted) and "
+            "its index was read again.", ["endpoint"], registry=self.registry)
+        self.kv_seconds = Counter(
+            "switchyard_kv_events_processing_seconds", "Seconds this process spent decoding and applying KV-cache "
+            "events (its event loop's CPU for them).", registry=self.registry)
 
     def usage_counters(self, model: str) -> tuple[Counter, Counter, Counter, Counter]:
         """The prompt, completion, cached-token and spend counters of ``model`` (looked up once per model)."""

@@ -28,7 +28,7 @@ from switchyard.gateway.admission import Admitter
 from switchyard.gateway.auth import KeyAuthenticator
 from switchyard.gateway.classifiers import ClassifierRunner
 from switchyard.gateway.flow import FlowController
-from switchyard.gateway.kvevents import Subscriptions, sources_of
+from switchyard.gateway.kvevents import Exported, Subscriptions, export_metrics, sources_of
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.policy_state import PolicyHolder, load_startup_policy
 from switchyard.gateway.reload import PolicyReloader, following
@@ -224,8 +224,12 @@ class GatewayRuntime:
         log.warning("%s breaker %s is %s: %s", breaker.scope, breaker.name, state.replace("_", "-"), reason)
 
     async def _cache_gauges(self) -> None:
-        """Copy the response cache's counts into its gauges every few seconds."""
+        """Copy the response cache's counts, and the KV-cache event streams' state, into their metrics every few
+        seconds."""
+        exported = Exported()
         while True:
+            if self.kv_events is not None:
+                export_metrics(self.kv_events, self.metrics, exported, time.monotonic())
             try:
                 await self.cache.refresh_gauges()
             except Exception as exc:  # Redis unreachable: the gauges keep their last values
