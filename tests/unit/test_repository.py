@@ -59,11 +59,12 @@ LAYERS: dict[str, set[str]] = {
     "gateway": {"api", "decide", "state", "engines", "store", "policy", "figures", "logs", "settings", "simtext",
                 "kvcache"},
     "batch": {"api", "gateway", "store", "decide", "policy"},
-    "admin": {"api", "gateway", "decide", "engines", "state", "store", "policy", "whatif", "figures", "settings", "simtext"},
+    "admin": {"api", "gateway", "decide", "engines", "state", "store", "policy", "whatif", "figures", "settings",
+              "simtext"},
     # The composition root assembles the surfaces; the command line reaches everything (lazily).
     "app": {"gateway", "admin", "batch", "api", "settings", "resources"},
     "cli": {"app", "gateway", "admin", "batch", "decide", "state", "engines", "store", "policy", "whatif", "sim",
-            "bench", "api", "figures", "logs", "resources", "settings"},
+            "kvcache", "bench", "api", "figures", "logs", "resources", "settings"},
     "__main__": {"cli"},
     # The pre-publish replay: the procedure on the simulator, with bench's workloads and the limit store.
     "whatif": {"decide", "state", "policy", "sim", "simtext", "bench", "store", "figures"},

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any
 
@@ -30,7 +31,7 @@ def kv_events_row(caches: EngineCaches, pool: Pool, url: str, now: float) -> dic
     if cache is None:
         return {"state": "disconnected", "events_url": pool.kv_events.addresses(url)[0], "blocks": 0,
                 "block_size": None, "last_seq": None, "batches": 0, "events": 0, "gaps": 0, "gaps_recovered": 0,
-                "restarts": 0, "orphans": 0, "last_event_age_s": None, "reason": "not followed yet"}
+                "restarts": 0, "orphans": 0, "digest": None, "last_event_age_s": None, "reason": "not followed yet"}
     at = cache.last_event_at
     return {
         "state": cache.state(now),
@@ -44,6 +45,7 @@ def kv_events_row(caches: EngineCaches, pool: Pool, url: str, now: float) -> dic
         "gaps_recovered": cache.gaps_recovered,
         "restarts": cache.restarts,
         "orphans": cache.blocks.orphans,
+        "digest": hashlib.sha256(b"".join(sorted(cache.blocks.keys()))).hexdigest()[:16],
         "last_event_age_s": round(now - at, 3) if at is not None else None,
         "reason": cache.reason or None,
     }

@@ -39,6 +39,8 @@ _KV_EVENTS = obj({
     "events_url": STRING, "blocks": INTEGER, "block_size": nullable(OpenAPIType.INTEGER),
     "last_seq": nullable(OpenAPIType.INTEGER), "batches": INTEGER, "events": INTEGER, "gaps": INTEGER,
     "gaps_recovered": INTEGER, "restarts": INTEGER, "orphans": INTEGER,
+    "digest": Schema(type=[OpenAPIType.STRING, OpenAPIType.NULL], description="A digest of the blocks held, "
+                     "named by their token chains: equal on every gateway process that read the same stream"),
     "last_event_age_s": nullable(OpenAPIType.NUMBER), "reason": nullable(OpenAPIType.STRING)},
     ["state", "blocks", "last_seq", "gaps_recovered"], nullable_=True,
     description="The endpoint's KV-cache event stream as this gateway process follows it (null: its pool "

@@ -125,8 +125,13 @@ def engines_for_policy(snapshot: PolicySnapshot, regions: tuple[str, ...] = (), 
     """One simulated engine per loopback endpoint of the policy's pools (optionally filtered).
 
     A pool's ``sim_profile`` is a profile name or the path of a profile file; a relative path is
-    taken from ``base_dir`` (the policy file's folder), not from the working directory.
+    taken from ``base_dir`` (the policy file's folder), not from the working directory. The engines of a
+    pool that declares ``kv_events`` publish their KV-cache events where it says (bound, as vLLM binds
+    ``tcp://*:PORT``), so that gateways on the same policy find them.
     """
+    from dataclasses import replace
+
+    from switchyard.kvcache.config import KVEventsConfig
     from switchyard.whatif.fleet import pool_engine_config
 
     configs: list[EngineConfig] = []
@@ -139,8 +144,14 @@ def engines_for_policy(snapshot: PolicySnapshot, regions: tuple[str, ...] = (), 
                 raise click.ClickException(
                     f"pool {pool.name}: {url} is not a loopback address with a port; the simulator "
                     "only serves 127.0.0.1/localhost endpoints")
-            configs.append(pool_engine_config(snapshot, pool, port=parts.port, host=parts.hostname,
-                                              time_scale=time_scale, seed=seed, base_dir=base_dir))
+            config = pool_engine_config(snapshot, pool, port=parts.port, host=parts.hostname,
+                                        time_scale=time_scale, seed=seed, base_dir=base_dir)
+            if pool.kv_events is not None:
+                events, replay = pool.kv_events.addresses(url)
+                config = replace(config, kv_events=KVEventsConfig(
+                    enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:" + events.rsplit(":", 1)[1],
+                    replay_endpoint=replay, topic=pool.kv_events.topic))
+            configs.append(config)
     if not configs:
         raise click.ClickException("no pool matches the given --region/--pool filters")
     return configs

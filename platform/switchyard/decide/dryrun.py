@@ -22,6 +22,7 @@ from switchyard.decide.decision import Ask, Attempt, Caller, Decision, LookupCac
 from switchyard.decide.features import RequestFeatures
 from switchyard.decide.flow import Queue, Waited
 from switchyard.decide.pick import Strategy
+from switchyard.decide.picking import PromptRenderer
 from switchyard.decide.procedure import decide
 from switchyard.decide.tokens import TokenCounter
 from switchyard.decide.views import (
@@ -285,7 +286,8 @@ def dry_run(snapshot: PolicySnapshot, tier: str, features: RequestFeatures,
             strategy: Strategy = "prefix-aware", priority: object = None, key_region: str | None = None,
             gateway_region: str | None = None, body: Mapping[str, Any] | None = None, *, kind: RequestKind = "chat",
             tenant: str = "dry-run", tenant_limits: Limits | None = None, key_limits: Limits | None = None,
-            counters: Mapping[str, TokenCounter] | None = None, fleet: FleetView | None = None) -> DryRun:
+            counters: Mapping[str, TokenCounter] | None = None, fleet: FleetView | None = None,
+            renderers: Mapping[str, PromptRenderer] | None = None) -> DryRun:
     """Every decision the gateway would take for ``features`` from a tenant of ``tier``.
 
     ``priority`` is the body's ``priority`` (a class name or vLLM number); the headers that lower the
@@ -293,13 +295,15 @@ def dry_run(snapshot: PolicySnapshot, tier: str, features: RequestFeatures,
     request body (default: one made of ``features``); ``key_region``: the API key's (or tenant's) home
     region; ``gateway_region``: the gateway's; ``tenant_limits``, ``key_limits``: the tenant's and the
     key's limit overrides; ``counters``: the models' prompt counters (their tokenizers); ``fleet``: the
-    fleet as it is (default: idle), read and never changed (:class:`Looking`).
+    fleet as it is (default: idle), read and never changed (:class:`Looking`); ``renderers``: the models'
+    prompt renderers (the precise KV-cache scorer looks the prompt up in the engines' reported caches).
     """
     request = dict(body) if body is not None else body_of_features(features)
     if priority is not None:
         request["priority"] = priority
     caller = Caller(tier, tenant, "dry-run", tenant_limits, key_limits, key_region)
-    ask = Ask(kind, request, features, caller, gateway_region, strategy, counters=counters or {})
+    ask = Ask(kind, request, features, caller, gateway_region, strategy, counters=counters or {},
+              renderers=renderers or {})
     return summary(run_idle(Decision(snapshot, ask), Looking(fleet) if fleet is not None else IdleFleet()))
 
 

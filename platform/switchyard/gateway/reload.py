@@ -35,7 +35,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,11 +48,11 @@ from sqlalchemy.exc import DBAPIError
 from sqlmodel import col, select
 
 from switchyard.decide.policy_tests import compile_checked
-from switchyard.decide.tokens import TokenCounter
 from switchyard.gateway.auth import KeyAuthenticator
 from switchyard.gateway.metrics import GatewayMetrics
+from switchyard.gateway.model_tokens import ModelTokens, load_model_tokens
 from switchyard.gateway.policy_state import PolicyHolder, record_file
-from switchyard.gateway.tokenizers import TokenizerCache, load_token_counters
+from switchyard.gateway.tokenizers import TokenizerCache
 from switchyard.policy import PolicyError, PolicySnapshot, policy_sha256, read_policy_file
 from switchyard.settings import Settings
 from switchyard.store import key_changes
@@ -118,17 +118,16 @@ class PolicyReloader:
 
     # --- activation ----------------------------------------------------------------------------
 
-    def counters_for(self, snapshot: PolicySnapshot) -> Mapping[str, TokenCounter]:
-        """Each model's prompt-token counter (its tokenizer's, else the estimate).
+    def counters_for(self, snapshot: PolicySnapshot) -> ModelTokens:
+        """Each model's prompt-token counter (its tokenizer's, else the estimate) and prompt renderer.
 
         Raises:
-            PolicyError: a model's tokenizer file cannot be loaded (the document is rejected).
+            PolicyError: a model's tokenizer or chat template cannot be loaded (the document is rejected).
         """
-        return load_token_counters(snapshot, self.settings.policy_file.resolve().parent, self.tokenizers,
-                                   snapshot.label)
+        return load_model_tokens(snapshot, self.settings.policy_file.resolve().parent, self.tokenizers)
 
-    def _swap(self, snapshot: PolicySnapshot, via: str, counters: Mapping[str, TokenCounter]) -> None:
-        self.holder.snapshot, self.holder.counters = snapshot, counters
+    def _swap(self, snapshot: PolicySnapshot, via: str, tokens: ModelTokens) -> None:
+        self.holder.snapshot, self.holder.counters, self.holder.renderers = snapshot, *tokens
         self.metrics.set_policy(snapshot.label, snapshot.sha256, snapshot.version)
         self.activations.append(Activation(snapshot.version, snapshot.sha256, time.time(), via))
         del self.activations[:-100]

@@ -30,12 +30,13 @@ from switchyard.gateway.classifiers import ClassifierRunner
 from switchyard.gateway.flow import FlowController
 from switchyard.gateway.kvevents import Exported, Subscriptions, export_metrics, sources_of
 from switchyard.gateway.metrics import GatewayMetrics
+from switchyard.gateway.model_tokens import load_model_tokens
 from switchyard.gateway.policy_state import PolicyHolder, load_startup_policy
 from switchyard.gateway.reload import PolicyReloader, following
 from switchyard.gateway.response_cache import CacheRunner
 from switchyard.gateway.retries import RetryBudget
 from switchyard.gateway.stalls import StallSampler
-from switchyard.gateway.tokenizers import TokenizerCache, load_token_counters
+from switchyard.gateway.tokenizers import TokenizerCache
 from switchyard.gateway.tracing import Tracing
 from switchyard.gateway.view import LiveView
 from switchyard.settings import Settings
@@ -292,8 +293,8 @@ class GatewayRuntime:
                 log.info("upgrading the database schema to %s", db.head_revision())
                 db.upgrade(engine)
             holder = load_startup_policy(self.settings, engine)
-            holder.counters = load_token_counters(holder.snapshot, self.settings.policy_file.resolve().parent,
-                                                  self.tokenizers, holder.snapshot.label)
+            holder.counters, holder.renderers = load_model_tokens(
+                holder.snapshot, self.settings.policy_file.resolve().parent, self.tokenizers)
         except BaseException:
             engine.dispose()
             raise

@@ -32,7 +32,7 @@ MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 
 
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One engine step's events (vLLM's ``EventBatch``)."""
 
     ts: float
@@ -40,7 +40,7 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """Base of the KV-cache events (vLLM's ``KVCacheEvent``)."""
 
 
@@ -84,7 +84,7 @@ Event = BlockStored | BlockRemoved | AllBlocksCleared
 class KVEventBatch(EventBatch):
     """An :class:`EventBatch` of KV-cache events (vLLM's ``KVEventBatch``)."""
 
-    events: list[Event]  # type: ignore[assignment]
+    events: list[Event]
 
 
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)

@@ -172,7 +172,8 @@ async def dry_run_submit(request: HTMXRequest, settings: NamedDependency[Setting
     # The gateway's own decisions, with the tenant's limit override and the models' tokenizers.
     run = dry_run(snapshot, who.tier, features, strategy=settings.picker, priority=test_request.priority,
                   key_region=who.region, gateway_region=settings.region, body=body,
-                  tenant=who.tenant or "dry-run", tenant_limits=who.limits, counters=policy.counters)
+                  tenant=who.tenant or "dry-run", tenant_limits=who.limits, counters=policy.counters,
+                  renderers=policy.renderers)
     prompt_tokens = run.prompt_tokens if run.prompt_tokens is not None else features.prompt_tokens
     result = {"run": run, "who": who, "policy": snapshot.label, "prompt_tokens": prompt_tokens,
               "max_tokens": features.max_tokens, "estimated_tokens": run.estimated_tokens, "charges": run.charges,
