@@ -3,8 +3,12 @@ CPU for the ``vllm`` tier, and the session's check that no secret was ever logge
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import re
+import shutil
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -14,6 +18,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from switchyard.kvcache.config import KVEventsConfig
 from tests import realvllm
 from tests.helpers import free_port
 from tests.realvllm import VllmServer
@@ -109,21 +114,31 @@ def tiny_model(vllm_env: Path) -> Path:
 def vllm_servers(vllm_env: Path, tiny_model: Path,
                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServers]:
     """Two real vLLM servers (``tiny-llama``, 8 sequences, 512-token context, prefix caching,
-    priority scheduling, cached-token counts in ``usage``), started in parallel, each pinned
-    to its own core; stopped at the end of the session."""
+    priority scheduling, cached-token counts in ``usage``, KV-cache events as ``server.kv_events``
+    says, ``/reset_prefix_cache``), started in parallel, each pinned to its own core; stopped at the
+    end of the session."""
     logs = tmp_path_factory.mktemp("vllm-logs")
     servers = VllmServers(VllmServer(vllm_env, tiny_model, logs, "vllm-a"),
                           VllmServer(vllm_env, tiny_model, logs, "vllm-b"))
+    sockets = Path(tempfile.mkdtemp(prefix="sy-vllm-"))  # short: ipc paths are limited to ~100 bytes
     try:
         for server, cpus in ((servers.a, "0"), (servers.b, "1" if (os.cpu_count() or 1) > 1 else "0")):
+            # KV-cache events: the PUB socket bound on an ipc path (vLLM binds ipc:// and connects to a
+            # tcp://HOST:PORT), the replay socket on loopback; /reset_prefix_cache needs the dev mode.
+            server.kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                              endpoint=f"ipc://{sockets}/{server.name}",
+                                              replay_endpoint=f"tcp://127.0.0.1:{free_port()}")
             server.start(free_port(), "tiny-llama", max_num_seqs=8, max_model_len=512,
-                         extra_args=["--enable-prompt-tokens-details"], cpus=cpus)
+                         extra_args=["--enable-prompt-tokens-details", "--kv-events-config",
+                                     json.dumps(dataclasses.asdict(server.kv_events))],
+                         cpus=cpus, env={"VLLM_SERVER_DEV_MODE": "1"})
         servers.a.wait_ready()
         servers.b.wait_ready()
         yield servers
     finally:
         for server in (servers.a, servers.b):
             server.stop()
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 # --- no secret is ever logged ------------------------------------------------------------------------------------

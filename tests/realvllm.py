@@ -26,11 +26,13 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
 import pytest
+
+from switchyard.kvcache.config import KVEventsConfig
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy" / "vllm-cpu"
@@ -166,6 +168,9 @@ class VllmServer:
         self.log_path = log_dir / f"{name}.log"
         self._args: list[str] = []
         self._cpus: str | None = None
+        self._env: dict[str, str] = {}
+        #: Its ``--kv-events-config`` when it publishes KV-cache events (set by whoever starts it).
+        self.kv_events: KVEventsConfig | None = None
         self._log: IO[bytes] | None = None
 
     @property
@@ -185,7 +190,7 @@ class VllmServer:
 
     def start(self, port: int, served_model_name: str = "tiny-llama", max_num_seqs: int = 8,
               max_model_len: int = 512, extra_args: Sequence[str] = (),
-              cpus: str | None = None) -> None:
+              cpus: str | None = None, env: Mapping[str, str] | None = None) -> None:
         """Launch the server (returns at once; see ``wait_ready``).
 
         Args:
@@ -197,11 +202,13 @@ class VllmServer:
             cpus: ``VLLM_CPU_OMP_THREADS_BIND`` (e.g. ``"0"``), so that two servers on a small
                 machine do not both pin their compute threads to the same core; None for
                 vLLM's automatic choice.
+            env: More environment variables of the server (kept for ``restart``).
         """
         if self.running:
             raise RuntimeError(f"{self.name} is already running on port {self.port}")
         self.port = port
         self._cpus = cpus
+        self._env = dict(env or {})
         self._args = [
             "--model", str(self.model), "--served-model-name", served_model_name,
             "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
@@ -224,7 +231,7 @@ class VllmServer:
         self._log = self.log_path.open("ab")
         self._log.write(f"\n==== {time.strftime('%H:%M:%S')} {' '.join(self.command())}\n".encode())
         self._log.flush()
-        env = {**os.environ, **SERVER_ENV}
+        env = {**os.environ, **SERVER_ENV, **self._env}
         env.pop("PYTHONPATH", None)  # the test venv's packages must not leak into vLLM's
         env.pop("VIRTUAL_ENV", None)
         if self._cpus is not None:

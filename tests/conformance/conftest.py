@@ -7,8 +7,11 @@ vLLM a test also compares what it saw with what the simulator answers to the sam
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +40,9 @@ class Target:
     url: str
     model: str = MODEL
     max_model_len: int = MAX_MODEL_LEN
+    #: Where its KV-cache events are published (a bound PUB socket) and replayed.
+    kv_endpoint: str | None = None
+    kv_replay: str | None = None
 
     @property
     def api(self) -> str:
@@ -50,14 +56,27 @@ class Target:
 
 
 @pytest.fixture(scope="session")
-def sim_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def sim_kv_events() -> Iterator[tuple[str, str]]:
+    """The simulator's KV events endpoints: (PUB bound on an ipc path, replay on loopback)."""
+    sockets = tempfile.mkdtemp(prefix="sy-sim-")  # short: ipc paths are limited to ~100 bytes
+    try:
+        yield f"ipc://{sockets}/sim", f"tcp://127.0.0.1:{free_port()}"
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def sim_url(tmp_path_factory: pytest.TempPathFactory, sim_kv_events: tuple[str, str]) -> Iterator[str]:
     """A ``switchyard sim`` process configured like the real servers of the vLLM tier."""
     port = free_port()
     log = tmp_path_factory.mktemp("conformance-sim") / "sim.log"
+    events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": sim_kv_events[0],
+                         "replay_endpoint": sim_kv_events[1]})
     with log.open("wb") as out:
         proc = subprocess.Popen([SWITCHYARD, "sim", "--model", MODEL, "--port", str(port),
                                  "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
-                                 "--time-scale", "10"], stdout=out, stderr=subprocess.STDOUT)
+                                 "--time-scale", "10", "--kv-events-config", events],
+                                stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         try:
@@ -70,16 +89,18 @@ def sim_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture
-def sim(sim_url: str) -> Target:
+def sim(sim_url: str, sim_kv_events: tuple[str, str]) -> Target:
     """The simulator (the reference a real-vLLM run compares with)."""
-    return Target("sim", sim_url)
+    return Target("sim", sim_url, kv_endpoint=sim_kv_events[0], kv_replay=sim_kv_events[1])
 
 
 @pytest.fixture(params=["sim", pytest.param("vllm", marks=pytest.mark.vllm)])
 def target(request: pytest.FixtureRequest) -> Target:
     """The engine a test runs against: the simulator, or real vLLM (server ``a`` of the tier)."""
     if request.param == "sim":
-        return Target("sim", request.getfixturevalue("sim_url"))
+        sim_target: Target = request.getfixturevalue("sim")
+        return sim_target
     servers: Any = request.getfixturevalue("vllm_servers")
     servers.ensure_running()  # a failover test may have killed it
-    return Target("vllm", servers.a.url)
+    events = servers.a.kv_events
+    return Target("vllm", servers.a.url, kv_endpoint=events.endpoint, kv_replay=events.replay_endpoint)

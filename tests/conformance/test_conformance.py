@@ -69,6 +69,12 @@ EXCEPTIONS: dict[str, str] = {
     "token_strs": "/tokenize answers token_strs null even when asked, for the same reason.",
     "stop_holdback": "A stop string spanning two tokens: vLLM holds back streamed text that may begin one, "
                      "the sim may already have streamed its first part (final text and stop_reason agree).",
+    "kv_hashes": "KV event block hashes differ (vLLM's sha256 chain, the sim's own); both are unsigned 64-bit ints, "
+                 "chained parent to child, and are compared only as names of blocks.",
+    "kv_reset": "POST /reset_prefix_cache is always served by the sim; vLLM serves it only with "
+                "VLLM_SERVER_DEV_MODE=1 (the vLLM tier's servers set it).",
+    "kv_step_order": "Within one engine step the sim publishes evictions before stores (vLLM interleaves them "
+                     "request by request), and drops batches when its publishing queue is full where vLLM blocks.",
     "endpoints": "Only the OpenAI completions and chat API, /v1/models, /health, /ping, /version, /load, "
                  "/tokenize and /metrics are simulated; /detokenize, /v1/responses, /v1/messages, "
                  "/invocations and the render and generate endpoints are not.",

@@ -144,14 +144,30 @@ class EngineRuntime:
         Raises:
             ValueError: The KV event endpoints cannot be set up.
         """
-        publisher = open_publisher(self.config.kv_events)
-        if publisher is not None:
-            self.kv_publisher = publisher
-            self.core.enable_kv_events(publisher.publish)
+        self.open_kv_publisher()
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._wall0 = loop.time()
         self._task = loop.create_task(self._run(), name=f"sim-engine-{self.config.port}")
+
+    def open_kv_publisher(self) -> None:
+        """Set up the KV event publisher now, if configured and not yet open.
+
+        Raises:
+            ValueError: The endpoints cannot be set up (the message names them).
+        """
+        if self.kv_publisher is None:
+            publisher = open_publisher(self.config.kv_events)
+            if publisher is not None:
+                self.kv_publisher = publisher
+                self.core.enable_kv_events(publisher.publish)
+
+    def close_kv_publisher(self) -> None:
+        """Stop publishing (what is queued still goes out, for up to a second)."""
+        publisher, self.kv_publisher = self.kv_publisher, None
+        if publisher is not None:
+            self.core.kv_sink = None
+            publisher.close()
 
     async def stop(self) -> None:
         """Stop the loop and abort whatever is still in flight."""
@@ -162,10 +178,8 @@ class EngineRuntime:
             self._task = None
         for req in list(self._live):
             self.abort(req)
-        publisher, self.kv_publisher = self.kv_publisher, None
-        if publisher is not None:
-            self.core.kv_sink = None
-            await asyncio.to_thread(publisher.close)
+        if self.kv_publisher is not None:
+            await asyncio.to_thread(self.close_kv_publisher)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """vLLM's ``POST /reset_prefix_cache``: see ``EngineCore.reset_prefix_cache``."""

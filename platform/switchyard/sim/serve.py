@@ -116,6 +116,7 @@ async def _serve(resolved: list[ResolvedConfig], sockets: list[socket.socket],
     bound = [dataclasses.replace(r, port=s.getsockname()[1])
              for r, s in zip(resolved, sockets, strict=False)]
     apps = [build_app(r) for r in bound]
+    _open_kv_publishers([app.state["engine"] for app in apps], sockets)
     servers = [_server(app, "on") for app in apps]
     names = [f"sim-server-{r.port}" for r in bound]
     control: ControlAddress | None = None
@@ -147,6 +148,23 @@ async def _serve(resolved: list[ResolvedConfig], sockets: list[socket.socket],
             sock.close()
 
 
+class KVEventsSetupError(ValueError):
+    """An engine's KV event endpoints cannot be set up (``run_engines`` exits with its message)."""
+
+
+def _open_kv_publishers(engines: list[EngineRuntime], sockets: list[socket.socket]) -> None:
+    """Set up every engine's KV event publisher before any server starts: a busy address is one line."""
+    for i, engine in enumerate(engines):
+        try:
+            engine.open_kv_publisher()
+        except ValueError as exc:
+            for opened in engines[:i]:
+                opened.close_kv_publisher()
+            for sock in sockets:
+                sock.close()
+            raise KVEventsSetupError(f"sim: {engine.config.served_model} on port {engine.config.port}: {exc}") from None
+
+
 def _control_line(control: ControlAddress) -> str:
     return (f"sim: fault control on {control.url} (switchyard sim faults --control {control.url}; "
             f"switchyard sim fault --control {control.url} --port PORT --mode down)")
@@ -160,7 +178,7 @@ async def serve_engines(configs: Sequence[EngineConfig], control: ControlAddress
     get a few seconds to finish).
 
     Raises:
-        ValueError: A configuration is invalid.
+        ValueError: A configuration is invalid, or KV event endpoints cannot be set up.
         SystemExit: A port cannot be bound (message names host, port and model).
     """
     resolved = _resolve_all(configs)
@@ -214,4 +232,7 @@ def run_engines(configs: Sequence[EngineConfig], control: ControlAddress | None 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     with asyncio.Runner(loop_factory=auto_loop_factory(use_subprocess=False)) as runner:
-        runner.run(main())
+        try:
+            runner.run(main())
+        except KVEventsSetupError as exc:
+            raise SystemExit(str(exc)) from None
