@@ -47,7 +47,7 @@ def replay(endpoint: str, start: int) -> list[tuple[int, bytes, bytes]]:
     dealer.connect(endpoint)
     try:
         dealer.send_multipart((b"", start.to_bytes(8, "big")))
-        out = []
+        out: list[tuple[int, bytes, bytes]] = []
         while True:
             frames = dealer.recv_multipart()
             assert len(frames) == 4 and frames[0] == b"", f"unexpected replay frames {frames!r}"
