@@ -140,6 +140,15 @@ def test_the_next_turn_goes_where_its_prefix_is_cached_and_the_trace_says_the_ev
         status, _, record = http_json("GET", f"{gw.base_url}/admin/api/requests/{raw.headers['x-request-id']}")
         assert status == 200
         assert any("kv-cache-precise: engine events:" in line for line in record["trace"]), record["trace"]
+    # The admin API says what each endpoint holds of a prompt: the holder its whole conversation so far.
+    status, _, found = http_json("POST", f"{gw.base_url}/admin/api/kv-cache/lookup",
+                                 {"model": "chat", "messages": _turns(3)})
+    assert status == 200 and found["renders"] and found["prompt_tokens"] > 100
+    held = {row["url"]: row["cached_tokens"] for row in found["endpoints"]}
+    assert held[holder] >= found["prompt_tokens"] - 2 * 16  # all but its last, partial blocks
+    assert all(v == 0 for u, v in held.items() if u != holder)
+    status, _, missing = http_json("POST", f"{gw.base_url}/admin/api/kv-cache/lookup", {"model": "auto"})
+    assert status == 404 and "give a model, not a route" in missing["error"]["message"]
 
 
 def test_two_gateways_fed_the_same_engines_hold_the_same_index(fleet: Fleet) -> None:

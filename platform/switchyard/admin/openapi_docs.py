@@ -55,6 +55,20 @@ ENDPOINTS = obj({
     "pools": array(obj({"pool": STRING, "region": STRING, "breaker": _BREAKER}, ["pool", "region", "breaker"])),
 }, ["policy", "endpoints", "pools"])
 
+KV_LOOKUP_BODY = json_request_body(obj(
+    {"model": STRING, "messages": Schema(type=OpenAPIType.ARRAY), "prompt": Schema(),
+     "tools": Schema(type=OpenAPIType.ARRAY)}, ["model"],
+    description="A request body as for /v1/chat/completions (messages) or /v1/completions (prompt)."))
+KV_LOOKUP = obj({
+    "model": STRING,
+    "prompt_tokens": Schema(type=[OpenAPIType.INTEGER, OpenAPIType.NULL], description="null: the model declares no "
+                            "tokenizer, or the request cannot be rendered exactly"),
+    "renders": BOOLEAN,
+    "endpoints": array(obj({"url": STRING, "pool": STRING, "state": STRING,
+                            "cached_tokens": nullable(OpenAPIType.INTEGER)},
+                           ["url", "pool", "state", "cached_tokens"])),
+}, ["model", "prompt_tokens", "renders", "endpoints"])
+
 # --- the policy ---------------------------------------------------------------------------------
 
 VERSION_FIELDS: dict[str, Schema] = {
