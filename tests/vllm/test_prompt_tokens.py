@@ -12,7 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from switchyard.gateway.prompts import HfPromptRenderer, load_chat_template
+from switchyard.gateway.chat_templates import load_chat_template
+from switchyard.gateway.prompts import HfPromptRenderer
 from switchyard.gateway.tokenizers import TokenizerCache
 
 CHATS: list[dict[str, Any]] = [

@@ -11,12 +11,8 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from switchyard.gateway.prompts import (
-    HfPromptRenderer,
-    SimPromptRenderer,
-    load_chat_template,
-    load_prompt_renderers,
-)
+from switchyard.gateway.chat_templates import load_chat_template
+from switchyard.gateway.prompts import HfPromptRenderer, SimPromptRenderer, load_prompt_renderers
 from switchyard.gateway.tokenizers import SimTokenCounter, TokenizerCache, load_token_counters
 from switchyard.policy import compile_policy
 from switchyard.policy.errors import PolicyError
