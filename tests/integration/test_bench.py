@@ -249,16 +249,26 @@ def test_prefix_figures_agree_with_the_engines_and_the_bound(
         run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     out, _ = run
     report = _json(out / "prefix" / "report.json")
-    bound = report["parameters"]["unbounded_bound"]
-    assert 0 < bound < 1
+    bounds = report["parameters"]["bounds"]["mooncake"]  # --quick: the first workload only
+    bound, oracle = bounds["unbounded_bound"], bounds["oracle"]
+    assert 0 < oracle <= 1 and 0 < bound < 1
     rows = {r["arm"]: r for r in report["tables"][0]["rows"]}
-    assert set(rows) == {"prefix-aware", "least-loaded", "round-robin"} == set(report["arms"])
-    for arm, row in rows.items():
+    arms = ("precise", "approximate", "least-loaded", "round-robin")
+    assert set(rows) == {*arms, "oracle (offline)"}
+    assert set(report["arms"]) == {f"mooncake/{a}" for a in arms}
+    for arm in arms:
+        row, name = rows[arm], f"mooncake/{arm}"
         assert 0 <= row["hit_ratio"] <= 1
         assert row["of_bound"] == pytest.approx(row["hit_ratio"] / bound)
-        assert row["throughput_rps"] == pytest.approx(report["overall"][arm]["throughput_rps"])
-        assert report["overall"][arm]["count"] == report["workload"]["requests"]
-        assert report["timeseries"][arm]["extra"]["engine queue (waiting)"]
+        assert row["of_oracle"] == pytest.approx(row["hit_ratio"] / oracle)
+        assert row["throughput_rps"] == pytest.approx(report["overall"][name]["throughput_rps"])
+        assert report["overall"][name]["count"] == report["workload"]["requests"]
+        assert report["timeseries"][name]["extra"]["engine queue (waiting)"]
+    # The precise arm followed every engine's events, and the gateway counted what they cost it.
+    [events] = next(t for t in report["tables"] if t["title"].startswith("KV-cache events"))["rows"]
+    assert events["live"] == "8 of 8" and events["events_per_s"] > 0 and events["events_cpu"] is not None
+    assert {g["goal"] for g in report["goals"]} >= {"mooncake: precise hits as a share of the oracle's",
+                                                    "mooncake: gateway CPU spent on KV events"}
 
 
 def _complete_report(out: Path, done: subprocess.CompletedProcess[str], name: str,

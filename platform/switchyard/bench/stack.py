@@ -73,12 +73,12 @@ def start_gateway(procs: Processes, name: str, env: dict[str, str], *, port: int
 
 def start_sims(procs: Processes, name: str, policy_file: Path, ports: Iterable[int], *, time_scale: float,
                seed: int, regions: Sequence[str] = (), pools: Sequence[str] = (), cpus: Iterable[int] = (),
-               timeout_s: float = 60.0, control_port: int | None = None) -> Proc:
+               timeout_s: float = 60.0, control_port: int | None = None, extra: Sequence[str] = ()) -> Proc:
     """Start ``switchyard sim --policy`` (one process for the selected pools) and wait for every ``/health``.
 
     With ``control_port``, the process also serves its fault-injection control server on
     ``127.0.0.1:<control_port>`` (``GET/POST /faults``, see :func:`post_faults`), and the start
-    waits for it too.
+    waits for it too. ``extra``: more ``switchyard sim`` arguments (``--kv-events-config JSON``).
     """
     cmd = [*switchyard_command(), "sim", "--policy", str(policy_file), "--time-scale", f"{time_scale:g}",
            "--seed", str(seed)]
@@ -88,6 +88,7 @@ def start_sims(procs: Processes, name: str, policy_file: Path, ports: Iterable[i
         cmd += ["--pool", pool]
     if control_port is not None:
         cmd += ["--control-port", str(control_port)]
+    cmd += extra
     proc = procs.start(name, cmd, cpus=cpus)
     for port in ports:
         wait_http(f"http://127.0.0.1:{port}/health", proc, timeout_s)

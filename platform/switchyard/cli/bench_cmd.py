@@ -44,18 +44,21 @@ def _interrupt(_signum: int, _frame: FrameType | None) -> None:
               help="Mooncake trace (JSONL with hash_ids) for the prefix scenario "
                    "[default: ../shared/data/traces/mooncake_conversation.jsonl].")
 @click.option("--rate-multiplier", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Replay the trace this many times faster [prefix default: 8].")
+              help="Replay the trace this many times faster [prefix default: 12].")
 @click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Simulated seconds per wall-clock second of the simulated engines [scenario defaults].")
 @click.option("--duration", "duration_s", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Seconds per arm (per step in the overhead scenario; the whole run in soak) [scenario defaults].")
+@click.option("--workload", type=click.Choice(["mooncake", "agents"]), default=None,
+              help="The prefix scenario's workload: the Mooncake trace or agent sessions [default: both; with "
+                   "--quick, mooncake].")
 @click.option("--no-litellm", is_flag=True, help="Do not install or measure the LiteLLM arm of the overhead scenario.")
 @click.option("--profile", "profile", is_flag=True,
               help="Also record a py-spy profile of the gateway under saturation (overhead scenario).")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 def bench(names: tuple[str, ...], scenarios: tuple[str, ...], out_dir: Path | None, seed: int, quick: bool,
           trace: Path | None, rate_multiplier: float | None, time_scale: float | None, duration_s: float | None,
-          no_litellm: bool, profile: bool, no_progress: bool) -> None:
+          workload: str | None, no_litellm: bool, profile: bool, no_progress: bool) -> None:
     """Measure Switchyard against baselines, side by side, with real processes on loopback.
 
     Scenarios are named as arguments or with --scenario (``switchyard bench soak --duration 1800``).
@@ -77,7 +80,7 @@ def bench(names: tuple[str, ...], scenarios: tuple[str, ...], out_dir: Path | No
     out = out_dir or Path("reports") / time.strftime("bench-%Y%m%d-%H%M%S")
     options = BenchOptions(out_dir=out, seed=seed, quick=quick, trace=trace, rate_multiplier=rate_multiplier,
                            time_scale=time_scale, duration_s=duration_s, litellm=not no_litellm, profile=profile,
-                           progress=not no_progress)
+                           progress=not no_progress, workload=workload)
 
     began = time.monotonic()
 

@@ -1,9 +1,10 @@
 """The scenarios of ``switchyard bench``, one flag each.
 
 Landed: ``overhead`` (the gateway's added latency and throughput against calling the engine
-directly and against LiteLLM), ``prefix`` (prefix-aware routing against least-loaded and
-round-robin on a trace replay), ``overload`` (flow control against plain FCFS at twice the
-engines' capacity: per-class TTFT SLO attainment, goodput, shed and downgrade rates),
+directly and against LiteLLM), ``prefix`` (precise KV-event routing against the approximate
+index, least-loaded, round-robin and an oracle, on a trace replay and agent sessions), ``overload``
+(flow control against plain FCFS at twice the engines' capacity: per-class TTFT SLO attainment,
+goodput, shed and downgrade rates),
 ``failover`` (alias ``chaos``: a region's engines refusing connections, then hanging, under steady
 load), ``reload`` (publishes and rollbacks under load: propagation to another replica, failed and
 mis-versioned requests), ``auto``
@@ -39,7 +40,8 @@ SCENARIOS: dict[str, Scenario] = {
     s.name: s for s in (
         Scenario("overhead", "gateway overhead: added latency and max requests/s vs direct and LiteLLM",
                  overhead.run),
-        Scenario("prefix", "prefix-aware routing vs least-loaded and round-robin on a trace replay", prefix.run),
+        Scenario("prefix", "precise KV-event routing vs the approximate index, least-loaded, round-robin and an "
+                 "oracle, on a trace replay and agent sessions", prefix.run),
         Scenario("overload", "flow control vs plain FCFS at twice capacity: per-class SLO attainment, goodput, "
                  "shedding and downgrades", overload_scenario.run),
         Scenario("failover", "resilience (chaos): a region's engines down, then hung, under load; success, "

@@ -29,6 +29,7 @@ class BenchOptions:
         litellm: Include the LiteLLM arm in the overhead scenario.
         profile: Record a py-spy profile of the gateway in the overhead scenario.
         progress: Show progress bars (on a terminal).
+        workload: The prefix scenario's workload, ``mooncake`` or ``agents`` (None: both; ``--quick``: the first).
     """
 
     out_dir: Path
@@ -41,13 +42,14 @@ class BenchOptions:
     litellm: bool = True
     profile: bool = False
     progress: bool = True
+    workload: str | None = None
 
     def describe(self) -> dict[str, Any]:
         """The options as JSON-ready data."""
         return {"out_dir": str(self.out_dir), "seed": self.seed, "quick": self.quick,
                 "trace": str(self.trace) if self.trace else None, "rate_multiplier": self.rate_multiplier,
                 "time_scale": self.time_scale, "duration_s": self.duration_s, "litellm": self.litellm,
-                "profile": self.profile}
+                "profile": self.profile, "workload": self.workload}
 
 
 @dataclass
