@@ -148,9 +148,10 @@ def engines_for_policy(snapshot: PolicySnapshot, regions: tuple[str, ...] = (), 
                                         time_scale=time_scale, seed=seed, base_dir=base_dir)
             if pool.kv_events is not None:
                 events, replay = pool.kv_events.addresses(url)
+                bound = events if events.startswith("ipc://") else "tcp://*:" + events.rsplit(":", 1)[1]
                 config = replace(config, kv_events=KVEventsConfig(
-                    enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:" + events.rsplit(":", 1)[1],
-                    replay_endpoint=replay, topic=pool.kv_events.topic))
+                    enable_kv_cache_events=True, publisher="zmq", endpoint=bound, replay_endpoint=replay,
+                    topic=pool.kv_events.topic))
             configs.append(config)
     if not configs:
         raise click.ClickException("no pool matches the given --region/--pool filters")

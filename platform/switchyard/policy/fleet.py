@@ -43,12 +43,38 @@ def _check_endpoint(url: str) -> str:
 EndpointUrl = Annotated[str, AfterValidator(_check_endpoint)]
 
 
+def _check_socket(address: str) -> str:
+    if address.startswith("ipc://") and len(address) > len("ipc://"):
+        return address
+    parts = urlsplit(address)
+    if parts.scheme != "tcp" or not parts.hostname or parts.hostname == "*":
+        raise ValueError(f"{address!r} must be tcp://HOST:PORT (the host to connect to) or ipc://PATH")
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"{address!r}: {exc}") from None
+    if port is None:
+        raise ValueError(f"{address!r} has no port")
+    return address
+
+
+EventSocket = Annotated[str, AfterValidator(_check_socket)]
+
+
+class EventSockets(Strict):
+    """One engine's event sockets, given whole."""
+
+    events: EventSocket = Field(description="Its events (ZeroMQ PUB) socket: tcp://HOST:PORT or ipc://PATH.")
+    replay: EventSocket | None = Field(default=None, description="Its replay (ZeroMQ ROUTER) socket.")
+
+
 class KvEvents(Strict):
     """Where a pool's engines publish their KV-cache events (vLLM's ``--kv-events-config``).
 
     The ports are the same on every endpoint's host (``port``, ``replay_port``: one engine per host, as in
     Kubernetes), or relative to each endpoint's HTTP port (``port_offset``, ``replay_port_offset``: several
-    engines on one host). Every gateway process subscribes to every endpoint's events.
+    engines on one host), or given whole per endpoint (``sockets``: an ipc:// path, another host); ``sockets``
+    wins for the endpoints it names. Every gateway process subscribes to every endpoint's events.
     """
 
     port: int | None = Field(default=None, ge=1, le=65535,
@@ -58,6 +84,8 @@ class KvEvents(Strict):
     port_offset: int | None = Field(default=None, description="Events port = the endpoint's HTTP port + this.")
     replay_port_offset: int | None = Field(
         default=None, description="Replay port = the endpoint's HTTP port + this.")
+    sockets: dict[EndpointUrl, EventSockets] = Field(
+        default_factory=dict, description="Each named endpoint's sockets, given whole (by its base URL).")
     topic: str = Field(default="", description="The engines' `topic` (the first frame of every message).")
     stale_after: Duration = Field(
         default=30.0, gt=0, description="A stream counts as stale (the approximate index routes instead) when "
@@ -65,8 +93,10 @@ class KvEvents(Strict):
 
     @model_validator(mode="after")
     def _one_way(self) -> KvEvents:
-        if (self.port is None) == (self.port_offset is None):
-            raise ValueError("give either `port` or `port_offset`")
+        if self.port is not None and self.port_offset is not None:
+            raise ValueError("give `port` or `port_offset`, not both")
+        if self.port is None and self.port_offset is None and not self.sockets:
+            raise ValueError("give `port`, `port_offset` or `sockets`")
         if self.replay_port is not None and self.replay_port_offset is not None:
             raise ValueError("give `replay_port` or `replay_port_offset`, not both")
         if self.port is not None and self.replay_port_offset is not None:
@@ -74,7 +104,16 @@ class KvEvents(Strict):
         return self
 
     def addresses(self, endpoint: str) -> tuple[str, str | None]:
-        """The events and replay sockets (``tcp://host:port``) of the engine at ``endpoint``."""
+        """The events and replay sockets of the engine at ``endpoint`` (``tcp://host:port`` or ``ipc://path``).
+
+        Raises:
+            KeyError: ``sockets`` does not name ``endpoint`` and no port or offset is given.
+        """
+        given = self.sockets.get(endpoint.rstrip("/"))
+        if given is not None:
+            return given.events, given.replay
+        if self.port is None and self.port_offset is None:
+            raise KeyError(endpoint)
         parts = urlsplit(endpoint)
         host = parts.hostname or ""
         host = f"[{host}]" if ":" in host else host
@@ -128,11 +167,20 @@ class Pool(Strict):
                 raise ValueError(f"endpoint {url} is listed twice")
             seen.add(url)
         if self.kv_events is not None:
+            unknown = sorted(set(self.kv_events.sockets) - set(self.endpoints))
+            if unknown:
+                raise ValueError(f"kv_events.sockets names {', '.join(unknown)}, not an endpoint of the pool")
             for url in self.endpoints:
-                for address in self.kv_events.addresses(url):
-                    port = int(address.rsplit(":", 1)[1]) if address else 1
-                    if not 1 <= port <= 65535:
-                        raise ValueError(f"kv_events: endpoint {url} gives port {port}, outside 1-65535")
+                try:
+                    addresses = self.kv_events.addresses(url)
+                except KeyError:
+                    raise ValueError(f"kv_events: no sockets for endpoint {url} (give `port`, `port_offset` "
+                                     "or its `sockets`)") from None
+                for address in addresses:
+                    if address and address.startswith("tcp://"):
+                        port = int(address.rsplit(":", 1)[1])
+                        if not 1 <= port <= 65535:
+                            raise ValueError(f"kv_events: endpoint {url} gives port {port}, outside 1-65535")
         return self
 
 

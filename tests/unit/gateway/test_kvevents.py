@@ -194,5 +194,10 @@ def test_a_pool_names_its_engines_sockets_by_port_or_by_offset(endpoint: str) ->
     host = endpoint.split("//")[1].rsplit(":", 1)[0]
     assert KvEvents(port=5557, replay_port=5558).addresses(endpoint) == (f"tcp://{host}:5557", f"tcp://{host}:5558")
     assert KvEvents(port_offset=1000).addresses(endpoint) == (f"tcp://{host}:9401", None)
-    with pytest.raises(ValueError, match="either `port` or `port_offset`"):
+    sockets = {endpoint: {"events": "ipc:///tmp/e1", "replay": f"tcp://{host}:7000"}}
+    assert KvEvents.model_validate({"sockets": sockets}).addresses(endpoint) == ("ipc:///tmp/e1",
+                                                                                 f"tcp://{host}:7000")
+    with pytest.raises(ValueError, match="give `port`, `port_offset` or `sockets`"):
         KvEvents()
+    with pytest.raises(ValueError, match="must be tcp://HOST:PORT"):
+        KvEvents.model_validate({"sockets": {endpoint: {"events": "tcp://*:5557"}}})

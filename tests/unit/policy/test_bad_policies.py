@@ -85,6 +85,15 @@ CATALOGUE = [
          "pools[small-us]", "is listed twice"),
     Case("endpoint in two pools", _set("pools.1.endpoints.0", "http://127.0.0.1:9001"),
          "pools[small-eu].endpoints[0]", "is already in pool 'small-us'", "9001"),
+    Case("kv_events without sockets", _set("pools.0.kv_events", {"topic": "kv"}), "pools[small-us].kv_events",
+         "give `port`, `port_offset` or `sockets`"),
+    Case("kv_events binding address", _set("pools.0.kv_events", {"sockets": {
+        "http://127.0.0.1:9001": {"events": "tcp://*:5557"}}, "port": 5557}),
+         "pools[small-us].kv_events.sockets.http://127.0.0.1:9001.events", "must be tcp://HOST:PORT"),
+    Case("kv_events sockets of another pool's endpoint", _set("pools.0.kv_events", {"port": 5557, "sockets": {
+        "http://127.0.0.1:9003": {"events": "ipc:///tmp/e"}}}), "pools[small-us]", "not an endpoint of the pool"),
+    Case("kv_events port offset out of range", _set("pools.0.kv_events", {"port_offset": 60000}),
+         "pools[small-us]", "outside 1-65535"),
     Case("zero KV capacity", _set("pools.0.kv_cache_tokens", 0), "pools[small-us].kv_cache_tokens", "must be > 0",
          "kv_cache_tokens: 0"),
     Case("duplicate pool", _set("pools.1.name", "small-us"), "pools[small-us].name", "duplicate pool 'small-us'"),
