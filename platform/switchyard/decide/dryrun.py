@@ -145,6 +145,9 @@ class _ReadEngineCaches:
     def __init__(self, caches: EngineCacheView) -> None:
         self._caches = caches
 
+    def knows(self, url: str, now: float) -> bool:
+        return self._caches.knows(url, now)
+
     def held(self, url: str, tokens: Sequence[int], now: float) -> int | None:
         return self._caches.held(url, tokens, now)
 

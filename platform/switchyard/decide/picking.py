@@ -68,6 +68,11 @@ class Subject:
             self._tokens[model] = render(self.body) if render is not None else None
         return self._tokens[model]
 
+    def cannot_render(self, model: str) -> bool:
+        """Whether there is no renderer for ``model``, or it could not render this request (without rendering
+        it now)."""
+        return model not in self.renderers or (model in self._tokens and self._tokens[model] is None)
+
     def hashes(self) -> list[bytes]:
         """The prompt's chained block hashes (:func:`switchyard.decide.prefix.block_hashes`)."""
         if self._hashes is None:

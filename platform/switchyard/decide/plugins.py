@@ -223,8 +223,9 @@ class KvCachePreciseScorer(_Weighted):
         if request.alternatives < 2:
             return [0.0] * len(options)
         subject, now = request.subject, request.now
-        tokens = subject.tokens(request.model)
         caches = request.memory.engine_caches
+        # The prompt is rendered into the engine's tokens only when an engine is reported on.
+        tokens = subject.tokens(request.model) if any(caches.knows(o.url, now) for o in options) else None
         sources = subject.cache_sources
         values: list[float] = []
         guessing: list[int] = []
@@ -260,10 +261,10 @@ class KvCachePreciseScorer(_Weighted):
             return None
         known, value = request.subject.cache_sources.get(url, (False, 0.0))
         if known:
-            tokens = request.subject.tokens(request.model) or []
+            tokens = request.subject.tokens(request.model) or []  # (rendered already: it was scored by them)
             return f"{self.name}: engine events: {int(value):,} of {len(tokens):,} prompt tokens cached there"
-        why = ("no engine report for it" if request.subject.tokens(request.model)
-               else f"no exact prompt tokens for {request.model}")
+        why = (f"no exact prompt tokens for {request.model}" if request.subject.cannot_render(request.model)
+               else "no engine report for it")
         return f"{self.name}: approximate index ({why}): {value:.0%} of the prompt's blocks"
 
 

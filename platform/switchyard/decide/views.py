@@ -79,6 +79,10 @@ class EngineCacheView(Protocol):
     """What each engine's prefix cache holds, as the engines report it (the precise scorer's truth): the
     gateway's index fed by KV-cache events, the replay's simulated engines themselves."""
 
+    def knows(self, url: str, now: float) -> bool:
+        """Whether the engine at ``url`` is reported on now (cheap: the prompt is rendered only if one is)."""
+        ...
+
     def held(self, url: str, tokens: Sequence[int], now: float) -> int | None:
         """Tokens of ``tokens``' longest leading run the engine at ``url`` holds now; None when not known
         (no events from it, or its stream is syncing, stale or cut)."""
@@ -114,6 +118,9 @@ class _Forgets:
 
     def record(self, *_args: object) -> None:
         return None
+
+    def knows(self, url: str, now: float) -> bool:
+        return False
 
     def held(self, url: str, tokens: Sequence[int], now: float) -> int | None:
         return None

@@ -212,6 +212,11 @@ class EngineCaches:
         """Stop tracking ``url``."""
         self._caches.pop(url, None)
 
+    def knows(self, url: str, now: float) -> bool:
+        """Whether the engine at ``url`` is known now (its stream in step and not stale)."""
+        cache = self._caches.get(url)
+        return cache is not None and cache.known(now)
+
     def held(self, url: str, tokens: Sequence[int], now: float) -> int | None:
         """Tokens of ``tokens``' longest prefix the engine at ``url`` holds now (None: not known)."""
         cache = self._caches.get(url)

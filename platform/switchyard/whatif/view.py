@@ -53,6 +53,10 @@ class FleetCaches:
             self._hashes[size] = hashes
         return hashes
 
+    def knows(self, url: str, now: float) -> bool:
+        endpoint = self.fleet.endpoints.get(url)
+        return endpoint is not None and endpoint.pool.kv_events is not None
+
     def held(self, url: str, tokens: Sequence[int], now: float) -> int | None:
         endpoint = self.fleet.endpoints.get(url)
         if endpoint is None or endpoint.pool.kv_events is None:

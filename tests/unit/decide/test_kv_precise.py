@@ -28,6 +28,9 @@ class Engines:
         self._held = held
         self.expected: list[tuple[str, int]] = []
 
+    def knows(self, url: str, now: float) -> bool:
+        return self._held.get(url) is not None
+
     def held(self, url: str, tokens: Sequence[int], now: float) -> int | None:
         return self._held.get(url)
 
@@ -83,6 +86,17 @@ def test_without_exact_tokens_every_endpoint_falls_back_to_the_approximate_index
     choice = pick_endpoint(PROFILE, CANDIDATES, lambda c: view(), request(memory, render=False))
     assert choice is not None and choice.url == "http://b"
     assert any("no exact prompt tokens for m" in n for n in choice.notes)
+
+
+def test_nothing_is_rendered_while_no_engine_is_reported_on() -> None:
+    rendered: list[object] = []
+    memory = Memory({"http://a": None, "http://b": None, "http://c": None}, {"http://b": 0.5})
+    body = {"messages": [{"role": "user", "content": "x" * 2000}]}
+    subject = Subject(body, {}, "t", {"m": lambda b: rendered.append(b) or list(TOKENS)})
+    choice = pick_endpoint(PROFILE, CANDIDATES, lambda c: view(),
+                           PickRequest(memory, subject, "m", len(CANDIDATES)))  # type: ignore[arg-type]
+    assert choice is not None and choice.url == "http://b" and rendered == []
+    assert any("approximate index (no engine report for it)" in n for n in choice.notes)
 
 
 def test_a_busy_holder_yields_so_one_hot_prefix_does_not_herd() -> None:
