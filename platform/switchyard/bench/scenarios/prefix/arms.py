@@ -78,6 +78,8 @@ class ArmRun:
     #: Wall seconds of the replay (first send to last answer), and the gateway's CPU seconds over it.
     elapsed_s: float = 0.0
     gateway_cpu_s: float | None = None
+    #: The simulated engines' process's CPU seconds over the replay (publishing events costs it too).
+    sims_cpu_s: float | None = None
     #: The gateway's KV-event counters over the replay (None: it exposes none).
     events: float | None = None
     event_batches: float | None = None
@@ -93,6 +95,11 @@ class ArmRun:
     def gateway_cpu(self) -> float | None:
         """The gateway's CPU over the replay, as a share of one core."""
         return self.gateway_cpu_s / self.elapsed_s if self.gateway_cpu_s is not None and self.elapsed_s else None
+
+    @property
+    def sims_cpu(self) -> float | None:
+        """The engines' process's CPU over the replay, as a share of one core."""
+        return self.sims_cpu_s / self.elapsed_s if self.sims_cpu_s is not None and self.elapsed_s else None
 
     @property
     def events_per_s(self) -> float | None:
@@ -188,7 +195,7 @@ def run_arm(ctx: ScenarioContext, name: str, workload: Workload, *, label: str, 
     before = _engine_state(ports)
     events0 = _event_counters(gateway.base_url, ADMIN_TOKEN) if precise else None
     sampler = MetricsSampler([f"http://127.0.0.1:{p}/metrics" for p in ports], SERIES)
-    cpu0 = cpu_seconds(gateway.proc.pid)
+    cpu0, sims0 = cpu_seconds(gateway.proc.pid), cpu_seconds(sims.pid)
     wall = time.monotonic()
 
     async def drive() -> list[Result]:
@@ -201,8 +208,9 @@ def run_arm(ctx: ScenarioContext, name: str, workload: Workload, *, label: str, 
     ctx.say(f"prefix: {label}: {name}: replaying {len(workload)} requests over {workload.duration_s:.0f} s")
     arm.results = asyncio.run(drive())
     arm.elapsed_s = time.monotonic() - wall
-    cpu1 = cpu_seconds(gateway.proc.pid)
+    cpu1, sims1 = cpu_seconds(gateway.proc.pid), cpu_seconds(sims.pid)
     arm.gateway_cpu_s = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
+    arm.sims_cpu_s = sims1 - sims0 if sims0 is not None and sims1 is not None else None
     events1 = _event_counters(gateway.base_url, ADMIN_TOKEN) if precise else None
     if events1 is not None:  # the metrics' next copy holds the replay's last events
         until = time.monotonic() + METRICS_EVERY_S + 0.5

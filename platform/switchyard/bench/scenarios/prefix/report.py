@@ -115,6 +115,7 @@ def events_table(runs: Sequence[WorkloadRun]) -> dict[str, Any]:
                     "events_per_s": p.events_per_s,
                     "batches_per_s": _div(p.event_batches, p.elapsed_s), "events_cpu": p.events_cpu,
                     "gateway_cpu": p.gateway_cpu, "approximate_cpu": a.gateway_cpu if a else None,
+                    "sims_cpu": p.sims_cpu, "sims_approximate_cpu": a.sims_cpu if a else None,
                     "difference": (p.gateway_cpu - a.gateway_cpu)
                     if a and p.gateway_cpu is not None and a.gateway_cpu is not None else None})
     return table(
@@ -122,13 +123,16 @@ def events_table(runs: Sequence[WorkloadRun]) -> dict[str, Any]:
         [text("workload", "workload"), text("live", "streams live at the end"),
          num("events_per_s", "events/s", 0), num("batches_per_s", "batches/s", 0),
          pct("events_cpu", "events CPU % of a core", 2), pct("gateway_cpu", "gateway CPU % (precise)", 1),
-         pct("approximate_cpu", "gateway CPU % (approximate)", 1), pct("difference", "difference %", 1)],
+         pct("approximate_cpu", "gateway CPU % (approximate)", 1), pct("difference", "difference %", 1),
+         pct("sims_cpu", "engines' process CPU % (precise)", 1),
+         pct("sims_approximate_cpu", "engines' process CPU % (approximate)", 1)],
         out,
         "Events CPU: the gateway's own count of seconds spent decoding and applying event batches "
         "(`switchyard_kv_events_processing_seconds_total`) per second of the replay; events and batches: what its "
         "admin API counts over every endpoint. Gateway CPU: the whole process over the "
         "replay (both arms route the same requests; the difference also holds tokenizing prompts for the precise "
-        "scorer and the noise of a shared 2-core machine).")
+        "scorer and the noise of a shared 2-core machine). The engines' process: all eight simulated engines, "
+        "which publish the events in the precise arm.")
 
 
 def goals(runs: Sequence[WorkloadRun]) -> list[dict[str, Any]]:

@@ -48,7 +48,7 @@ TOKEN_SCALE = 0.125
 #: The Mooncake replay's speed-up, and the agents' sessions started per second: each near the capacity of
 #: the eight replicas (the offline runs in the report say how the baselines' placements fare at it).
 RATE_MULTIPLIER = 12.0
-AGENT_SESSIONS_PER_S = 8.0
+AGENT_SESSIONS_PER_S = 7.0
 TIME_SCALE = 0.3
 DURATION_S = 50.0
 QUICK_DURATION_S = 3.0
