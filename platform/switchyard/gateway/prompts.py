@@ -289,8 +289,9 @@ def _completion_ids(prompt: object, encode: Callable[[str], list[int]]) -> list[
 
 
 def _unsupported(body: Mapping[str, Any]) -> bool:
-    """What changes the ids the engine caches in ways a renderer does not follow."""
-    return body.get("truncate_prompt_tokens") is not None
+    """What changes the ids or the blocks the engine caches in ways a renderer does not follow (a
+    ``cache_salt`` keeps the request's blocks apart from everyone else's)."""
+    return body.get("truncate_prompt_tokens") is not None or body.get("cache_salt") is not None
 
 
 class HfPromptRenderer:

@@ -27,9 +27,10 @@ STALE_AFTER_S = 10.0
 class BlockSet:
     """One engine's cached blocks: its hashes, each with the chain key of the prefix it ends.
 
-    Only blocks in the engine's own memory count (``medium`` GPU or unset, no LoRA adapter: a request to an
-    adapter never shares blocks with the base model's). A stored block whose parent is unknown (its
-    parent's event was never seen) cannot be named and is counted in :attr:`orphans`.
+    Only blocks in the engine's own memory count (``medium`` GPU or unset), of the base model (a request to
+    a LoRA adapter never shares blocks with it), without extra keys (a ``cache_salt``, media: blocks no
+    plain prompt can share). A stored block whose parent is unknown (its parent's event was never seen,
+    or was one of those) cannot be named and is counted in :attr:`orphans`.
     """
 
     __slots__ = ("_by_hash", "_holders", "block_size", "orphans")
@@ -69,6 +70,8 @@ class BlockSet:
 
     def _stored(self, event: BlockStored) -> None:
         if event.medium not in (None, MEDIUM_GPU) or event.lora_name is not None or event.lora_id is not None:
+            return
+        if event.extra_keys and any(keys for keys in event.extra_keys):
             return
         size = event.block_size
         if size <= 0 or len(event.token_ids) < size * len(event.block_hashes):

@@ -73,6 +73,7 @@ def test_the_sim_renderer_gives_none_for_what_is_not_one_prompt() -> None:
     assert render({"prompt": ["two", "prompts"]}) is None
     assert render({"messages": "not a list"}) is None
     assert render({"messages": SYSTEM_USER, "truncate_prompt_tokens": 5}) is None
+    assert render({"messages": SYSTEM_USER, "cache_salt": "tenant-a"}) is None  # its blocks are its own
 
 
 def policy(**fields: Any) -> str:

@@ -61,7 +61,9 @@ def test_offloaded_and_adapter_blocks_do_not_count_and_a_repeated_store_counts_o
     blocks = BlockSet()
     blocks.apply(stored([1], None, PROMPT[:4], medium="CPU"))
     blocks.apply(stored([2], None, PROMPT[:4], lora_name="adapter", lora_id=3))
-    assert len(blocks) == 0
+    blocks.apply(stored([3], None, PROMPT[:4], extra_keys=[("salt-of-tenant-a",)]))  # a cache_salt
+    blocks.apply(stored([4], 3, PROMPT[4:8], extra_keys=[None]))  # its child cannot be named either
+    assert len(blocks) == 0 and blocks.orphans == 1
     blocks.apply(stored([1], None, PROMPT[:4]))
     blocks.apply(stored([1], None, PROMPT[:4]))  # vLLM may report a reused block again
     blocks.apply(BlockRemoved(block_hashes=[1], medium="GPU"))
