@@ -107,7 +107,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             gateways.append(gw)
         for gw in gateways:  # both gateways read each engine's (empty) history before traffic starts
             eventually(lambda gw=gw: all(row["kv_events"]["state"] == "live" for row in endpoints(gw).values()))
-        yield Fleet(engines, gateways, sims)
+        fleet = Fleet(engines, gateways, sims)
+        yield fleet
+        sims = fleet.sims  # (a test restarts them)
     finally:
         for gw in gateways:
             stop(gw.proc)
