@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from switchyard.policy.fleet import SIM_TOKENIZER
+#: The built-in tokenizer a model may name for simulated engines (``switchyard.policy.fleet.SIM_TOKENIZER``;
+#: the bench drives the gateway as a process and does not import the policy package).
+SIM_TOKENIZER = "switchyard-sim"
 
 #: The tenant and tier every scenario's requests use.
 TENANT = "bench"

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import itertools
 
-from switchyard.bench.policies import replicas_policy
 from switchyard.bench.prompts import SynthText, unique_key
 from switchyard.bench.scenarios.prefix.oracle import choose, offline, unbounded_bound
 from switchyard.bench.scenarios.prefix.workloads import AgentShape, agent_sessions
 from switchyard.bench.spec import Labels, RequestSpec, Workload
-from switchyard.policy import compile_policy
+from switchyard.sim.config import EngineConfig
 
 SHAPE = AgentShape(sessions_per_s=2.0, tenants=5)
 
@@ -72,16 +71,14 @@ def test_the_oracle_takes_the_longest_cached_prefix_within_the_margin() -> None:
     assert choose([2, 1, 1], [64, 64, 0], herd_margin=4) == 1  # equal prefixes: the less loaded
 
 
-def _policy() -> str:
-    return replicas_policy([9200, 9201, 9202, 9203], model="chat", served_model="sim-8b", profile="h100-8b",
-                           kv_cache_tokens=20_000, context_window=8192)
+#: Four replicas of this engine.
+ENGINE = EngineConfig(served_model="sim-8b", port=0, profile="h100-8b", kv_cache_tokens=20_000, max_model_len=8192)
 
 
 def test_the_oracle_keeps_sessions_where_their_history_is_and_beats_the_baselines() -> None:
     w = agent_sessions(AgentShape(sessions_per_s=1.0, tenants=3, system_tokens=200, tenant_tokens=64), 30.0, 4,
                        labels=Labels(model="chat", extra_body={"ignore_eos": True}), max_model_len=8192)
-    snapshot = compile_policy(_policy())
-    runs = {p: offline(snapshot, w, time_scale=1.0, placement=p) for p in ("oracle", "least-loaded", "round-robin")}
+    runs = {p: offline(ENGINE, 4, w, time_scale=1.0, placement=p) for p in ("oracle", "least-loaded", "round-robin")}
     oracle = runs["oracle"]
     assert oracle.queries > 0 and sum(oracle.per_engine) == len(w) == len(oracle.ttft_s)
     assert oracle.hit_ratio is not None
@@ -96,7 +93,6 @@ def test_the_oracle_is_deterministic() -> None:
     specs = tuple(RequestSpec(i, 0.5 * i, SynthText(((unique_key("p", i % 3), 300),)), 8, Labels(model="chat"))
                   for i in range(12))
     w = Workload(specs, 6.0, {"source": "test"})
-    snapshot = compile_policy(_policy())
-    a, b = offline(snapshot, w, time_scale=1.0), offline(snapshot, w, time_scale=1.0)
+    a, b = offline(ENGINE, 4, w, time_scale=1.0), offline(ENGINE, 4, w, time_scale=1.0)
     assert (a.hits, a.queries, a.per_engine) == (b.hits, b.queries, b.per_engine)
     assert a.hits > 0

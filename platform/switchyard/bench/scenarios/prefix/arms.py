@@ -26,7 +26,6 @@ import urllib.request
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -40,6 +39,7 @@ from switchyard.bench.scenarios.base import ScenarioContext
 from switchyard.bench.sender import Target
 from switchyard.bench.spec import Workload
 from switchyard.bench.stack import create_key, start_gateway, start_sims, state_env
+from switchyard.sim.config import EngineConfig
 
 ARMS = ("precise", "approximate", "least-loaded", "round-robin")
 #: The gateway's picking strategy per arm (the precise and approximate arms run the model's profile).
@@ -266,6 +266,7 @@ def _wait_live(base_url: str, token: str, timeout_s: float = 15.0) -> bool:
     return False
 
 
-def policy_path(ctx: ScenarioContext, label: str, name: str) -> Path:
-    """Where an arm's policy was written."""
-    return ctx.state_dir / f"policies-{label}-{name}.yaml"
+def replica_config(kv_tokens: int, context: int, seed: int) -> EngineConfig:
+    """One replica as the arms' policy has ``switchyard sim --policy`` start it (for the offline oracle)."""
+    return EngineConfig(served_model=SERVED, port=0, profile=PROFILE, kv_cache_tokens=kv_tokens,
+                        max_model_len=context, seed=seed)

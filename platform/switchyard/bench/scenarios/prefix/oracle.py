@@ -10,9 +10,9 @@ ceiling) read the gateway's last scrape, which lags the engines; the oracle know
 exactly, so the margin is the limit it keeps (with them too it would yield nearly every hit at the
 scenario's load, where a queue forms for moments on every engine).
 
-It runs offline, on the simulator's own engine cores (:class:`switchyard.whatif.fleet.Fleet`: the
-engines ``switchyard sim --policy`` starts for the same policy, with the same KV cache, block pool and
-scheduler), on the simulated clock: a request sent at ``t`` wall-clock seconds reaches its engine at
+It runs offline, on the simulator's own engine cores (:class:`switchyard.sim.core.EngineCore`, configured
+as ``switchyard sim --policy`` configures the scenario's replicas: the same profile, KV cache, block pool
+and scheduler), on the simulated clock: a request sent at ``t`` wall-clock seconds reaches its engine at
 ``t * time_scale`` simulated seconds, as on the scenario's simulated engines. Its hit ratio is what the
 engines' counters say (``prefix_hits / prefix_queries``, the sums behind ``vllm:prefix_cache_*``), so it
 compares with the arms' measured ratios term for term.
@@ -32,11 +32,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from switchyard.bench.prompts import SynthText
-from switchyard.bench.spec import Workload
-from switchyard.policy.snapshot import PolicySnapshot
+from switchyard.bench.spec import RequestSpec, Workload
+from switchyard.sim.config import EngineConfig, ResolvedConfig, resolve
+from switchyard.sim.core import EngineCore
 from switchyard.sim.request import SimRequest
-from switchyard.whatif.fleet import Fleet, SimEndpoint
-from switchyard.whatif.outcomes import prompt_ids
+from switchyard.simtext.chat import render_chat
+from switchyard.simtext.tokens import SPECIAL_TOKENS, tokenize
 
 Placement = Literal["oracle", "least-loaded", "round-robin"]
 
@@ -67,13 +68,34 @@ class OfflineRun:
         return self.hits / self.queries if self.queries else None
 
 
-def cached_tokens(endpoint: SimEndpoint, request: SimRequest) -> int:
-    """Tokens of ``request``'s prompt that ``endpoint``'s engine holds now (whole blocks, as its scheduler
-    would reuse them: never the prompt's last token)."""
-    core = endpoint.core
+def engine(config: EngineConfig) -> tuple[ResolvedConfig, EngineCore]:
+    """A simulated engine core as ``switchyard sim`` builds one from ``config``."""
+    resolved = resolve(config)
+    return resolved, EngineCore(resolved.profile, kv_cache_tokens=resolved.kv_cache_tokens,
+                                max_num_seqs=resolved.max_num_seqs,
+                                max_num_batched_tokens=resolved.max_num_batched_tokens,
+                                max_model_len=resolved.max_model_len)
+
+
+def prompt_ids(spec: RequestSpec) -> list[int]:
+    """The token ids a simulated engine makes of ``spec``'s prompt (chat template included)."""
+    body = spec.body()
+    if "messages" in body:
+        return render_chat(body["messages"])
+    return [SPECIAL_TOKENS["<|begin_of_text|>"], *tokenize(str(body["prompt"]))]
+
+
+def cached_tokens(core: EngineCore, request: SimRequest) -> int:
+    """Tokens of ``request``'s prompt that ``core`` holds now (whole blocks, as its scheduler would reuse
+    them: never the prompt's last token)."""
     size = core.block_size
     hashes = request.full_block_hashes((len(request.prompt) - 1) // size, size)
     return len(core.kv.lookup(hashes)) * size
+
+
+def load(core: EngineCore) -> float:
+    """Requests in the engine: running and waiting (what the gateway's load counts, exactly)."""
+    return float(len(core.running) + core.num_waiting + core.num_pending)
 
 
 def choose(loads: Sequence[float], cached: Sequence[int], *, herd_margin: float) -> int:
@@ -86,45 +108,49 @@ def choose(loads: Sequence[float], cached: Sequence[int], *, herd_margin: float)
     return min(allowed, key=lambda i: (-cached[i], loads[i], i))
 
 
-def offline(snapshot: PolicySnapshot, workload: Workload, *, time_scale: float, seed: int = 0,
+def offline(config: EngineConfig, replicas: int, workload: Workload, *, time_scale: float,
             placement: Placement = "oracle", herd_margin: float = 4.0) -> OfflineRun:
-    """Place ``workload``'s requests on ``snapshot``'s simulated engines (see the module doc)."""
-    fleet = Fleet(snapshot, seed=seed)
-    endpoints = list(fleet.endpoints.values())
-    run = OfflineRun(placement, per_engine=[0] * len(endpoints))
+    """Place ``workload``'s requests on ``replicas`` engines built from ``config`` (see the module doc)."""
+    engines = [engine(config) for _ in range(replicas)]
+    cores = [core for _, core in engines]
+    max_model_len = engines[0][0].max_model_len
+    run = OfflineRun(placement, per_engine=[0] * replicas)
     sent: list[SimRequest] = []
     turn = 0
     for spec in workload.specs:
         now = spec.arrival_s * time_scale
-        fleet.advance(now)
-        ids = prompt_ids(spec.body())
+        for core in cores:
+            while core.has_work() and core.now < now:
+                core.advance(now)
+            core.advance_to(now)
+        ids = prompt_ids(spec)
         request = SimRequest(request_id=str(spec.index), prompt=ids, max_output=spec.max_tokens, arrival=now,
-                             seed=seed + spec.index, budget=spec.max_tokens)
+                             seed=config.seed + spec.index, budget=spec.max_tokens)
         if placement == "round-robin":
-            pick = turn % len(endpoints)
+            pick = turn % replicas
             turn += 1
         else:
-            views = [e.view() for e in endpoints]
-            loads = [v.load for v in views]
+            loads = [load(core) for core in cores]
             if placement == "least-loaded":
-                pick = min(range(len(loads)), key=lambda i: (loads[i], i))
+                pick = min(range(replicas), key=lambda i: (loads[i], i))
             else:
-                pick = choose(loads, [cached_tokens(e, request) for e in endpoints], herd_margin=herd_margin)
-        endpoint = endpoints[pick]
-        if len(ids) + spec.max_tokens > endpoint.config.max_model_len:
+                pick = choose(loads, [cached_tokens(core, request) for core in cores], herd_margin=herd_margin)
+        if len(ids) + spec.max_tokens > max_model_len:
             continue
-        endpoint.submit(request)
+        cores[pick].add_request(request)
         run.per_engine[pick] += 1
         sent.append(request)
-    end = fleet.drain()
-    for core in fleet.cores():
+    end = 0.0
+    for core in cores:
+        while core.has_work():
+            core.advance(core.now + 3600.0)
+        end = max(end, core.now)
         run.hits += core.stats.prefix_hits
         run.queries += core.stats.prefix_queries
     run.ttft_s = [(r.first_token_at - r.arrival) / time_scale for r in sent if r.first_token_at is not None]
-    busy = [core.busy_seconds for core in fleet.cores()]
     first = workload.specs[0].arrival_s * time_scale if workload.specs else 0.0
     if end > first:
-        run.busy = sum(busy) / (len(busy) * (end - first))
+        run.busy = sum(core.busy_seconds for core in cores) / (replicas * (end - first))
     return run
 
 

@@ -32,13 +32,12 @@ from switchyard.bench.procs import StartError
 from switchyard.bench.report import build_report, write_report
 from switchyard.bench.scenarios.base import Outcome, ScenarioContext
 from switchyard.bench.scenarios.prefix import report as figures
-from switchyard.bench.scenarios.prefix.arms import ARMS, PROFILE, REPLICAS, policy_path, run_arm
+from switchyard.bench.scenarios.prefix.arms import ARMS, PROFILE, REPLICAS, replica_config, run_arm
 from switchyard.bench.scenarios.prefix.oracle import offline, unbounded_bound
 from switchyard.bench.scenarios.prefix.workloads import WORKLOADS, AgentShape, agent_sessions, default_trace
 from switchyard.bench.spec import Labels, Workload, WorkloadError
 from switchyard.bench.traces import mooncake
 from switchyard.figures import percent
-from switchyard.policy.snapshot import compile_policy
 
 MODEL = "chat"
 #: KV-cache tokens of one replica of the profile at full scale (the profile's own default).
@@ -98,11 +97,10 @@ class Prefix:
                 run.arms.append(run_arm(self.ctx, arm, workload, label=name, kv_tokens=self.kv_tokens,
                                         context=self.context, time_scale=self.time_scale, key_box=self.key))
             self.ctx.say(f"prefix: {name}: the oracle, offline")
-            snapshot = compile_policy(policy_path(self.ctx, name, "approximate").read_text())
-            seed = self.ctx.options.seed
-            run.oracle = offline(snapshot, workload, time_scale=self.time_scale, seed=seed, herd_margin=HERD_MARGIN)
+            config = replica_config(self.kv_tokens, self.context, self.ctx.options.seed)
+            run.oracle = offline(config, REPLICAS, workload, time_scale=self.time_scale, herd_margin=HERD_MARGIN)
             for placement in () if self.ctx.options.quick else ("least-loaded", "round-robin"):
-                run.offline[placement] = offline(snapshot, workload, time_scale=self.time_scale, seed=seed,
+                run.offline[placement] = offline(config, REPLICAS, workload, time_scale=self.time_scale,
                                                  placement=placement)
             self.runs.append(run)
 
