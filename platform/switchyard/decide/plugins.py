@@ -161,12 +161,14 @@ class InflightTokensScorer(_Weighted):
         return _least_over([float(o.view.inflight_tokens) for o in options])
 
 
-def _yielding(options: Sequence[Option], values: Sequence[float], ceiling: float, margin: float) -> list[float]:
-    """``values``, but 0 at a busy endpoint (requests waiting, at or over ``ceiling``, or more than ``margin``
-    requests above the least loaded candidate): one hot prefix must not pile a burst onto one replica."""
+def _yielding(options: Sequence[Option], values: Sequence[float], ceiling: float, margin: float,
+              when_queued: bool = True) -> list[float]:
+    """``values``, but 0 at a busy endpoint (at or over ``ceiling``, more than ``margin`` requests above the
+    least loaded candidate, or, with ``when_queued``, requests waiting in its engine): one hot prefix must not
+    pile a burst onto one replica."""
     least = min(o.view.load for o in options)
-    return [0.0 if (v.queued > 0 or v.utilisation >= ceiling or v.load > least + margin) else value
-            for o, value in zip(options, values, strict=True) for v in (o.view,)]
+    return [0.0 if ((when_queued and v.queued > 0) or v.utilisation >= ceiling or v.load > least + margin)
+            else value for o, value in zip(options, values, strict=True) for v in (o.view,)]
 
 
 @register(spec.PrefixAffinityScorer)
@@ -244,7 +246,10 @@ class KvCachePreciseScorer(_Weighted):
             for i in guessing:
                 values[i] = affinity.get(options[i].url, 0.0)
                 sources[options[i].url] = (False, values[i])
-        return _yielding(options, values, self._spec.yield_above_utilisation, self._spec.herd_margin)
+        # What the engine reports it holds saves that prefill for sure: only the margin and the ceiling yield
+        # (requests briefly waiting at the holder cost less than recomputing the prefix elsewhere).
+        return _yielding(options, values, self._spec.yield_above_utilisation, self._spec.herd_margin,
+                         when_queued=False)
 
     def picked(self, url: str, request: PickRequest) -> None:
         tokens = request.subject.tokens(request.model)

@@ -323,4 +323,5 @@ class Subscriptions:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        self._context.term()
+        # Closes what a cancelled replay may still hold open, then ends the context (term() alone would wait).
+        self._context.destroy(linger=0)

@@ -103,7 +103,9 @@ class KvCachePreciseScorer(_Scorer):
 
     An endpoint whose events are not known now (no ``kv_events``, a stream still syncing, stale or cut)
     is scored by the approximate index instead, as ``prefix-affinity`` scores; the decision trace says
-    which one decided. Yields (scores 0) at a busy endpoint as ``prefix-affinity`` does.
+    which one decided. Yields (scores 0) at an endpoint at or above ``yield_above_utilisation`` or more than
+    ``herd_margin`` requests above the least loaded candidate; unlike ``prefix-affinity`` (a guess), not
+    merely because requests wait in its engine.
     """
 
     type: Literal["kv-cache-precise"]

@@ -190,12 +190,39 @@ class EngineCache:
         return "stale" if self.stale(now) else "live"
 
 
+class _Keys:
+    """The chain keys of one prompt at one block size, made as far as a lookup has needed them (the scorer
+    looks the same prompt up at every candidate: each key is hashed once)."""
+
+    __slots__ = ("_made", "_source", "tokens")
+
+    def __init__(self, tokens: Sequence[int], size: int) -> None:
+        self.tokens = tokens
+        self._source = iter_keys(tokens, size)
+        self._made: list[bytes] = []
+
+    def leading(self, blocks: BlockSet) -> int:
+        """How many of the keys, from the first, ``blocks`` holds without a break."""
+        made, n = self._made, 0
+        while True:
+            if n == len(made):
+                key = next(self._source, None)
+                if key is None:
+                    return n
+                made.append(key)
+            if made[n] not in blocks:
+                return n
+            n += 1
+
+
 class EngineCaches:
     """The caches of every endpoint with events: the :class:`~switchyard.decide.views.EngineCacheView`
     the precise scorer reads (an executor's truth about its engines)."""
 
     def __init__(self) -> None:
         self._caches: dict[str, EngineCache] = {}
+        #: The last prompt looked up, by block size (the candidates of one pick share it).
+        self._keys: dict[int, _Keys] = {}
 
     def __iter__(self) -> Iterator[EngineCache]:
         return iter(self._caches.values())
@@ -228,7 +255,10 @@ class EngineCaches:
         size = cache.blocks.block_size
         if size is None:  # a synced engine that stored nothing yet holds nothing
             return 0
-        return cache.blocks.leading(iter_keys(tokens, size)) * size
+        keys = self._keys.get(size)
+        if keys is None or keys.tokens is not tokens:
+            keys = self._keys[size] = _Keys(tokens, size)
+        return keys.leading(cache.blocks) * size
 
     def expect(self, url: str, tokens: Sequence[int], held: int, now: float) -> None:
         """A request with ``tokens`` was sent to ``url``, which held ``held`` of them: when that leaves a full

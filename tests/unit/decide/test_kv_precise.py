@@ -99,14 +99,20 @@ def test_nothing_is_rendered_while_no_engine_is_reported_on() -> None:
     assert any("approximate index (no engine report for it)" in n for n in choice.notes)
 
 
-def test_a_busy_holder_yields_so_one_hot_prefix_does_not_herd() -> None:
+def test_a_holder_too_far_above_the_least_loaded_yields_but_requests_waiting_there_alone_do_not() -> None:
     memory = Memory({"http://a": 100, "http://b": 0, "http://c": 0}, {})
-    views = {"http://a": view(load=9), "http://b": view(load=1), "http://c": view(load=2)}
+    views = {"http://a": view(load=9), "http://b": view(load=1), "http://c": view(load=2)}  # 9 > 1 + margin 4
     choice = pick_endpoint(PROFILE, CANDIDATES, lambda c: views[c.url], request(memory))
     assert choice is not None and choice.url == "http://b"
-    queued = {"http://a": view(load=1, queued=1), "http://b": view(), "http://c": view(load=1)}
+    full = {"http://a": view(load=1), "http://b": view(), "http://c": view()}
+    full["http://a"].utilisation = 1.0  # at the ceiling
+    choice = pick_endpoint(PROFILE, CANDIDATES, lambda c: full[c.url], request(memory))
+    assert choice is not None and choice.url != "http://a"
+    # The engine reports the whole prompt cached at a: a request or two waiting there cost less than
+    # computing it again elsewhere (prefix-affinity, a guess, yields here).
+    queued = {"http://a": view(load=2, queued=1), "http://b": view(), "http://c": view(load=1)}
     choice = pick_endpoint(PROFILE, CANDIDATES, lambda c: queued[c.url], request(memory))
-    assert choice is not None and choice.url == "http://b"
+    assert choice is not None and choice.url == "http://a"
 
 
 def test_the_pick_tells_the_engine_view_what_to_expect_and_the_answer_feeds_the_approximate_index() -> None:
