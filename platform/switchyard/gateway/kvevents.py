@@ -77,7 +77,6 @@ class Follower:
         self._context = context
         self._held: list[tuple[int, bytes]] = []
         self._sync: asyncio.Task[None] | None = None
-        self._from = 0
         #: Seconds spent decoding and applying batches (the events' CPU cost on the event loop).
         self.busy_s = 0.0
 
@@ -178,7 +177,6 @@ class Follower:
             self.cache.reset(reason)
         else:
             self.cache.synced, self.cache.reason = False, reason
-        self._from = start
         self._sync = asyncio.create_task(self._replay(start), name=f"switchyard-kv-replay {self.source.url}")
 
     def _cancel_sync(self) -> None:
