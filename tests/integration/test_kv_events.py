@@ -200,6 +200,9 @@ def test_a_reset_prefix_cache_empties_the_gateways_index_of_that_engine(fleet: F
     eventually(lambda: all(endpoints(gw)[url]["kv_events"]["blocks"] > 0 for gw in fleet.gateways))
     status, _, _ = http_json("POST", url + "/reset_prefix_cache")
     assert status == 200
+    # As vLLM, the engine publishes the clear with its next step: a prompt shorter than a block stores nothing.
+    status, _, _ = http_json("POST", url + "/v1/completions", {"model": "sim-chat", "prompt": "hi", "max_tokens": 1})
+    assert status == 200
     eventually(lambda: all(endpoints(gw)[url]["kv_events"]["blocks"] == 0 for gw in fleet.gateways))
 
 

@@ -152,7 +152,7 @@ class GatewayMetrics:
             "switchyard_dependency_failures", "Requests served or refused while a dependency of the gateway was "
             "unreachable, by dependency (redis, database) and what was done (fail_open, fail_closed).",
             ["dependency", "mode"], registry=self.registry)
-        # The engines' KV-cache events, copied from the streams' state every few seconds.
+        # The engines' KV-cache events, copied from the streams' state every second.
         self.kv_connected = Gauge(
             "switchyard_kv_events_connected", "1 while this process is connected to the endpoint's KV-cache events.",
             ["endpoint"], registry=self.registry)

@@ -54,6 +54,8 @@ LOOP_LAG_PROBE_S = 0.01
 log = logging.getLogger("switchyard.gateway")
 #: How often the response cache's entry, byte and eviction gauges are refreshed.
 CACHE_GAUGES_INTERVAL_S = 5.0
+#: Seconds between copies of the KV-cache event streams' state into the metrics.
+KV_GAUGES_INTERVAL_S = 1.0
 
 T = TypeVar("T")
 
@@ -224,13 +226,17 @@ class GatewayRuntime:
         self.metrics.breaker_transitions.labels(breaker.scope, breaker.name, state).inc()
         log.warning("%s breaker %s is %s: %s", breaker.scope, breaker.name, state.replace("_", "-"), reason)
 
-    async def _cache_gauges(self) -> None:
-        """Copy the response cache's counts, and the KV-cache event streams' state, into their metrics every few
-        seconds."""
+    async def _kv_gauges(self) -> None:
+        """Copy the KV-cache event streams' state into their metrics every second (a few dozen numbers)."""
         exported = Exported()
         while True:
             if self.kv_events is not None:
                 export_metrics(self.kv_events, self.metrics, exported, time.monotonic())
+            await asyncio.sleep(KV_GAUGES_INTERVAL_S)
+
+    async def _cache_gauges(self) -> None:
+        """Copy the response cache's counts into its gauges every few seconds."""
+        while True:
             try:
                 await self.cache.refresh_gauges()
             except Exception as exc:  # Redis unreachable: the gauges keep their last values
@@ -350,6 +356,7 @@ class GatewayRuntime:
                                                name="switchyard-request-log")
         pumping = asyncio.create_task(self.flow.run(), name="switchyard-flow")
         gauges = asyncio.create_task(self._cache_gauges(), name="switchyard-cache-gauges")
+        kv_gauges = asyncio.create_task(self._kv_gauges(), name="switchyard-kv-gauges")
         lag = asyncio.create_task(self._watch_loop_lag(), name="switchyard-loop-lag")
         try:
             async with following(self._reloader):
@@ -357,7 +364,7 @@ class GatewayRuntime:
         finally:
             with contextlib.suppress(ValueError):
                 gc.callbacks.remove(gc_hook)
-            for task in (scraping, probing, pumping, gauges, lag):
+            for task in (scraping, probing, pumping, gauges, kv_gauges, lag):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task

@@ -56,7 +56,7 @@ SERIES = ("vllm:num_requests_waiting", "vllm:num_requests_running")
 #: :data:`METRICS_EVERY_S`): events applied, and seconds spent decoding and applying them.
 EVENTS = "switchyard_kv_events_total"
 EVENT_SECONDS = "switchyard_kv_events_processing_seconds_total"
-METRICS_EVERY_S = 5.0
+METRICS_EVERY_S = 1.0
 #: The admin API's bearer token in the bench's gateways (loopback only, made afresh for each run).
 ADMIN_TOKEN = secrets.token_urlsafe(16)
 
