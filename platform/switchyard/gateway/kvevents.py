@@ -124,39 +124,30 @@ class Follower:
         if self._sync is not None:  # held back until the replay is applied
             self._held.append((seq, payload))
             return
-        if not cache.synced:
-            if self.source.replay is None:  # nothing to read history from: start here
-                cache.synced, cache.reason = True, ""
-                self._apply(seq, payload)
-            else:
-                self._held.append((seq, payload))
-                self._resync(0, "reading the engine's history")
-            return
         last = cache.last_seq if cache.last_seq is not None else -1
-        if seq == last + 1:
+        if cache.synced and seq == last + 1:
             self._apply(seq, payload)
+            return
+        if not cache.synced:
+            start, reason = 0, "reading the engine's history"
         elif seq > last + 1:
             cache.gaps += 1
             log.warning("KV events of %s: batches %d to %d missed", self.source.url, last + 1, seq - 1)
-            if self.source.replay is None:
-                cache.reset("a gap, and no replay socket to fill it")
-                cache.synced, cache.reason = True, ""
-                self._apply(seq, payload)
-            else:
-                self._held.append((seq, payload))
-                self._resync(last + 1, "filling a gap")
+            start, reason = last + 1, "filling a gap"
         else:
             cache.restarts += 1
             log.warning("KV events of %s: sequence went back from %d to %d (engine restarted); reading it again",
                         self.source.url, last, seq)
             cache.reset("engine restarted")
+            start, reason = 0, "engine restarted"
+        if self.source.replay is None:  # nothing to read what came before from: start here
+            if start > 0:
+                cache.reset("a gap, and no replay socket to fill it")
+            cache.synced, cache.reason = True, ""
+            self._apply(seq, payload)
+        else:
             self._held.append((seq, payload))
-            if self.source.replay is None:
-                self._held.clear()
-                cache.synced, cache.reason = True, ""
-                self._apply(seq, payload)
-            else:
-                self._resync(0, "engine restarted")
+            self._resync(start, reason)
 
     def _apply(self, seq: int, payload: bytes) -> None:
         started = time.perf_counter()
