@@ -45,6 +45,15 @@ def chain_hash(parent: int, tokens: Sequence[int]) -> int:
     return hash((parent, tuple(tokens)))
 
 
+def chain_hashes(tokens: Sequence[int], block_size: int, parent: int = ROOT_HASH) -> list[int]:
+    """The chained hashes of the full blocks of ``tokens``, following the block hashed ``parent``."""
+    hashes: list[int] = []
+    for start in range(0, len(tokens) // block_size * block_size, block_size):
+        parent = chain_hash(parent, tokens[start:start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
 class BlockPool:
     """Fixed pool of KV blocks with reference counts and a hash -> block prefix cache.
 

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from switchyard.sim.kv import ROOT_HASH, chain_hash
+from switchyard.sim.kv import ROOT_HASH, chain_hashes
 from switchyard.simtext.tokens import filler_ids
 
 
@@ -96,12 +96,10 @@ class SimRequest:
     def full_block_hashes(self, count: int, block_size: int) -> list[int]:
         """Chained hashes of the first ``count`` full blocks (computed once, then kept)."""
         hashes = self.block_hashes
-        if len(hashes) < count:
+        done = len(hashes)
+        if done < count:
             parent = hashes[-1] if hashes else self._root()
-            for idx in range(len(hashes), count):
-                start = idx * block_size
-                parent = chain_hash(parent, self.tokens(start, start + block_size))
-                hashes.append(parent)
+            hashes.extend(chain_hashes(self.tokens(done * block_size, count * block_size), block_size, parent))
         return hashes[:count]
 
     def _root(self) -> int:

@@ -23,7 +23,7 @@ from switchyard.decide.flow import batch_pool_utilisation
 from switchyard.decide.views import Candidate, EndpointView
 from switchyard.policy.fleet import Pool
 from switchyard.policy.tiers import Lane
-from switchyard.sim.kv import ROOT_HASH, chain_hash
+from switchyard.sim.kv import chain_hashes
 from switchyard.state.prefix import PrefixIndex
 from switchyard.state.queues import PoolQueues, ServiceTime
 from switchyard.state.sessions import SessionIndex
@@ -46,11 +46,7 @@ class FleetCaches:
             self._tokens, self._hashes = tokens, {}
         hashes = self._hashes.get(size)
         if hashes is None:
-            hashes, parent = [], ROOT_HASH
-            for start in range(0, len(tokens) // size * size, size):
-                parent = chain_hash(parent, tokens[start:start + size])
-                hashes.append(parent)
-            self._hashes[size] = hashes
+            hashes = self._hashes[size] = chain_hashes(tokens, size)
         return hashes
 
     def knows(self, url: str, now: float) -> bool:
