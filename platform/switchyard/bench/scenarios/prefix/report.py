@@ -3,7 +3,7 @@ precise arm's events and their CPU, and the goals."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,14 +135,18 @@ def events_table(runs: Sequence[WorkloadRun]) -> dict[str, Any]:
         "which publish the events in the precise arm.")
 
 
+def _with_precise(runs: Sequence[WorkloadRun]) -> Iterator[tuple[WorkloadRun, dict[str, Any], dict[str, Any]]]:
+    """Each run that has a precise arm, its rows by arm, and the precise arm's row."""
+    for run in runs:
+        by = {r["arm"]: r for r in rows(run)}
+        if "precise" in by:
+            yield run, by, by["precise"]
+
+
 def goals(runs: Sequence[WorkloadRun]) -> list[dict[str, Any]]:
     """The issue's goals, per workload."""
     out = []
-    for run in runs:
-        by = {r["arm"]: r for r in rows(run)}
-        p = by.get("precise")
-        if p is None:
-            continue
+    for run, by, p in _with_precise(runs):
         of = p["of_oracle"]
         out.append(goal(f"{run.name}: precise hits as a share of the oracle's", f">= {OF_ORACLE_GOAL:.0%}", of,
                         None if of is None else of >= OF_ORACLE_GOAL, unit="%", multiplier=100, decimals=1))
@@ -160,11 +164,7 @@ def goals(runs: Sequence[WorkloadRun]) -> list[dict[str, Any]]:
 def ratios_table(runs: Sequence[WorkloadRun]) -> dict[str, Any]:
     """Precise against every other arm, per workload."""
     out = []
-    for run in runs:
-        by = {r["arm"]: r for r in rows(run)}
-        p = by.get("precise")
-        if p is None:
-            continue
+    for run, by, p in _with_precise(runs):
         for b in ARMS[1:]:
             if b in by:
                 out.append({"workload": run.name, "baseline": b, "hit": _div(p["hit_ratio"], by[b]["hit_ratio"]),
