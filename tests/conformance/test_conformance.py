@@ -360,6 +360,36 @@ def test_answer_role_without_generation_prompt(target: Target, sim: Target) -> N
     assert compare(target, sim, observe, "role") == "user"
 
 
+STORY = [*MESSAGES, {"role": "assistant", "content": "Once upon a"}]
+CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
+
+
+def test_continue_final_message(target: Target, sim: Target) -> None:
+    """The final message is left open (no end of turn, no generation prompt); the answer's role is its role."""
+
+    def observe(t: Target) -> Any:
+        body = {"model": t.model, "messages": STORY, "max_tokens": 3, **CONTINUE, **EXACT}
+        full = post_json(f"{t.api}/chat/completions", body)
+        assert full.status_code == 200, full.text
+        answer = full.json()
+        events = stream(f"{t.api}/chat/completions", body)
+        assert events.done
+        count = post_json(f"{t.url}/tokenize", {"model": t.model, "messages": STORY, **CONTINUE}).json()["count"]
+        closed = post_json(f"{t.url}/tokenize", {"model": t.model, "messages": STORY,
+                                                 "add_generation_prompt": False}).json()["count"]
+        assert answer["usage"]["prompt_tokens"] == count  # the prompt as rendered
+        return {"role": answer["choices"][0]["message"]["role"],
+                "stream_role": events.choice_chunks()[0]["choices"][0]["delta"],
+                "end_of_turn_tokens": closed - count, "completion_tokens": answer["usage"]["completion_tokens"],
+                "shape": shape(answer)}
+
+    seen = compare(target, sim, observe, "continue_final_message")
+    assert {k: v for k, v in seen.items() if k != "shape"} == {
+        "role": "assistant", "stream_role": {"role": "assistant", "content": ""}, "end_of_turn_tokens": 1,
+        "completion_tokens": 3}
+    assert_shape(seen["shape"], CHAT_COMPLETION, "a continued chat.completion")
+
+
 def test_priority_is_accepted(target: Target, sim: Target) -> None:
     def observe(t: Target) -> int:
         body = {"model": t.model, "prompt": "hi", "max_tokens": 1, "priority": -5}
@@ -651,6 +681,14 @@ ERROR_CASES: dict[str, tuple[str, Any, tuple[int, str, str | None]]] = {
     "trailing garbage": (C, b'{"prompt": "hi"} x', (400, "Bad Request", "body.17")),
     "body not an object": (C, b"[1, 2]", (400, "Bad Request", "body")),
     "empty body": (CH, b"", (400, "Bad Request", "body")),
+    "continue_final_message with add_generation_prompt": (
+        CH, {"messages": MESSAGES, "continue_final_message": True, "add_generation_prompt": True},
+        (400, "BadRequestError", None)),
+    "both flags win over field types": (  # vLLM's check is a model validator that runs before the fields
+        CH, {"messages": MESSAGES, "continue_final_message": True, "add_generation_prompt": True, "max_tokens": "x"},
+        (400, "BadRequestError", None)),
+    "continue_final_message with the default generation prompt": (  # the chat template's refusal
+        CH, {"messages": MESSAGES, "continue_final_message": True}, (400, "BadRequestError", None)),
 }
 #: Cases whose message text is not reproduced word for word (see EXCEPTIONS).
 OWN_WORDS = {"message without a role": "validation_text", "message content a number": "validation_text",
@@ -761,7 +799,7 @@ def test_the_gateway_reads_the_same_signals(target: Target, sim: Target) -> None
         return {k: type(v).__name__ for k, v in dataclasses.asdict(signals).items()}
 
     assert compare(target, sim, observe, "gateway signals") == {
-        **dict.fromkeys(("running", "waiting", "kv_usage", "prefix_queries", "prefix_hits"), "float"),
+        **dict.fromkeys(("running", "waiting", "kv_usage", "prefix_queries", "prefix_hits", "progress"), "float"),
         "models": "frozenset"}
 
 
@@ -771,7 +809,10 @@ def test_counters_move_with_a_request(target: Target, sim: Target) -> None:
                 "vllm:prefix_cache_queries_total": {}, "vllm:request_success_total": {"finished_reason": "length"},
                 "vllm:time_to_first_token_seconds_count": {}, "vllm:e2e_request_latency_seconds_count": {},
                 "vllm:request_queue_time_seconds_count": {}, "vllm:inter_token_latency_seconds_count": {},
-                "vllm:request_params_n_count": {}, "vllm:request_params_max_tokens_sum": {}}
+                "vllm:request_params_n_count": {}, "vllm:request_params_max_tokens_sum": {},
+                # Once per batch of engine outputs (5 steps made tokens), the prompt's 40 computed tokens with the
+                # first token and one token per step (the gateway reads it to tell a working engine from a hung one).
+                "vllm:iteration_tokens_total_count": {}, "vllm:iteration_tokens_total_sum": {}}
 
     def observe(t: Target) -> dict[str, float]:
         def read() -> dict[str, float]:
@@ -795,7 +836,8 @@ def test_counters_move_with_a_request(target: Target, sim: Target) -> None:
         "vllm:request_success_total": 1, "vllm:time_to_first_token_seconds_count": 1,
         "vllm:e2e_request_latency_seconds_count": 1, "vllm:request_queue_time_seconds_count": 1,
         "vllm:inter_token_latency_seconds_count": 4, "vllm:request_params_n_count": 1,
-        "vllm:request_params_max_tokens_sum": 5}
+        "vllm:request_params_max_tokens_sum": 5, "vllm:iteration_tokens_total_count": 5,
+        "vllm:iteration_tokens_total_sum": 45}
 
 
 def test_exceptions_are_explained() -> None:

@@ -12,11 +12,9 @@ sees each trigger on the request path itself; *active* probes every 0.2 s. Each 
 
 from __future__ import annotations
 
-import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,23 +22,21 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import free_port
 from tests.integration.conftest import (
-    SWITCHYARD,
-    Engines,
+    FaultFleet,
     Gateway,
     client,
     endpoints,
+    fault_fleet,
     gateway_counter,
     http_json,
     route,
-    start_gateway,
     stop,
-    wait_http,
 )
 
 NAMES = ("us-a", "us-b", "eu", "bk")
-CLEAR = {"mode": "none", "error_rate": 0, "throttle_rate": 0, "overload_rate": 0, "abort_rate": 0}
+CLEAR = {"mode": "none", "error_rate": 0, "throttle_rate": 0, "overload_rate": 0, "abort_rate": 0,
+         "abort_with": "close"}
 
 PASSIVE = """\
   health: {probe_interval: 60, unhealthy_after: 2, healthy_after: 2}
@@ -62,17 +58,19 @@ BUDGET_ONLY = """\
   retries: {max_attempts: 3, budget_ratio: 0.2, budget_window: 60, min_retries_per_s: 0}
 """
 
-#: A first byte later than 0.3 s counts against the endpoint; a pool breaker that opens on two failures.
+#: A first byte later than 0.3 s counts against the endpoint; a pool breaker that opens on two failures. (Hang
+#: detection is off: an engine 5000 times slower than it should be would be found hung, a token every few seconds.)
 SLOW_AND_POOL = """\
   health: {probe_interval: 60, max_ttfb: 0.3}
   breakers:
     endpoint: {consecutive_failures: 1000, min_requests: 100000}
     pool: {consecutive_failures: 2, open_for: 60}
   first_token_timeout: 20
+  hang_detection: {enabled: false}
 """
 
 
-def _policy(ports: dict[str, int], resilience: str) -> str:
+def _policy(ports: dict[str, int], resilience: str, resume: bool = True) -> str:
     def url(name: str) -> str:
         return f"http://127.0.0.1:{ports[name]}"
 
@@ -87,7 +85,7 @@ pools:
   - {{name: backup-us, region: us-east, served_model: sim-m, endpoints: [{url("bk")}], kv_cache_tokens: 100000}}
 models:
   - {{name: main, pools: [main-us, main-eu], context_window: 4096, price: {price},
-      fallback: [main@eu-west, backup]}}
+      fallback: [main@eu-west, backup], resume_streams: {"true" if resume else "false"}}}
   - {{name: backup, pools: [backup-us], context_window: 4096, price: {price}}}
 priorities:
   critical: {{max_queue_ms: 10000}}
@@ -97,51 +95,24 @@ resilience:
 {resilience}"""
 
 
-@dataclass
-class Fleet:
-    ports: dict[str, int]
-    control: str
-    folder: Path
-
-    def url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.ports[name]}"
-
-    def fault(self, **body: Any) -> list[dict[str, Any]]:
-        """Set faults through the sim's control server (targets: region, pool, port)."""
-        status, _, answer = http_json("POST", self.control + "/faults", body)
-        assert status == 200, answer
-        return list(answer["engines"])
-
-    def down(self, *names: str, **settings: Any) -> None:
-        for name in names:
-            self.fault(port=self.ports[name], **settings)
+Fleet = FaultFleet
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    ports = {name: free_port() for name in NAMES}
-    control = free_port()
-    folder = tmp_path_factory.mktemp("resilience")
-    for name, section in (("passive", PASSIVE), ("active", ACTIVE), ("budget", BUDGET_ONLY),
-                          ("pool", SLOW_AND_POOL)):
-        (folder / f"{name}.yaml").write_text(_policy(ports, section))
-    proc = subprocess.Popen([SWITCHYARD, "sim", "--policy", str(folder / "active.yaml"), "--time-scale", "20",
-                             "--control-port", str(control)])
-    try:
-        for port in ports.values():
-            wait_http(f"http://127.0.0.1:{port}/health", proc)
-        wait_http(f"http://127.0.0.1:{control}/health", proc)
-        yield Fleet(ports, f"http://127.0.0.1:{control}", folder)
-    finally:
-        stop(proc)
+    def policies(ports: dict[str, int]) -> dict[str, str]:
+        return {**{name: _policy(ports, section) for name, section in (
+            ("passive", PASSIVE), ("active", ACTIVE), ("budget", BUDGET_ONLY), ("pool", SLOW_AND_POOL))},
+            "passive-noresume": _policy(ports, PASSIVE, resume=False)}
+
+    yield from fault_fleet(tmp_path_factory.mktemp("resilience"), NAMES, policies, "active")
 
 
 def _gateway(fleet: Fleet, tmp_path: Path, policy: str) -> Iterator[Gateway]:
-    gw = start_gateway(Engines(fleet.folder / f"{policy}.yaml", {}, 0), f"sqlite:///{tmp_path / 'gw.db'}", tmp_path,
-                       "sqlite", {"SWITCHYARD_REGION": "us-east", "SWITCHYARD_UPSTREAM_READ_TIMEOUT_S": "20",
-                                  "SWITCHYARD_SCRAPE_INTERVAL_S": "60" if policy != "active" else "0.5"})
+    gw = fleet.gateway(tmp_path, policy, {"SWITCHYARD_UPSTREAM_READ_TIMEOUT_S": "20",
+                                          "SWITCHYARD_SCRAPE_INTERVAL_S": "60" if policy != "active" else "0.5"},
+                       {"gold": ("gold-co", "gold")})
     try:
-        gw.keys["gold"] = gw.new_key("gold-co", "gold")
         yield gw
     finally:
         fleet.fault(**CLEAR)
@@ -151,6 +122,11 @@ def _gateway(fleet: Fleet, tmp_path: Path, policy: str) -> Iterator[Gateway]:
 @pytest.fixture
 def passive(fleet: Fleet, tmp_path: Path) -> Iterator[Gateway]:
     yield from _gateway(fleet, tmp_path, "passive")
+
+
+@pytest.fixture
+def passive_noresume(fleet: Fleet, tmp_path: Path) -> Iterator[Gateway]:
+    yield from _gateway(fleet, tmp_path, "passive-noresume")
 
 
 @pytest.fixture
@@ -377,8 +353,10 @@ def test_a_region_that_goes_down_and_comes_back_is_detected_by_probes(fleet: Fle
 # --- streaming ----------------------------------------------------------------------------------------------
 
 
-def test_a_stream_broken_after_its_first_byte_ends_with_an_error_event_and_is_accounted(fleet: Fleet,
-                                                                                        passive: Gateway) -> None:
+def test_a_stream_broken_after_its_first_byte_ends_with_an_error_event_and_is_accounted(
+        fleet: Fleet, passive_noresume: Gateway) -> None:
+    """With ``resume_streams: false`` (tests/integration/test_stream_faults.py resumes them)."""
+    passive = passive_noresume
     fleet.fault(pool="main-us", abort_rate=1.0, abort_after_tokens=3)
     fleet.fault(pool="main-eu", abort_rate=1.0, abort_after_tokens=3)
     completion_before = gateway_counter(passive, "switchyard_tokens_total", model="main", kind="completion")

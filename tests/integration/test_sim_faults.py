@@ -1,16 +1,20 @@
 """Fault injection through a `switchyard sim` process's control server (`--control-port`), on loopback.
 
 One process serves a two-region policy: two us-east engines of ``small-us``, one of ``large-us``
-and two eu-west engines of ``small-eu``. Every test leaves every engine healthy again.
+and two eu-west engines of ``small-eu``, twenty times faster than the wall clock. The stalls (``hang``,
+``drip``) are watched on another process's single engine at the wall clock's pace, where an answer
+lasts long enough to be caught mid-way. Every test leaves every engine healthy again.
 """
 
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import re
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,13 +22,17 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import free_port
 from tests.integration.conftest import SWITCHYARD, http_json, stop, wait_http
 from tests.unit.policy.base import base, to_yaml
 
-CLEAR = {"mode": "none", "slow_factor": 5.0, "error_rate": 0.0, "throttle_rate": 0.0, "overload_rate": 0.0,
-         "abort_rate": 0.0, "abort_after_tokens": 4}
+CLEAR = {"mode": "none", "slow_factor": 5.0, "drip_interval_s": 2.0, "error_rate": 0.0, "throttle_rate": 0.0,
+         "overload_rate": 0.0, "abort_rate": 0.0, "abort_after_tokens": 4, "abort_with": "close"}
+#: The event vLLM 0.32 sends when generation fails mid-stream, byte for byte (then ``data: [DONE]``).
+STREAM_ERROR = ('{"error": {"message": "Internal server error", "type": "InternalServerError", "param": null, '
+                '"code": 500}}')
 
 
 @dataclass
@@ -67,6 +75,18 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
             wait_http(f"http://127.0.0.1:{port}/health", proc)
         wait_http(f"{control}/health", proc)
         yield Sim(control, ports, proc)
+    finally:
+        assert stop(proc)
+
+
+@pytest.fixture(scope="module")
+def paced() -> Iterator[int]:
+    """The port of a single engine at time scale 1 (a token every ~6 ms), in a process of its own."""
+    port = free_port()
+    proc = subprocess.Popen([SWITCHYARD, "sim", "--model", "llama-8b", "--port", str(port), "--time-scale", "1"])
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc)
+        yield port
     finally:
         assert stop(proc)
 
@@ -295,6 +315,14 @@ def test_cli_round_trip(sim: Sim) -> None:
     assert "listening=no mode=down" in by_url[_url(eu[0])]
     assert "mode=none" in by_url[_url(sim.ports["large-us"][0])]
 
+    done = _cli("fault", "--control", sim.control, "--port", str(sim.ports["large-us"][0]), "--mode", "drip",
+                "--drip-interval-s", "0.5", "--abort-rate", "1", "--abort-with", "error")
+    assert done.returncode == 0, done.stderr
+    assert "mode=drip slow_factor=5 drip_interval_s=0.5 " in done.stdout
+    assert "abort_rate=1 abort_after_tokens=4 abort_with=error" in done.stdout
+    assert sim.faults()[sim.ports["large-us"][0]]["faults"] == {**CLEAR, "mode": "drip", "drip_interval_s": 0.5,
+                                                                "abort_rate": 1.0, "abort_with": "error"}
+
     done = _cli("fault", "--control", sim.control, "--clear")
     assert done.returncode == 0 and len(done.stdout.splitlines()) == 5
     assert all(e["faults"] == CLEAR and e["listening"] for e in sim.faults().values())
@@ -305,12 +333,249 @@ def test_cli_errors_are_one_clear_line(sim: Sim) -> None:
     for args, message in (
         (("fault", "--control", sim.control, "--region", "mars", "--mode", "down"), "no engine matches region=mars"),
         (("fault", "--control", sim.control, "--error-rate", "2"), "error_rate must be within [0, 1]"),
+        (("fault", "--control", sim.control, "--mode", "drip", "--drip-interval-s", "0"),
+         "drip_interval_s must be a finite number > 0"),
         (("faults", "--control", f"http://127.0.0.1:{free_port()}"), "cannot reach the fault control server"),
     ):
         done = _cli(*args)
         assert done.returncode == 1
         assert done.stderr.startswith("Error: ") and message in done.stderr and done.stderr.count("\n") == 1
     for usage in (["fault", "--control", sim.control], ["fault", "--control", sim.control, "--clear", "--mode", "down"],
-                  ["fault", "--control", sim.control, "--mode", "error"]):
+                  ["fault", "--control", sim.control, "--mode", "error"],
+                  ["fault", "--control", sim.control, "--abort-with", "reset"]):
         assert _cli(*usage).returncode == 2
     assert all(e["faults"] == CLEAR for e in sim.faults().values())
+
+
+# --- stalls: hang and drip (a single engine at the wall clock's pace) ---------------------------------
+
+
+@pytest.fixture
+def engine(paced: int) -> Iterator[str]:
+    """The paced engine's URL; healthy again afterwards."""
+    url = _url(paced)
+    yield url
+    assert httpx.post(f"{url}/sim/faults", json=CLEAR, timeout=5).status_code == 200
+
+
+class StreamReader(threading.Thread):
+    """Reads a server-sent event stream in the background, stamping each event with its arrival time."""
+
+    def __init__(self, url: str, body: dict[str, Any]) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body = url, {**body, "stream": True}
+        self.events: list[tuple[float, str]] = []
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url, json=self.body, timeout=30) as resp:
+                assert resp.status_code == 200
+                for line in resp.iter_lines():
+                    if line:
+                        self.events.append((time.monotonic(), line.removeprefix("data: ")))
+        except Exception as exc:  # handed to the test thread
+            self.error = exc
+
+    def content_times(self) -> list[float]:
+        """When each chunk that carries content tokens arrived (chat or text completion chunks)."""
+        return [t for t, e in self.events if e != "[DONE]" and (c := json.loads(e))["choices"]
+                and (c["choices"][0].get("delta", {}).get("content") or c["choices"][0].get("text"))]
+
+
+#: The series the gateway reads to tell a working engine from a hung one, and ones that move with every step.
+WATCHED = ("vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:iteration_tokens_total_count",
+           "vllm:iteration_tokens_total_sum", "vllm:request_success_total", "vllm:num_requests_running",
+           "vllm:num_requests_waiting", "vllm:inter_token_latency_seconds_count", "vllm:kv_cache_usage_perc")
+
+
+def _series(url: str) -> dict[str, float]:
+    totals = dict.fromkeys(WATCHED, 0.0)
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=5).text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return totals
+
+
+def _chat(max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {"model": "llama-8b", "messages": [{"role": "user", "content": "Tell me about the river."}],
+            "max_tokens": max_tokens, **extra}
+
+
+def _raw_post(url: str, path: str, body: dict[str, Any]) -> socket.socket:
+    """A request sent on a socket of its own (``Connection: close``), its answer left to read."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    s = socket.create_connection((host, int(port)), timeout=10)
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+              f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return s
+
+
+def _state_of(url: str) -> dict[str, Any]:
+    state: dict[str, Any] = httpx.get(f"{url}/sim/state", timeout=5).json()
+    return state
+
+
+def _read_all(s: socket.socket) -> bytes:
+    chunks = []
+    while chunk := s.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_hang_freezes_a_stream_mid_answer_and_it_completes_after(engine: str) -> None:
+    reader = StreamReader(f"{engine}/v1/chat/completions", _chat(400))
+    reader.start()
+    _wait(lambda: len(reader.events) >= 10)
+    assert httpx.post(f"{engine}/sim/faults", json={"mode": "hang"}, timeout=5).json()["mode"] == "hang"
+    time.sleep(0.1)  # what was already on its way lands
+    received, before, steps = len(reader.events), _series(engine), _state_of(engine)["steps"]
+    assert before["vllm:num_requests_running"] == 1 and before["vllm:kv_cache_usage_perc"] > 0
+    late = _raw_post(engine, "/v1/completions", {"model": "llama-8b", "prompt": "late", "max_tokens": 3})
+    late.settimeout(0.3)
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        health = httpx.get(f"{engine}/health", timeout=2)
+        assert health.status_code == 200  # the server is fine; the engine makes no step
+        time.sleep(0.1)
+    assert len(reader.events) == received, "bytes came during the hang"
+    assert _series(engine) == before  # running kept, no token or request counter moved
+    assert _state_of(engine)["steps"] == steps
+    with pytest.raises(TimeoutError):
+        late.recv(1)  # accepted, and not a byte back
+
+    assert httpx.post(f"{engine}/sim/faults", json={"mode": "none"}, timeout=5).status_code == 200
+    reader.join(timeout=20)
+    assert reader.error is None and not reader.is_alive()
+    assert reader.events[-1][1] == "[DONE]"
+    tokens = sum(len(json.loads(e)["choices"][0]["delta"].get("content") or "") > 0
+                 for _, e in reader.events[:-1])
+    assert tokens == 400  # the whole answer, nothing lost (one chunk per token at this pace)
+    late.settimeout(10)
+    answer = _read_all(late)
+    late.close()
+    assert answer.startswith(b"HTTP/1.1 200") and b'"completion_tokens":3' in answer
+    after = _series(engine)
+    assert after["vllm:generation_tokens_total"] > before["vllm:generation_tokens_total"]
+    assert after["vllm:request_success_total"] == before["vllm:request_success_total"] + 2
+    assert after["vllm:num_requests_running"] == 0
+
+
+def test_a_stream_accepted_while_hung_gets_its_headers_and_no_event(engine: str) -> None:
+    """As from vLLM: its server starts a streamed answer before the engine's first output."""
+    assert httpx.post(f"{engine}/sim/faults", json={"mode": "hang"}, timeout=5).status_code == 200
+    steps = _state_of(engine)["steps"]
+    reader = StreamReader(f"{engine}/v1/completions", {"model": "llama-8b", "prompt": "x", "max_tokens": 4})
+    reader.start()
+    time.sleep(0.5)
+    assert reader.events == [] and reader.error is None and reader.is_alive()  # the 200 came, no event
+    state = _state_of(engine)
+    assert state["in_flight"] == 1 and state["steps"] == steps and state["running"] == 0
+    assert httpx.post(f"{engine}/sim/faults", json={"mode": "none"}, timeout=5).status_code == 200
+    reader.join(timeout=10)
+    assert reader.error is None and [e for _, e in reader.events][-1] == "[DONE]"
+    assert len(reader.content_times()) == 4
+
+
+def test_a_client_that_leaves_a_hung_engine_frees_its_request(engine: str) -> None:
+    body = {"model": "llama-8b", "prompt": "word " * 300, "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", f"{engine}/v1/completions", json=body, timeout=10) as resp:
+        lines = resp.iter_lines()  # (dropping the iterator would close the stream at once)
+        assert next(lines).startswith("data: ")
+        assert httpx.post(f"{engine}/sim/faults", json={"mode": "hang"}, timeout=5).status_code == 200
+        time.sleep(0.1)
+        state = _state_of(engine)
+        assert state["kv_blocks_used"] > 0 and state["running"] == 1 and state["in_flight"] == 1
+    _wait(lambda: _state_of(engine)["in_flight"] == 0)  # the client is gone: aborted, hung or not
+    state = _state_of(engine)
+    assert state["running"] == 0 and state["kv_blocks_used"] == 0 and state["faults"]["mode"] == "hang"
+
+
+@pytest.mark.alone  # it times a sleep of 0.65 s to within a second: nothing may run beside it
+def test_drip_gives_a_token_per_interval(engine: str) -> None:
+    assert httpx.post(f"{engine}/sim/faults", json={"mode": "drip", "drip_interval_s": 0.3},
+                      timeout=5).status_code == 200
+    reader = StreamReader(f"{engine}/v1/chat/completions", _chat(6))
+    reader.start()
+    _wait(lambda: len(reader.content_times()) >= 2)
+    before = _series(engine)
+    started = time.monotonic()
+    assert httpx.get(f"{engine}/health", timeout=2).status_code == 200
+    time.sleep(0.65)
+    moved = _series(engine)["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    assert time.monotonic() - started < 1.0
+    assert 1 <= moved <= 3  # the counters creep: a step (one token here) per interval
+    reader.join(timeout=10)
+    assert reader.error is None and reader.events[-1][1] == "[DONE]"
+    times = reader.content_times()
+    assert len(times) == 6
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert all(0.2 < gap < 0.6 for gap in gaps), gaps  # about the interval, never a burst
+    assert httpx.post(f"{engine}/sim/faults", json={"mode": "none"}, timeout=5).status_code == 200
+    quick = StreamReader(f"{engine}/v1/chat/completions", _chat(6))
+    quick.run()  # back to full speed at once
+    fast = quick.content_times()
+    assert len(fast) == 6 and fast[-1] - fast[0] < 0.2
+
+
+# --- abort_with: error ---------------------------------------------------------------------------------
+
+
+def test_abort_with_error_ends_the_stream_with_vllms_error_event(sim: Sim) -> None:
+    port = sim.ports["small-us"][0]
+    answer = sim.set({"port": port, "abort_rate": 1, "abort_with": "error", "abort_after_tokens": 3})[1]
+    assert answer["engines"][0]["faults"]["abort_with"] == "error"
+    aborted = _state(port)["aborted"]
+    body = {"model": "llama-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{_url(port)}/v1/chat/completions", json=body, timeout=20) as resp:
+        assert resp.status_code == 200
+        events = [line.removeprefix("data: ") for line in resp.iter_lines() if line]  # read to its proper end
+    assert events[-2:] == [STREAM_ERROR, "[DONE]"]
+    chunks = [json.loads(e) for e in events[:-2]]
+    content = [c["choices"][0]["delta"].get("content") for c in chunks]
+    assert content[0] == "" and len([t for t in content[1:] if t]) == 3  # the role chunk, then 3 tokens
+    assert all(c["choices"] and c["choices"][0]["finish_reason"] is None for c in chunks)  # no usage chunk
+    _wait(lambda: _state(port)["in_flight"] == 0)
+    assert _state(port)["aborted"] == aborted + 1  # aborted in the engine, as a broken-off stream is
+    # A complete answer is still cut halfway, whatever abort_with says.
+    with pytest.raises(httpx.RemoteProtocolError):
+        _complete(port)
+
+
+# --- continue_final_message --------------------------------------------------------------------------------
+
+STORY = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "Once upon a"}]
+
+
+def test_continue_final_message(sim: Sim) -> None:
+    url = _url(sim.ports["small-eu"][0])
+    both = httpx.post(f"{url}/v1/chat/completions", timeout=20, json={
+        "model": "llama-8b", "messages": STORY, "continue_final_message": True, "add_generation_prompt": True})
+    assert both.status_code == 400
+    assert both.json() == {"error": {"message": "Cannot set both `continue_final_message` and "
+                                                "`add_generation_prompt` to True.",
+                                     "type": "BadRequestError", "param": None, "code": 400}}
+    implicit = httpx.post(f"{url}/v1/chat/completions", timeout=20, json={
+        "model": "llama-8b", "messages": STORY, "continue_final_message": True})
+    assert implicit.status_code == 400
+    assert implicit.json()["error"]["message"].startswith(
+        "continue_final_message and add_generation_prompt are not compatible.")
+
+    flags = {"continue_final_message": True, "add_generation_prompt": False}
+    resp = httpx.post(f"{url}/v1/chat/completions", timeout=20,
+                      json={"model": "llama-8b", "messages": STORY, "max_tokens": 5, **flags})
+    assert resp.status_code == 200, resp.text
+    answer = resp.json()
+    message = answer["choices"][0]["message"]
+    assert message["role"] == "assistant" and message["content"].startswith(" ")  # "Once upon a" goes on
+    count = httpx.post(f"{url}/tokenize", json={"messages": STORY, **flags}, timeout=5).json()["count"]
+    closed = httpx.post(f"{url}/tokenize", json={"messages": STORY, "add_generation_prompt": False},
+                        timeout=5).json()["count"]
+    assert answer["usage"]["prompt_tokens"] == count == closed - 1  # the rendered prompt, with no end of turn
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=20,
+                      json={"model": "llama-8b", "messages": STORY, "max_tokens": 3, "stream": True, **flags}) as s:
+        first = json.loads(next(s.iter_lines()).removeprefix("data: "))
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}

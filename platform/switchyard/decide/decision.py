@@ -139,12 +139,49 @@ class Retry:
 @dataclass(slots=True)
 class Attempt:
     """Send the request to ``choice`` (of ``stage`` of the plan), picked from ``picked`` on the fleet's clock (the
-    pick's stage, for executors that time stages); answered with :class:`Tried`."""
+    pick's stage, for executors that time stages); answered with :class:`Tried`.
+
+    Attributes:
+        deadline_s: How long the try may go without producing (its class's first-token deadline): then it
+            moves on (``first_token_timeout``).
+        hedge_after: Answer ``slow`` (the try going on) when no first token has come this many seconds after the
+            send, so that the procedure may hedge it (:class:`Hedge`); None: never.
+        resuming: The try continues a stream another engine broke off (the executor sends the continuation
+            and splices its answer into the client's stream).
+    """
 
     decision: Decision
     stage: Stage
     choice: EndpointChoice
     picked: float = 0.0
+    deadline_s: float = 15.0
+    hedge_after: float | None = None
+    resuming: bool = False
+
+
+@dataclass(slots=True)
+class Hedge:
+    """A try answered ``slow`` (``pending``, at ``pending_url``): also send the request to ``choice`` (None: do not
+    hedge, keep waiting for the pending try), take whichever answers first and abort the other; answered with
+    :class:`Raced`."""
+
+    decision: Decision
+    stage: Stage
+    choice: EndpointChoice | None
+    pending: Tried
+    pending_url: str
+    picked: float = 0.0
+
+
+@dataclass(slots=True)
+class Raced:
+    """What a :class:`Hedge` came to: the try that answers the request (``tried``, at ``url``) and the other one,
+    if there was one (``other``, at ``other_url``: aborted as ``cancelled``, or ``failed``)."""
+
+    tried: Tried
+    url: str
+    other: Tried | None = None
+    other_url: str | None = None
 
 
 @dataclass(slots=True)
@@ -174,20 +211,22 @@ class Tried:
 
     Attributes:
         outcome: ``ok`` (it answered), ``refused`` (it answered with the client's error, which is final),
-            ``failed`` (worth trying elsewhere) or ``preempted`` (flow control took it back for an
-            interactive request: it queues again).
+            ``failed`` (worth trying elsewhere), ``preempted`` (flow control took it back for an
+            interactive request: it queues again), ``slow`` (no first token by the attempt's ``hedge_after``:
+            the try goes on, and ``answer`` is the executor's handle of it), or ``cancelled`` (a hedge's
+            loser, aborted).
         kind: Why it failed, short (``connect_error``, ``timeout``, ``first_token_timeout``, a status...).
         reason: Why it failed, for the trace.
         answer: The executor's own answer (its response, or its error for the client).
     """
 
-    outcome: Literal["ok", "refused", "failed", "preempted"]
+    outcome: Literal["ok", "refused", "failed", "preempted", "slow", "cancelled"]
     kind: str = ""
     reason: str = ""
     answer: Any = None
 
 
-Effect = Score | LookupCache | Reserve | Queue | Retry | Attempt | Mark
+Effect = Score | LookupCache | Reserve | Queue | Retry | Attempt | Hedge | Mark
 
 
 # --- what was decided ------------------------------------------------------------------------------
@@ -262,6 +301,10 @@ class Decision:
     choice: EndpointChoice | None = None
     tried: Tried | None = None
     preemptions: int = 0
+    #: Times its stream was resumed on another endpoint after its engine broke it off.
+    resumes: int = 0
+    #: Hedges sent for it (a second endpoint asked while the first try's first token was late).
+    hedges: int = 0
     refusal: Refusal | None = None
     trace: list[Line] = field(default_factory=list)
 

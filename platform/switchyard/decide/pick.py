@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from switchyard.decide.classes import ClassDecision
+from switchyard.decide.deadlines import first_token_deadline
 from switchyard.decide.picking import Option, PickRequest
 from switchyard.decide.plugins import Profile, compile_profile
 from switchyard.decide.views import Candidate, EndpointView
@@ -72,6 +74,9 @@ class EndpointChoice:
     picker: str
     of: int
     notes: tuple[str, ...]
+    #: The other candidates the picker weighed, best first (at most :data:`RUNNERS_UP`): (url, score, each
+    #: scorer's score).
+    others: tuple[tuple[str, float, tuple[tuple[str, float], ...]], ...] = ()
 
     @property
     def trace(self) -> str:
@@ -79,11 +84,16 @@ class EndpointChoice:
         return self.describe()
 
     def describe(self) -> str:
-        """One line for the decision trace: the endpoint, its score and each scorer's, how it was picked."""
+        """One line for the decision trace: the endpoint, its score and each scorer's, how it was picked, and
+        the runners-up with theirs (why the chosen one won)."""
         parts = ", ".join(f"{name} {value:.2f}" for name, value in self.parts)
         notes = "".join(f"; {n}" for n in self.notes)
+        others = "; ".join(f"{url} {score:.2f}" + (" (" + ", ".join(f"{name} {value:.2f}" for name, value in by)
+                                                   + ")" if by else "")
+                           for url, score, by in self.others)
         return (f"endpoint {self.url} of pool {self.pool.name} ({self.pool.region}): score {self.score:.2f}"
-                + (f" ({parts})" if parts else "") + f", {self.picker} of {self.of}{notes}")
+                + (f" ({parts})" if parts else "") + f", {self.picker} of {self.of}{notes}"
+                + (f"; runners-up: {others}" if others else ""))
 
 
 @dataclass(slots=True)
@@ -138,14 +148,17 @@ def usable_stages(plan: Sequence[Stage], needed_tokens: int) -> tuple[list[Stage
     return stages, skipped
 
 
-def plan_trace(snapshot: PolicySnapshot, stages: Sequence[Stage], model: Model) -> str:
+def plan_trace(snapshot: PolicySnapshot, stages: Sequence[Stage], model: Model, cls: ClassDecision) -> str:
     """One line for the decision trace: where a request goes when its engine fails, and when it moves on."""
     resilience = snapshot.document.resilience
     steps = " → ".join(f"{s.label} ({', '.join(p.name for p in s.pools)})" for s in stages)
-    first_token = model.first_token_timeout or resilience.first_token_timeout
+    deadline = first_token_deadline(snapshot, cls, model)
+    resumes = (f"; a stream its engine breaks off is resumed along it (at most {model.max_resumes} times)"
+               if model.resume_streams and model.max_resumes else "")
     return (f"fallback plan: {steps}; at most {resilience.retries.max_attempts} attempts, moving on (before the "
-            f"first byte) on a refused connection, a timeout, 5xx, 429, no first token within {first_token:g} s; "
-            "endpoints out of service (health, open breakers) are passed over")
+            f"first byte) on a refused connection, a timeout, 5xx, 429, nothing produced within {deadline:g} s "
+            f"(class {cls.name}'s first-token deadline){resumes}; endpoints out of service (health, open breakers, "
+            "hung) are passed over")
 
 
 def _home(options: list[Option], request: PickRequest, unfiltered: list[Option]) -> tuple[list[Option], str | None]:
@@ -173,6 +186,10 @@ def _home(options: list[Option], request: PickRequest, unfiltered: list[Option])
         return options, f"home region {home} {why}, and no other region has room"
     return ([o for o in options if o.pool.region == best],
             f"home region {home} {why}: spilled to {best} ({room[best]:,.0f} tokens of room)")
+
+
+#: Runners-up a decision trace names beside the chosen endpoint.
+RUNNERS_UP = 3
 
 
 def pick_endpoint(profile: Profile, options: Sequence[Candidate], view: Callable[[Candidate], EndpointView],
@@ -216,6 +233,9 @@ def pick_endpoint(profile: Profile, options: Sequence[Candidate], view: Callable
         note = explainer.explain(chosen.url, request)
         if note:
             notes.append(note)
+    ranked = sorted((i for i in range(n) if i != index), key=lambda i: -scores[i])[:RUNNERS_UP]
+    others = tuple((current[i].url, scores[i], tuple((name, values[i]) for name, _, values in columns))
+                   for i in ranked)
     return EndpointChoice(chosen.pool, chosen.url, scores[index],
                           tuple((name, values[index]) for name, _, values in columns), profile.picker.name, n,
-                          tuple(notes))
+                          tuple(notes), others)

@@ -3,7 +3,9 @@
 authenticate (done by the caller) → resolve the model → place (regions) → class → response cache →
 fits the model → admit (limits) → flow control (go, downgrade, shed or queue) → fallback plan →
 pick an endpoint (and steer interactive work away from batch work that would have to give way) →
-try it, and the next one along the plan while tries fail.
+try it (hedging a late first token where the class says so), and the next one along the plan while tries
+fail. A stream its engine breaks off after its first byte goes on from there (:func:`resume`): the same
+plan, from the stage that served it.
 
 The order lives here and only here. The procedure is a generator: what it cannot compute it asks
 for as an *effect* (a classifier score, the response cache's answer, the limit store's answer, a
@@ -25,7 +27,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Generator
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 from switchyard.api.headers import CACHE_CONTROL_HEADER, PRIORITY_HEADER, REGION_HEADER
 from switchyard.decide.admit import (
@@ -39,27 +41,40 @@ from switchyard.decide.admit import (
 )
 from switchyard.decide.cache import BadCacheControl, parse_cache_control, plan_cache
 from switchyard.decide.classes import BadPriority, classify
+from switchyard.decide.deadlines import first_token_deadline, hedge_blocked, hedge_delay
 from switchyard.decide.decision import (
     Attempt,
     Attempts,
     CacheHit,
     Decision,
     Effect,
+    Hedge,
     Later,
     LookupCache,
     Mark,
+    Raced,
     Retry,
     Score,
     Tried,
 )
 from switchyard.decide.features import RequestFeatures, count_prompts
 from switchyard.decide.flow import Scheduled, schedule, steer
-from switchyard.decide.pick import EndpointChoice, fallback_plan, pick_endpoint, plan_trace, profile_for, usable_stages
+from switchyard.decide.pick import (
+    EndpointChoice,
+    Stage,
+    fallback_plan,
+    pick_endpoint,
+    plan_trace,
+    profile_for,
+    usable_stages,
+)
 from switchyard.decide.picking import PickRequest, Subject
+from switchyard.decide.plugins import Profile
 from switchyard.decide.refusals import Refusal, Refused
 from switchyard.decide.regions import place
 from switchyard.decide.resolve import NeedsScore, resolve_model
-from switchyard.decide.views import FleetView
+from switchyard.decide.resume import StreamSoFar, resume_refusal
+from switchyard.decide.views import Candidate, FleetView
 
 #: The procedure as its executors drive it: effects out, answers in, the decision at the end.
 Steps = Generator[Effect, Any, Decision]
@@ -188,29 +203,40 @@ def _cached(d: Decision) -> Generator[Effect, Any, bool]:
     return True
 
 
-def _dispatch(d: Decision, fleet: FleetView) -> Generator[Effect, Any, Tried | None]:
+def _dispatch(d: Decision, fleet: FleetView, *, resuming: bool = False) -> Generator[Effect, Any, Tried | None]:
     """Try the plan's stages in order until an endpoint answers (see ``decide.pick``); None when none did.
 
     A stage with no endpoint in service is passed over; a failed try moves on to the next endpoint
-    (then stage) while the request has tries left and the retry budget allows.
+    (then stage) while the request has tries left and the retry budget allows. A streamed try of a class that
+    hedges and whose first token is late may be hedged (:func:`_hedge`). ``resuming``: the request's stream
+    broke off and goes on from the stage that served it (:func:`resume`), with the tries it made so far.
     """
     snapshot, ask = d.snapshot, d.ask
     assert d.scheduled is not None
     assert d.placement is not None
     assert d.cls is not None
     assert d.model is not None
-    attempts = d.attempts = Attempts(snapshot.document.resilience.retries.max_attempts)
     placement, klass = d.placement, d.cls.cls
-    stages, skipped = usable_stages(fallback_plan(snapshot, d.scheduled.model, placement.allowed),
-                                    _needed(ask.features))
-    d.stages = stages
-    d.trace += skipped
-    d.trace.append(Later(plan_trace, snapshot, stages, d.model.model))
+    if resuming:
+        attempts, stages = d.attempts, d.stages
+        assert attempts is not None
+        assert d.stage is not None
+        first = stages.index(d.stage)
+    else:
+        attempts = d.attempts = Attempts(snapshot.document.resilience.retries.max_attempts)
+        stages, skipped = usable_stages(fallback_plan(snapshot, d.scheduled.model, placement.allowed),
+                                        _needed(ask.features))
+        d.stages = stages
+        d.trace += skipped
+        d.trace.append(Later(plan_trace, snapshot, stages, d.model.model, d.cls))
+        first = 0
     subject = Subject(ask.body, ask.features.headers, ask.caller.tenant, ask.renderers)
     lane, ceiling = klass.lane, klass.dispatch_ceiling
-    for stage in stages:
+    streamed = bool(ask.body.get("stream"))
+    for stage in stages[first:]:
         options = stage.candidates()
         profile = profile_for(snapshot, stage.model, ask.strategy)
+        deadline = first_token_deadline(snapshot, d.cls, stage.model)
         while attempts.count < attempts.limit:
             now = fleet.now()
             request = PickRequest(fleet.memory, subject, stage.model.name, len(options), placement.home, ceiling,
@@ -234,13 +260,95 @@ def _dispatch(d: Decision, fleet: FleetView) -> Generator[Effect, Any, Tried | N
             d.stage, d.choice = stage, choice
             d.trace.append(Later(EndpointChoice.describe, choice))
             profile.picked(choice.url, request)
-            tried: Tried = yield Attempt(d, stage, choice, now)
-            # (An engine that refused the client's request holds nothing of it: as a failure, for the memory.)
-            profile.answered(choice.url, request, "ok" if tried.outcome == "ok" else
-                             "preempted" if tried.outcome == "preempted" else "failed")
+            hedge_after = (hedge_delay(klass.hedge, choice.pool, deadline, fleet, now)
+                           if streamed and not resuming else None)
+            tried: Tried = yield Attempt(d, stage, choice, now, deadline, hedge_after, resuming)
+            if tried.outcome == "slow":
+                assert hedge_after is not None
+                tried = yield from _hedge(d, fleet, stage, options, profile, request, tried, hedge_after)
+            else:
+                # (An engine that refused the client's request holds nothing of it: as a failure, for the memory.)
+                profile.answered(choice.url, request, _observed(tried))
             if tried.outcome != "failed":
                 return tried
-            attempts.failed(choice.url, tried)
+            assert d.choice is not None
+            attempts.failed(d.choice.url, tried)
         if attempts.count >= attempts.limit or attempts.budget_spent:
             break
     return None
+
+
+def _observed(tried: Tried) -> Literal["ok", "failed", "preempted"]:
+    """A try's outcome as the profile's observers take it."""
+    return "ok" if tried.outcome == "ok" else "preempted" if tried.outcome == "preempted" else "failed"
+
+
+def _hedge(d: Decision, fleet: FleetView, stage: Stage, options: list[Candidate], profile: Profile,
+           request: PickRequest, pending: Tried, after_s: float) -> Generator[Effect, Any, Tried]:
+    """The try at ``d.choice`` has no first token ``after_s`` after it was sent: hedge it on a second endpoint of
+    the stage, unless the fleet is saturated, the retry budget says no or no other endpoint can take it; the
+    try that answers first serves the request (``d.choice``), the other is aborted."""
+    attempts, first = d.attempts, d.choice
+    assert attempts is not None
+    assert first is not None
+    assert d.cls is not None
+    spec = d.cls.cls.hedge
+    assert spec is not None
+    now = fleet.now()
+    why = hedge_blocked(spec, stage.pools, fleet, now)
+    second: EndpointChoice | None = None
+    if why is None:
+        second = pick_endpoint(profile, options, functools.partial(fleet.endpoint, lane="interactive", now=now),
+                               request, attempts.tried)
+        if second is None:
+            why = "no other endpoint of the stage can take it"
+        elif not (yield Retry(attempts.count + 1)):
+            why, second = "the retry budget is spent", None
+    if second is None:
+        d.trace.append(f"hedge: no first token from {first.url} within {after_s:.3g} s; not hedged: {why}")
+        raced: Raced = yield Hedge(d, stage, None, pending, first.url, now)
+    else:
+        attempts.tried.add(second.url)
+        d.hedges += 1
+        profile.picked(second.url, request)
+        d.trace.append(f"hedge: no first token from {first.url} within {after_s:.3g} s; also sent to {second.url} "
+                       f"of pool {second.pool.name} ({second.pool.region})")
+        raced = yield Hedge(d, stage, second, pending, first.url, now)
+    by_url = {first.url: first} if second is None else {first.url: first, second.url: second}
+    d.choice = by_url[raced.url]
+    if raced.other is not None and raced.other_url is not None:
+        profile.answered(raced.other_url, request, "failed")  # aborted or failed: it holds nothing of the request
+        if raced.other.outcome == "failed":
+            attempts.failed(raced.other_url, raced.other)
+        else:
+            d.trace.append(f"hedge: {raced.url} answered first; {raced.other_url} aborted")
+    profile.answered(raced.url, request, _observed(raced.tried))
+    return raced.tried
+
+
+def resume(d: Decision, fleet: FleetView, so_far: StreamSoFar) -> Generator[Effect, Any, Tried | None]:
+    """The stream that ``d``'s try at ``d.choice`` was passing on broke off after ``so_far``: continue it on the
+    next endpoint of the fallback plan, from the stage that served it (a fresh round of at most
+    ``resilience.retries.max_attempts`` tries, each a retry for the budget), when that is safe
+    (:func:`~switchyard.decide.resume.resume_refusal`). Returns the try that continues it (``ok``), or None when it
+    is not continued (the trace says why)."""
+    attempts, stage, choice = d.attempts, d.stage, d.choice
+    assert attempts is not None
+    assert stage is not None
+    assert choice is not None
+    attempts.failed(choice.url, Tried("failed", so_far.kind, f"broke off mid-stream after {so_far.tokens} tokens: "
+                                                               f"{so_far.why}"))
+    why = resume_refusal(stage.model, d.ask.kind, d.ask.body, so_far, d.resumes)
+    if why is not None:
+        d.trace.append(f"stream: not resumed: {why}")
+        return None
+    d.resumes += 1
+    d.trace.append(f"stream: resuming after {so_far.tokens} tokens ({d.resumes} of at most "
+                   f"{stage.model.max_resumes}), from stage {stage.label}")
+    attempts.limit = attempts.count + d.snapshot.document.resilience.retries.max_attempts
+    attempts.budget_spent = False
+    tried = yield from _dispatch(d, fleet, resuming=True)
+    if tried is None:
+        d.trace.append("stream: not resumed: " + ("the retry budget is spent" if attempts.budget_spent else
+                                                   "no endpoint of the plan could continue it"))
+    return tried

@@ -223,6 +223,11 @@ class FleetView(Protocol):
         """Interactive streams at ``url`` still waiting for their first byte."""
         ...
 
+    def ttft_quantile(self, pool: Pool, quantile: float, now: float) -> float | None:
+        """The ``quantile`` (in (0, 1)) of the pool's observed times to first token lately, in seconds (None:
+        not known)."""
+        ...
+
     def available(self, candidate: Candidate, now: float) -> bool:
         """Whether a request may go to ``candidate`` now (health and breakers)."""
         ...

@@ -98,10 +98,11 @@ class CircuitBreaker:
 
     def failure(self, now: float, reason: str, trial: bool = False) -> None:
         """The engine failed a request (refused, broke off, timed out, 5xx)."""
-        self.last_reason = reason
         if trial:
             self.trials_in_flight = max(0, self.trials_in_flight - 1)
         state = self.state(now)
+        if state != "open":  # (an open breaker keeps saying why it opened)
+            self.last_reason = reason
         if state == "half_open":
             # A failed trial (or a request sent before the breaker opened, failing now) re-opens it.
             self._open(now, f"trial failed: {reason}")
@@ -118,6 +119,15 @@ class CircuitBreaker:
         total = ok + failed
         if total >= spec.min_requests and failed / total >= spec.error_rate:
             self._open(now, f"{failed} of {total} requests failed in {spec.window:g} s (last: {reason})")
+
+    def trip(self, now: float, reason: str) -> bool:
+        """Open now, whatever the counts say (a hung engine: it fails every request it holds without a
+        sign); False when it was open already."""
+        if self.state(now) == "open":
+            return False
+        self.last_reason = reason
+        self._open(now, reason)
+        return True
 
     def neutral(self, trial: bool = False) -> None:
         """A request that says nothing of the engine's health ended (client error, client gone)."""

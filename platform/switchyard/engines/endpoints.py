@@ -39,14 +39,17 @@ class EngineSignals:
     prefix_hits: float
     #: The models the engine reports serving (``model_name`` labels; empty when it has none).
     models: frozenset[str] = frozenset()
+    #: The sum of its progress counters (``scrape.PROGRESS``); None when it reports none of them.
+    progress: float | None = None
 
 
 class EndpointState:
     """Everything the gateway knows about one engine URL."""
 
-    __slots__ = ("batch_sent_at", "breaker", "completed_since_scrape", "dispatched_since_scrape", "down_since",
-                 "failure", "outstanding", "outstanding_at_scrape", "prefill_s", "prefilling", "probe_streak",
-                 "probed_at", "reserved", "reserved_at_scrape", "scrape_error", "scraped_at", "signals", "up", "url",
+    __slots__ = ("alive_at", "alive_busy", "batch_sent_at", "breaker", "completed_since_scrape",
+                 "dispatched_since_scrape", "down_since", "failure", "heard_at", "hung_at", "moved_at", "outstanding",
+                 "outstanding_at_scrape", "prefill_s", "prefilling", "probe_streak", "probed_at", "reserved",
+                 "reserved_at_scrape", "scrape_error", "scraped_at", "signals", "silent_timeouts", "up", "url",
                  "yielding", "yielding_reserved")
 
     def __init__(self, url: str, breaker: CircuitBreaker) -> None:
@@ -79,6 +82,19 @@ class EndpointState:
         #: Why the endpoint was last taken out (kept after it came back, for the admin API).
         self.failure: str | None = None
         self.breaker = breaker
+        #: The scrape that last saw the engine make progress (its progress counters moved) or idle (nothing
+        #: running), and whether it was busy then (monotonic seconds; -inf before any scrape).
+        self.alive_at = -math.inf
+        self.alive_busy = False
+        #: The scrape that last saw it make progress while busy.
+        self.moved_at = -math.inf
+        #: When a byte last came from the engine to a request of this process (a first byte, an answer).
+        self.heard_at = -math.inf
+        #: Tries of this process here that reached their first-token deadline with nothing heard from the
+        #: engine since they were sent (reset by the next byte heard).
+        self.silent_timeouts = 0
+        #: When it was last found hung (-inf: never).
+        self.hung_at = -math.inf
 
     def load(self, now: float, max_age: float, preempting: bool = False) -> float:
         """Requests the engine is estimated to hold (running + waiting), from every gateway.
@@ -174,6 +190,38 @@ class EndpointState:
         """Whether requests may go here: up by health, and its breaker lets one through."""
         return self.up and self.breaker.allows(now)
 
+    def record_progress(self, previous: EngineSignals | None, signals: EngineSignals, now: float) -> None:
+        """Note from a new scrape whether the engine moved since the last one (see :meth:`stalled_for`)."""
+        moved = (previous is None or previous.progress is None or signals.progress is None
+                 or signals.progress != previous.progress)
+        if moved or signals.running <= 0:
+            self.alive_at, self.alive_busy = now, signals.running > 0
+        if moved and signals.running > 0 and previous is not None and previous.progress is not None:
+            self.moved_at = now
+
+    def heard(self, now: float) -> None:
+        """A byte came from the engine to a request of this process."""
+        self.heard_at = now
+        self.silent_timeouts = 0
+
+    def alive_since(self, since: float) -> bool:
+        """Whether the engine showed progress after ``since``: a byte came from it, or a scrape saw its progress
+        counters move while it was busy."""
+        return self.heard_at > since or self.moved_at > since
+
+    def stalled_for(self, now: float, max_age: float) -> float:
+        """How long the engine has reported work running without any of its progress counters moving, having
+        been seen busy and moving before (0 when it is not stalled, or nothing fresh is known).
+
+        An engine that went from idle to busy without moving is not counted: a lone long prefill moves none of
+        vLLM's counters until it completes, and the request's own first-token deadline judges it.
+        """
+        signals = self.signals
+        if (signals is None or signals.progress is None or signals.running <= 0 or not self.alive_busy
+                or now - self.scraped_at > max_age):
+            return 0.0
+        return max(0.0, self.scraped_at - self.alive_at)
+
 
 class EndpointRegistry:
     """The state of every endpoint (by URL) and every pool's breaker (by name) this process has seen.
@@ -265,8 +313,10 @@ class EndpointRegistry:
     def record_scrape(self, url: str, signals: EngineSignals, now: float | None = None) -> None:
         """Store a successful scrape."""
         state = self.state(url)
+        at = time.monotonic() if now is None else now
+        state.record_progress(state.signals, signals, at)
         state.signals = signals
-        state.scraped_at = time.monotonic() if now is None else now
+        state.scraped_at = at
         state.outstanding_at_scrape = state.outstanding
         state.reserved_at_scrape = state.reserved
         state.dispatched_since_scrape = state.completed_since_scrape = 0

@@ -1,9 +1,10 @@
 """Load signals from each engine's Prometheus ``/metrics``, read on an interval.
 
-vLLM's exposition is large (tens of kB of histogram buckets per engine) and the gateway needs five
-series of it, so the parser reads only sample lines of those names instead of building every
-metric family: it is called for every endpoint every second on the event loop that serves
-requests. ``tests/unit/engines/test_scrape.py`` checks it against ``prometheus_client``'s parser.
+vLLM's exposition is large (tens of kB of histogram buckets per engine) and the gateway needs a few
+series of it (load, and the counters that say whether the engine makes progress), so the parser reads
+only sample lines of those names instead of building every metric family: it is called for every
+endpoint every second on the event loop that serves requests. ``tests/unit/engines/test_scrape.py``
+checks it against ``prometheus_client``'s parser.
 """
 
 from __future__ import annotations
@@ -27,7 +28,11 @@ WAITING = "vllm:num_requests_waiting"
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
-_WANTED = (RUNNING, WAITING, *KV_USAGE, PREFIX_QUERIES, PREFIX_HITS)
+#: Counters that move whenever the engine's scheduler makes a step that produces something (tokens generated,
+#: prompts whose prefill completed, engine iterations with output): a busy engine whose counters stand still is
+#: hung (``EndpointState.record_progress``).
+PROGRESS = ("vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:iteration_tokens_total_count")
+_WANTED = (RUNNING, WAITING, *KV_USAGE, PREFIX_QUERIES, PREFIX_HITS, *PROGRESS)
 #: The served model's name is read from the running series' ``model_name`` label.
 _RUNNING_LABELS = RUNNING + "{"
 _MODEL_LABEL = 'model_name="'
@@ -89,6 +94,7 @@ def parse_engine_metrics(text: str) -> EngineSignals:
             sums[name] = sums.get(name, 0.0) + value
     if RUNNING not in sums and WAITING not in sums:
         raise MetricsFormatError(f"no {RUNNING} or {WAITING} series")
+    counters = [sums[name] for name in PROGRESS if name in sums]
     return EngineSignals(
         running=sums.get(RUNNING, 0.0),
         waiting=sums.get(WAITING, 0.0),
@@ -98,6 +104,7 @@ def parse_engine_metrics(text: str) -> EngineSignals:
         prefix_queries=sums.get(PREFIX_QUERIES, 0.0),
         prefix_hits=sums.get(PREFIX_HITS, 0.0),
         models=frozenset(models),
+        progress=sum(counters) if counters else None,
     )
 
 

@@ -1,16 +1,20 @@
 """An engine's streamed (SSE) answer: its first bytes checked, then relayed to the client event by
-event, with the usage it reports read as the bytes go by.
+event, with the usage it reports read as the bytes go by; when the engine breaks it off, a continuation from
+another engine may take over (:mod:`switchyard.engines.splice`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import msgspec
 
+from switchyard.engines.splice import Splice, Transcript
 from switchyard.engines.upstream import UpstreamFailure, invalid
 
 #: The default of ``Settings.upstream_max_event_bytes``: the largest single SSE event of a stream the
@@ -115,6 +119,82 @@ def _events_end(data: bytearray, start: int) -> int:
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
+class _ErrorEvent(Exception):
+    """An engine sent an error event in the middle of its stream (vLLM reports some failures inside a 200)."""
+
+    def __init__(self, event: bytes) -> None:
+        super().__init__(event[6:400].decode("utf-8", "replace").strip())
+        self.event = event
+
+
+#: What an error event's data starts with, in vLLM's shapes (the first chunk is checked by :func:`first_chunk`).
+_ERROR_STARTS = (b'data: {"error"', b'data: {"object":"error"', b'data: {"object": "error"')
+
+
+def _error_event(whole: bytes) -> bytes | None:
+    """The first error event among whole events, if one is (cheap when none is: three substring searches)."""
+    if b'{"error"' not in whole and b'"object":"error"' not in whole and b'"object": "error"' not in whole:
+        return None
+    for event in whole.split(b"\n\n"):
+        if event.lstrip(b"\r\n").startswith(_ERROR_STARTS):
+            return event.lstrip(b"\r\n") + b"\n\n"
+    return None
+
+
+@dataclass(slots=True)
+class LegEnd:
+    """How one engine's part of a stream ended.
+
+    Attributes:
+        completed: Its ``data: [DONE]`` came.
+        broken: Why the engine broke it off (None: completed, or the client left).
+        kind: The break's kind (``broken``, ``timeout``, ``stalled``, ``error_event``, ``invalid``; empty when not
+            broken).
+        usage: What the leg's events said it used.
+    """
+
+    completed: bool
+    broken: str | None
+    kind: str
+    usage: StreamUsage
+
+
+@dataclass(slots=True)
+class Leg:
+    """One engine's part of a streamed answer.
+
+    Attributes:
+        response: The engine's response (its first chunk already read: ``first``).
+        first: The first chunk.
+        ended: Told once how the leg ended.
+        splice: How a continuation's events are rewritten into the client's stream (None: the first leg, passed
+            on as it comes).
+    """
+
+    response: aiohttp.ClientResponse
+    first: bytes
+    ended: Callable[[LegEnd], None]
+    splice: Splice | None = None
+    usage: StreamUsage = field(default_factory=StreamUsage)
+
+
+@dataclass(slots=True)
+class Break:
+    """A leg of ``relay`` broke off: why, and what the client has received (:meth:`Transcript.read`, if one is
+    kept)."""
+
+    why: str
+    kind: str
+    transcript: Transcript | None
+    relay: StreamRelay
+
+
+#: What a stream does after a break: a continuation to splice in, the bytes that end the answer (it needed no
+#: more text), or None (the stream ends with an error event).
+Resumed = Leg | bytes | None
+Resume = Callable[[Break], Awaitable[Resumed]]
+
+
 class StreamRelay:
     """Passes an engine's SSE stream to the client event by event, never buffering the answer.
 
@@ -122,28 +202,36 @@ class StreamRelay:
     waits for the event's end (engines write whole events, so nothing usually waits), so however the
     stream ends the client never gets half an event.
 
+    A stream is one or more *legs*: the engine that answered first, then, when ``resume`` is given and a
+    leg breaks, the continuations it returns (:mod:`switchyard.engines.splice`). A leg breaks when its
+    connection breaks off or times out, when :meth:`abort` cuts it (a stall), when it ends without
+    ``[DONE]`` or inside an event, sends an error event, or an event grows past ``max_event_bytes``. With
+    ``resume`` the events the client received are kept (``transcript``) for the resume to read.
+
     :meth:`finish` runs exactly once however the stream ends: completed (``data: [DONE]`` came and
-    the connection goes back to the pool), broken upstream (``broken`` is set; the client gets a
-    well-formed error event): the connection broke off or timed out, the stream ended without
-    ``[DONE]`` or inside an event, or an event grew past ``max_event_bytes``; or abandoned by the
-    client (the upstream connection is closed, so the engine sees the disconnect and aborts the
-    request). ``first`` is the stream's first chunk, already read (see :func:`first_chunk`).
+    the connection goes back to the pool), broken (``broken`` is set; the client gets a well-formed error
+    event, unless a continuation took over), or abandoned by the client (the upstream connection is
+    closed, so the engine sees the disconnect and aborts the request). Each leg's ``ended`` is told first.
     """
 
-    __slots__ = ("_capture_limit", "_completed", "_done", "_finished", "_first", "_max_event", "_on_finish",
-                 "_pending", "_response", "_strip_usage", "broken", "captured", "usage")
+    __slots__ = ("_capture_limit", "_completed", "_done", "_finished", "_leg", "_leg_done", "_max_event",
+                 "_on_finish", "_pending", "_resume", "_stalled", "_strip_usage", "broken", "captured", "last_byte_at",
+                 "resumed", "transcript", "usage")
 
-    def __init__(self, response: aiohttp.ClientResponse, first: bytes, on_finish: Callable[[bool], None], *,
-                 capture_limit: int = 0, strip_usage: bool = False, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
-        self._response = response
-        self._first = first
+    def __init__(self, leg: Leg, on_finish: Callable[[bool], None], *, capture_limit: int = 0,
+                 strip_usage: bool = False, max_event_bytes: int = MAX_EVENT_BYTES, resume: Resume | None = None,
+                 transcript: Transcript | None = None) -> None:
+        self._leg = leg
         self._on_finish = on_finish
         self._completed = False
         self._finished = False
+        self._leg_done = False
         self.broken = False
-        self.usage = StreamUsage()
+        self.resumed = 0
+        #: The first leg's usage (the usage of every leg is in its own :class:`Leg`).
+        self.usage = leg.usage
         #: The whole stream as the engine sent it, while it is no longer than ``capture_limit`` (for the
-        #: response cache); None when not capturing or when it grew longer.
+        #: response cache); None when not capturing, when it grew longer, or once a continuation was spliced in.
         self.captured: bytearray | None = bytearray() if capture_limit > 0 else None
         self._capture_limit = capture_limit
         #: The gateway asked for a usage chunk the client did not: it is left out of what the client gets.
@@ -153,10 +241,28 @@ class StreamRelay:
         self._pending = bytearray()
         #: Whether the last whole event was ``data: [DONE]``.
         self._done = False
+        self._resume = resume
+        self.transcript = transcript
+        #: Why :meth:`abort` cut the current leg (None: it did not).
+        self._stalled: str | None = None
+        #: When the last byte came from the current leg's engine (monotonic seconds).
+        self.last_byte_at = time.monotonic()
+
+    @property
+    def leg(self) -> Leg:
+        """The leg being passed on."""
+        return self._leg
+
+    def abort(self, why: str) -> None:
+        """Cut the current leg now (it stalled): it breaks with ``why``, and may be resumed."""
+        if self._stalled is None:
+            self._stalled = why
+            self._leg.response.close()
 
     def _take(self, chunk: bytes) -> bytes:
         """Account for ``chunk``; the whole events it completes, for the client (see :meth:`_check`)."""
-        self.usage.feed(chunk)
+        leg = self._leg
+        leg.usage.feed(chunk)
         if self.captured is not None:
             self.captured += chunk
             if len(self.captured) > self._capture_limit:
@@ -173,10 +279,25 @@ class StreamRelay:
         if not whole:
             return whole
         self._done = whole.rstrip().endswith(_DONE)
-        if not self._strip_usage:
-            return whole
-        events = whole.split(b"\n\n")
-        return b"".join(e + b"\n\n" for e in events if e and not _usage_only(e))
+        error = _error_event(whole)
+        if error is not None:
+            before, _, _ = whole.partition(error.rstrip(b"\n"))
+            raise _ErrorEvent(error) if not before.strip() else _ErrorAfter(self._out(before), error)
+        return self._out(whole)
+
+    def _out(self, whole: bytes) -> bytes:
+        """What the client gets of whole events."""
+        splice = self._leg.splice
+        if splice is not None:
+            out = splice.events(whole)
+        elif not self._strip_usage:
+            out = whole
+        else:
+            events = whole.split(b"\n\n")
+            out = b"".join(e + b"\n\n" for e in events if e and not _usage_only(e))
+        if self.transcript is not None and out:
+            self.transcript.feed(out)
+        return out
 
     def _check(self) -> None:
         """Raise :class:`_EventTooLarge` when the event being read has grown past ``max_event_bytes`` (after
@@ -185,48 +306,105 @@ class StreamRelay:
             raise _EventTooLarge
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """The stream's bytes as they arrive (whole events)."""
+        """The stream's bytes as they arrive (whole events), leg after leg."""
         try:
-            out = self._take(self._first)
-            if out:
-                yield out
-            self._check()
-            async for chunk in self._response.content.iter_any():
-                out = self._take(chunk)
-                if out:
-                    yield out
-                self._check()
-            if self._done and not self._pending.strip():
-                self._completed = True
-            else:
+            while True:
+                why, kind, event = "", "", b""
+                try:
+                    out = self._take(self._leg.first)
+                    if out:
+                        yield out
+                    self._check()
+                    content = self._leg.response.content
+                    while True:
+                        chunk = await content.readany()
+                        if not chunk:
+                            break
+                        self.last_byte_at = time.monotonic()
+                        out = self._take(chunk)
+                        if out:
+                            yield out
+                        self._check()
+                    if self._done and not self._pending.strip():
+                        self._completed = True
+                        return
+                    why = ("ended its stream inside an event" if self._pending.strip() else
+                           "ended its stream without its last event ([DONE])")
+                    kind = "broken"
+                except _ErrorAfter as late:
+                    yield late.out
+                    why, kind, event = f"sent an error event: {late.error}", "error_event", late.error.event
+                except _ErrorEvent as error:
+                    why, kind, event = f"sent an error event: {error}", "error_event", error.event
+                except _EventTooLarge:
+                    why = (f"sent an event larger than the gateway's limit of {self._max_event} bytes "
+                           "(upstream_max_event_bytes)")
+                    kind = "invalid"
+                except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError) as exc:
+                    if self._stalled is not None:
+                        why, kind = self._stalled, "stalled"
+                    elif isinstance(exc, TimeoutError):
+                        why, kind = "timed out mid-stream", "timeout"
+                    else:
+                        why, kind = f"broke off mid-stream ({exc.__class__.__name__})", "broken"
                 self.broken = True
-                where = "inside an event" if self._pending.strip() else "without its last event ([DONE])"
-                yield sse_error_event(f"The engine ended its stream {where}; the answer is incomplete.",
-                                      "upstream_error", "upstream_stream_broken")
-        except _EventTooLarge:
-            self.broken = True
-            yield sse_error_event(f"The engine sent an event larger than the gateway's limit of {self._max_event} "
-                                  "bytes (upstream_max_event_bytes); the answer is incomplete.",
-                                  "upstream_error", "upstream_invalid_response")
-        except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError) as exc:
-            self.broken = True
-            kind = "timed out" if isinstance(exc, TimeoutError) else "broke off"
-            yield sse_error_event(f"The engine {kind} mid-stream; the answer is incomplete.",
-                                  "upstream_error", "upstream_stream_broken")
+                self._end_leg(why, kind)
+                resumed = await self._resume(Break(why, kind, self.transcript, self)) if self._resume else None
+                if isinstance(resumed, Leg):
+                    self.resumed += 1
+                    self.captured = None  # a spliced answer is not what one engine said: never cached
+                    self._leg, self._leg_done, self._stalled, self._done = resumed, False, None, False
+                    self._pending.clear()
+                    self.last_byte_at = time.monotonic()
+                    continue
+                if isinstance(resumed, bytes):
+                    self._completed = True
+                    if self.transcript is not None:
+                        self.transcript.feed(resumed)
+                    yield resumed
+                    return
+                yield event or _break_event(why, kind)
+                return
         finally:
             self.finish()
+
+    def _end_leg(self, broken: str | None, kind: str) -> None:
+        """Tell the current leg how it ended (once) and let its connection go."""
+        if self._leg_done:
+            return
+        self._leg_done = True
+        leg = self._leg
+        if self._completed:
+            leg.response.release()
+        else:
+            leg.response.close()
+        leg.ended(LegEnd(self._completed, broken, kind, leg.usage))
 
     def finish(self) -> None:
         """Release the upstream response and report the outcome (idempotent)."""
         if self._finished:
             return
         self._finished = True
-        if self._completed:
-            self._response.release()
-        else:
-            self._response.close()
+        self._end_leg(None, "")
         self._on_finish(self._completed)
 
     async def afinish(self) -> None:
         """:meth:`finish` as a background task, for when the client leaves mid-stream."""
         self.finish()
+
+
+class _ErrorAfter(Exception):
+    """An error event after whole events that must still reach the client (``out``)."""
+
+    def __init__(self, out: bytes, event: bytes) -> None:
+        super().__init__()
+        self.out = out
+        self.error = _ErrorEvent(event)
+
+
+def _break_event(why: str, kind: str) -> bytes:
+    """The error event that ends a stream whose engine broke it off and that was not continued."""
+    if kind == "invalid":
+        return sse_error_event(f"The engine {why}; the answer is incomplete.", "upstream_error",
+                               "upstream_invalid_response")
+    return sse_error_event(f"The engine {why}; the answer is incomplete.", "upstream_error", "upstream_stream_broken")

@@ -2,37 +2,44 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from switchyard.decide.admit import spend_of
-from switchyard.engines.upstream import usage_counts
 from switchyard.gateway.activity import RequestRecord
-from switchyard.gateway.request import PendingRequest
-from switchyard.policy.fleet import Model
+from switchyard.gateway.request import LegUsage, PendingRequest
 
 if TYPE_CHECKING:
     from switchyard.gateway.runtime import GatewayRuntime
 
 
-async def account(runtime: GatewayRuntime, req: PendingRequest, model: Model, usage: dict[str, Any] | None,
-                  text_events: int, record: RequestRecord) -> None:
-    """Settle ``req``'s reservation with what it used at ``model`` and add it to the usage ledger.
+async def account(runtime: GatewayRuntime, req: PendingRequest, legs: Sequence[LegUsage],
+                  record: RequestRecord) -> None:
+    """Settle ``req``'s reservation with what its engines used (``legs``: one per engine that produced part of
+    the answer, each at its own model's prices) and add it to the usage ledger.
 
-    The engine's ``usage`` when it sent one; else (a stream without ``include_usage``, or one its
-    client left) the prompt as counted at admission and one token per text event.
+    Each leg's usage is the engine's ``usage`` when it sent one; else (a stream without ``include_usage``, one
+    its client left, or one its engine broke off) its prompt as counted at admission and one token per text
+    event.
     """
-    prompt, completion, cached = req.decision.prompt_tokens, text_events, 0
-    if usage is not None:
-        prompt, completion, cached = usage_counts(usage, prompt, completion)
-    record.prompt_tokens, record.completion_tokens, record.cached_tokens = prompt, completion, cached
-    spend = spend_of(model, prompt, completion, cached, batch=req.batch)
     identity = req.identity
-    runtime.usage.record(identity.tenant_id, identity.key_id, model.name, prompt, completion, cached, spend)
-    prompt_total, completion_total, cached_total, spend_total = runtime.metrics.usage_counters(model.name)
-    prompt_total.inc(prompt)
-    completion_total.inc(completion)
-    if cached:
-        cached_total.inc(cached)
-    spend_total.inc(spend)
+    prompt_sum = completion_sum = cached_sum = 0
+    spend_sum = 0.0
+    for i, leg in enumerate(legs):
+        model = leg.model
+        prompt, completion, cached = leg.prompt_tokens, leg.completion_tokens, leg.cached_tokens
+        spend = spend_of(model, prompt, completion, cached, batch=req.batch)
+        # (One request, whatever the engines that served parts of it: the ledger counts it once.)
+        runtime.usage.record(identity.tenant_id, identity.key_id, model.name, prompt, completion, cached, spend,
+                             requests=0 if i else 1)
+        prompt_total, completion_total, cached_total, spend_total = runtime.metrics.usage_counters(model.name)
+        prompt_total.inc(prompt)
+        completion_total.inc(completion)
+        if cached:
+            cached_total.inc(cached)
+        spend_total.inc(spend)
+        prompt_sum, completion_sum, cached_sum = prompt_sum + prompt, completion_sum + completion, cached_sum + cached
+        spend_sum += spend
+    record.prompt_tokens, record.completion_tokens, record.cached_tokens = prompt_sum, completion_sum, cached_sum
     if req.lease.reservation is not None:
-        await req.lease.settle(prompt + completion, spend)
+        await req.lease.settle(prompt_sum + completion_sum, spend_sum)

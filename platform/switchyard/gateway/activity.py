@@ -9,7 +9,13 @@ increments per finished request; one event loop, so no locks):
   never read). Each bucket counts finished requests by outcome, fallbacks, cache hits and misses,
   and keeps at most :data:`TTFT_SAMPLES` time-to-first-byte samples (a uniform reservoir), so
   percentiles over a window are exact over those samples.
-- **Recent requests**: the last :data:`RECENT` finished requests as :class:`RequestRecord`\\ s.
+- **Recent requests**: the last :data:`RECENT` finished requests as :class:`RequestRecord`\\ s, and apart
+  from them the last :data:`RECENT` batch lines (a batch of thousands would otherwise push every
+  interactive request out).
+
+Batch lines are counted apart in the series too (``batch``, ``batch_ok``): the interactive figures
+(requests, outcomes, TTFT) are interactive traffic's. TTFT samples come from streamed requests only
+(a non-streamed answer's first byte is the whole answer).
 
 Series keys ("pools"): the engine pool that answered (for a failure, the last one tried);
 ``"cache"`` for an answer served from the response cache (as the ``pool`` label of
@@ -30,6 +36,7 @@ the console's (``admin.overview``): this module keeps the counts and hands them 
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import random
@@ -118,6 +125,8 @@ class RequestRecord:
     outcome: str | None = None
     error_code: str | None = None
     stream: bool = False
+    #: A batch job's line (counted apart from interactive traffic; kept in a memory of its own).
+    batch: bool = False
     priority: str | None = None
     queue_ms: float | None = None
     attempts: int = 0
@@ -133,8 +142,12 @@ class RequestRecord:
     cache: str = "none"
     cache_rule: str | None = None
     trace: list[Line] = field(default_factory=list)
-    #: The engine broke the stream off after its first byte (counted as an error).
+    #: The engine broke the stream off after its first byte and it was not continued (counted as an error).
     broken: bool = False
+    #: Times its stream was continued on another endpoint after its engine broke it off.
+    resumes: int = 0
+    #: Hedges sent for it (a second endpoint asked while its first token was late).
+    hedges: int = 0
     #: Called once when the request is finished (its trace span ends there).
     on_finish: Callable[[RequestRecord], None] | None = None
     #: Set where flow control refused it (a 503 that is a shed, not a failure).
@@ -153,8 +166,9 @@ class RequestRecord:
             "model": self.model, "resolved_model": self.resolved_model, "served_model": self.served_model,
             "pool": self.pool, "region": self.region, "endpoint": self.endpoint,
             "status": self.status, "outcome": self.outcome, "error_code": self.error_code,
-            "stream": self.stream, "priority": self.priority, "queue_ms": self.queue_ms,
-            "attempts": self.attempts, "moved_on": list(self.moved_on),
+            "stream": self.stream, "batch": self.batch, "priority": self.priority, "queue_ms": self.queue_ms,
+            "attempts": self.attempts, "moved_on": list(self.moved_on), "resumes": self.resumes,
+            "hedges": self.hedges,
             "ttft_ms": to_ms(self.ttft_s), "duration_ms": to_ms(self.duration_s),
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens, "max_tokens": self.max_tokens,
@@ -180,8 +194,8 @@ def outcome_of(status: int, *, shed: bool = False, broken: bool = False) -> str:
 class _Bucket:
     """One second of one pool."""
 
-    __slots__ = ("errors", "fallbacks", "hits", "limited", "misses", "ok", "requests", "second", "shed", "ttft",
-                 "ttft_seen")
+    __slots__ = ("batch", "batch_ok", "errors", "fallbacks", "hits", "limited", "misses", "ok", "requests", "second",
+                 "shed", "ttft", "ttft_seen")
 
     def __init__(self, second: int) -> None:
         self.ttft: list[float] = []
@@ -190,7 +204,7 @@ class _Bucket:
     def reset(self, second: int) -> None:
         self.second = second
         self.requests = self.ok = self.errors = self.shed = self.limited = 0
-        self.fallbacks = self.hits = self.misses = 0
+        self.fallbacks = self.hits = self.misses = self.batch = self.batch_ok = 0
         self.ttft.clear()
         self.ttft_seen = 0
 
@@ -221,21 +235,27 @@ class Tally:
     """Counts and TTFT samples summed over some buckets (or tallies): what :meth:`Activity.window` hands out.
 
     Attributes:
-        requests, ok, errors, shed, limited: Finished requests, and those of each outcome counted apart.
+        requests, ok, errors, shed, limited: Finished interactive requests (batch lines are not among them),
+            and those of each outcome counted apart.
         fallbacks: Requests that moved on from an endpoint or stage.
         hits, misses: Response-cache lookups that hit, and that missed (or failed).
-        ttft: Time-to-first-byte samples, seconds, in no order.
+        ttft: Time-to-first-byte samples of streamed requests, seconds, in no order (a non-streamed answer's
+            first byte is its whole body: its time is not a TTFT).
+        batch, batch_ok: Finished batch lines, and those that succeeded.
     """
 
-    __slots__ = ("errors", "fallbacks", "hits", "limited", "misses", "ok", "requests", "shed", "ttft")
+    __slots__ = ("batch", "batch_ok", "errors", "fallbacks", "hits", "limited", "misses", "ok", "requests", "shed",
+                 "ttft")
 
     def __init__(self) -> None:
         self.requests = self.ok = self.errors = self.shed = self.limited = 0
-        self.fallbacks = self.hits = self.misses = 0
+        self.fallbacks = self.hits = self.misses = self.batch = self.batch_ok = 0
         self.ttft: list[float] = []
 
     def add(self, b: _Bucket | Tally) -> None:
         """Add ``b``'s counts and samples to these."""
+        self.batch += b.batch
+        self.batch_ok += b.batch_ok
         self.requests += b.requests
         self.ok += b.ok
         self.errors += b.errors
@@ -282,6 +302,8 @@ class Activity:
         self.sink: Callable[[RequestRecord], object] | None = None
         self.started = clock() if started is None else started
         self._recent: deque[RequestRecord] = deque(maxlen=recent)
+        #: Batch lines have their own memory, so that a batch does not push interactive requests out.
+        self._batch_recent: deque[RequestRecord] = deque(maxlen=recent)
         self._series: dict[str, _Series] = {}
         self._rng = random.Random(seed)
 
@@ -302,7 +324,7 @@ class Activity:
         if record.duration_s is None:
             record.duration_s = time.perf_counter() - record.started
         outcome = record.outcome = outcome_of(status, shed=record.shed, broken=record.broken)
-        self._recent.append(record)
+        (self._batch_recent if record.batch else self._recent).append(record)
         if record.on_finish is not None:
             record.on_finish(record)
         if self.sink is not None:
@@ -316,6 +338,10 @@ class Activity:
         if series is None:
             series = self._series[key] = _Series()
         b = series.bucket(int(now))
+        if record.batch:  # a batch line: counted apart, out of the interactive figures
+            b.batch += 1
+            b.batch_ok += outcome == "ok"
+            return
         b.requests += 1
         if outcome == "ok":
             b.ok += 1
@@ -331,7 +357,7 @@ class Activity:
             b.hits += 1
         elif record.cache in ("miss", "error"):
             b.misses += 1
-        ttft = record.ttft_s
+        ttft = record.ttft_s if record.stream else None
         if ttft is not None:
             b.ttft_seen += 1
             if len(b.ttft) < TTFT_SAMPLES:
@@ -344,7 +370,8 @@ class Activity:
     # --- reading ------------------------------------------------------------------------------------
 
     def recent(self, tenant: str | None = None, model: str | None = None,
-               where: Callable[[RequestRecord], bool] | None = None, limit: int = 100) -> list[RequestRecord]:
+               where: Callable[[RequestRecord], bool] | None = None, limit: int = 100,
+               lane: str | None = None) -> list[RequestRecord]:
         """The newest finished requests first, at most ``limit``.
 
         Args:
@@ -352,9 +379,12 @@ class Activity:
             model: The model asked for, resolved to or served by.
             where: A further test a record must pass (the console's status filter).
             limit: At most this many.
+            lane: ``interactive`` or ``batch`` (lines of batch jobs) only; None: both.
         """
         found: list[RequestRecord] = []
-        for record in reversed(self._recent):
+        kept = {"interactive": [reversed(self._recent)], "batch": [reversed(self._batch_recent)],
+                None: [reversed(self._recent), reversed(self._batch_recent)]}[lane]
+        for record in heapq.merge(*kept, key=lambda r: -r.at):
             if len(found) >= limit:
                 break
             if tenant is not None and tenant != record.tenant and tenant != str(record.tenant_id):
@@ -368,7 +398,8 @@ class Activity:
 
     def get(self, request_id: str) -> RequestRecord | None:
         """The newest kept request with ``request_id`` (clients may reuse their ids)."""
-        return next((r for r in reversed(self._recent) if r.request_id == request_id), None)
+        return next((r for kept in (self._recent, self._batch_recent) for r in reversed(kept)
+                     if r.request_id == request_id), None)
 
     def window(self, window_s: float = 300, now: float | None = None, point_s: int = 10) -> Window:
         """The counts of the last ``window_s`` seconds (at most :data:`HORIZON_S`), per series key and per point

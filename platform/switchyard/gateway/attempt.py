@@ -4,9 +4,14 @@ The decision procedure chose the endpoint (:class:`~switchyard.decide.decision.A
 :class:`Try` carries it out and answers with :class:`~switchyard.decide.decision.Tried`. Whatever
 happens, the try is counted once and given back once: at the endpoint (this process's in-flight
 accounting), in flow control (a yielder, an interactive prefill, the pool's service time), in the
-breakers (one trial outcome) and in the metrics. A streamed answer is passed on only once its first
-chunk has come (within the model's first-token timeout): until then a failure can still move on to
-another endpoint.
+breakers (one trial outcome), in the watchdog (:mod:`switchyard.gateway.watchdog`) and in the metrics.
+
+A try waits for its first byte (a stream's first chunk, a complete answer) under an ``asyncio.timeout``:
+a stream's is its class's first-token deadline; a complete answer's is moved to now by the watchdog when
+its engine shows no progress by then, or is found hung. Until a first byte has reached the client a
+failure can still move on to another endpoint; a stream that breaks after that is resumed by the request's
+:class:`~switchyard.gateway.resume.Resumer` where the policy allows. A hedged try waits for its first byte
+in a task of its own (:mod:`switchyard.gateway.hedge`).
 """
 
 from __future__ import annotations
@@ -20,17 +25,18 @@ from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from switchyard.api.errors import ApiError, GatewayTimeout
-from switchyard.decide.decision import Tried
-from switchyard.decide.pick import EndpointChoice, Stage
+from switchyard.decide.decision import Attempt, Tried
 from switchyard.engines.breakers import Trial
-from switchyard.engines.streams import StreamRelay, first_chunk
-from switchyard.engines.upstream import UpstreamFailure, post, read_answer, read_engine_error
+from switchyard.engines.splice import Transcript
+from switchyard.engines.streams import Leg, LegEnd, StreamRelay, first_chunk
+from switchyard.engines.upstream import UpstreamFailure, post, read_answer, read_engine_error, usage_counts
 from switchyard.gateway.accounting import account
 from switchyard.gateway.activity import RequestRecord
 from switchyard.gateway.attempts import BUSY_STATUS, RETRYABLE_STATUS, engine_error, failure_error, record_tries
 from switchyard.gateway.flow import Yielder
-from switchyard.gateway.request import PendingRequest, RequestIds
+from switchyard.gateway.request import LegUsage, PendingRequest, RequestIds
 from switchyard.gateway.tracing import end
+from switchyard.gateway.watchdog import Watched
 
 if TYPE_CHECKING:
     from switchyard.gateway.runtime import GatewayRuntime
@@ -39,20 +45,23 @@ _PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
 class Try:
-    """One try of ``req`` at ``choice`` (of ``stage`` of its plan); :meth:`send` runs it once."""
+    """One try of ``req`` at the endpoint ``attempt`` names; :meth:`send` (or :meth:`start`, for a hedge) runs
+    it once."""
 
-    def __init__(self, runtime: GatewayRuntime, ids: RequestIds, req: PendingRequest, stage: Stage,
-                 choice: EndpointChoice, headers: dict[str, str], record: RequestRecord) -> None:
+    def __init__(self, runtime: GatewayRuntime, ids: RequestIds, req: PendingRequest, attempt: Attempt,
+                 headers: dict[str, str], record: RequestRecord) -> None:
         self.runtime = runtime
         self.ids = ids
         self.req = req
-        self.stage = stage
-        self.choice = choice
+        self.stage = attempt.stage
+        self.choice = attempt.choice
+        self.deadline_s = attempt.deadline_s
+        self.resuming = attempt.resuming
         self.headers = headers
         self.record = record
-        self.url = choice.url
-        self.pool = choice.pool.name
-        self.model = stage.model.name
+        self.url = attempt.choice.url
+        self.pool = attempt.choice.pool.name
+        self.model = attempt.stage.model.name
         #: What became of it, for its span: ok, a status, a failure's kind, cancelled or preempted.
         self.outcome = "ok"
         self.released = False
@@ -61,9 +70,63 @@ class Try:
         self.trial: Trial | None = None
         self.span: Any = None
         self.sent_at = 0.0
+        self.watched: Watched | None = None
+        #: A hedged try's wait for its first byte (None: it waits in the request's own task).
+        self.task: asyncio.Task[Tried] | None = None
+        #: A streamed answer whose first chunk came, not passed on yet: (response, first chunk).
+        self.ready: tuple[Any, bytes] | None = None
+        #: The prompt this try's engine computes, as estimated (a continuation's includes the text so far).
+        self.prompt_estimate = req.decision.prompt_tokens + (req.continued_tokens if attempt.resuming else 0)
 
-    async def send(self) -> Tried:
-        """Send the request and wait for its answer's start (see the module doc)."""
+    async def send(self, hedge_after: float | None = None) -> Tried:
+        """Send the request and wait for its answer's start (see the module doc). With ``hedge_after``: answer
+        ``slow`` if no first byte has come by then (the try goes on in its :attr:`task`)."""
+        self._begin()
+        if hedge_after is None:
+            return self._delivered(await self._guarded())
+        task = self.task = asyncio.ensure_future(self._guarded())
+        try:
+            done, _ = await asyncio.wait({task}, timeout=hedge_after)
+        except BaseException:  # the client left while we waited: the try goes with it
+            task.cancel()
+            raise
+        if task in done:
+            return self._delivered(task.result())
+        return Tried("slow", answer=self)
+
+    def start(self) -> asyncio.Task[Tried]:
+        """Send the request, waiting for its first byte in a task of its own (a hedge)."""
+        self._begin()
+        task = self.task = asyncio.ensure_future(self._guarded())
+        return task
+
+    def deliver(self, tried: Tried) -> Tried:
+        """The try that won a hedge's race: its answer, passed on (the request's record names where it went)."""
+        record = self.record
+        record.served_model, record.pool, record.region, record.endpoint = (self.model, self.pool,
+                                                                             self.choice.pool.region, self.url)
+        return self._delivered(tried)
+
+    def abandon(self) -> None:
+        """A try that lost a hedge's race, or whose waiting was given up: abort it (the engine sees the
+        connection close and aborts the request), saying nothing of the engine's health."""
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+            return  # its own handler gives it back
+        if self.ready is not None:
+            response, _ = self.ready
+            self.ready = None
+            response.close()
+        if not self.released:
+            self.outcome = "cancelled"
+            self.release()
+            if self.trial is not None:
+                self.trial.neutral()
+
+    # --- sending ------------------------------------------------------------------------------------
+
+    def _begin(self) -> None:
+        """Count the try at its endpoint, in flow control, in its breakers and in the record."""
         runtime, req, url = self.runtime, self.req, self.url
         decision = req.decision
         assert decision.cls is not None
@@ -89,23 +152,28 @@ class Try:
             runtime.flow.dispatched(req.ticket)
             req.ticket = None
         runtime.metrics.in_flight.labels(self.pool).inc()
+        self.watched = Watched(url, req.stream, time.monotonic(), self.deadline_s)
+        runtime.watchdog.add(self.watched)
         record = self.record
         record.served_model, record.pool, record.region, record.endpoint = (self.model, self.pool,
                                                                              self.choice.pool.region, url)
+
+    async def _guarded(self) -> Tried:
         try:
             return await self._exchange()
         except BaseException:  # the client left (cancelled), or flow control preempted it: nothing leaks
             preempted = self._preempted()
             self.outcome = "cancelled"  # (release() says "preempted" itself when it was)
             self.release()
+            assert self.trial is not None
             self.trial.neutral()
             if preempted:
                 return Tried("preempted")
             raise
 
     async def _exchange(self) -> Tried:
-        runtime, req, url = self.runtime, self.req, self.url
-        resilience = runtime.endpoints.resilience
+        runtime, req, url, watched = self.runtime, self.req, self.url, self.watched
+        assert watched is not None
         trial = self.trial
         assert trial is not None
         # The engine gets an id of our own: clients may reuse theirs, and two in-flight requests with one id
@@ -113,106 +181,180 @@ class Try:
         upstream_headers = {"Content-Type": "application/json", "X-Request-Id": self.ids.new()}
         req.trace.inject(self.span, upstream_headers)
         payload = req.payload_for(self.choice.pool)
-        first_token_s = self.stage.model.first_token_timeout or resilience.first_token_timeout
+        deadline = self.deadline_s
+        data: bytes = b""
+        usage: dict[str, Any] | None = None
         try:
-            sending = post(runtime.http, url + _PATHS[req.kind], payload, upstream_headers, runtime.http_fresh)
-            # (post() turns its own timeouts into UpstreamFailure: a TimeoutError here is the first-token wait's.)
-            response = await (asyncio.wait_for(sending, first_token_s) if req.stream else sending)
-            if response.status >= 300:
-                err = await read_engine_error(response)
-                error = engine_error(err, self.choice, dict(self.headers))
-                if err.status in RETRYABLE_STATUS:
-                    return self.failed(str(err.status), f"{err.status} {err.message[:200]}", error,
-                                       engine_fault=err.status not in BUSY_STATUS)
-                trial.neutral()
-                runtime.metrics.attempts.labels(self.pool, str(err.status)).inc()
-                self.done(error.status_code)
-                return Tried("refused", str(err.status), err.message, error)
-            if req.stream:
-                left = first_token_s - (time.perf_counter() - self.sent_at)
-                try:
-                    first = await asyncio.wait_for(first_chunk(response), max(left, 0.001))
-                except BaseException:
-                    response.close()
-                    raise
+            # A stream's wait for its first chunk runs under its deadline; a complete answer's under none of its
+            # own: the watchdog ends it when its engine shows no progress by the deadline, or is hung.
+            async with asyncio.timeout(deadline if req.stream else None) as timer:
+                watched.timer = timer
+                response = await post(runtime.http, url + _PATHS[req.kind], payload, upstream_headers,
+                                      runtime.http_fresh)
+                if response.status >= 300:
+                    watched.timer = None
+                    return self._engine_refused(await read_engine_error(response))
+                if req.stream:
+                    try:
+                        first = await first_chunk(response)
+                    except BaseException:
+                        response.close()
+                        raise
+                else:
+                    try:
+                        data, usage = await read_answer(response, runtime.settings.upstream_max_response_bytes)
+                    except UpstreamFailure as failure:
+                        watched.timer = None
+                        failed = ("body_timeout" if failure.timeout else failure.kind if failure.invalid
+                                  else "body_error")
+                        return self.failed(failed, str(failure), failure_error(failure, self.pool,
+                                                                               dict(self.headers)))
+                watched.timer = None
         except TimeoutError:
-            return self.failed("first_token_timeout", f"no first token within {first_token_s:g} s",
-                               GatewayTimeout(f"Upstream failure in pool {self.pool}: no first token within "
-                                              f"{first_token_s:g} s", headers=dict(self.headers)))
+            watched.timer = None
+            kind = watched.abort_kind or "first_token_timeout"
+            reason = watched.abort_reason or f"no first token within {deadline:g} s"
+            if watched.abort_kind is None:
+                runtime.watchdog.expired(watched, time.monotonic())
+            return self.failed(kind, reason, GatewayTimeout(f"Upstream failure in pool {self.pool}: {reason}",
+                                                            headers=dict(self.headers)))
         except UpstreamFailure as failure:
+            watched.timer = None
             if failure.refused:
                 runtime.mark_down(url, str(failure))
             return self.failed(failure.kind, str(failure), failure_error(failure, self.pool, dict(self.headers)))
+        runtime.endpoints.state(url).heard(time.monotonic())
         runtime.metrics.attempts.labels(self.pool, "ok").inc()
         if req.stream:
-            return Tried("ok", answer=self._stream(response, first))
-        return await self._whole(response)
+            self.ready = (response, first)
+            return Tried("ok")
+        return await self._whole(data, usage)
 
-    def _stream(self, response: Any, first: bytes) -> Stream:
-        """Pass a stream on from its first chunk (its end settles it: :meth:`_stream_ended`)."""
+    def _engine_refused(self, err: Any) -> Tried:
+        """The engine answered non-2xx: worth trying elsewhere, or the client's own error (final)."""
+        error = engine_error(err, self.choice, dict(self.headers))
+        if err.status in RETRYABLE_STATUS:
+            return self.failed(str(err.status), f"{err.status} {err.message[:200]}", error,
+                               engine_fault=err.status not in BUSY_STATUS)
+        assert self.trial is not None
+        self.trial.neutral()
+        self.runtime.metrics.attempts.labels(self.pool, str(err.status)).inc()
+        if self.resuming:  # the continuation was refused: the stream it was for ends, and the request with it
+            self.outcome = str(err.status)
+            self.release()
+        else:
+            self.done(error.status_code)
+        return Tried("refused", str(err.status), err.message, error)
+
+    def _delivered(self, tried: Tried) -> Tried:
+        """A streamed try's first chunk came: pass the stream on (or hand the continuation to the resume)."""
+        if tried.outcome != "ok" or self.ready is None:
+            return tried
+        response, first = self.ready
+        self.ready = None
+        self._first_byte()
+        if self.resuming:
+            return Tried("ok", answer=(Leg(response, first, self._leg_ended), self))
+        return Tried("ok", answer=self._stream(response, first))
+
+    def _first_byte(self) -> None:
         runtime, req, record = self.runtime, self.req, self.record
         ttfb = time.perf_counter() - self.sent_at
         self.prefilled(ttfb)
-        record.ttft_s = time.perf_counter() - req.started
-        runtime.metrics.first_byte.labels(self.model, self.pool).observe(record.ttft_s)
+        runtime.latencies.window(self.pool).add(ttfb)
         max_ttfb = runtime.endpoints.resilience.health.max_ttfb
         assert self.trial is not None
         if max_ttfb is not None and ttfb > max_ttfb:
             self.trial.failed(time.monotonic(), f"first byte after {ttfb:.2f} s (max_ttfb {max_ttfb:g} s)")
         else:
             self.trial.succeeded(time.monotonic())
+        if self.resuming:
+            return
+        record.ttft_s = time.perf_counter() - req.started
+        runtime.metrics.first_byte.labels(self.model, self.pool).observe(record.ttft_s)
+
+    def _stream(self, response: Any, first: bytes) -> Stream:
+        """Pass a stream on from its first chunk (its end settles it: :meth:`_stream_ended`)."""
+        runtime, req = self.runtime, self.req
         storing = runtime.cache.wants(req.cache, self.model) and req.cache is not None
         capture = 8 * req.cache.plan.rule.max_entry_bytes if storing and req.cache is not None else 0
-        relay = StreamRelay(response, first, lambda completed: self._stream_ended(relay, completed),
+        leg = Leg(response, first, self._leg_ended)
+        # What the client receives is kept (to continue from, should the engine break off) only where the model
+        # resumes its streams; the others' breaks are still handed to the resume, which says why not.
+        model = self.stage.model
+        keep = req.resume is not None and model.resume_streams and model.max_resumes > 0
+        relay = StreamRelay(leg, lambda completed: self._stream_ended(relay, completed),
                             strip_usage=req.force_usage, capture_limit=capture,
-                            max_event_bytes=runtime.settings.upstream_max_event_bytes)
+                            max_event_bytes=runtime.settings.upstream_max_event_bytes, resume=req.resume,
+                            transcript=Transcript(req.kind) if keep else None)
+        self.watch(relay, leg)
         return Stream(relay.chunks(), media_type="text/event-stream",
                       headers={**self.headers, "Cache-Control": "no-cache"}, background=BackgroundTask(relay.afinish))
 
-    def _stream_ended(self, relay: StreamRelay, completed: bool) -> None:
-        """A passed-on stream ended: store it, count a break against the engine, settle its usage."""
+    def watch(self, relay: StreamRelay, leg: Leg) -> None:
+        """Its stream is being passed on (as ``leg`` of ``relay``): the watchdog cuts it when it stalls."""
+        if self.watched is not None:
+            self.watched.relay, self.watched.leg = relay, leg
+
+    def _leg_ended(self, ended: LegEnd) -> None:
+        """This try's part of a stream ended: count a break against its engine, give the try back, and keep what
+        it used for the request's accounting."""
         runtime, req, record = self.runtime, self.req, self.record
-        if completed and req.cache is not None and runtime.cache.wants(req.cache, self.model):
+        if ended.broken is not None:
+            # Counted against the engine even though its first byte was fine: it broke off.
+            now = time.monotonic()
+            runtime.endpoints.state(self.url).breaker.failure(now, f"broke off mid-stream: {ended.broken}")
+            runtime.endpoints.pool_breaker(self.pool).failure(now, f"broke off mid-stream: {ended.broken}")
+            runtime.metrics.streams_broken.labels(self.pool).inc()
+            if req.resume is None:  # (a resume's trace says it itself)
+                record.trace.append(f"stream: the engine at {self.url} {ended.broken}")
+            self.outcome = ended.kind or "broken"
+        elif not ended.completed:
+            record.trace.append("stream: the client left before its end")
+        self.release()
+        reported = ended.usage.usage()
+        prompt, completion, cached = self.prompt_estimate, ended.usage.text_events, 0
+        if reported is not None:
+            prompt, completion, cached = usage_counts(reported, prompt, completion)
+        req.legs.append(LegUsage(self.stage.model, prompt, completion, cached))
+
+    def _stream_ended(self, relay: StreamRelay, completed: bool) -> None:
+        """A passed-on stream ended (every leg of it): store it, settle its usage, finish the request."""
+        runtime, req, record = self.runtime, self.req, self.record
+        if completed and relay.resumed == 0 and req.cache is not None and runtime.cache.wants(req.cache, self.model):
             captured = relay.captured
             runtime.cache.store_stream(req.cache, req.kind, str(req.identity.tenant_id),
                                        bytes(captured) if captured is not None else None)
-        if relay.broken:
-            # Counted against the engine even though its first byte was fine: it broke off.
-            now = time.monotonic()
-            runtime.endpoints.state(self.url).breaker.failure(now, "broke off mid-stream")
-            runtime.endpoints.pool_breaker(self.pool).failure(now, "broke off mid-stream")
-            runtime.metrics.streams_broken.labels(self.pool).inc()
+        if relay.broken and not completed:
             record.broken = True
-            record.trace.append("stream: the engine broke off mid-stream")
-        elif not completed:
-            record.trace.append("stream: the client left before its end")
-        self.done(200)
-        runtime.spawn(account(runtime, req, self.stage.model, relay.usage.usage(), relay.usage.text_events, record))
+        self.finish_request(200)
+        runtime.spawn(account(runtime, req, req.legs, record))
 
-    async def _whole(self, response: Any) -> Tried:
-        """Read a whole answer and pass it on."""
+    def finish_request(self, status: int) -> None:
+        """The request this try served is finished with ``status`` (where its last try served it)."""
+        runtime, req, record = self.runtime, self.req, self.record
+        model, pool = record.served_model or self.model, record.pool or self.pool
+        runtime.metrics.duration.labels(model, pool).observe(time.perf_counter() - req.started)
+        attempts = req.decision.attempts
+        assert attempts is not None
+        record.resumes, record.hedges = req.decision.resumes, req.decision.hedges
+        record_tries(record, attempts, self.headers)
+        runtime.finished(record, model, pool, status)
+
+    async def _whole(self, data: bytes, usage: dict[str, Any] | None) -> Tried:
+        """Pass a whole answer on."""
         runtime, req, record = self.runtime, self.req, self.record
         assert self.trial is not None
-        try:
-            data, usage = await read_answer(response, runtime.settings.upstream_max_response_bytes)
-        except UpstreamFailure as failure:
-            failed = "body_timeout" if failure.timeout else failure.kind if failure.invalid else "body_error"
-            return self.failed(failed, str(failure), failure_error(failure, self.pool, dict(self.headers)))
-        except BaseException:
-            if self._preempted():
-                response.close()  # the engine aborts a request whose connection closes
-                self.outcome = "cancelled"
-                self.release()
-                self.trial.neutral()
-                return Tried("preempted")
-            raise
         self.trial.succeeded(time.monotonic())
         record.ttft_s = time.perf_counter() - req.started
         runtime.metrics.first_byte.labels(self.model, self.pool).observe(record.ttft_s)
         self.done(200)
         if req.cache is not None and runtime.cache.wants(req.cache, self.model):
             runtime.cache.store_answer(req.cache, str(req.identity.tenant_id), data)
-        await account(runtime, req, self.stage.model, usage, 0, record)
+        prompt, completion, cached = req.decision.prompt_tokens, 0, 0
+        if usage is not None:
+            prompt, completion, cached = usage_counts(usage, prompt, completion)
+        await account(runtime, req, [LegUsage(self.stage.model, prompt, completion, cached)], record)
         return Tried("ok", answer=Response(content=data, status_code=200, media_type="application/json",
                                            headers=dict(self.headers)))
 
@@ -232,6 +374,8 @@ class Try:
             return
         self.released = True
         runtime = self.runtime
+        if self.watched is not None:
+            runtime.watchdog.discard(self.watched)
         preempted = self.yielder is not None and self.yielder.preempted
         ended = "preempted" if preempted else self.outcome
         end(self.span, {"switchyard.outcome": ended}, None if ended == "ok" else ended)
@@ -245,12 +389,7 @@ class Try:
         if status >= 400:
             self.outcome = str(status)
         self.release()
-        runtime, req, record = self.runtime, self.req, self.record
-        runtime.metrics.duration.labels(self.model, self.pool).observe(time.perf_counter() - req.started)
-        attempts = req.decision.attempts
-        assert attempts is not None
-        record_tries(record, attempts, self.headers)
-        runtime.finished(record, self.model, self.pool, status)
+        self.finish_request(status)
 
     def failed(self, kind: str, reason: str, error: ApiError, engine_fault: bool = True) -> Tried:
         """The try failed in a way worth trying elsewhere (``engine_fault``: counted against its breakers)."""

@@ -126,8 +126,21 @@ class GatewayMetrics:
             "its health probes failing; otherwise the failed try's outcome as in switchyard_upstream_attempts).",
             ["model", "reason"], registry=self.registry)
         self.streams_broken = Counter(
-            "switchyard_streams_broken", "Streams that broke off after their first byte (the client got an error "
-            "event; no fallback is possible then), by pool.", ["pool"], registry=self.registry)
+            "switchyard_streams_broken", "Streams whose engine broke them off after their first byte (connection "
+            "lost, an error event, a stall), by pool; whether they were resumed is switchyard_stream_resumes.",
+            ["pool"], registry=self.registry)
+        self.stream_resumes = Counter(
+            "switchyard_stream_resumes", "Broken streams by what became of them: resumed (continued on another "
+            "endpoint), closed (the answer was complete: the gateway ended it), refused (not safe to continue, or "
+            "resume_streams off), failed (no endpoint could continue it).", ["model", "outcome"],
+            registry=self.registry)
+        self.hedges = Counter(
+            "switchyard_hedges", "Late first tokens of hedging classes, by pool of the first try and outcome: won "
+            "(the hedge answered first), lost (the first try did), failed (both failed), not_sent (saturated fleet, "
+            "retry budget or no other endpoint).", ["pool", "outcome"], registry=self.registry)
+        self.hangs = Counter(
+            "switchyard_endpoint_hangs", "Times an engine was found hung (accepting work, making no progress) and "
+            "taken out, by pool and endpoint.", ["pool", "endpoint"], registry=self.registry)
         self.retries_refused = Counter(
             "switchyard_retry_budget_exhausted", "Retries not sent because the gateway's retry budget was spent "
             "(the request failed with its last error instead).", registry=self.registry)

@@ -48,8 +48,10 @@ LABEL_VALUES: dict[str, str] = {
 #: scraped, label); they take precedence over ``LABEL_VALUES``.
 METRIC_LABEL_VALUES: dict[tuple[str, str], str] = {
     ("switchyard_upstream_attempts_total", "outcome"):
-        "`ok`, `connect_error`, `timeout`, `broken`, `first_token_timeout`, `body_error`, `body_timeout`, "
+        "`ok`, `connect_error`, `timeout`, `broken`, `first_token_timeout`, `hung`, `body_error`, `body_timeout`, "
         "`invalid_response`, or the engine's HTTP status code.",
+    ("switchyard_stream_resumes_total", "outcome"): "`resumed`, `closed`, `refused` or `failed`.",
+    ("switchyard_hedges_total", "outcome"): "`won`, `lost`, `failed` or `not_sent`.",
     ("switchyard_classifier_total", "outcome"): "`yes`, `no`, `error` or `timeout`.",
     ("switchyard_requests_total", "outcome"):
         "`ok`, `refused` (a 4xx other than 429), `limited` (429), `shed` (flow control's 503), `error` (5xx, or a "
@@ -57,7 +59,7 @@ METRIC_LABEL_VALUES: dict[tuple[str, str], str] = {
     ("switchyard_shed_total", "reason"): "`utilisation`, `deadline` or `predicted_wait`.",
     ("switchyard_downgrades_total", "reason"): "`shed_threshold` or `saturated`.",
     ("switchyard_fallbacks_total", "reason"):
-        "`connect_error`, `timeout`, `broken`, `first_token_timeout`, `body_error`, `body_timeout`, "
+        "`connect_error`, `timeout`, `broken`, `first_token_timeout`, `hung`, `body_error`, `body_timeout`, "
         "`invalid_response`, the engine's HTTP status code, or `unavailable` (no endpoint of a stage in service).",
     ("switchyard_cache_evictions", "reason"): "`ttl` or `size`.",
     ("switchyard_cache_lookups_total", "mode"): "`exact` or `semantic`.",

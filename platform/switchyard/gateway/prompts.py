@@ -338,8 +338,9 @@ class SimPromptRenderer:
         if "messages" in body:
             try:
                 add_generation_prompt = _flag(body, "add_generation_prompt", True)
+                # (The sim refuses continue_final_message with add_generation_prompt, as vLLM does: so does this.)
                 return self._render_chat(body["messages"], body.get("tools"), body.get("response_format"),
-                                         add_generation_prompt)
+                                         add_generation_prompt, _flag(body, "continue_final_message", False))
             except (_Unrenderable, self._chat_error, TypeError, ValueError):
                 return None
         return _completion_ids(body.get("prompt"), lambda text: [self._bos, *self._tokenize(text)])

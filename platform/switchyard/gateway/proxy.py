@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections.abc import Generator
 from typing import Any
 
 from litestar import Request, Response
@@ -34,8 +35,10 @@ from switchyard.decide.decision import (
     Caller,
     Decision,
     Effect,
+    Hedge,
     LookupCache,
     Mark,
+    Raced,
     Retry,
     Score,
     Tried,
@@ -48,7 +51,9 @@ from switchyard.gateway.attempt import Try
 from switchyard.gateway.attempts import final_error, record_tries, refusal_error
 from switchyard.gateway.body import check_chat, check_completion, decode_json_object
 from switchyard.gateway.cache_hits import serve_hit
+from switchyard.gateway.hedge import race
 from switchyard.gateway.request import Incoming, Kind, PendingRequest, RequestIds
+from switchyard.gateway.resume import Resumer
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.gateway.tracing import RequestTrace, end
 from switchyard.logs import REQUEST_ID
@@ -72,6 +77,7 @@ class Proxy:
         """
         activity = self.runtime.activity
         record = activity.begin(self.ids.for_request(incoming.headers), kind, time.perf_counter())
+        record.batch = incoming.batch
         REQUEST_ID.set(record.request_id)  # on this task's log lines (switchyard.logs)
         spans = self.runtime.tracing.request(kind, incoming.headers, {"switchyard.request_id": record.request_id})
         if spans.enabled:
@@ -80,6 +86,11 @@ class Proxy:
             return await self._serve(incoming, kind, record, spans)
         except ApiError as error:  # counted where it was raised, or refused before any count (401, 400)
             record.error_code = error.code
+            if not record.trace:  # refused before the decision began (a bad body, a bad key): say what was wrong
+                # (the code and the field, never the message: it may quote what the client sent)
+                where = f", field {error.param}" if error.param else ""
+                record.trace.append(f"refused {error.status_code} ({error.code or error.type}{where}) before the "
+                                    "decision")
             activity.finish(record, error.status_code)
             error.headers.setdefault("x-request-id", record.request_id)  # errors too name the request
             raise
@@ -139,21 +150,30 @@ class _Run:
 
     async def execute(self) -> Response[Any]:
         """Drive the procedure to its end and answer: the engine's response, the cache's, or the refusal."""
-        steps = decide(self.d, self.runtime.view)
+        if self.req.stream:
+            self.req.resume = Resumer(self.runtime, self, self.req, self.record)
+        try:
+            await self.drive(decide(self.d, self.runtime.view))
+            self._sync()
+            return await self._conclude()
+        except BaseException:
+            self._sync()
+            self._abandon()
+            raise
+
+    async def drive(self, steps: Generator[Effect, Any, Any]) -> Any:
+        """Answer ``steps``' effects live until it returns (the whole procedure, or a resume of its stream); its
+        value."""
         answer: Any = None
         try:
             while True:
                 try:
                     effect = steps.send(answer)
-                except StopIteration:
-                    break
+                except StopIteration as stop:
+                    return stop.value
                 answer = await self._answer(effect)
-            self._sync()
-            return await self._conclude()
         except BaseException:
             steps.close()
-            self._sync()
-            self._abandon()
             raise
 
     def _sync(self) -> None:
@@ -174,6 +194,8 @@ class _Run:
             return None
         if kind is Retry:
             return self._retry(effect)  # type: ignore[arg-type]
+        if kind is Hedge:
+            return await self._hedge(effect)  # type: ignore[arg-type]
         if kind is Reserve:
             return await self._reserve(effect)  # type: ignore[arg-type]
         if kind is Queue:
@@ -263,10 +285,33 @@ class _Run:
                                                  "switchyard.pool": effect.choice.pool.name})
         headers = self._headers()
         headers[ROUTE_HEADER] = route_header(d, effect)
-        tried = await Try(runtime, self.ids, self.req, effect.stage, effect.choice, headers, self.record).send()
+        tried = await Try(runtime, self.ids, self.req, effect, headers, self.record).send(effect.hedge_after)
         if tried.outcome == "failed":
             runtime.metrics.fallbacks.labels(self._asked(), tried.kind).inc()
         return tried
+
+    async def _hedge(self, effect: Hedge) -> Raced:
+        """Race the late try against a hedge at ``effect.choice`` (or keep waiting for it alone)."""
+        d, runtime = self.d, self.runtime
+        pending = effect.pending.answer
+        assert isinstance(pending, Try)
+        second = None
+        if effect.choice is not None:
+            attempt = Attempt(d, effect.stage, effect.choice, effect.picked, pending.deadline_s)
+            headers = self._headers()
+            headers[ROUTE_HEADER] = route_header(d, attempt) + f"; hedged={pending.url}"
+            second = Try(runtime, self.ids, self.req, attempt, headers, self.record)
+        raced, winner = await race(pending, second)
+        if second is None:
+            outcome = "not_sent"
+        elif raced.tried.outcome == "failed":
+            outcome = "failed"
+        else:
+            outcome = "won" if winner is second else "lost"
+        runtime.metrics.hedges.labels(pending.pool, outcome).inc()
+        if raced.tried.outcome == "failed":
+            runtime.metrics.fallbacks.labels(self._asked(), raced.tried.kind).inc()
+        return raced
 
     # --- the end -----------------------------------------------------------------------------------
 

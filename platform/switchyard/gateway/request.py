@@ -21,7 +21,9 @@ from switchyard.state.queues import Ticket
 from switchyard.store.keys import KeyIdentity
 
 if TYPE_CHECKING:
+    from switchyard.engines.streams import Resume
     from switchyard.gateway.response_cache import Lookup
+    from switchyard.policy.fleet import Model
 
 Kind = Literal["chat", "completion"]
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -81,6 +83,16 @@ async def never() -> None:
 
 
 @dataclass(slots=True)
+class LegUsage:
+    """What one engine did for a request (a streamed answer has one leg per engine that produced part of it)."""
+
+    model: Model
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(slots=True)
 class PendingRequest:
     """A request on its way to an engine: what each of its tries carries, and its body encoded per kind of pool.
 
@@ -93,6 +105,10 @@ class PendingRequest:
             relay leaves the chunk out of what the client gets).
         batch: A batch job's line: charged at the model's batch price.
         trace: Its trace spans (:data:`~switchyard.gateway.tracing.OFF` when tracing is off).
+        resume: Continues its stream after a break (the relay's hook; None: a broken stream just ends).
+        continuation: The body a resumed stream's next try sends (None: the request's own), and
+            ``continued_tokens``: the tokens of the answer so far that it carries.
+        legs: What each engine that produced part of a streamed answer did, as each part ends.
     """
 
     kind: Kind
@@ -109,6 +125,10 @@ class PendingRequest:
     force_usage: bool = False
     batch: bool = False
     trace: RequestTrace = OFF
+    resume: Resume | None = None
+    continuation: dict[str, Any] | None = None
+    continued_tokens: int = 0
+    legs: list[LegUsage] = field(default_factory=list)
     _payloads: dict[tuple[str, bool], bytes] = field(default_factory=dict)
 
     @property
@@ -120,8 +140,16 @@ class PendingRequest:
     def payload_for(self, pool: Pool) -> bytes:
         """The body for ``pool``: its served model name, and a ``priority`` only where it is honoured.
 
-        (A ``priority`` given as a class name is always replaced or removed: engines want a number.)
+        (A ``priority`` given as a class name is always replaced or removed: engines want a number.) A resumed
+        stream's tries send its :attr:`continuation` instead, with the usage chunk always asked for.
         """
+        if self.continuation is not None:
+            cls = self.decision.cls
+            body = dict(self.continuation, model=pool.served_model)
+            body.pop("priority", None)
+            if pool.priority_scheduling and cls is not None:
+                body["priority"] = cls.engine_priority
+            return msgspec.json.encode(body)
         key = (pool.served_model, pool.priority_scheduling)
         payload = self._payloads.get(key)
         if payload is None:

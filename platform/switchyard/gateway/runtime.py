@@ -21,6 +21,7 @@ from sqlmodel import Session
 from switchyard.engines.breakers import STATE_VALUE, CircuitBreaker, State
 from switchyard.engines.endpoints import EndpointRegistry
 from switchyard.engines.health import HealthProber, Target
+from switchyard.engines.latency import PoolLatencies
 from switchyard.engines.scrape import MetricsScraper
 from switchyard.engines.upstream import UpstreamTimeouts, create_client_session
 from switchyard.gateway.activity import Activity, RequestRecord, outcome_of
@@ -39,6 +40,7 @@ from switchyard.gateway.stalls import StallSampler
 from switchyard.gateway.tokenizers import TokenizerCache
 from switchyard.gateway.tracing import Tracing
 from switchyard.gateway.view import LiveView
+from switchyard.gateway.watchdog import Watchdog
 from switchyard.settings import Settings
 from switchyard.state.memory import Memory
 from switchyard.store import db
@@ -70,6 +72,10 @@ class GatewayRuntime:
         self.endpoints = EndpointRegistry(signal_max_age=3 * settings.scrape_interval_s,
                                           listener=self._breaker_changed)
         self.retry_budget = RetryBudget()
+        #: Each pool's observed time to first token (what a hedge at a quantile waits for).
+        self.latencies = PoolLatencies()
+        #: The tries in flight, watched for deadlines, stalls and hung engines.
+        self.watchdog = Watchdog(self.endpoints, self._hung, self._hang_settings, self.engine_urls)
         # Shared across replicas through Redis when it is configured, else this process's own.
         self.cache = CacheRunner(create_response_cache(settings.redis_url, f"{settings.redis_key_prefix}cache:"),
                                  lambda: self.classifiers, self.metrics, self.spawn)
@@ -101,7 +107,8 @@ class GatewayRuntime:
         #: The subscriptions to the engines' KV-cache events (inside the lifespan).
         self.kv_events: Subscriptions | None = None
         # (A random source breaks ties between equally scored endpoints.)
-        self.view = LiveView(self.endpoints, self.flow, self.memory, self.next_rotation, random.Random())
+        self.view = LiveView(self.endpoints, self.flow, self.memory, self.next_rotation, random.Random(),
+                             self.latencies)
 
     @property
     def engine(self) -> Engine:
@@ -220,6 +227,15 @@ class GatewayRuntime:
             log.warning("endpoint %s is back in service (health probes succeeded)", url)
         else:
             log.warning("endpoint %s is out of service: %s", url, reason)
+
+    def _hang_settings(self) -> tuple[bool, float]:
+        spec = self.policy.snapshot.document.resilience.hang_detection
+        return spec.enabled, spec.after
+
+    def _hung(self, url: str, why: str) -> None:
+        pools = self.policy.snapshot.pools.values() if self._policy is not None else ()
+        pool = next((p.name for p in pools if url in p.endpoints), "-")
+        self.metrics.hangs.labels(pool, url).inc()
 
     def _breaker_changed(self, breaker: CircuitBreaker, state: State, reason: str) -> None:
         self.metrics.breaker_state.labels(breaker.scope, breaker.name).set(STATE_VALUE[state])
@@ -355,6 +371,7 @@ class GatewayRuntime:
             logging_task = asyncio.create_task(request_log.run(settings.request_log_flush_interval_s),
                                                name="switchyard-request-log")
         pumping = asyncio.create_task(self.flow.run(), name="switchyard-flow")
+        watching = asyncio.create_task(self.watchdog.run(), name="switchyard-watchdog")
         gauges = asyncio.create_task(self._cache_gauges(), name="switchyard-cache-gauges")
         kv_gauges = asyncio.create_task(self._kv_gauges(), name="switchyard-kv-gauges")
         lag = asyncio.create_task(self._watch_loop_lag(), name="switchyard-loop-lag")
@@ -364,7 +381,7 @@ class GatewayRuntime:
         finally:
             with contextlib.suppress(ValueError):
                 gc.callbacks.remove(gc_hook)
-            for task in (scraping, probing, pumping, gauges, kv_gauges, lag):
+            for task in (scraping, probing, pumping, watching, gauges, kv_gauges, lag):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from switchyard.decide.flow import batch_view
 from switchyard.decide.views import Candidate, EndpointView
 from switchyard.engines.endpoints import EndpointRegistry
+from switchyard.engines.latency import PoolLatencies
 from switchyard.gateway.flow import FlowController
 from switchyard.policy.fleet import Pool
 from switchyard.policy.tiers import Lane
@@ -27,8 +28,9 @@ class LiveView:
     """This process's view of its fleet (see the module doc)."""
 
     def __init__(self, endpoints: EndpointRegistry, flow: FlowController, memory: Memory,
-                 rotation: Callable[[], int], rng: random.Random) -> None:
+                 rotation: Callable[[], int], rng: random.Random, latencies: PoolLatencies | None = None) -> None:
         self.endpoints = endpoints
+        self.latencies = latencies or PoolLatencies()
         self.flow = flow
         self.memory = memory
         self._rotation = rotation
@@ -98,6 +100,9 @@ class LiveView:
 
     def prefilling(self, url: str) -> int:
         return self.endpoints.state(url).prefilling
+
+    def ttft_quantile(self, pool: Pool, quantile: float, now: float) -> float | None:
+        return self.latencies.quantile(pool.name, quantile, now)
 
     def available(self, candidate: Candidate, now: float) -> bool:
         return self.endpoints.available(candidate.url, candidate.pool.name, now)

@@ -95,6 +95,20 @@ class Dependencies(_Strict):
         "for it); `fail_closed`: a key whose cache entry expired is refused (503) until it answers.")
 
 
+class HangSpec(_Strict):
+    """Hung engines: accepting work and making no progress, while their ``/health`` stays green.
+
+    An engine is hung when, for ``after`` seconds, it reported requests running while none of its progress
+    counters moved across its ``/metrics`` scrapes (generated and prompt tokens, engine steps), or none of the
+    streams this gateway has running there got a byte. A hung engine is taken out at once (its breaker opens,
+    and comes back through its trial requests), the tries at it that have produced nothing move on, and its
+    streams are resumed elsewhere.
+    """
+
+    enabled: bool = Field(default=True, description="Detect hung engines.")
+    after: Duration = Field(default=1.0, description="Seconds without progress that make an engine hung.")
+
+
 class Resilience(_Strict):
     """Health, breakers, retries, the first-token timeout and dependency failure modes."""
 
@@ -103,5 +117,7 @@ class Resilience(_Strict):
     retries: RetrySpec = Field(default_factory=RetrySpec)
     first_token_timeout: Duration = Field(
         default=15.0, description="A streamed answer whose first byte has not come within this (seconds from "
-        "the attempt) moves on to the next endpoint of the fallback plan; models may set their own.")
+        "the attempt) moves on to the next endpoint of the fallback plan; models may set their own, and a "
+        "priority class's `first_token_deadline` (or `ttft_objective`) takes precedence.")
+    hang_detection: HangSpec = Field(default_factory=HangSpec)
     dependencies: Dependencies = Field(default_factory=Dependencies)

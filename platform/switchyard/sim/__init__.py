@@ -21,7 +21,8 @@ without anything else noticing.
 Layout: the tokenizer, generated text and chat template are ``switchyard.simtext``'s · ``kv`` (block
 pool, prefix cache) · ``request`` / ``core`` (the synchronous scheduler: ``step()``) ·
 ``profiles`` (hardware cost models) · ``runtime`` (the asyncio engine loop on an anchored
-clock) · ``protocol`` / ``responses`` / ``generate`` (the OpenAI surface) · ``metrics`` ·
+clock; the stalling fault modes) · ``protocol`` / ``responses`` / ``generate`` / ``streaming`` (the OpenAI
+surface) · ``metrics`` ·
 ``faults`` · ``garbage`` (the garbage fault modes' answers) · ``app`` (Litestar app) · ``listener``
 (closing and reopening a socket: fault ``down``)
 · ``control`` (the fault control app) · ``fault_client`` (its client, for the CLI) · ``serve`` (uvicorn

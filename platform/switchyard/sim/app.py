@@ -129,11 +129,12 @@ def get_faults(state: State) -> dict[str, Any]:
 async def set_faults(request: Request[Any, Any, Any], state: State) -> Response[bytes]:
     """Change the fault settings; answers all of them.
 
-    Body: any of ``{"mode": "none"|"slow"|"hang"|"down"|"unavailable", "slow_factor": float,
-    "error_rate": float, "throttle_rate": float, "overload_rate": float, "abort_rate": float,
-    "abort_after_tokens": int}`` (settings left out keep their value); 400 naming the problem
-    otherwise. ``down`` closes this very port once the answer is sent, so only the process's
-    control server (``switchyard sim --control-port``) can bring the engine back.
+    Body: any of ``{"mode": "none"|"slow"|"drip"|"hang"|"down"|"unavailable"|a garbage mode,
+    "slow_factor": float, "drip_interval_s": float, "error_rate": float, "throttle_rate": float,
+    "overload_rate": float, "abort_rate": float, "abort_after_tokens": int, "abort_with":
+    "close"|"error"}`` (settings left out keep their value; ``faults.py`` says what each does); 400
+    naming the problem otherwise. ``down`` closes this very port once the answer is sent, so only
+    the process's control server (``switchyard sim --control-port``) can bring the engine back.
     """
     engine = _engine(state)
     try:

@@ -314,12 +314,11 @@ class EngineCore:
         self.steps += 1
         self.busy_seconds += duration
         stats = self.stats
-        if tokens:
-            stats.iteration_tokens.observe(tokens)
         result = StepResult(start=start, duration=duration, scheduled=len(scheduled),
                             prefill_tokens=prefill, decode_tokens=tokens - prefill,
                             preempted=preempted)
         itl: dict[float, int] = {}
+        first_prompts = 0  # prompt tokens computed for the requests that got their first token
         for req, n in scheduled.items():
             req.num_computed += n
             self.register_full_blocks(req)
@@ -331,6 +330,7 @@ class EngineCore:
                 stats.ttft.observe(end - req.arrival)
                 stats.prompt_tokens += len(req.prompt)
                 stats.prompt_tokens_cached += req.num_cached_tokens
+                first_prompts += len(req.prompt) - req.num_cached_tokens
             else:
                 gap = end - req.last_token_at
                 itl[gap] = itl.get(gap, 0) + 1
@@ -340,6 +340,10 @@ class EngineCore:
                 self.finish(req, end)
                 result.finished.append(req)
         stats.generation_tokens += len(result.emitted)
+        if result.emitted:
+            # As vLLM 0.32 (IterationStats, recorded once per batch of engine outputs): only a step that
+            # produced outputs, with the prompt tokens computed for its first tokens plus the tokens generated.
+            stats.iteration_tokens.observe(first_prompts + len(result.emitted))
         stats.preemptions += len(preempted)
         for gap, count in itl.items():
             stats.itl.observe(gap, count)

@@ -12,8 +12,9 @@ sentence alike. Token-id inputs are hashed from their ids (unigrams and bigrams)
 Embeddings do not go through the engine's scheduler, KV cache or ``/metrics``: every simulated
 engine answers them (the simulator does not tell generative from pooling models apart), and a
 request takes one simulated forward pass over its inputs (the profile's frontend overhead plus one
-step over all their tokens), stretched by the ``slow`` fault mode and held by ``hang``; ``error``
-and ``down`` answer as they do for generation.
+step over all their tokens), stretched by the ``slow`` fault mode, held by ``hang`` and, in ``drip``,
+taking at least ``drip_interval_s`` (one step per interval); ``error`` and ``down`` answer as they
+do for generation.
 """
 
 from __future__ import annotations
@@ -262,12 +263,14 @@ async def _until_gone(watch: ClientWatch, waiting: asyncio.Future[Any]) -> bool:
 
 async def _take_time(engine: EngineRuntime, watch: ClientWatch, sim_seconds: float) -> bool:
     """Hold the request while the fault mode is ``hang``, then for its simulated duration (times the
-    ``slow`` factor); False when the client left meanwhile."""
+    ``slow`` factor; at least the drip interval in ``drip``); False when the client left meanwhile."""
     faults = engine.faults
-    while faults.mode == "hang":
+    while faults.hung:
         if not await _until_gone(watch, asyncio.ensure_future(faults.wait_changed())):
             return False
     delay = sim_seconds * faults.step_factor / engine.scale
+    if faults.mode == "drip":
+        delay = max(delay, faults.drip_interval_s)
     return await _until_gone(watch, asyncio.ensure_future(asyncio.sleep(delay)))
 
 

@@ -3,10 +3,11 @@
 These are the hot path and need things a framework response object does not give: noticing
 a client that disconnects while nothing is being written (to abort its request and free its
 KV blocks, as vLLM does), and writing every token that piled up while a slow consumer was
-busy in a single ``send``. The fault rates (``faults.py``) are applied here too, to the
-generation and embeddings handlers alike: rejections before the request reaches the scheduler,
-broken-off answers while they are written; and the garbage modes to generation requests
-(``garbage.py``).
+busy in a single ``send`` (``streaming.py``). The fault rates (``faults.py``) are applied here too,
+to the generation and embeddings handlers alike: rejections before the request reaches the
+scheduler, broken-off answers while they are written; and the garbage modes to generation requests
+(``garbage.py``). The stalling modes (``hang``, ``drip``) are the engine loop's (``runtime.py``): a
+request is accepted and submitted as usual, and waits for the steps that do not come.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from typing import Any, NamedTuple
 
 from switchyard.sim.faults import GARBAGE_MODES
 from switchyard.sim.garbage import send_garbage
-from switchyard.sim.logprobs import chat_logprobs, completion_logprobs
 from switchyard.sim.protocol import (
     ApiError,
     GenerationSpec,
@@ -29,9 +29,10 @@ from switchyard.sim.protocol import (
     plan_output,
 )
 from switchyard.sim.request import SimRequest
-from switchyard.sim.responses import DONE, ChoiceOutput, ResponseShaper, Usage
+from switchyard.sim.responses import ChoiceOutput, ResponseShaper
 from switchyard.sim.runtime import Channel, EngineRuntime, Waker
-from switchyard.simtext.tokens import VOCAB_TEXT, detokenize
+from switchyard.sim.streaming import logprobs_of, stream_choices, usage_of
+from switchyard.simtext.tokens import detokenize
 
 Scope = dict[str, Any]
 Receive = Callable[[], Any]
@@ -39,7 +40,6 @@ Send = Callable[[dict[str, Any]], Any]
 
 log = logging.getLogger("switchyard.sim")
 _JSON = [(b"content-type", b"application/json")]
-_SSE = [(b"content-type", b"text/event-stream; charset=utf-8")]
 _METHOD_NOT_ALLOWED = b'{"detail":"Method Not Allowed"}'
 _RETRY = ((b"retry-after", b"1"),)
 #: The answers of the rejecting fault outcomes: status, body, extra headers.
@@ -153,8 +153,6 @@ async def handle_generation(engine: EngineRuntime, chat: bool, scope: Scope, rec
 
     watch = ClientWatch(receive, abort_all)
     try:
-        if engine.faults.mode == "hang" and not await _hang(engine, watch):
-            return
         headers = dict(scope.get("headers") or [])
         request_id = headers.get(b"x-request-id", b"").decode("latin-1") or None
         traceparent = headers.get(b"traceparent")
@@ -172,7 +170,8 @@ async def handle_generation(engine: EngineRuntime, chat: bool, scope: Scope, rec
                     for p, prompt in enumerate(spec.prompts) for j in range(spec.n)]
         abort_after = engine.faults.abort_after_tokens if accepted.abort else None
         if spec.stream:
-            await _stream(send, spec, shaper, channels, waker, engine.core.block_size, abort_after)
+            await stream_choices(send, spec, shaper, channels, waker, engine.core.block_size, abort_after,
+                                 fail=engine.faults.abort_with == "error", on_break=abort_all)
         else:
             await _complete(send, spec, shaper, channels, waker, engine.core.block_size, accepted.abort)
     except Exception:  # a bug in the simulator, not a client mistake: log it and answer 500
@@ -184,26 +183,12 @@ async def handle_generation(engine: EngineRuntime, chat: bool, scope: Scope, rec
         abort_all()  # a no-op for finished requests; frees KV if we stopped early
 
 
-async def _hang(engine: EngineRuntime, watch: ClientWatch) -> bool:
-    """Hold the request without a byte until the mode changes (True) or the client leaves."""
-    while engine.faults.mode == "hang":
-        change = asyncio.ensure_future(engine.faults.wait_changed())
-        gone = asyncio.ensure_future(watch.gone.wait())
-        try:
-            await asyncio.wait({change, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            change.cancel()
-            gone.cancel()
-        if watch.gone.is_set():
-            return False
-    return True
-
-
 def _submit(engine: EngineRuntime, spec: GenerationSpec, base_id: str, index: int, sample: int,
             prompt: list[int], waker: Waker, requests: list[SimRequest]) -> Channel:
     cfg = engine.config
     n, reason, seed = plan_output(spec, prompt, cfg.max_model_len, cfg.seed, sample)
-    stop = find_stop(seed, n, spec.stop) if spec.stop else None
+    start = 1 if spec.continues else 0  # a continued message goes on mid-sentence
+    stop = find_stop(seed, n, spec.stop, start) if spec.stop else None
     if stop is not None:
         n, reason = stop[0], "stop"
     room = cfg.max_model_len - len(prompt)
@@ -212,31 +197,12 @@ def _submit(engine: EngineRuntime, spec: GenerationSpec, base_id: str, index: in
                      cache_salt=spec.cache_salt,
                      budget=room if spec.max_tokens is None else min(spec.max_tokens, room),
                      n_param=spec.n if sample == 0 else 0,
-                     stop_reason=stop[1] if stop else None, text_len=stop[2] if stop else None)
+                     stop_reason=stop[1] if stop else None, text_len=stop[2] if stop else None,
+                     text_start=start)
     channel = Channel(req, waker)
     requests.append(req)
     engine.submit(req, channel)
     return channel
-
-
-def _usage(spec: GenerationSpec, channels: list[Channel], block_size: int, *, first: bool) -> Usage:
-    """The response's usage, counted as vLLM counts it: each prompt once whatever ``n``, and
-    the cache figures of one request (a stream's first, a full response's last prompt)."""
-    lead = channels[0] if first else channels[-spec.n]
-    cached = lead.request.num_cached_tokens
-    created = max(0, len(lead.request.prompt) // block_size * block_size - cached)
-    return Usage(prompt_tokens=sum(len(p) for p in spec.prompts),
-                 completion_tokens=sum(len(c.request.output) for c in channels),
-                 cached_tokens=cached, created_cache_tokens=created)
-
-
-def _logprobs(spec: GenerationSpec, req: SimRequest, start: int, ids: list[int],
-              text_offset: int) -> dict[str, Any] | None:
-    if spec.logprobs is None:
-        return None
-    if spec.chat:
-        return chat_logprobs(req.seed, start, ids, spec.logprobs)
-    return completion_logprobs(req.seed, start, ids, spec.logprobs, text_offset)
 
 
 async def _complete(send: Send, spec: GenerationSpec, shaper: ResponseShaper,
@@ -247,98 +213,6 @@ async def _complete(send: Send, spec: GenerationSpec, shaper: ResponseShaper,
         return
     outputs = [ChoiceOutput(text=detokenize(c.request.output)[:c.request.text_len],
                             finish_reason=c.request.finish_reason or "length", stop_reason=c.request.stop_reason,
-                            logprobs=_logprobs(spec, c.request, 0, c.request.output, 0)) for c in channels]
-    body = shaper.full_body(outputs, _usage(spec, channels, block_size, first=False))
+                            logprobs=logprobs_of(spec, c.request, 0, c.request.output, 0)) for c in channels]
+    body = shaper.full_body(outputs, usage_of(spec, channels, block_size, first=False))
     await (send_cut(send, body) if cut else send_json(send, 200, body))
-
-
-class _SlowChunks:
-    """Chunks built one by one, for streams that carry per-token data (logprobs, usage)."""
-
-    def __init__(self, spec: GenerationSpec, shaper: ResponseShaper, channels: list[Channel]) -> None:
-        self.spec = spec
-        self.shaper = shaper
-        self.channels = channels
-        self.text_offsets = [0] * len(channels)
-
-    def prompt_len(self, index: int) -> int:
-        return len(self.channels[index].request.prompt)
-
-    def role(self, index: int) -> bytes:
-        usage = (Usage(self.prompt_len(index), 0, 0, 0).running(chat=True)
-                 if self.spec.continuous_usage else None)
-        return self.shaper.role_chunk(index, usage)
-
-    def tokens(self, index: int, start: int, ids: list[int], finish_reason: str | None) -> bytes:
-        spec, req = self.spec, self.channels[index].request
-        out: list[bytes] = []
-        for k, token in enumerate(ids or [None]):
-            piece = [] if token is None else [token]
-            last = k == max(len(ids), 1) - 1
-            logprobs = _logprobs(spec, req, start + k, piece, self.text_offsets[index])
-            self.text_offsets[index] += sum(len(VOCAB_TEXT[t]) for t in piece)
-            usage = (Usage(self.prompt_len(index), start + k + len(piece), 0, 0).running(chat=spec.chat)
-                     if spec.continuous_usage else None)
-            final = finish_reason if last else None
-            text = _last_text(req) if final is not None else None
-            out.append(self.shaper.chunk(index, piece, final, logprobs, usage, req.stop_reason if final else None,
-                                         text))
-        return b"".join(out)
-
-
-def _last_text(req: SimRequest) -> str | None:
-    """Text of the last token of an output a stop string cut short (None when none did)."""
-    if req.text_len is None or not req.output:
-        return None
-    full = detokenize(req.output)
-    before = len(full) - len(VOCAB_TEXT[req.output[-1]])
-    return full[before:req.text_len] if req.text_len > before else ""
-
-
-async def _stream(send: Send, spec: GenerationSpec, shaper: ResponseShaper, channels: list[Channel],
-                  waker: Waker, block_size: int, abort_after: int | None) -> None:
-    """Stream the choices; with ``abort_after``, stop for good after that many content tokens
-    (fewer if the choices end first), leaving the answer incomplete (fault ``abort_rate``)."""
-    await send({"type": "http.response.start", "status": 200, "headers": _SSE})
-    slow = _SlowChunks(spec, shaper, channels) if (
-        spec.logprobs is not None or spec.continuous_usage) else None
-    pending: list[bytes] = []
-    if spec.chat:
-        pending.extend(slow.role(i) if slow else shaper.role_chunk(i) for i in range(len(channels)))
-    seen = [0] * len(channels)
-    budget = abort_after  # content tokens still to send before breaking off (None: never)
-    while True:
-        done = True
-        for i, ch in enumerate(channels):
-            if ch.aborted:
-                return
-            visible = ch.visible if budget is None else min(ch.visible, seen[i] + budget)
-            if budget is not None:
-                budget -= visible - seen[i]
-            if visible > seen[i]:
-                ids = ch.request.output[seen[i]:visible]
-                final = ch.finished and visible == len(ch.request.output)
-                reason = ch.request.finish_reason if final else None
-                pending.append(slow.tokens(i, seen[i], ids, reason) if slow else shaper.token_chunks(
-                    i, ids, reason, ch.request.stop_reason, _last_text(ch.request) if final else None))
-                seen[i] = visible
-            if not (ch.finished and seen[i] == len(ch.request.output)):
-                done = False
-        if budget is not None and (budget == 0 or done):
-            if pending:
-                await send({"type": "http.response.body", "body": b"".join(pending), "more_body": True})
-            return  # no usage, no [DONE], no end of the chunked body: the server drops the connection
-        if done:
-            break
-        if pending and any(seen):
-            # Everything that piled up while the client was slow goes out in one write. (The role
-            # chunks wait for the first token, as vLLM's do: they come with its first engine output.)
-            body = b"".join(pending)
-            pending.clear()
-            await send({"type": "http.response.body", "body": body, "more_body": True})
-        else:
-            await waker.wait()
-    if spec.include_usage:
-        pending.append(shaper.usage_chunk(_usage(spec, channels, block_size, first=True)))
-    pending.append(DONE)
-    await send({"type": "http.response.body", "body": b"".join(pending), "more_body": False})

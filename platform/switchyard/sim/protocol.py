@@ -1,7 +1,9 @@
 """Parsing and validating OpenAI-style generation requests, in vLLM's order and with its errors.
 
 The checks run in the order vLLM 0.32's OpenAI server runs them, so a request with several
-mistakes gets the same answer from both: the body's field types (pydantic, lax mode), the
+mistakes gets the same answer from both: chat's ``continue_final_message`` with
+``add_generation_prompt`` (a model validator that runs before any field is read), the body's field
+types (pydantic, lax mode), the
 request validators (``stream_options``, ``cache_salt``, a missing prompt), the model name
 (404), ``max_tokens`` against the context window, rendering the prompt, the prompt's length,
 then the sampling parameters (``n``, ``temperature``, ``top_p``, the output budget,
@@ -62,6 +64,8 @@ class GenerationSpec:
             ``top_logprobs`` when ``logprobs`` is true), or None for no log-probabilities.
         role: Role of a chat answer (the last message's when ``add_generation_prompt`` is false).
         stop: Stop strings: the output ends where its text first contains one.
+        continues: The answer continues the chat's final message (``continue_final_message``): its
+            text goes on mid-sentence instead of starting one.
     """
 
     chat: bool
@@ -79,6 +83,7 @@ class GenerationSpec:
     logprobs: int | None = None
     role: str = "assistant"
     stop: tuple[str, ...] = ()
+    continues: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,7 @@ def _read_fields(body: dict[str, Any], chat: bool) -> _Fields:
     priority = f.get_int("priority")
     if chat:
         f.get_bool("add_generation_prompt", True)
+        f.get_bool("continue_final_message")
 
     # Request validators (vLLM's own messages, after the field types are known to be right).
     if body.get("stream_options") is not None and not stream:
@@ -286,6 +292,10 @@ def parse_generation(body: dict[str, Any], *, chat: bool, served_model: str, voc
         ApiError: 400 for a malformed request, 404 for an unknown model.
     """
     if chat:
+        # vLLM's check_generation_prompt, a "before" model validator: it reads the raw values (any truthy
+        # pair, before a field is validated) and runs ahead of every check but FastAPI's JSON decoding.
+        if body.get("continue_final_message") and body.get("add_generation_prompt"):
+            raise bad("Cannot set both `continue_final_message` and `add_generation_prompt` to True.", None)
         if "messages" not in body:
             raise invalid("missing", "body.messages", "Field required", body)
         messages = check_messages(body["messages"])
@@ -302,14 +312,19 @@ def parse_generation(body: dict[str, Any], *, chat: bool, served_model: str, voc
                   f"Please request fewer output tokens.", name, fields.max_tokens)
 
     role = "assistant"
+    continues = False
     if chat:
         if not messages:
             raise bad("Cannot apply chat template to an empty conversation. Provide at least one "
                       "message.", None)
         add_gen = body.get("add_generation_prompt")
         add_gen = True if add_gen is None else lax_bool(add_gen, "body.add_generation_prompt")
+        continue_final = body.get("continue_final_message")
+        continues = continue_final is not None and lax_bool(continue_final, "body.continue_final_message")
         try:
-            prompts = [render_chat(messages, body.get("tools"), body.get("response_format"), add_gen)]
+            # With add_generation_prompt left at its default, the template refuses continue_final_message
+            # (vLLM answers its words as a 400).
+            prompts = [render_chat(messages, body.get("tools"), body.get("response_format"), add_gen, continues)]
         except ChatFormatError as exc:
             raise bad(str(exc), None) from None
         from_text = True
@@ -328,7 +343,8 @@ def parse_generation(body: dict[str, Any], *, chat: bool, served_model: str, voc
         chat=chat, prompts=prompts, max_tokens=fields.max_tokens, min_tokens=fields.min_tokens,
         stream=fields.stream, include_usage=fields.include_usage, priority=fields.priority,
         seed=fields.seed, cache_salt=fields.cache_salt, n=fields.n, ignore_eos=fields.ignore_eos,
-        continuous_usage=fields.continuous_usage, logprobs=fields.logprobs, role=role, stop=fields.stop)
+        continuous_usage=fields.continuous_usage, logprobs=fields.logprobs, role=role, stop=fields.stop,
+        continues=continues)
 
 
 def plan_output(spec: GenerationSpec, prompt: list[int], max_model_len: int, engine_seed: int,
@@ -353,8 +369,9 @@ def plan_output(spec: GenerationSpec, prompt: list[int], max_model_len: int, eng
 
 
 
-def find_stop(seed: int, count: int, stops: tuple[str, ...]) -> tuple[int, str, int] | None:
-    """Where the text generated from ``seed`` first contains a stop string, as vLLM checks it.
+def find_stop(seed: int, count: int, stops: tuple[str, ...], offset: int = 0) -> tuple[int, str, int] | None:
+    """Where the text generated from ``seed`` (from filler position ``offset``) first contains a stop
+    string, as vLLM checks it.
 
     After each token, the text that token could have completed is searched for each stop string
     in order. Returns the number of tokens generated (the one that completed the stop string
@@ -363,7 +380,7 @@ def find_stop(seed: int, count: int, stops: tuple[str, ...]) -> tuple[int, str, 
     """
     longest = max(len(s) for s in stops)
     text = ""
-    for k, token in enumerate(filler_ids(seed, 0, count)):
+    for k, token in enumerate(filler_ids(seed, offset, offset + count)):
         start = max(0, len(text) - longest + 1)
         text += VOCAB_TEXT[token]
         for stop in stops:

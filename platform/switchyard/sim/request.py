@@ -43,6 +43,8 @@ class SimRequest:
         stop_reason: The stop string that ends the output, if one does.
         text_len: Characters of the output's text a client sees (it ends before the stop
             string), or None for all of it.
+        text_start: Where in the seed's filler text the output starts: 0 opens a sentence, 1
+            continues one (a chat's ``continue_final_message``).
     """
 
     request_id: str
@@ -57,6 +59,7 @@ class SimRequest:
     n_param: int = 1
     stop_reason: str | None = None
     text_len: int | None = None
+    text_start: int = 0
     seq: int = 0
     status: Status = Status.WAITING
     output: list[int] = field(default_factory=list)
@@ -81,7 +84,7 @@ class SimRequest:
 
     def generate(self, count: int) -> None:
         """Append the next ``count`` generated tokens (deterministic in ``seed``)."""
-        done = len(self.output)
+        done = len(self.output) + self.text_start
         self.output.extend(filler_ids(self.seed, done, done + count))
 
     def tokens(self, start: int, stop: int) -> list[int]:

@@ -27,6 +27,11 @@ import msgspec
 from switchyard.simtext.tokens import VOCAB_JSON, detokenize
 
 DONE = b"data: [DONE]\n\n"
+#: The event vLLM 0.32 writes when a request fails mid-stream (the engine finished it with reason ``error``:
+#: its stream generators catch the ``GenerationError``), byte for byte: ``json.dumps`` of its ``ErrorResponse``
+#: (``create_streaming_error_response``, ``vllm/entrypoints/generate/base/serving.py``). ``DONE`` follows it.
+STREAM_ERROR = (b'data: {"error": {"message": "Internal server error", "type": "InternalServerError", '
+                b'"param": null, "code": 500}}\n\n')
 #: The vLLM release whose API the simulator reproduces (also in ``system_fingerprint``).
 VLLM_VERSION = "0.32.0"
 

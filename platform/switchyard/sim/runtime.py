@@ -11,12 +11,19 @@ granularity of delivery coarsens while the process is saturated.
 
 While nothing is queued the loop waits on an event (no polling); a request arriving then
 jumps the idle clock forward to "now".
+
+The stalling fault modes (``faults.py``) are applied here, between steps: in ``hang`` the loop
+computes no step and holds the tokens of the step in flight until the mode changes; in ``drip`` it
+computes one step at a time, at most one per ``drip_interval_s``. When a stall ends, the core's clock
+jumps to "now" (``EngineCore.advance_to``): the stalled wall-clock time is time the engine spent
+doing nothing, not steps to catch up on, and the latencies vLLM would measure across it include it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections import deque
 from typing import Any, Protocol
 
@@ -128,6 +135,8 @@ class EngineRuntime:
                                               config.max_num_seqs)
         self.scale = config.time_scale
         self.lag_s = 0.0
+        #: Wall-clock seconds the engine loop spent stalled (fault modes ``hang`` and ``drip``).
+        self.stalled_s = 0.0
         self._wall0 = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = asyncio.Event()
@@ -264,7 +273,9 @@ class EngineRuntime:
     async def _run(self) -> None:
         loop = self._loop_or_fail()
         core = self.core
+        faults = self.faults
         live = self._live
+        last_step = -math.inf  # loop time of the last step computed (drip spaces them out)
         while True:
             if not core.has_work():
                 self._wake.clear()
@@ -272,19 +283,43 @@ class EngineRuntime:
                 # wake-up latency must not be charged to the request.
                 await self._wake.wait()
                 continue
-            core.slow_factor = self.faults.step_factor
-            # One step when on time; every step up to "now" when behind (one delivery each).
+            if faults.hung:
+                await self._stall(None)
+                continue
+            dripping = faults.mode == "drip"
+            if dripping and loop.time() < last_step + faults.drip_interval_s:
+                await self._stall(last_step + faults.drip_interval_s)
+                continue
+            core.slow_factor = faults.step_factor
+            # One step when on time; every step up to "now" when behind (one delivery each). A drip
+            # makes exactly one: the wall clock it spent stalled was skipped, not owed.
             now = self.wall_to_sim()
             self.lag_s = max(0.0, now - core.now)
-            emitted = core.advance(until=now, max_steps=MAX_STEPS_PER_WAKE)
+            emitted = core.step().emitted if dripping else core.advance(until=now, max_steps=MAX_STEPS_PER_WAKE)
+            last_step = loop.time()
             delay = self._wall0 + core.now / self.scale - loop.time()
             await asyncio.sleep(max(delay, 0.0))  # sleep(0) still lets handlers run
+            while faults.hung:  # hung while the step ran: its outputs wait for the engine to resume
+                await self._stall(None)
             for req in emitted:
                 if req.status is Status.FINISHED:
                     live.discard(req)
                 sink = req.sink
                 if sink is not None:
                     sink.publish(req)
+
+    async def _stall(self, until: float | None) -> None:
+        """Let wall-clock time pass without a step, until loop time ``until`` (None: no limit) or the next
+        fault settings change, whichever comes first; then jump the core's clock over the stall."""
+        loop = self._loop_or_fail()
+        started = loop.time()
+        change = asyncio.ensure_future(self.faults.wait_changed())
+        try:
+            await asyncio.wait({change}, timeout=None if until is None else max(0.0, until - started))
+        finally:
+            change.cancel()
+        self.stalled_s += loop.time() - started
+        self.core.advance_to(self.wall_to_sim())
 
     def snapshot(self) -> dict[str, Any]:
         """Engine internals for ``/sim/state``."""
@@ -312,6 +347,7 @@ class EngineRuntime:
             "profile": cfg.profile.name,
             "time_scale": self.scale,
             "lag_s": self.lag_s,
+            "stalled_s": self.stalled_s,
             "in_flight": self.in_flight,
             "max_num_seqs": cfg.max_num_seqs,
             "max_num_batched_tokens": cfg.max_num_batched_tokens,

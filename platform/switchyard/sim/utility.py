@@ -56,8 +56,12 @@ def token_ids(body: dict[str, Any], served_model: str) -> list[int]:
     """
     f = Fields(body)
     if "messages" in body:
+        # vLLM's TokenizeChatRequest has the chat completion's "before" validator of the two flags.
+        if body.get("continue_final_message") and body.get("add_generation_prompt"):
+            raise bad("Cannot set both `continue_final_message` and `add_generation_prompt` to True.", None)
         messages = check_messages(body["messages"])
         add_gen = f.get_bool("add_generation_prompt", True)
+        continue_final = f.get_bool("continue_final_message")
     else:
         if "prompt" not in body:
             raise ApiError(400, "1 validation error:\n  {'type': 'missing', 'loc': 'body.prompt', "
@@ -71,7 +75,7 @@ def token_ids(body: dict[str, Any], served_model: str) -> list[int]:
     if "messages" not in body:
         return [_BOS, *tokenize(prompt)] if special else tokenize(prompt)
     try:
-        return render_chat(messages, body.get("tools"), None, add_gen)
+        return render_chat(messages, body.get("tools"), None, add_gen, continue_final)
     except ChatFormatError as exc:
         raise bad(str(exc), None) from None
 

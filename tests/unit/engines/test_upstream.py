@@ -10,7 +10,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from switchyard.engines.streams import StreamRelay, first_chunk
+from switchyard.engines.streams import Leg, StreamRelay, first_chunk
 from switchyard.engines.upstream import (
     UpstreamFailure,
     UpstreamTimeouts,
@@ -81,6 +81,14 @@ async def test_a_second_close_is_a_broken_upstream_not_a_third_try() -> None:
 # --- answers that are no answer -------------------------------------------------------------------------------
 
 
+async def read_request(reader: asyncio.StreamReader) -> None:
+    """Read one request (its head and its body) off a connection."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    await reader.readexactly(length)
+
+
 class ScriptedServer:
     """Answers every request with ``pieces``, written one by one (a short pause between them), then
     closes the connection; counts the connections it was given."""
@@ -92,10 +100,7 @@ class ScriptedServer:
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                           if line.lower().startswith(b"content-length:")), 0)
-            await reader.readexactly(length)
+            await read_request(reader)
             for piece in self.pieces:
                 writer.write(piece)
                 await writer.drain()
@@ -214,8 +219,8 @@ async def _relay(upstream: Upstream, *pieces: bytes, max_event_bytes: int = 1000
                  strip_usage: bool = False) -> tuple[bytes, list[bool], StreamRelay]:
     response = await upstream.post(*pieces)
     outcomes: list[bool] = []
-    relay = StreamRelay(response, await first_chunk(response), outcomes.append, max_event_bytes=max_event_bytes,
-                        strip_usage=strip_usage)
+    relay = StreamRelay(Leg(response, await first_chunk(response), lambda _end: None), outcomes.append,
+                        max_event_bytes=max_event_bytes, strip_usage=strip_usage)
     out = [chunk async for chunk in relay.chunks()]
     assert all(chunk.endswith(b"\n\n") for chunk in out)  # whole events only, always
     return b"".join(out), outcomes, relay

@@ -14,6 +14,7 @@ def finish(activity: Activity, at: float, status: int = 200, *, pool: str | None
     record = activity.begin(rid, "chat", started=0.0, now=at)
     record.pool = pool
     record.ttft_s = ttft
+    record.stream = ttft is not None  # (only streams' TTFTs count; a test says otherwise with stream=False)
     record.duration_s = 0.5
     for name, value in fields.items():
         setattr(record, name, value)

@@ -59,3 +59,37 @@ def test_record_json_has_no_secrets_and_is_plain() -> None:
     assert not {"started", "shed", "broken", "authorization", "api_key", "prompt", "messages"} & set(data)
 
 
+
+
+def test_only_streams_give_ttft_and_batch_lines_are_counted_apart() -> None:
+    """A non-streamed answer's first byte is its whole body: its time is no TTFT. Batch lines stay out of the
+    interactive figures (and out of their memory), counted on their own."""
+    activity = Activity(started=T0 - 100, seed=1)
+    finish(activity, T0, ttft=0.05, rid="stream")
+    finish(activity, T0, ttft=4.0, stream=False, rid="whole")
+    for i in range(7):
+        finish(activity, T0, 200 if i else 429, ttft=9.0, batch=True, rid=f"batch-{i}")
+    total = summary(activity, window_s=10, now=T0 + 1)["total"]
+    assert (total["requests"], total["ok"], total["limited"]) == (2, 2, 0)
+    assert total["ttft_p50_ms"] == total["ttft_p99_ms"] == 50.0
+    assert (total["batch_lines"], total["batch_ok"]) == (7, 6)
+    assert [r.request_id for r in activity.recent(lane="interactive")] == ["whole", "stream"]
+    assert [r.request_id for r in activity.recent(lane="batch", limit=2)] == ["batch-6", "batch-5"]
+    assert len(activity.recent(limit=100)) == 9 and activity.get("batch-0") is not None
+
+
+def test_batch_lines_do_not_push_interactive_requests_out() -> None:
+    activity = Activity(recent=5)
+    finish(activity, T0, rid="interactive")
+    for i in range(50):
+        finish(activity, T0 + 1 + i, batch=True, rid=f"line-{i}")
+    assert [r.request_id for r in activity.recent(lane="interactive")] == ["interactive"]
+    assert activity.recent()[0].request_id == "line-49" and activity.recent()[-1].request_id == "interactive"
+
+
+def test_the_cache_hit_rate_comes_with_its_base() -> None:
+    activity = Activity(started=T0 - 100)
+    for i, cache in enumerate(("hit", "hit", "miss", "none", "none")):
+        finish(activity, T0, cache=cache, rid=f"r{i}")
+    total = summary(activity, window_s=10, now=T0 + 1)["total"]
+    assert (total["cache_hit_rate"], total["cache_lookups"], total["requests"]) == (0.6667, 3, 5)

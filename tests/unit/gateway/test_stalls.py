@@ -10,6 +10,9 @@ import pytest
 
 from switchyard.gateway.stalls import PREFIX, StallSampler
 
+# Timings compared with what they should be: no other test competes for the cores meanwhile.
+pytestmark = pytest.mark.alone
+
 
 def hog_the_loop() -> None:
     time.sleep(0.06)  # a blocking call on the loop: every request waits for it

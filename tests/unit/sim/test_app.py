@@ -83,18 +83,19 @@ async def test_client_mistakes_never_500(client: AsyncTestClient) -> None:  # ty
 
 async def test_fault_settings_validate_and_round_trip(client: AsyncTestClient) -> None:  # type: ignore[type-arg]
     assert (await client.get("/sim/faults")).json() == {
-        "mode": "none", "slow_factor": 5.0, "error_rate": 0.0, "throttle_rate": 0.0, "overload_rate": 0.0,
-        "abort_rate": 0.0, "abort_after_tokens": 4}
+        "mode": "none", "slow_factor": 5.0, "drip_interval_s": 2.0, "error_rate": 0.0, "throttle_rate": 0.0,
+        "overload_rate": 0.0, "abort_rate": 0.0, "abort_after_tokens": 4, "abort_with": "close"}
     for bad in ({"mode": "broken"}, {"mode": "error"}, {"error_rate": 2}, {"slow_factor": 0}, {"colour": 1}, [1],
-                {"abort_after_tokens": -1}, {"throttle_rate": "x"}):
+                {"abort_after_tokens": -1}, {"throttle_rate": "x"}, {"drip_interval_s": 0}, {"abort_with": "drop"}):
         resp = await client.post("/sim/faults", json=bad)
         assert resp.status_code == 400
         assert resp.json()["error"]["type"] == "BadRequestError"
-    resp = await client.post("/sim/faults", json={"error_rate": 0.25, "abort_after_tokens": 2})
+    resp = await client.post("/sim/faults", json={"error_rate": 0.25, "abort_after_tokens": 2,
+                                                  "drip_interval_s": 0.5, "abort_with": "error"})
     assert resp.status_code == 200
     assert resp.json() == (await client.get("/sim/faults")).json() == {
-        "mode": "none", "slow_factor": 5.0, "error_rate": 0.25, "throttle_rate": 0.0, "overload_rate": 0.0,
-        "abort_rate": 0.0, "abort_after_tokens": 2}
+        "mode": "none", "slow_factor": 5.0, "drip_interval_s": 0.5, "error_rate": 0.25, "throttle_rate": 0.0,
+        "overload_rate": 0.0, "abort_rate": 0.0, "abort_after_tokens": 2, "abort_with": "error"}
 
 
 async def test_error_rate_is_a_fraction(client: AsyncTestClient) -> None:  # type: ignore[type-arg]
@@ -171,3 +172,40 @@ async def test_multi_turn_conversation_reuses_the_previous_turn(client: AsyncTes
     # Everything up to the last full block of the previous turn's output is reused.
     assert cached >= (previous - 1) // 16 * 16 - 16
     assert cached > first["usage"]["prompt_tokens"]
+
+
+#: vLLM 0.32's event for a request that fails mid-stream (``json.dumps`` of its ErrorResponse), then [DONE].
+STREAM_ERROR = ('{"error": {"message": "Internal server error", "type": "InternalServerError", "param": null, '
+                '"code": 500}}')
+
+
+@pytest.fixture
+async def real_time() -> AsyncIterator[AsyncTestClient]:  # type: ignore[type-arg]
+    """An engine on the wall clock: at time scale 1000 a short answer is computed in one go, before
+    its first token is shown (the loop is always "behind"), so there is nothing left to abort."""
+    async with AsyncTestClient(app=create_engine_app(EngineConfig(served_model="m", port=1, seed=1))) as c:
+        yield c
+
+
+@pytest.mark.parametrize(("after", "max_tokens", "tokens"), [(2, 10, 2), (0, 10, 0), (10, 4, 2), (5, 1, 0)])
+async def test_abort_with_error_ends_a_stream_with_vllms_error_event(
+        real_time: AsyncTestClient, after: int, max_tokens: int, tokens: int) -> None:  # type: ignore[type-arg]
+    client = real_time
+    await client.post("/sim/faults", json={"abort_rate": 1, "abort_with": "error", "abort_after_tokens": after})
+    resp = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert resp.status_code == 200
+    assert resp.text.endswith(f"data: {STREAM_ERROR}\n\ndata: [DONE]\n\n")  # the response is ended properly
+    events = _events(resp.text)
+    chunks = [msgspec.json.decode(e) for e in events[:-2]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert len(chunks) == 1 + tokens  # never the usage chunk, never a finish_reason
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
+    state = (await client.get("/sim/state")).json()
+    assert state["aborted"] == 1 and state["in_flight"] == 0 and state["kv_blocks_used"] == 0
+    assert state["faulted"]["abort"] == 1
+    # A text completion the same way.
+    text = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": max_tokens, "stream": True})
+    assert text.text.endswith(f"data: {STREAM_ERROR}\n\ndata: [DONE]\n\n")
+    assert len(_events(text.text)) == tokens + 2

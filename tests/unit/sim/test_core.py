@@ -292,3 +292,47 @@ def test_advance_uses_decode_runs(make_core: CoreFactory) -> None:
     assert set(emitted) == set(reqs)  # each reported once, however many steps ran
     assert core.steps > 20
     assert all(len(r.output) == core.steps for r in reqs)
+
+
+def test_iteration_tokens_are_observed_as_vllm_observes_them(make_core: CoreFactory) -> None:
+    """vLLM 0.32 observes ``vllm:iteration_tokens_total`` once per batch of engine outputs (a step that
+    produced none, such as a prefill chunk that did not reach the prompt's end, is not observed), with the
+    prompt tokens computed for the requests that got their first token plus the tokens generated
+    (``IterationStats``, ``vllm/v1/metrics/loggers.py``)."""
+    core = make_core(max_num_batched_tokens=1024)
+    hist = core.stats.iteration_tokens
+    long = make_request(prompt_of(2500), max_output=3)
+    core.add_request(long)
+    steps = run_until_done(core, [long])
+    assert len(steps) == 5  # chunks of 1024, 1024 and 452 tokens (the last makes the first token), 2 decodes
+    assert hist.count == 3 and hist.sum == 2500 + 1 + 1 + 1
+    assert core.stats.prompt_tokens == 2500 and core.stats.generation_tokens == 3
+
+    # A repeat computes only what the cache misses (its last block, 2500 % 16 = 4 tokens).
+    again = make_request(prompt_of(2500), max_output=2, arrival=core.now)
+    core.add_request(again)
+    run_until_done(core, [again])
+    assert again.num_cached_tokens == 2496
+    assert hist.count == 5 and hist.sum == 2503 + (4 + 1) + 1
+
+    # Two requests in one step: one observation for the step, whatever it holds.
+    a, b = (make_request(prompt_of(40, offset=k), max_output=2, arrival=core.now) for k in (5, 6))
+    core.add_request(a)
+    core.add_request(b)
+    first = core.step()
+    assert first.emitted == [a, b] and hist.count == 6 and hist.sum == 2509 + 40 + 40 + 2
+    run_until_done(core, [a, b])
+    assert hist.count == 7 and hist.sum == 2591 + 2
+
+
+def test_a_recomputed_prompt_is_not_counted_again(make_core: CoreFactory) -> None:
+    """After a preemption vLLM's prefill stats are spent: the recompute step counts the token it makes only."""
+    core = make_core(kv_cache_tokens=16 * 12, max_num_batched_tokens=4096)
+    low = make_request(prompt_of(90), max_output=60, priority=1)
+    high = make_request(prompt_of(90, offset=1), max_output=60, priority=0)
+    for r in (low, high):
+        core.add_request(r)
+    run_until_done(core, [low, high])
+    assert low.num_preemptions + high.num_preemptions >= 1
+    hist = core.stats.iteration_tokens
+    assert hist.sum == 90 + 90 + 60 + 60 == core.stats.prompt_tokens + core.stats.generation_tokens

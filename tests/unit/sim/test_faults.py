@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,7 +20,7 @@ from switchyard.sim.runtime import EngineRuntime
     ([1], "expected a JSON object"),
     ({"colour": "red"}, "unknown fault settings: colour"),
     ({"mode": "error"}, "set error_rate instead"),
-    ({"mode": "sideways"}, "mode must be one of none, slow, hang, down, unavailable"),
+    ({"mode": "sideways"}, "mode must be one of none, slow, drip, hang, down, unavailable"),
     ({"mode": None}, "mode must be one of"),
     ({"error_rate": 1.5}, "error_rate must be within [0, 1]"),
     ({"throttle_rate": -0.1}, "throttle_rate must be within [0, 1]"),
@@ -31,6 +32,16 @@ from switchyard.sim.runtime import EngineRuntime
     ({"abort_after_tokens": -1}, "abort_after_tokens must be an integer >= 0"),
     ({"abort_after_tokens": 2.5}, "abort_after_tokens must be an integer >= 0"),
     ({"abort_after_tokens": False}, "abort_after_tokens must be an integer >= 0"),
+    ({"drip_interval_s": 0}, "drip_interval_s must be a finite number > 0, got 0.0"),
+    ({"drip_interval_s": -1.5}, "drip_interval_s must be a finite number > 0"),
+    ({"drip_interval_s": float("nan")}, "drip_interval_s must be a finite number > 0"),
+    ({"drip_interval_s": "2"}, "drip_interval_s must be a number, got '2'"),
+    ({"drip_interval_s": None}, "drip_interval_s must be a number"),
+    ({"abort_with": "drop"}, "abort_with must be one of close, error; got 'drop'"),
+    ({"abort_with": None}, "abort_with must be one of close, error; got None"),
+    ({"mode": "drip", "abort_with": "ERROR"}, "abort_with must be one of close, error"),
+    ({"mode": "drip", "drip_interval_s": 1, "color": 1}, "unknown fault settings: color (valid: mode, slow_factor, "
+                                                         "drip_interval_s, error_rate"),
 ])
 def test_invalid_settings_are_refused_and_change_nothing(body: object, message: str) -> None:
     state = FaultState()
@@ -44,12 +55,33 @@ def test_partial_updates_keep_the_rest() -> None:
     state = FaultState()
     state.update({"mode": "slow", "slow_factor": 3, "error_rate": 0.5})
     state.update({"abort_rate": 1, "abort_after_tokens": 0})
-    assert state.as_dict() == {"mode": "slow", "slow_factor": 3.0, "error_rate": 0.5, "throttle_rate": 0.0,
-                               "overload_rate": 0.0, "abort_rate": 1.0, "abort_after_tokens": 0}
+    assert state.as_dict() == {"mode": "slow", "slow_factor": 3.0, "drip_interval_s": 2.0, "error_rate": 0.5,
+                               "throttle_rate": 0.0, "overload_rate": 0.0, "abort_rate": 1.0, "abort_after_tokens": 0,
+                               "abort_with": "close"}
     assert state.step_factor == 3.0
     state.update({})
     assert state.mode == "slow"
     assert parse_settings({"error_rate": 1}) == {"error_rate": 1.0}
+    assert parse_settings({"drip_interval_s": 1, "abort_with": "error"}) == {"drip_interval_s": 1.0,
+                                                                             "abort_with": "error"}
+    state.update({"mode": "drip", "drip_interval_s": 0.25, "abort_with": "error"})
+    assert (state.mode, state.drip_interval_s, state.abort_with, state.slow_factor) == ("drip", 0.25, "error", 3.0)
+    assert state.step_factor == 1.0 and not state.hung  # a drip spaces steps out, it does not slow them
+    state.update({"mode": "hang"})
+    assert state.hung
+
+
+async def test_a_change_wakes_whoever_waits_for_one() -> None:
+    state = FaultState()
+    waiting = asyncio.ensure_future(state.wait_changed())
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    with pytest.raises(FaultError):
+        state.update({"mode": "nope"})  # a refused change is no change
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    state.update({"drip_interval_s": 3})
+    await asyncio.wait_for(waiting, 1)
 
 
 def test_rates_are_checked_in_order_and_only_in_modes_none_and_slow() -> None:
@@ -63,10 +95,12 @@ def test_rates_are_checked_in_order_and_only_in_modes_none_and_slow() -> None:
     assert state.draw() == "overload"
     state.update({"overload_rate": 0, "mode": "slow"})
     assert state.draw() == "abort"
+    state.update({"mode": "drip"})  # a dripping engine still answers: its rates apply
+    assert state.draw() == "abort"
     for mode in ("hang", "down", "unavailable"):
         state.update({"mode": mode})
         assert state.draw() is None
-    assert state.counts == {"error": 1, "throttle": 1, "overload": 1, "abort": 1}
+    assert state.counts == {"error": 1, "throttle": 1, "overload": 1, "abort": 2}
 
 
 def test_draws_are_seeded_and_proportional() -> None:
@@ -127,13 +161,20 @@ async def test_control_app_sets_faults_on_matching_engines(
     assert [(e["port"], e["faults"]["mode"], e["faults"]["throttle_rate"]) for e in resp.json()["engines"]] == [
         (9001, "unavailable", 0.5), (9002, "unavailable", 0.5)]
     assert [e.faults.mode for e in engines] == ["unavailable", "unavailable", "none", "none"]
+    resp = await client.post("/faults", json={"pool": "a-eu", "mode": "drip", "drip_interval_s": 0.5,
+                                              "abort_rate": 1, "abort_with": "error"})
+    assert resp.status_code == 200
+    assert [(e["port"], e["faults"]) for e in resp.json()["engines"]] == [
+        (9003, {**DEFAULTS, "mode": "drip", "drip_interval_s": 0.5, "abort_rate": 1.0, "abort_with": "error"})]
+    assert engines[2].faults.drip_interval_s == 0.5 and engines[3].faults.drip_interval_s == 2.0
 
 
 async def test_control_app_changes_nothing_on_a_bad_request(
         control: tuple[AsyncTestClient, list[EngineRuntime]]) -> None:  # type: ignore[type-arg]
     client, engines = control
     for body in ({"region": "us-east", "mode": "down", "error_rate": 7}, {"pool": "nowhere", "mode": "down"},
-                 {"mode": "error"}):
+                 {"mode": "error"}, {"region": "us-east", "mode": "drip", "drip_interval_s": 0},
+                 {"port": 9001, "abort_rate": 1, "abort_with": "reset"}):
         resp = await client.post("/faults", json=body)
         assert resp.status_code == 400
         assert resp.json()["error"]["type"] == "BadRequestError"
@@ -145,5 +186,6 @@ async def test_control_app_changes_nothing_on_a_bad_request(
 def test_describe_is_one_line_with_every_setting() -> None:
     line = describe({"url": "http://127.0.0.1:9001", "pool": "a-us", "region": None, "listening": False,
                      "faults": {**DEFAULTS, "mode": "down", "error_rate": 0.25}})
-    assert line == ("http://127.0.0.1:9001 pool=a-us region=- listening=no mode=down slow_factor=5 error_rate=0.25 "
-                    "throttle_rate=0 overload_rate=0 abort_rate=0 abort_after_tokens=4")
+    assert line == ("http://127.0.0.1:9001 pool=a-us region=- listening=no mode=down slow_factor=5 drip_interval_s=2 "
+                    "error_rate=0.25 throttle_rate=0 overload_rate=0 abort_rate=0 abort_after_tokens=4 "
+                    "abort_with=close")

@@ -1,186 +1,211 @@
-"""The ``failover`` scenario's figures: per outage (success, time to detect and to recover, requests that tried
-the failed region first or waited out the first-token timeout, the load on each region), per phase and home
-region, the load per phase, and every failed request."""
+"""The ``failover`` scenario's figures: per outage (its requests answered completely, resumed and hedged, time
+to detect, traffic moved, time to recover, the longest client wait), over the whole run (engine requests per
+client request), the gateway's request log per outage, and every failed request."""
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from switchyard.bench.results import Result
-from switchyard.bench.scenarios.failover.timeline import Counters, Outage, Timeline, counter_deltas
-from switchyard.bench.scenarios.failover.workload import FIRST_TOKEN_TIMEOUT_S, HOME, POOLS, REGIONS
-from switchyard.bench.stats import percentiles
+from switchyard.bench.scenarios.failover.phases import (
+    complete,
+    describe_kinds,
+    failure_kinds,
+    in_phase,
+    load_figures,
+    load_rows,
+    longest_gap_s,
+    phase_of,
+    phase_rows,
+    phase_windows,
+    sent_between,
+    served_at,
+    served_region,
+    tried_first,
+    wait_s,
+)
+from switchyard.bench.scenarios.failover.timeline import EndpointChange, Outage, Timeline, counter_deltas, run_received
+from switchyard.bench.scenarios.failover.watch import record_at
+from switchyard.bench.scenarios.failover.workload import HEALTHY, HOME, REGIONS
 
-#: Failed requests listed one by one in the report, at most.
+#: Failed requests listed one by one in the report, at most (the client's, and the gateway's records).
 FAILURES_LISTED = 30
+#: The longest waits listed one by one.
+SLOWEST_LISTED = 10
 
 
-def served_region(result: Result) -> str | None:
-    """The region that served ``result`` (from its route header)."""
-    return result.route_fields.get("region")
+def _in_service_at(changes: Sequence[EndpointChange], url: str, at: float) -> bool | None:
+    """Whether the gateway had ``url`` in service at ``at`` (its last change seen before; None: none seen)."""
+    state = None
+    for change in changes:
+        if change.url == url and change.at_s <= at:
+            state = change.in_service
+    return state
 
 
-def served_at(result: Result) -> float:
-    """When ``result`` was served: its first token (its end when none came)."""
-    return result.first_token_s if result.first_token_s is not None else result.done_s
-
-
-def attempts_of(result: Result) -> int:
-    """Endpoints the gateway tried for ``result``: ``attempt=`` of its route header (a success), else its
-    ``x-switchyard-attempts`` header (a failure after several), else 1."""
-    attempt = result.route_fields.get("attempt")
-    if attempt is not None and attempt.isdigit():
-        return int(attempt)
-    return result.attempts or 1
-
-
-def tried_first(result: Result) -> bool:
-    """Whether the gateway tried another endpoint before the one that served ``result``."""
-    return attempts_of(result) > 1
-
-
-def sent_between(results: Sequence[Result], lo: float | None, hi: float | None) -> list[Result]:
-    """The results sent in ``[lo, hi)`` (None: unbounded)."""
-    return [r for r in results if (lo is None or r.sent_s >= lo) and (hi is None or r.sent_s < hi)]
-
-
-def failure_kinds(results: Sequence[Result]) -> dict[str, int]:
-    """Failed requests counted by status and error type (``502 upstream_error``)."""
-    kinds = Counter(f"{r.status or '-'} {r.error_type or ''}".strip() for r in results if not r.ok)
-    return dict(sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0])))
-
-
-def describe_kinds(kinds: Mapping[str, int]) -> str:
-    """``502 upstream_error (3), 0 timeout (1)`` ('' when none)."""
-    return ", ".join(f"{kind} ({count})" for kind, count in kinds.items())
-
-
-def phase_windows(line: Timeline) -> list[tuple[str, float | None, float | None, Counters | None, Counters | None]]:
-    """The run's phases by send time: name, start, end and the counters read at both edges.
-
-    ``before`` runs up to the first outage, each outage from its fault to its end, ``between``
-    from one outage's end to the next one's fault, ``after`` from the last end; an outage that
-    was never staged ends the list there (its time belongs to the phase before it).
-    """
-    out: list[tuple[str, float | None, float | None, Counters | None, Counters | None]] = []
-    name, lo, counters_lo = "before", None, line.first
-    staged = [o for o in line.outages if o.start_s is not None]
-    for index, outage in enumerate(staged):
-        out.append((name, lo, outage.start_s, counters_lo, outage.before))
-        if outage.end_s is None:
-            name, lo, counters_lo = outage.kind, outage.start_s, outage.before
-            break
-        out.append((outage.kind, outage.start_s, outage.end_s, outage.before, outage.after))
-        name = "between" if index < len(staged) - 1 else "after"
-        lo, counters_lo = outage.end_s, outage.after
-    out.append((name, lo, None, counters_lo, line.last))
-    return out
-
-
-def phase_rows(results: Sequence[Result], line: Timeline) -> list[dict[str, Any]]:
-    """Per phase and home region: requests, success, fallbacks, where they were served, TTFT."""
-    rows = []
-    for phase, lo, hi, _, _ in phase_windows(line):
-        window = sent_between(results, lo, hi)
-        for home in REGIONS:
-            rs = [r for r in window if r.request_class == home]
-            ok = [r for r in rs if r.ok]
-            ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
-            ttft = percentiles(ttfts, (50, 90, 99))
-            rows.append({"phase": phase, "home": home, "from_s": lo, "to_s": hi, "requests": len(rs),
-                         "ok_rate": len(ok) / len(rs) if rs else None,
-                         "fallback_rate": sum(r.fell_back for r in rs) / len(rs) if rs else None,
-                         "in_home": sum(served_region(r) == home for r in ok) / len(ok) if ok else None,
-                         "ttft_p50_s": ttft["p50"], "ttft_p90_s": ttft["p90"], "ttft_p99_s": ttft["p99"],
-                         "ttft_max_s": max(ttfts) if ttfts else None})
-    return rows
-
-
-def _pool_attempts(pools: Mapping[str, Mapping[str, float]] | None, pool: str, *,
-                   failed: bool = False) -> float | None:
-    if pools is None:
-        return None
-    return sum(v for k, v in pools.get(pool, {}).items() if not (failed and k == "ok"))
-
-
-def analyse_outage(results: Sequence[Result], outage: Outage, *, home: str = HOME,
-                   first_token_timeout_s: float = FIRST_TOKEN_TIMEOUT_S) -> dict[str, Any]:
-    """One outage's figures: success, detection, recovery, and the load the gateway put on each region."""
-    start, end = outage.start_s, outage.end_s
-    row: dict[str, Any] = {"outage": outage.kind, "start_s": start, "end_s": end,
-                           "duration_s": end - start if start is not None and end is not None else None}
-    window = sent_between(results, start, end) if start is not None else []
-    ours = [r for r in window if r.request_class == home]
-    ok = [r for r in window if r.ok]
-    ours_ok = [r for r in ours if r.ok]
-    row.update(requests=len(window), ok=len(ok), ok_rate=len(ok) / len(window) if window else None,
-               home_requests=len(ours), home_ok_rate=len(ours_ok) / len(ours) if ours else None,
-               failures=describe_kinds(failure_kinds(window)))
-    away = [served_at(r) for r in ours_ok if served_region(r) != home]
-    row["detect_s"] = min(away) - start if away and start is not None else None
-    back = [served_at(r) for r in results if r.request_class == home and r.ok and end is not None
-            and r.sent_s >= end and served_region(r) == home]
-    row["recover_s"] = min(back) - end if back and end is not None else None
-    retried = [r for r in ours_ok if tried_first(r)]
-    row["tried_home_first"] = len(retried)
-    row["last_tried_home_s"] = max(r.sent_s for r in retried) - start if retried and start is not None else None
-    row["waited_timeout"] = sum(1 for r in ours_ok if (r.service_ttft_s or 0.0) >= first_token_timeout_s)
-    cut = [r for r in results if start is not None and r.sent_s < start < r.done_s and not r.ok]
-    row["cut_in_flight"] = len(cut)
-    row["cut_kinds"] = describe_kinds(failure_kinds(cut))
-    row.update(load_figures(window, outage.before, outage.after, home=home))
+def detection(changes: Sequence[EndpointChange], urls: Collection[str], start: float,
+              end: float | None) -> dict[str, Any]:
+    """When the gateway took the failing endpoints out after the fault at ``start`` (the first one, and all of
+    them: seconds from the fault, 0 for one already out), why, and when it had them all back after ``end``."""
+    out_at: dict[str, float] = {}
+    reasons: list[str] = []
+    for url in urls:
+        if _in_service_at(changes, url, start) is False:
+            out_at[url] = start
+            continue
+        gone = next((c for c in changes if c.url == url and c.at_s >= start and not c.in_service
+                     and (end is None or c.at_s < end)), None)
+        if gone is not None:
+            out_at[url] = gone.at_s
+            if gone.reason:
+                reasons.append(gone.reason)
+    row: dict[str, Any] = {"out_first_s": min(out_at.values()) - start if out_at else None,
+                           "out_all_s": max(out_at.values()) - start if len(out_at) == len(urls) and urls else None,
+                           "out_reasons": "; ".join(dict.fromkeys(reasons)), "back_s": None}
+    if end is not None:
+        back = []
+        for url in urls:
+            seen = next((c.at_s for c in changes if c.url == url and c.at_s >= end and c.in_service), None)
+            if seen is None:
+                return row
+            back.append(seen)
+        row["back_s"] = max(back) - end
     return row
 
 
-def load_figures(window: Sequence[Result], lo: Counters | None, hi: Counters | None, *,
-                 home: str = HOME) -> dict[str, Any]:
-    """The load the requests sent in a window put on each region: endpoints tried per request (route
-    headers), the gateway's counters and what the healthy region's engines received, from ``lo`` to ``hi``."""
-    deltas = counter_deltas(lo, hi)
-    pools = deltas["attempts_by_pool"]
-    home_pool = POOLS[home]
-    healthy_pool = next(pool for region, pool in POOLS.items() if region != home)
-    tried = sum(attempts_of(r) for r in window)
-    received = deltas["healthy_received"]
-    return {**deltas, "client_attempts": tried, "attempts_per_request": tried / len(window) if window else None,
-            "home_attempts": _pool_attempts(pools, home_pool),
-            "home_failed_attempts": _pool_attempts(pools, home_pool, failed=True),
-            "healthy_attempts": _pool_attempts(pools, healthy_pool),
-            "healthy_ratio": received / len(window) if received is not None and window else None}
+def records_in(line: Timeline, lo: float, hi: float | None) -> list[dict[str, Any]]:
+    """The gateway's request log records of a phase: arrived in ``[lo, hi)``, or before ``lo`` and still
+    running at ``lo``."""
+    if line.wall_start is None:
+        return []
+    out = []
+    for record in line.records.values():
+        at = record_at(record, line.wall_start)
+        if at is None:
+            continue
+        ended = at + (record.get("duration_ms") or 0.0) / 1000.0
+        if (at >= lo and (hi is None or at < hi)) or at < lo < ended:
+            out.append(record)
+    return out
 
 
-def load_rows(results: Sequence[Result], line: Timeline) -> list[dict[str, Any]]:
-    """Per phase: client requests sent, gateway attempts, and what the healthy region's engines received."""
-    rows = []
-    for phase, lo, hi, counters_lo, counters_hi in phase_windows(line):
-        window = sent_between(results, lo, hi)
-        rows.append({"phase": phase, "requests": len(window), **load_figures(window, counters_lo, counters_hi)})
-    return rows
+def analyse_outage(results: Sequence[Result], outage: Outage, line: Timeline,
+                   home_urls: Collection[str]) -> dict[str, Any]:
+    """One outage's figures (its requests: sent while it lasted, or running when it began)."""
+    start, end = outage.start_s, outage.end_s
+    assert start is not None
+    row: dict[str, Any] = {"outage": outage.kind, "start_s": start, "end_s": end,
+                           "duration_s": end - start if end is not None else None}
+    rs = in_phase(results, start, end)
+    sent = sent_between(results, start, end)
+    running = [r for r in rs if r.sent_s < start]
+    done = [r for r in rs if complete(r)]
+    row.update(requests=len(rs), sent=len(sent), in_flight=len(running), streams=sum(r.stream for r in rs),
+               complete=len(done), complete_rate=len(done) / len(rs) if rs else None,
+               failures=describe_kinds(failure_kinds(rs)),
+               in_flight_failed=sum(not complete(r) for r in running),
+               short=sum(1 for r in done if r.completion_tokens is not None and r.completion_tokens < r.max_tokens))
+    deltas = counter_deltas(outage.before, outage.after)
+    row.update({k: deltas[k] for k in ("resumes", "resumes_by_outcome", "broken", "hedges", "hedges_by_outcome",
+                                       "hangs", "fallbacks", "budget_exhausted")})
+    records = records_in(line, start, end)
+    row.update(records=len(records), resumed_requests=sum(1 for r in records if (r.get("resumes") or 0) > 0),
+               hedged_requests=sum(1 for r in records if (r.get("hedges") or 0) > 0),
+               failed_records=sum(1 for r in records if r.get("outcome") != "ok"))
+    row.update(detection(line.changes, home_urls, start, end))
+    ours = [r for r in sent if r.request_class == HOME]
+    away = [served_at(r) - start for r in ours if complete(r) and served_region(r) == HEALTHY]
+    row["first_away_s"] = min(away) if away else None
+    tried = [r for r in ours if tried_first(r, home_urls)]
+    row["tried_home"] = len(tried)
+    row["last_tried_home_s"] = max(r.sent_s for r in tried) - start if tried else None
+    row["moved_s"] = row["last_tried_home_s"] if tried else (0.0 if ours else None)
+    back = [served_at(r) for r in results if r.request_class == HOME and complete(r) and end is not None
+            and r.sent_s >= end and served_region(r) == HOME]
+    row["recover_s"] = min(back) - end if back and end is not None else None
+    row.update(wait_figures(rs))
+    return row
+
+
+def wait_figures(rs: Sequence[Result]) -> dict[str, Any]:
+    """The longest waits of some requests: for a first token (streams), for the whole answer (complete
+    answers: an upper bound of their wait), the generator's own lateness, and the longest gap inside a stream."""
+    streams = [wait_s(r) for r in rs if r.stream]
+    whole = [wait_s(r) for r in rs if not r.stream]
+    gaps = [g for r in rs if r.stream and (g := longest_gap_s(r)) is not None]
+    return {"wait_max_s": max(streams + whole, default=None), "stream_wait_max_s": max(streams, default=None),
+            "complete_wait_max_s": max(whole, default=None),
+            "lateness_max_s": max((r.lateness_s for r in rs), default=None), "gap_max_s": max(gaps, default=None)}
+
+
+def run_figures(results: Sequence[Result], line: Timeline) -> dict[str, Any]:
+    """The whole run: requests answered completely, the longest wait, what both regions' engines received per
+    client request, and the gateway's attempts, hedges and resumes."""
+    received = run_received(line)
+    known = bool(received) and all(received.get(r) is not None for r in REGIONS)
+    engines = sum(v for v in received.values() if v is not None) if known else None
+    load = load_figures(len(results), line.first, line.last)
+    done = sum(complete(r) for r in results)
+    slowest = max(results, key=wait_s, default=None)
+    return {"requests": len(results), "complete": done, "complete_rate": done / len(results) if results else None,
+            "failures": len(results) - done, "failure_kinds": failure_kinds(results),
+            **wait_figures(results), "wait_max_phase": phase_of(slowest, phase_windows(line)) if slowest else None,
+            "received": received, "engine_requests": engines,
+            "engine_ratio": engines / len(results) if engines is not None and results else None,
+            **{k: load[k] for k in ("attempts", "hedges", "hedges_by_outcome", "resumes", "resumes_by_outcome",
+                                    "broken", "hangs", "fallbacks", "budget_exhausted")}}
 
 
 def failure_rows(results: Sequence[Result], line: Timeline, limit: int = FAILURES_LISTED) -> list[dict[str, Any]]:
-    """The failed requests one by one (the first ``limit`` by send time): when, which phase, how they failed."""
+    """The requests not answered completely, one by one (the first ``limit`` by send time)."""
     windows = phase_windows(line)
     rows = []
-    for r in sorted((r for r in results if not r.ok), key=lambda r: r.sent_s)[:limit]:
-        phase = next((name for name, lo, hi, _, _ in windows
-                      if (lo is None or r.sent_s >= lo) and (hi is None or r.sent_s < hi)), "-")
+    for r in sorted((r for r in results if not complete(r)), key=lambda r: r.sent_s)[:limit]:
         fields = r.route_fields
-        rows.append({"sent_s": r.sent_s, "done_s": r.done_s, "phase": phase, "home": r.request_class,
-                     "status": r.status, "error": r.error_type, "code": r.error_code, "chunks": r.chunks,
-                     "attempts": attempts_of(r), "endpoint": fields.get("endpoint"),
-                     "moved_on": fields.get("moved_on"), "message": (r.error_message or "")[:160]})
+        rows.append({"sent_s": r.sent_s, "done_s": r.done_s, "phase": phase_of(r, windows), "home": r.request_class,
+                     "stream": r.stream, "status": r.status, "error": r.error_type or "no finish_reason",
+                     "code": r.error_code, "chunks": r.chunks, "max_tokens": r.max_tokens,
+                     "endpoint": fields.get("endpoint"), "moved_on": fields.get("moved_on"),
+                     "message": (r.error_message or "")[:160]})
     return rows
 
 
-def analyse(results: Sequence[Result], line: Timeline, *,
-            first_token_timeout_s: float = FIRST_TOKEN_TIMEOUT_S) -> dict[str, Any]:
-    """Every figure of the run: per outage, per phase, the load per phase, and overall success."""
-    return {"outages": [analyse_outage(results, o, first_token_timeout_s=first_token_timeout_s)
-                        for o in line.outages if o.start_s is not None],
-            "phases": phase_rows(results, line), "load": load_rows(results, line),
-            "success": sum(r.ok for r in results) / len(results) if results else None,
-            "failures": sum(not r.ok for r in results), "requests": len(results),
-            "failure_kinds": failure_kinds(results), "failed": failure_rows(results, line)}
+def slowest_rows(results: Sequence[Result], line: Timeline, limit: int = SLOWEST_LISTED) -> list[dict[str, Any]]:
+    """The requests whose clients waited longest (:func:`wait_s`), longest first: when, where they were served
+    and what the gateway tried before (their route header)."""
+    windows = phase_windows(line)
+    rows = []
+    for r in sorted(results, key=wait_s, reverse=True)[:limit]:
+        fields = r.route_fields
+        rows.append({"sent_s": r.sent_s, "phase": phase_of(r, windows), "home": r.request_class, "stream": r.stream,
+                     "wait_s": wait_s(r), "lateness_s": r.lateness_s, "complete": complete(r),
+                     "region": fields.get("region"), "attempt": fields.get("attempt"),
+                     "moved_on": fields.get("moved_on"), "hedged": fields.get("hedged")})
+    return rows
+
+
+def record_rows(line: Timeline, limit: int = FAILURES_LISTED) -> list[dict[str, Any]]:
+    """The gateway's records of the requests that did not end ``ok`` (the first ``limit`` by arrival): what it
+    tried, resumed and why it gave up (the last lines of the decision trace)."""
+    windows = phase_windows(line)
+    failed = [(record_at(r, line.wall_start), r) for r in line.records.values() if r.get("outcome") != "ok"] \
+        if line.wall_start is not None else []
+    rows = []
+    for at, r in sorted(((a, r) for a, r in failed if a is not None), key=lambda ar: ar[0])[:limit]:
+        phase = next((name for name, lo, hi, _, _ in windows if (lo is None or at >= lo) and (hi is None or at < hi)),
+                     "-")
+        trace = [str(t) for t in (r.get("trace") or [])]
+        rows.append({"at_s": at, "phase": phase, "stream": r.get("stream"), "status": r.get("status"),
+                     "outcome": r.get("outcome"), "code": r.get("error_code"), "endpoint": r.get("endpoint"),
+                     "attempts": r.get("attempts"), "resumes": r.get("resumes"), "hedges": r.get("hedges"),
+                     "moved_on": ", ".join(r.get("moved_on") or []), "trace": " | ".join(trace[-3:])[:300]})
+    return rows
+
+
+def analyse(results: Sequence[Result], line: Timeline, home_urls: Collection[str] = ()) -> dict[str, Any]:
+    """Every figure of the run: per outage, over the run, per phase, the load per phase, the failures."""
+    return {"outages": [analyse_outage(results, o, line, home_urls) for o in line.outages if o.start_s is not None],
+            "run": run_figures(results, line), "phases": phase_rows(results, line), "load": load_rows(results, line),
+            "failed": failure_rows(results, line), "slowest": slowest_rows(results, line),
+            "records": record_rows(line)}
