@@ -161,6 +161,8 @@ def _worker(gw: Gateway, env: dict[str, str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen([SWITCHYARD, "worker"], env={**gw.env, **env}, start_new_session=True)
 
 
+@pytest.mark.alone  # thousands of lines through killed and restarted workers: other tests beside it starve it
+@pytest.mark.timeout(300)
 def test_workers_killed_mid_batch_lose_and_duplicate_nothing(engines: Engines, tmp_path: Path,
                                                               pg_database: Callable[[], str]) -> None:
     policy = _batch_policy(engines, tmp_path / "policies.yaml")
@@ -203,6 +205,54 @@ def test_workers_killed_mid_batch_lose_and_duplicate_nothing(engines: Engines, t
                 w.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 w.kill()
+        assert stop(gw.proc)
+
+
+# --- limits ----------------------------------------------------------------------------------------
+
+PACED_LINES = 72
+PACED_RPM = 60  # a bucket of 60 requests that refills one a second: the last 12 lines wait for it
+PACED_CONCURRENCY = 8
+
+
+def test_a_batch_waits_for_its_tenants_rate_limit_instead_of_failing(engines: Engines, tmp_path: Path) -> None:
+    """A batch larger than its tenant's requests-per-minute limit is paced to it: every line succeeds although
+    a line may be tried only twice (a wait for the budget is not a try), and the request log holds a few
+    429s, not one per line per try. A line larger than its tenant's limit fails at once, without retries."""
+    policy = _batch_policy(engines, tmp_path / "policies.yaml")
+    gw = start_gateway(Engines(policy, engines.ports, engines.dead_port), f"sqlite:///{tmp_path / 'gw.db'}",
+                       tmp_path, "sqlite", {"SWITCHYARD_BATCH_MAX_ATTEMPTS": "2", "SWITCHYARD_KEY_CACHE_TTL_S": "0",
+                                            "SWITCHYARD_BATCH_CONCURRENCY": str(PACED_CONCURRENCY)})
+    try:
+        client = _sdk(gw, gw.new_key("paced-co", "pro"))
+        gw.cli("tenants", "set-limits", "paced-co", json.dumps({"requests_per_minute": PACED_RPM}))
+        tiny = _sdk(gw, gw.new_key("tiny-co", "pro"))
+        gw.cli("tenants", "set-limits", "tiny-co", json.dumps({"tokens_per_minute": 5}))
+        jobs = []
+        for sdk, lines in ((client, PACED_LINES), (tiny, 3)):
+            uploaded = sdk.files.create(file=("l.jsonl", io.BytesIO(_jsonl([_chat_line(i) for i in range(lines)]))),
+                                        purpose="batch")
+            jobs.append(sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                           completion_window="24h"))
+        done = wait_done(client, jobs[0].id, timeout=120)
+        counts = done.request_counts
+        assert (done.status, counts.total, counts.completed, counts.failed) == ("completed", PACED_LINES,
+                                                                                 PACED_LINES, 0), done
+        assert [r["custom_id"] for r in batch_results(client, done.output_file_id)] == [
+            f"req-{i}" for i in range(PACED_LINES)]
+        status, _, log = http_json("GET", f"{gw.base_url}/admin/api/requests?tenant=paced-co&status=429&limit=500")
+        assert status == 200, log
+        refused = len(log["requests"])
+        # The lines in flight when the bucket ran dry, then about one per refill: not one per line per try.
+        assert 0 < refused <= PACED_CONCURRENCY + 2 * (PACED_LINES - PACED_RPM), refused
+
+        small = wait_done(tiny, jobs[1].id, timeout=60)
+        assert (small.status, small.request_counts.failed) == ("completed", 3), small
+        errors = batch_results(tiny, small.error_file_id)
+        assert {e["error"]["code"] for e in errors} == {"request_too_large"}, errors
+        status, _, log = http_json("GET", f"{gw.base_url}/admin/api/requests?tenant=tiny-co&status=429&limit=500")
+        assert len(log["requests"]) == 3, log  # one try each: no wait makes such a line fit
+    finally:
         assert stop(gw.proc)
 
 

@@ -6,8 +6,13 @@ dedicated ones. Lines are claimed from the database under a lease (``store.batch
 locks with ``SKIP LOCKED`` on PostgreSQL), kept while they run (leases renewed), and their result
 is recorded only while the lease is still this worker's — so a worker killed at any moment loses
 nothing (its lines are claimed again once their lease runs out) and duplicates nothing (a late
-result of a lease that moved on is dropped). Transient failures (429, 5xx, sheds) go back to the
-queue with exponential backoff; client errors are the line's result.
+result of a lease that moved on is dropped). Transient failures (an engine's 429, 5xx, sheds) go back
+to the queue with exponential backoff; client errors are the line's result. A line the tenant's own
+limits have no room for is not a failure: it goes back without spending a try, due when the limit
+says (``Retry-After``); the worker claims none of that tenant's lines until then, and afterwards only a
+few at a time (halved at each refusal, one more for each line served) — so a batch is paced to its
+tenant's budget instead of retried into it. It fails on a limit only when it can never
+fit: alone larger than the limit, or room only after the job's completion window.
 
 A line runs as the key that made its job, as that key is *now*: the worker caches identities by key
 id only while the process's key cache hears of no key change (``KeyAuthenticator.changes``: PostgreSQL
@@ -29,6 +34,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -36,7 +42,7 @@ from litestar import Response
 from sqlalchemy import Engine
 from sqlmodel import Session
 
-from switchyard.api.errors import ApiError
+from switchyard.api.errors import ApiError, RateLimited
 from switchyard.api.headers import PRIORITY_HEADER
 from switchyard.gateway.request import Incoming, Kind, never
 from switchyard.gateway.runtime import GatewayRuntime
@@ -66,6 +72,14 @@ def backoff_s(attempts: int, base_s: float = 2.0) -> float:
     return float(min(MAX_BACKOFF_S, base_s * 2 ** max(0, attempts - 1)))
 
 
+def _retry_after_s(headers: dict[str, str]) -> float:
+    """The seconds a limit's 429 says to wait (its ``Retry-After``; a second when it says nothing usable)."""
+    try:
+        return max(1.0, float(headers.get("Retry-After", "1")))
+    except ValueError:
+        return 1.0
+
+
 def batch_class(snapshot: PolicySnapshot) -> str | None:
     """The policy's first priority class in the batch lane (None: the policy declares none)."""
     return next((name for name, cls in snapshot.document.priorities.items() if cls.lane == "batch"), None)
@@ -76,8 +90,23 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
-def _claim(session: Session, *, owner: str, limit: int, lease_s: float, now: float) -> list[batch_queue.ClaimedRequest]:
-    return batch_queue.claim(session, owner, limit, lease_s, now)
+def _claim(session: Session, *, owner: str, limit: int, lease_s: float, now: float,
+           paced: dict[int, int]) -> list[batch_queue.ClaimedRequest]:
+    """Lines for ``limit`` free slots: of the tenants not paced, then of each paced tenant its room."""
+    claimed = batch_queue.claim(session, owner, limit, lease_s, now, except_tenants=paced)
+    for tenant, room in paced.items():
+        if len(claimed) < limit and room > 0:
+            claimed += batch_queue.claim(session, owner, min(room, limit - len(claimed)), lease_s, now, tenant=tenant)
+    return claimed
+
+
+@dataclass(slots=True)
+class _Pace:
+    """How a tenant whose limit had no room is paced: nothing before ``until``, then at most ``cap`` lines at a
+    time (halved at each refusal, one more at each line served; back to unpaced at the worker's concurrency)."""
+
+    until: float
+    cap: int
 
 
 def _renew(session: Session, *, owner: str, rows: list[int], lease_s: float, now: float) -> list[int]:
@@ -108,6 +137,9 @@ class BatchWorker:
         self._identities: dict[int, tuple[int, float, KeyIdentity | None]] = {}
         self._identities_of: int | None = None  # the key changes the cached identities follow
         self._warned_no_lane = False
+        #: Tenants whose limits had no room (their lines are paced), and the tenant of each running line.
+        self._paced: dict[int, _Pace] = {}
+        self._tenant_of: dict[int, int] = {}
 
     async def _db(self, work: Callable[[Session], T]) -> T:
         return await in_transaction(self.engine, work)
@@ -119,9 +151,10 @@ class BatchWorker:
             now = time.time()
             try:
                 free = self.concurrency - len(self._running)
-                claimed = (await self._db(functools.partial(_claim, owner=self.owner, limit=free,
-                                                            lease_s=self.lease_s, now=now)) if free > 0 else [])
+                claimed = (await self._db(functools.partial(_claim, owner=self.owner, limit=free, lease_s=self.lease_s,
+                                                            now=now, paced=self._room(now))) if free > 0 else [])
                 for line in claimed:
+                    self._tenant_of[line.id] = line.tenant_id
                     task = asyncio.get_running_loop().create_task(self._line(line), name=f"batch-line-{line.id}")
                     self._running[line.id] = task
                     task.add_done_callback(functools.partial(self._done, line.id))
@@ -141,8 +174,29 @@ class BatchWorker:
                 claimed = []
             await asyncio.sleep(0.05 if claimed else self.poll_s)
 
+    def _running_of(self, tenant: int) -> int:
+        return sum(1 for row in self._running if self._tenant_of.get(row) == tenant)
+
+    def _room(self, now: float) -> dict[int, int]:
+        """How many more lines each paced tenant may have running now (0 while it waits)."""
+        return {tenant: 0 if now < pace.until else max(0, pace.cap - self._running_of(tenant))
+                for tenant, pace in self._paced.items()}
+
+    def _served(self, tenant: int) -> None:
+        pace = self._paced.get(tenant)
+        if pace is not None:
+            pace.cap += 1
+            if pace.cap >= self.concurrency:
+                del self._paced[tenant]
+
+    def _refused(self, tenant: int, until: float) -> None:
+        pace = self._paced.setdefault(tenant, _Pace(until, self.concurrency))
+        pace.until = max(pace.until, until)
+        pace.cap = max(1, min(pace.cap, self._running_of(tenant)) // 2)
+
     def _done(self, row: int, task: asyncio.Task[None]) -> None:
         self._running.pop(row, None)
+        self._tenant_of.pop(row, None)
         if not task.cancelled() and (error := task.exception()) is not None:
             # Its lease runs out and another round tries it again (the database may have been down).
             log.error("batch line %s: %s: %s", row, error.__class__.__name__, error)
@@ -209,15 +263,37 @@ class BatchWorker:
             response = await self.serve(incoming, KINDS[line.endpoint])
         except ApiError as error:
             detail = {"code": error.code or error.type, "message": error.message}
-            if error.status_code in TRANSIENT and line.attempts < self.max_attempts:
+            if isinstance(error, RateLimited):
+                await self._over_limit(line, error, detail)
+            elif error.status_code in TRANSIENT and line.attempts < self.max_attempts:
                 delay = backoff_s(line.attempts)
                 await self._db(lambda s: batch_queue.retry_later(s, line.id, self.owner, delay, detail, time.time()))
             else:
                 await self._finish(line, error.status_code, None, detail)
             return
+        self._served(line.tenant_id)
         content = response.content if isinstance(response.content, bytes) else msgspec.json.encode(response.content)
         await self._finish(line, response.status_code or 200, msgspec.json.decode(content),
                            None, response.headers.get("x-request-id"))
+
+    async def _over_limit(self, line: batch_queue.ClaimedRequest, error: RateLimited, detail: dict[str, Any]) -> None:
+        """A line its tenant's (or key's) limit had no room for: it waits for the budget, without spending a try,
+        and the tenant's other lines wait with it (paced to the limit, not retried blindly). It fails only when
+        it can never fit: it alone is larger than the limit, or the limit has room only after the job's
+        completion window ends."""
+        if error.code == "request_too_large":  # larger than the limit itself: no wait makes it fit
+            await self._finish(line, error.status_code, None, detail)
+            return
+        now = time.time()
+        wait = _retry_after_s(error.headers)
+        if line.expires_at is not None and now + wait >= line.expires_at.timestamp():
+            detail = {**detail, "message": f"{error.message} The batch's completion window ends before the limit "
+                                           "has room again."}
+            await self._finish(line, error.status_code, None, detail)
+            return
+        self._refused(line.tenant_id, now + wait)
+        await self._db(lambda s: batch_queue.retry_later(s, line.id, self.owner, wait, detail, now,
+                                                         count_attempt=False))
 
     async def _finish(self, line: batch_queue.ClaimedRequest, status: int, body: dict[str, Any] | None,
                       error: dict[str, Any] | None, request_id: str | None = None) -> None:

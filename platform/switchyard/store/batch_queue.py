@@ -54,6 +54,8 @@ class ClaimedRequest:
     body: dict[str, Any]
     attempts: int
     lease_until: datetime
+    #: When the job's completion window ends (a line that cannot run before then is not retried).
+    expires_at: datetime | None = None
 
 
 def _claimable(at: datetime) -> ColumnElement[bool]:
@@ -61,17 +63,24 @@ def _claimable(at: datetime) -> ColumnElement[bool]:
                and_(LINES.c.state == "running", LINES.c.lease_until <= at))
 
 
-def claim(session: Session, owner: str, limit: int, lease_s: float, now: Now) -> list[ClaimedRequest]:
+def claim(session: Session, owner: str, limit: int, lease_s: float, now: Now,
+          *, except_tenants: Iterable[int] = (), tenant: int | None = None) -> list[ClaimedRequest]:
     """Lease up to ``limit`` lines to ``owner`` for ``lease_s`` seconds: due ``pending`` lines (oldest
     due first), then ``running`` lines whose lease ran out, of batches ``in_progress`` and not past
-    their expiry. Each becomes ``running`` with ``attempts`` one higher. Two claimers never get the
-    same line.
+    their expiry — leaving out the jobs of ``except_tenants``, or only those of ``tenant`` (the worker
+    paces tenants whose limits had no room). Each becomes ``running`` with ``attempts`` one higher. Two
+    claimers never get the same line.
     """
     if limit <= 0:
         return []
     at = utc(now)
     until = at + timedelta(seconds=lease_s)
     open_batch = and_(BATCHES.c.status == "in_progress", BATCHES.c.expires_at > at)
+    left_out = sorted(set(except_tenants))
+    if left_out:
+        open_batch = and_(open_batch, BATCHES.c.tenant_id.notin_(left_out))
+    if tenant is not None:
+        open_batch = and_(open_batch, BATCHES.c.tenant_id == tenant)
     ids: list[int] = []
     for due, order in ((and_(LINES.c.state == "pending", LINES.c.next_attempt_at <= at), LINES.c.next_attempt_at),
                        (and_(LINES.c.state == "running", LINES.c.lease_until <= at), LINES.c.lease_until)):
@@ -95,11 +104,12 @@ def claim(session: Session, owner: str, limit: int, lease_s: float, now: Now) ->
     if not taken:
         return []
     jobs = {row.id: row for row in session.execute(
-        select(BATCHES.c.id, BATCHES.c.tenant_id, BATCHES.c.key_id, BATCHES.c.endpoint)
+        select(BATCHES.c.id, BATCHES.c.tenant_id, BATCHES.c.key_id, BATCHES.c.endpoint, BATCHES.c.expires_at)
         .where(BATCHES.c.id.in_({row.batch_id for row in taken})))}
     return sorted((ClaimedRequest(id=row.id, batch_id=row.batch_id, tenant_id=jobs[row.batch_id].tenant_id,
                                   key_id=jobs[row.batch_id].key_id, endpoint=jobs[row.batch_id].endpoint,
-                                  custom_id=row.custom_id, body=row.body, attempts=row.attempts, lease_until=until)
+                                  custom_id=row.custom_id, body=row.body, attempts=row.attempts, lease_until=until,
+                                  expires_at=jobs[row.batch_id].expires_at)
                    for row in taken), key=lambda c: c.id)
 
 
@@ -174,11 +184,12 @@ def record_result(session: Session, row_id: int, owner: str, status_code: int | 
 
 
 def retry_later(session: Session, row_id: int, owner: str, delay_s: float, error: dict[str, Any] | None, now: Now,
-                *, max_attempts: int | None = None) -> bool:
+                *, max_attempts: int | None = None, count_attempt: bool = True) -> bool:
     """Put line ``row_id`` back to ``pending``, due in ``delay_s`` seconds (a transient failure; the
     worker picks the backoff), if it is still ``running`` under ``owner``'s lease; whether it was.
     ``error`` is kept as the line's last error. With ``max_attempts``, a line that has had that many
-    tries fails for good instead (no response, ``error``), counted as failed.
+    tries fails for good instead (no response, ``error``), counted as failed. Without ``count_attempt``
+    the try is given back (the line waited for its tenant's budget: it did not fail).
     """
     at = utc(now)
     batch_id = _lock_batch_of(session, row_id)
@@ -192,5 +203,5 @@ def retry_later(session: Session, row_id: int, owner: str, delay_s: float, error
             return _finish(session, batch_id, row_id, owner, None, None, error, None, at)
     result = session.execute(update(LINES).where(_mine(row_id, owner)).values(
         state="pending", lease_owner=None, lease_until=None, next_attempt_at=at + timedelta(seconds=delay_s),
-        error=error))
+        error=error, **({} if count_attempt else {"attempts": LINES.c.attempts - 1})))
     return rows_changed(result) == 1
