@@ -52,7 +52,7 @@ def _rejected(error: PolicyError) -> NoReturn:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def validate(file: Path, as_json: bool) -> None:
     """Validate FILE (schema, references, policy tests); exit 1 with one line per error."""
-    from switchyard.decide.policy_tests import compile_checked
+    from switchyard.decide.policy_tests import compile_checked, policy_warnings
     from switchyard.policy import PolicyError, read_policy_file
 
     try:
@@ -66,12 +66,15 @@ def validate(file: Path, as_json: bool) -> None:
     summary = {"valid": True, "sha256": snapshot.sha256, "regions": len(doc.regions), "pools": len(doc.pools),
                "models": len(doc.models), "routes": len(doc.routes), "tiers": len(doc.tiers),
                "tests_passed": len(doc.tests)}
+    warnings = policy_warnings(snapshot, str(file))
     if as_json:
-        click.echo(json.dumps(summary, indent=2))
+        click.echo(json.dumps({**summary, "warnings": [w.as_dict() for w in warnings]}, indent=2))
     else:
         click.echo(f"{file}: valid ({summary['regions']} regions, {summary['pools']} pools, "
                    f"{summary['models']} models, {summary['routes']} routes, {summary['tiers']} tiers; "
                    f"{summary['tests_passed']} policy tests passed)")
+        for warning in warnings:
+            click.echo(f"warning: {warning}")
 
 
 @policy.command("test")

@@ -104,6 +104,9 @@ class IdleFleet:
     def prefilling(self, url: str) -> int:
         return 0
 
+    def ttft_quantile(self, pool: Pool, quantile: float, now: float) -> float | None:
+        return None  # no history: a hedge at an observed quantile is never sent
+
     def available(self, candidate: Candidate, now: float) -> bool:
         return True
 
@@ -206,6 +209,9 @@ class Looking:
     def prefilling(self, url: str) -> int:
         return self._fleet.prefilling(url)
 
+    def ttft_quantile(self, pool: Pool, quantile: float, now: float) -> float | None:
+        return self._fleet.ttft_quantile(pool, quantile, now)
+
     def available(self, candidate: Candidate, now: float) -> bool:
         return self._fleet.available(candidate, now)
 
@@ -272,7 +278,7 @@ def run_idle(d: Decision, fleet: FleetView) -> Decision:
             if isinstance(effect, Reserve):
                 answer = fresh_buckets(effect.charges)
             elif isinstance(effect, Attempt):
-                answer = Tried("ok")
+                answer = Tried("ok")  # (at once: never "slow", so never hedged)
             elif isinstance(effect, Retry):
                 answer = True
             elif isinstance(effect, Queue):

@@ -7,6 +7,7 @@ from typing import Any
 
 from switchyard.decide.dryrun import DryRun, dry_run
 from switchyard.decide.features import RequestFeatures
+from switchyard.decide.resolve import unreachable_rules
 from switchyard.decide.tokens import estimate_chat_tokens
 from switchyard.policy.errors import PolicyError, PolicyIssue, issues_at
 from switchyard.policy.load import parse_yaml
@@ -105,6 +106,13 @@ def failing_tests(snapshot: PolicySnapshot, source: str) -> list[PolicyIssue]:
     return issues_at(raw, source, [
         (r.loc, f"policy test {r.name!r} failed: expected {r.expected}, got {r.got}") for r in failed
     ])
+
+
+def policy_warnings(snapshot: PolicySnapshot, source: str) -> list[PolicyIssue]:
+    """What a valid document does that its author likely did not mean, located: a route rule (or default) that a
+    tier allowed to call the route can never take, because the tier may not use the rule's model."""
+    found = unreachable_rules(snapshot)
+    return issues_at(parse_yaml(snapshot.text, source), source, found) if found else []
 
 
 def compile_checked(text: str, source: str = "<policy>", version: int | None = None) -> PolicySnapshot:

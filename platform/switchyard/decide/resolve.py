@@ -15,6 +15,7 @@ from switchyard.decide.refusals import Refused
 from switchyard.policy.fleet import Model
 from switchyard.policy.routes import Route, RuleConditions
 from switchyard.policy.snapshot import PolicySnapshot
+from switchyard.policy.tiers import Tier
 
 
 class NeedsScore(Exception):
@@ -155,14 +156,70 @@ def resolve_model(snapshot: PolicySnapshot, tier_name: str, features: RequestFea
         return ModelDecision(name, model, None, None, (f"model {name} requested directly",))
     assert route is not None
     state = _Scores(snapshot, features, scores or {})
+    barred: list[str] = []
     for index, rule in enumerate(route.rules):
+        if not snapshot.allowed(tier, rule.model):  # a route never resolves to a model the tier may not use
+            barred.append(f"rule {rule.name or f'rules[{index}]'} → {rule.model}")
+            continue
         if rule_matches(rule.when, features, tier.name, state):
             label = rule.name or f"rules[{index}]"
             chosen = snapshot.models[rule.model]
             line = f"route {route.name}: rule {label} matched → {rule.model}"
             break
     else:
-        label, chosen = "default", snapshot.models[route.default]
-        line = f"route {route.name}: no rule matched → default {route.default}"
-    trace = (*state.notes, f"{line}; {_cost_note(snapshot, route, chosen, features)}")
+        label, chosen, line = _default_for(snapshot, tier, route)
+    skipped = ([f"route {route.name}: skipped {', '.join(barred)}: tier {tier.name} may not use "
+                f"{_names(sorted({b.rsplit(' → ', 1)[1] for b in barred}))}"] if barred else [])
+    trace = (*skipped, *state.notes, f"{line}; {_cost_note(snapshot, route, chosen, features)}")
     return ModelDecision(name, chosen, route.name, label, trace)
+
+
+def _names(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def best_allowed(snapshot: PolicySnapshot, tier: Tier, route: Route) -> Model | None:
+    """The model a route falls back on for ``tier`` when its default is one the tier may not use: the most
+    expensive of the route's own models that the tier may use (price per million tokens, in and out, as the
+    measure of capability), the earlier in the route on a tie; None when the tier may use none of them."""
+    allowed = [snapshot.models[m] for m in (*(r.model for r in route.rules), route.default)
+               if snapshot.allowed(tier, m)]
+    if not allowed:
+        return None
+    return max(allowed, key=lambda m: m.price.input_per_mtok + m.price.output_per_mtok)
+
+
+def _default_for(snapshot: PolicySnapshot, tier: Tier, route: Route) -> tuple[str, Model, str]:
+    """The label, model and trace line of a route's default for ``tier`` (no allowed rule matched)."""
+    if snapshot.allowed(tier, route.default):
+        line = f"route {route.name}: no rule matched → default {route.default}"
+        return "default", snapshot.models[route.default], line
+    best = best_allowed(snapshot, tier, route)
+    if best is None:
+        raise Refused(403, "model_not_allowed",
+                      f"Tier '{tier.name}' may use none of the models the route `{route.name}` chooses from.", "model")
+    return ("tier_best", best, f"route {route.name}: no rule matched; the default {route.default} is not allowed for "
+            f"tier {tier.name} → {best.name}, its best allowed model of this route")
+
+
+def unreachable_rules(snapshot: PolicySnapshot) -> list[tuple[tuple[str | int, ...], str]]:
+    """Where a tier that may call a route can never take one of its rules (or its default), and why: the
+    validator's warnings (the document is valid; these rules fall through for that tier)."""
+    found: list[tuple[tuple[str | int, ...], str]] = []
+    for ri, route in enumerate(snapshot.document.routes):
+        for tier in snapshot.document.tiers:
+            if not snapshot.allowed(tier, route.name):
+                continue
+            for k, rule in enumerate(route.rules):
+                if not snapshot.allowed(tier, rule.model):
+                    found.append((("routes", ri, "rules", k, "model"),
+                                  f"tier {tier.name} may call route {route.name} but never takes this rule: it may not "
+                                  f"use {rule.model}, so its requests fall through to the next rule"))
+            if not snapshot.allowed(tier, route.default):
+                best = best_allowed(snapshot, tier, route)
+                then = (f"its requests that match no rule go to {best.name}, its best allowed model of this route"
+                        if best is not None else "it may use none of this route's models, so its requests are refused")
+                found.append((("routes", ri, "default"),
+                              f"tier {tier.name} may call route {route.name} but may not use its default "
+                              f"{route.default}: {then}"))
+    return found

@@ -284,7 +284,14 @@ class Model(Strict):
         "Switchyard's built-in profile).")
     first_token_timeout: Duration | None = Field(
         default=None, description="This model's first-token timeout for streamed answers (default: "
-        "`resilience.first_token_timeout`).")
+        "`resilience.first_token_timeout`); a class's `first_token_deadline` or `ttft_objective` takes precedence.")
+    resume_streams: bool = Field(
+        default=True, description="A stream its engine breaks off (connection lost, an error event, a stall) is "
+        "continued on the next endpoint of the fallback plan: the text so far is sent as a final assistant "
+        "message to continue (vLLM's `continue_final_message`; for completions, the prompt plus the text so far) "
+        "and the continuation is spliced into the client's stream. Set false for engines that cannot continue "
+        "a message: a broken stream then ends with an error event.")
+    max_resumes: int = Field(default=2, ge=0, le=10, description="Most resumes of one request's stream.")
 
     @model_validator(mode="after")
     def _consistent(self) -> Model:

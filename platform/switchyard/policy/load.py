@@ -33,14 +33,43 @@ def parse_yaml(text: str, source: str) -> Any:
     try:
         return _yaml().load(io.StringIO(text))
     except MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = mark.line + 1 if mark is not None else None
-        problem = exc.problem or exc.context or "invalid YAML"
-        if "duplicate key" in problem:
-            problem = problem.split(" with value")[0]
-        raise PolicyError([PolicyIssue("", f"invalid YAML: {problem}", line, source)]) from None
+        message, line = _plain_yaml_error(exc)
+        raise PolicyError([PolicyIssue("", f"invalid YAML: {message}", line, source)]) from None
     except YAMLError as exc:
         raise PolicyError([PolicyIssue("", f"invalid YAML: {exc}", None, source)]) from None
+
+
+def _plain_yaml_error(exc: MarkedYAMLError) -> tuple[str, int | None]:
+    """The parser's complaint said plainly, at the line of the mistake where that can be told: an unclosed
+    quote or bracket is where it opens (the parser notices only where the document ends or a key appears), a
+    badly indented line is the line itself."""
+    problem = exc.problem or exc.context or "invalid YAML"
+    context = exc.context or ""
+    noticed = exc.problem_mark.line + 1 if exc.problem_mark is not None else None
+    opened = exc.context_mark.line + 1 if exc.context_mark is not None else None
+    if "duplicate key" in problem:
+        key = problem.split(" with value")[0].removeprefix("found duplicate key ")
+        first = f" (first at line {opened})" if opened is not None else ""
+        return f"the key {key} appears twice in one mapping{first}", noticed
+    if "quoted scalar" in context:
+        return f"a quoted string that opens at line {opened} is never closed", opened or noticed
+    if "flow sequence" in context or "flow mapping" in context:
+        bracket = "[" if "sequence" in context else "{"
+        closer = "]" if bracket == "[" else "}"
+        return (f"the {bracket} opened at line {opened} is not closed with {closer} (or an item in it lacks a comma)",
+                opened or noticed)
+    if "cannot start any token" in problem and ("\\t" in problem or "\t" in problem):
+        return "a tab character: YAML indents with spaces only", noticed
+    if "mapping values are not allowed here" in problem:
+        return ("a colon where a value was expected: put a space after a key's colon and quote values that contain "
+                "': ' (or the line before lacks its colon)"), noticed
+    if problem.startswith("expected <block end>"):
+        return "this line's indentation does not match the lines above it", noticed
+    if "could not find expected ':'" in problem:
+        return "a key without its colon (or a line indented as if it continued the one above)", noticed
+    if "undefined alias" in problem:
+        return f"{problem.removeprefix('found ')}: an *alias needs an &anchor of that name above it", noticed
+    return problem, noticed or opened
 
 
 # Pydantic's wording, said the way an operator reads a config file.

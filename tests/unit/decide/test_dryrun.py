@@ -26,7 +26,7 @@ def test_a_dry_run_follows_every_stage_of_the_gateways_decisions() -> None:
     assert run.trace[0].startswith("route auto: no rule matched → default large; est. cost ")
     # The plan says where the request would go if its engine failed, and when it would move on; then the pick.
     assert run.trace[-2].startswith("fallback plan: large (large-us) → small (small-us, small-eu); at most 3 attempts")
-    assert "no first token within 15 s" in run.trace[-2]
+    assert "nothing produced within 15 s (class critical's first-token deadline)" in run.trace[-2]
     assert run.trace[-1].startswith("endpoint http://127.0.0.1:9004 of pool large-us")
     assert run.plan == ("large", "small") and run.served_model == "large"
     refused = dry_run(snapshot, "free", RequestFeatures(model="large", prompt_tokens=5))

@@ -196,6 +196,13 @@ def test_the_default_profile_weighs_prefix_against_load() -> None:
     assert choice is not None
     assert choice.trace.startswith("endpoint http://us1 of pool p-us (us-east): score ")
     assert "prefix-affinity 1.00" in choice.trace and "max-score of 3" in choice.trace
+    # Why it won: the runners-up, best first, with their own scores (as the dry-run shows them).
+    scores = [score for _, score, _ in choice.others]
+    assert scores == sorted(scores, reverse=True)
+    assert {url for url, _, _ in choice.others} == {"http://us2", "http://eu1"}
+    assert all(score <= choice.score for _, score, _ in choice.others)
+    runners = choice.trace.split("; runners-up: ")[1]
+    assert "http://us2 " in runners and "http://eu1 " in runners and "prefix-affinity 0.00" in runners
 
 
 def test_home_region_is_preferred_until_it_is_saturated_then_the_roomiest_region_takes_over() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from switchyard.decide.features import MAX_MATCH_CHARS, chat_features, completion_features
-from switchyard.decide.policy_tests import run_policy_tests
+from switchyard.decide.policy_tests import policy_warnings, run_policy_tests
 from switchyard.decide.refusals import Refused
 from switchyard.decide.resolve import resolve_model
 from switchyard.decide.tokens import estimate_chat_tokens, estimate_text_tokens
@@ -103,3 +103,41 @@ def test_policy_tests_report_pass_and_fail(snapshot: PolicySnapshot) -> None:
     (result,) = run_policy_tests(snapshot)
     assert result.passed and result.expected == "model small"
     assert result.got == "status 200, model small, pool small-us, region us-east"
+
+
+def test_a_route_never_resolves_to_a_model_the_tier_may_not_use() -> None:
+    """``free`` may call ``auto`` and ``small`` only: auto's rule to large falls through for it, and its
+    default (large) becomes small, the best model of the route free may use; the trace says both."""
+    snapshot = compile_policy(to_yaml(base()))
+    assert resolve(snapshot, chat("Prove it"), tier="pro") == ("large", "hard")
+    decision = resolve_model(snapshot, "free", chat_features(chat("Prove it " + "x" * 600), {}))
+    assert (decision.model.name, decision.rule) == ("small", "tier_best")
+    trace = " | ".join(decision.trace)
+    assert "skipped rule hard → large: tier free may not use large" in trace
+    assert "the default large is not allowed for tier free → small" in trace
+    assert resolve(snapshot, chat("Prove it"), tier="free") == ("small", "short")  # a rule it may take still wins
+
+
+def test_a_tier_that_may_use_none_of_a_routes_models_is_refused() -> None:
+    doc = base()
+    doc["tiers"][0]["models"] = ["auto"]
+    doc["tests"] = []
+    snapshot = compile_policy(to_yaml(doc))
+    with pytest.raises(Refused) as refused:
+        resolve_model(snapshot, "free", chat_features(chat("hi"), {}))
+    assert refused.value.status == 403 and refused.value.code == "model_not_allowed"
+    assert "may use none of the models the route `auto` chooses from" in refused.value.message
+
+
+def test_the_validator_warns_about_rules_a_tier_can_never_take() -> None:
+    text = to_yaml(base())
+    warnings = policy_warnings(compile_policy(text), "p.yaml")
+    assert [(w.path, w.source) for w in warnings] == [("routes[auto].rules[hard].model", "p.yaml"),
+                                                      ("routes[auto].default", "p.yaml")]
+    lines = text.splitlines()
+    assert all(w.line is not None and lines[w.line - 1].strip().startswith(("model:", "default:")) for w in warnings)
+    assert "tier free may call route auto but never takes this rule: it may not use large" in warnings[0].message
+    assert "its requests that match no rule go to small" in warnings[1].message
+    doc = base()
+    doc["tiers"][0]["models"] = ["small"]  # free cannot call auto at all: nothing to warn about
+    assert policy_warnings(compile_policy(to_yaml(doc)), "p.yaml") == []

@@ -220,8 +220,13 @@ def test_catalogue_is_large_and_distinct() -> None:
 
 
 @pytest.mark.parametrize(("text", "message", "line"), [
-    ("schema: 1\nregions: [a\npools: []\n", "invalid YAML", 3),
-    ("schema: 1\nschema: 1\n", "invalid YAML: found duplicate key \"schema\"", 2),
+    # YAML mistakes, worded plainly and placed where the mistake is (not where the parser noticed it)
+    ("schema: 1\nregions: [a\npools: []\n", "invalid YAML: the [ opened at line 2 is not closed with ]", 2),
+    ("schema: 1\nschema: 1\n", 'invalid YAML: the key "schema" appears twice in one mapping (first at line 1)', 2),
+    ('schema: 1\nregions: ["a\npools: []\n', "invalid YAML: a quoted string that opens at line 2 is never closed", 2),
+    ("schema: 1\nregions:\n\t- a\n", "invalid YAML: a tab character: YAML indents with spaces only", 3),
+    ("schema: 1\nregions:\n  - a\n - b\n", "invalid YAML: this line's indentation does not match", 4),
+    ("schema: 1\nnote: a: b\n", "invalid YAML: a colon where a value was expected", 2),
     ("- just\n- a list\n", "the document must be a YAML mapping of sections", 1),
 ])
 def test_unparseable_documents(text: str, message: str, line: int) -> None:
