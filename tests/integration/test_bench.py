@@ -9,6 +9,7 @@ report must say so. No wall-clock time is asserted: only completeness and consis
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -153,6 +154,7 @@ def assert_same_numbers(out: Path, name: str, report: dict[str, Any], goals: int
     return md
 
 
+@pytest.mark.timeout(300)  # the module's bench run (four scenarios, about 100-160 s on two busy cores) is its setup
 def test_the_run_succeeds_and_says_where_the_report_is(run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     out, done = run
     assert done.returncode == 0, done.stdout + done.stderr
@@ -231,13 +233,20 @@ def test_overhead_says_litellm_was_not_measured_and_its_figures_agree(
             assert row["rps"] > 0 and row["error_rate"] == 0, row
     added = next(g for g in report["goals"] if "added latency" in g["goal"] and "non-stream" in g["goal"])
     sy = next(r for r in latency if r["arm"] == "switchyard" and r["mode"] == "non-stream" and r["rate"] == 500)
-    assert added["value"] == sy["added_p99_s"]
+    if sy.get("requests"):
+        assert added["value"] == sy["added_p99_s"]
+    else:  # a machine that cannot sustain the goal rate skips the step, and the goal says so
+        assert added["value"] is None and added["met"] is None
+        assert sy["note"].startswith("not run: above its max sustained rate") and added["note"] == sy["note"]
     # What stands in the way: the gateway's own loop lag and GC pauses around its goal-rate steps, and where an
     # uncounted second gateway with the stall sampler on found its loop thread.
     tables = {t["title"]: t for t in report["tables"]}
-    [lag] = [t for name, t in tables.items() if name.startswith("Gateway event-loop lag")]
-    assert {r["mode"] for r in lag["rows"]} == {"non-stream", "stream"}
-    assert all(r["checks"] > 0 and r["gc0"] >= 0 for r in lag["rows"])
+    lags = [t for name, t in tables.items() if name.startswith("Gateway event-loop lag")]
+    # (A step runs only where the gateway sustains its rate: on a slow or busy machine a step may not.)
+    ran = {r["mode"] for r in latency if r["arm"] == "switchyard" and r["rate"] == 500 and r.get("requests")}
+    rows = [r for t in lags for r in t["rows"]]
+    assert len(lags) <= 1 and (lags or not ran) and {r["mode"] for r in rows} == ran
+    assert all(r["checks"] > 0 and r["gc0"] >= 0 for r in rows)
     stalls = tables["Where the gateway's event loop stalled (diagnostic step, not counted)"]
     logged = [line for line in (out / "logs" / "gateway-stalls.log").read_text().splitlines()
               if "event loop stalled" in line]
@@ -312,28 +321,35 @@ def test_failover_figures_agree(failover_run: tuple[Path, subprocess.CompletedPr
     out, _ = failover_run
     report = _json(out / "failover" / "report.json")
     line = report["parameters"]["timeline"]
-    assert [o["kind"] for o in line] == report["parameters"]["outages"] == ["down", "hang"]
-    assert line[0]["ready_s"] <= line[1]["start_s"]  # staged one after the other
-    for o in line:  # each outage was staged and undone through the control server
+    assert [o["kind"] for o in line] == report["parameters"]["outages"] == ["down", "kill", "hang"]
+    for o, following in itertools.pairwise(line):  # staged one after the other, the region back between
+        assert o["ready_s"] <= following["start_s"] and o["back_s"] is not None and o["back_s"] <= following["start_s"]
+    for o in line:  # each outage was staged and undone (the control server; the kill: a new process)
         assert o["start_s"] <= o["applied_s"] < o["end_s"] <= o["restored_s"] <= o["ready_s"]
-    outages, load, phases, _, failed = report["tables"]
-    through = report["goals"][0]  # requests sent while an outage lasted
-    sent = sum(o["requests"] for o in outages["rows"])
-    assert through["value"] == pytest.approx(sum(o["ok"] for o in outages["rows"]) / sent)
+    outages, detect, waits, load, phases, _, slowest, failed, _ = report["tables"]
     total = report["overall"]["switchyard"]["count"]
-    assert sum(p["requests"] for p in phases["rows"]) == total == sum(p["requests"] for p in load["rows"])
-    assert [p["phase"] for p in load["rows"]] == ["before", "down", "between", "hang", "after"]
-    failures = round(total * (1 - report["overall"]["switchyard"]["ok_rate"]))
-    assert len(failed["rows"]) == min(30, failures)
-    assert f"over the whole run {failures} of {total} failed" in through["note"]
+    assert sum(p["requests"] for p in phases["rows"]) == total == load["rows"][-1]["requests"]
+    assert [p["phase"] for p in load["rows"]] == ["before", "down", "between-1", "kill", "between-2", "hang", "after",
+                                                  "whole run"]
+    assert sum(p["requests"] for p in load["rows"][:-1]) == total
+    not_complete = sum(o["requests"] - o["complete"] for o in outages["rows"])
+    assert len(failed["rows"]) >= min(30, not_complete)  # every outage's failure is listed (and the others')
+    goals = {g["goal"]: g for g in report["goals"]}
+    assert len(goals) == 6 and all(g["value"] is not None and g["met"] is not None for g in goals.values()), goals
     for o in outages["rows"]:
-        assert o["requests"] > 0  # requests were sent during each outage
-        row = next(p for p in load["rows"] if p["phase"] == o["outage"])
-        assert row["requests"] == o["requests"] and row["healthy_received"] == o["healthy_received"]
-        assert o["healthy_received"] is not None and o["attempts"] is not None  # both /metrics were read
-        storm = next(g for g in report["goals"] if g["goal"].startswith("no retry storm")
-                     and f"the {o['outage']} outage" in g["goal"])
-        assert storm["value"] == o["healthy_ratio"]
+        assert o["requests"] > o["in_flight"] > 0  # requests were sent during each outage, and ran at its fault
+        assert o["resumes"] is not None and o["hedges"] is not None  # the gateway's /metrics were read at its edges
+        assert goals[f"requests answered completely in the {o['outage']} phase"]["value"] == o["complete_rate"]
+    kill = next(o for o in outages["rows"] if o["outage"] == "kill")
+    assert kill["complete"] == kill["requests"]  # the streams running on the killed engines were resumed
+    hang = next(o for o in detect["rows"] if o["outage"] == "hang")
+    assert goals["hang detected and traffic moved off us-east"]["value"] == max(hang["out_all_s"], hang["moved_s"])
+    assert goals["longest client wait (streams: first token; complete answers: whole time)"]["value"] == \
+        waits["rows"][-1]["wait_max_s"] == slowest["rows"][0]["wait_s"]
+    run = load["rows"][-1]
+    assert run["home_received"] and run["healthy_received"]  # both regions' engines were read (across the kill)
+    assert goals["engine requests per client request over the run"]["value"] == run["engine_ratio"] == \
+        pytest.approx((run["home_received"] + run["healthy_received"]) / total)
 
 
 @pytest.fixture(scope="module")

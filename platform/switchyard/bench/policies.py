@@ -23,11 +23,11 @@ def _urls(ports: Sequence[int]) -> str:
     return "[" + ", ".join(f"http://127.0.0.1:{p}" for p in ports) + "]"
 
 
-def _tail(models: str) -> str:
+def _tail(models: str, priority_fields: str = "") -> str:
     return f"""\
 {models}
 priorities:
-  {PRIORITY}: {{max_queue_ms: 2000}}
+  {PRIORITY}: {{max_queue_ms: 2000{priority_fields}}}
 tiers:
   - {{name: {TIER}, priority: {PRIORITY}, models: ["*"]}}
 """
@@ -79,16 +79,35 @@ models:
 
 
 def two_region_policy(us_ports: Sequence[int], eu_ports: Sequence[int], *, served_model: str, profile: str,
-                      kv_cache_tokens: int, context_window: int, first_token_timeout: float | None = None) -> str:
+                      kv_cache_tokens: int, context_window: int, first_token_timeout: float | None = None,
+                      ttft_objective: float | None = None, hedge_after: str | float | None = None) -> str:
     """Two regions; clients call ``chat-us`` or ``chat-eu`` (their home region), each falling back
     to ``chat`` (served in both regions) in the other region (the failover scenario).
 
     A fallback chain may not loop back (``chat-us → chat-eu → chat-us`` is refused), hence the
-    third model: the region-neutral ``chat`` is only a fallback target. ``first_token_timeout``
-    (seconds) sets ``resilience.first_token_timeout`` (None: the gateway's default).
+    third model: the region-neutral ``chat`` is only a fallback target.
+
+    Args:
+        us_ports: The us-east engines' ports.
+        eu_ports: The eu-west engines' ports.
+        served_model: The name the engines serve.
+        profile: The engines' simulator profile.
+        kv_cache_tokens: Each engine's KV-cache capacity.
+        context_window: The models' context window.
+        first_token_timeout: ``resilience.first_token_timeout`` in seconds (None: the gateway's default).
+        ttft_objective: The tier's class's ``ttft_objective`` in seconds (its first-token deadline is then
+            twice it; None: the class sets none).
+        hedge_after: The class's ``hedge.after``: a quantile of the pool's observed TTFT (``p95``) or a delay
+            in seconds (None: no hedging).
     """
     resilience = (f"resilience: {{first_token_timeout: {first_token_timeout:g}}}\n"
                   if first_token_timeout is not None else "")
+    priority = ""
+    if ttft_objective is not None:
+        priority += f", ttft_objective: {ttft_objective:g}s"
+    if hedge_after is not None:
+        after = hedge_after if isinstance(hedge_after, str) else f"{hedge_after:g}s"
+        priority += f", hedge: {{after: {after}}}"
     return f"""\
 schema: 1
 regions: [us-east, eu-west]
@@ -104,7 +123,7 @@ models:
   - {{name: chat-us, pools: [chat-us], context_window: {context_window}, fallback: ["chat@eu-west"],
       price: {{input_per_mtok: 0, output_per_mtok: 0}}}}
   - {{name: chat-eu, pools: [chat-eu], context_window: {context_window}, fallback: ["chat@us-east"],
-      price: {{input_per_mtok: 0, output_per_mtok: 0}}}}""") + resilience
+      price: {{input_per_mtok: 0, output_per_mtok: 0}}}}""", priority) + resilience
 
 
 def cache_policy(gen_ports: Sequence[int], embed_port: int, *, served_model: str, embed_model: str, profile: str,

@@ -2,7 +2,7 @@
 
 A workload is a :class:`Workload` of :class:`RequestSpec` in arrival order. Sources:
 
-- :func:`mooncake` and :func:`azure` replay public traces (``../shared/data/traces``), with a
+- :func:`mooncake` and :func:`azure` replay public traces (two ship in ``switchyard/bench/data``), with a
   rate multiplier, a duration cap, a limit and a token scale;
 - :func:`poisson` and :func:`bursty` draw synthetic arrivals over a weighted mix of
   :class:`RequestTemplate` (tenants, classes, models, length ranges, shared prefixes);

@@ -42,7 +42,7 @@ def _interrupt(_signum: int, _frame: FrameType | None) -> None:
 @click.option("--quick", is_flag=True, help="A few seconds per arm (smoke test); figures are indicative only.")
 @click.option("--trace", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Mooncake trace (JSONL with hash_ids) for the prefix scenario "
-                   "[default: ../shared/data/traces/mooncake_conversation.jsonl].")
+                   "[default: the Mooncake conversation trace shipped with switchyard].")
 @click.option("--rate-multiplier", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Replay the trace this many times faster [prefix default: 12].")
 @click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=None,

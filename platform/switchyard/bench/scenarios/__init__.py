@@ -5,9 +5,9 @@ directly and against LiteLLM), ``prefix`` (precise KV-event routing against the 
 index, least-loaded, round-robin and an oracle, on a trace replay and agent sessions), ``overload``
 (flow control against plain FCFS at twice the engines' capacity: per-class TTFT SLO attainment,
 goodput, shed and downgrade rates),
-``failover`` (alias ``chaos``: a region's engines refusing connections, then hanging, under steady
-load), ``reload`` (publishes and rollbacks under load: propagation to another replica, failed and
-mis-versioned requests), ``auto``
+``failover`` (alias ``chaos``: a region's engines refusing connections, killed mid-stream, then hung
+mid-stream, under steady load), ``reload`` (publishes and rollbacks under load: propagation to another
+replica, failed and mis-versioned requests), ``auto``
 (a labelled easy/hard prompt set through a gateway on the demo policy: where the ``auto`` route
 sent each, the difficulty classifier's accuracy, cost per 1,000 requests against all on large),
 ``cache`` (the exact and semantic response caches on a workload with Zipf-distributed repeats and
@@ -44,8 +44,8 @@ SCENARIOS: dict[str, Scenario] = {
                  "oracle, on a trace replay and agent sessions", prefix.run),
         Scenario("overload", "flow control vs plain FCFS at twice capacity: per-class SLO attainment, goodput, "
                  "shedding and downgrades", overload_scenario.run),
-        Scenario("failover", "resilience (chaos): a region's engines down, then hung, under load; success, "
-                 "detection, recovery, no retry storm", failover_scenario.run),
+        Scenario("failover", "resilience (chaos): a region's engines down, killed mid-stream, then hung, under "
+                 "load; answers complete, detection, longest wait, no retry storm", failover_scenario.run),
         Scenario("cache", "response caches: hit ratio against the repeat bound and hit latency p50/p99 on a "
                  "workload with repeats and paraphrases, vs the same gateway without the cache", cache_scenario.run),
         Scenario("batch", "the Batch API filling idle capacity without hurting interactive traffic: the batch "

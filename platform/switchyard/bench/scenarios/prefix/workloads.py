@@ -27,16 +27,14 @@ from switchyard.bench.spec import Labels, RequestSpec, Workload, WorkloadError, 
 
 #: The workloads, by ``--workload`` name.
 WORKLOADS = ("mooncake", "agents")
-#: Where the default trace lives, relative to the repository (``../shared/data/traces``).
-DEFAULT_TRACE = Path("..") / "shared" / "data" / "traces" / "mooncake_conversation.jsonl"
+#: The traces shipped with the package (``switchyard/bench/data``, with their attribution and licence).
+SHIPPED_TRACES = Path(__file__).resolve().parents[2] / "data"
 
 
 def default_trace() -> Path:
-    """The Mooncake conversation trace: beside the repository (``../shared``), from the working
-    directory or from this source tree."""
-    here = Path(__file__).resolve()
-    candidates = [Path.cwd() / DEFAULT_TRACE, *[p / DEFAULT_TRACE for p in here.parents]]
-    return next((c for c in candidates if c.exists()), Path.cwd() / DEFAULT_TRACE)
+    """The Mooncake conversation trace shipped with the package: found wherever switchyard is installed,
+    whatever the working folder."""
+    return SHIPPED_TRACES / "mooncake_conversation.jsonl"
 
 
 @dataclass(frozen=True, slots=True)
