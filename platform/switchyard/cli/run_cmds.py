@@ -245,16 +245,21 @@ _CONTROL = click.option("--control", "control", required=True, metavar="URL",
 @click.option("--region", default=None, help="Only the engines of this region.")
 @click.option("--pool", default=None, help="Only the engines of this pool.")
 @click.option("--port", type=int, default=None, help="Only the engine on this port.")
-@click.option("--mode", type=click.Choice(["none", "slow", "hang", "down", "unavailable", "invalid_json", "truncate",
-                                          "wrong_type", "huge"]), default=None,
-              help="down: connection refused; unavailable: 503 everywhere; hang: no answer; slow: slower steps; "
+@click.option("--mode", type=click.Choice(["none", "slow", "drip", "hang", "down", "unavailable", "invalid_json",
+                                          "truncate", "wrong_type", "huge"]), default=None,
+              help="down: connection refused; unavailable: 503 everywhere; hang: the engine stalls (no step, no "
+                   "byte, /health fine); drip: one step per --drip-interval-s; slow: slower steps; "
                    "invalid_json, truncate, wrong_type, huge: 200 answers that are garbage.")
 @click.option("--slow-factor", type=float, default=None, help="Step-time multiplier in mode slow.")
+@click.option("--drip-interval-s", type=float, default=None, help="Wall-clock seconds between steps in mode drip.")
 @click.option("--error-rate", type=float, default=None, help="Fraction of inference requests answered 500.")
 @click.option("--throttle-rate", type=float, default=None, help="Fraction answered 429 (Retry-After: 1).")
 @click.option("--overload-rate", type=float, default=None, help="Fraction answered 503 (Retry-After: 1).")
 @click.option("--abort-rate", type=float, default=None, help="Fraction whose answer is broken off mid-way.")
 @click.option("--abort-after-tokens", type=int, default=None, help="Content tokens a broken-off stream gets first.")
+@click.option("--abort-with", type=click.Choice(["close", "error"]), default=None,
+              help="How a broken-off stream ends: close (the connection drops) or error (vLLM's mid-stream error "
+                   "event, then [DONE]).")
 @click.option("--clear", is_flag=True, help="Back to healthy: mode none, every rate 0, default factor and tokens.")
 def sim_fault(control: str, region: str | None, pool: str | None, port: int | None, clear: bool,
               **settings: Any) -> None:
@@ -270,8 +275,9 @@ def sim_fault(control: str, region: str | None, pool: str | None, port: int | No
     if clear and given:
         raise click.UsageError("--clear resets every setting; give it without --mode or any rate")
     if not clear and not given:
-        raise click.UsageError("nothing to change: give --mode, a rate, --slow-factor, --abort-after-tokens or "
-                               "--clear (`switchyard sim faults --control URL` lists the engines)")
+        raise click.UsageError("nothing to change: give --mode, a rate, --slow-factor, --drip-interval-s, "
+                               "--abort-after-tokens, --abort-with or --clear (`switchyard sim faults --control URL` "
+                               "lists the engines)")
     targets = {key: value for key, value in (("region", region), ("pool", pool), ("port", port))
                if value is not None}
     try:
