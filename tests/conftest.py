@@ -3,7 +3,9 @@ CPU for the ``vllm`` tier, and the session's check that no secret was ever logge
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import re
@@ -165,6 +167,7 @@ class SecretWatch:
     leaks: list[str] = field(default_factory=list)
     sections: int = 0
     files: int = 0
+    elsewhere: int = 0  # secrets the workers of a pytest-xdist run watched (in the controller)
     basetemp: Path | None = None
     _pattern: re.Pattern[str] | None = None
     _seen: set[tuple[str, str]] = field(default_factory=set)
@@ -242,13 +245,34 @@ def _secret_watch(tmp_path_factory: pytest.TempPathFactory) -> SecretWatch:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    SECRETS.scan_report(report)
+    # Under pytest-xdist each worker scans the reports of the tests it ran (it knows their secrets); the
+    # controller, which receives copies of those reports, only adds up what the workers found.
+    if not _DISTRIBUTING:
+        SECRETS.scan_report(report)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """A worker ended (pytest-xdist, in the controller): take in what its secret watch found."""
+    found = getattr(node, "workeroutput", {}).get("secret_watch")
+    if found:
+        SECRETS.leaks.extend(found["leaks"])
+        SECRETS.elsewhere += found["secrets"]
+        SECRETS.sections += found["sections"]
+        SECRETS.files += found["files"]
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the session if a secret reached a captured output or a log file."""
-    SECRETS.scan_files()
+    config: Any = session.config
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the controller reports for every worker
+        SECRETS.scan_files()
+        config.workeroutput["secret_watch"] = {"leaks": SECRETS.leaks, "secrets": len(SECRETS.secrets),
+                                               "sections": SECRETS.sections, "files": SECRETS.files}
+        return
+    if not _DISTRIBUTING:
+        SECRETS.scan_files()
     reporter: Any = session.config.pluginmanager.get_plugin("terminalreporter")
     if SECRETS.leaks:
         if reporter is not None:
@@ -258,5 +282,69 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
                 reporter.write_line(leak)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     elif reporter is not None and reporter.verbosity >= 0:
-        reporter.write_line(f"no secret in logs: {len(SECRETS.secrets)} secrets and whole keys checked in "
+        checked = len(SECRETS.secrets) + SECRETS.elsewhere
+        reporter.write_line(f"no secret in logs: {checked} secrets and whole keys checked in "
                             f"{SECRETS.sections} captured outputs and {SECRETS.files} log files")
+
+
+# --- tests in parallel (pytest-xdist) ---------------------------------------------------------------------------
+#
+# The suite runs in worker processes (``-n`` in pyproject.toml's addopts), each given whole files. A test
+# marked ``alone`` measures the machine (timings it compares with a model, loop lag): it runs while no other
+# test runs in any worker. Every test holds a shared lock for its setup, call and teardown; an ``alone`` test
+# holds it exclusively. A gate in front keeps a waiting ``alone`` test from being starved by the others: it
+# takes the gate first, and a test takes the gate (for an instant) before its shared lock.
+
+_DISTRIBUTING = False  # set in the controller of a pytest-xdist run
+
+
+@dataclass
+class RunLock:
+    """The suite's reader-writer lock between worker processes, on two lock files."""
+
+    directory: Path
+
+    @contextlib.contextmanager
+    def hold(self, *, alone: bool) -> Iterator[None]:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self.directory / "gate", "a+b") as gate, open(self.directory / "running", "a+b") as running:
+            fcntl.flock(gate, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(running, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+            finally:
+                if not alone:
+                    fcntl.flock(gate, fcntl.LOCK_UN)
+            try:
+                yield
+            finally:
+                fcntl.flock(running, fcntl.LOCK_UN)
+                if alone:
+                    fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+_RUN_LOCK: RunLock | None = None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """The vLLM tier (``-m vllm``) runs in one process: its two real servers are shared by all its tests."""
+    if config.option.markexpr.strip() == "vllm" and getattr(config.option, "numprocesses", None):
+        config.option.numprocesses = 0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _DISTRIBUTING, _RUN_LOCK
+    worker: Any = getattr(config, "workerinput", None)
+    if worker is not None:
+        _RUN_LOCK = RunLock(Path(tempfile.gettempdir()) / f"switchyard-tests-{worker['testrunuid']}")
+    elif config.pluginmanager.has_plugin("xdist") and getattr(config.option, "numprocesses", None):
+        _DISTRIBUTING = True
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if _RUN_LOCK is None:
+        yield
+        return
+    with _RUN_LOCK.hold(alone=item.get_closest_marker("alone") is not None):
+        yield
