@@ -19,7 +19,7 @@ from litestar.template import TemplateConfig
 
 import switchyard
 from switchyard.admin.api import admin_api_router
-from switchyard.admin.console import admin_router
+from switchyard.admin.console import admin_router, template_globals
 from switchyard.admin.dependencies import AdminDependencies
 from switchyard.admin.login import login_router
 from switchyard.admin.session import console_security_headers, csrf_config
@@ -69,7 +69,8 @@ def create_app(settings: Settings) -> Litestar:
         request_max_body_size=settings.max_body_bytes,
         csrf_config=csrf_config(settings),
         before_send=[console_security_headers],
-        template_config=TemplateConfig(directory=templates_dir(), engine=JinjaTemplateEngine),
+        template_config=TemplateConfig(directory=templates_dir(), engine=JinjaTemplateEngine,
+                                       engine_callback=template_globals),
         openapi_config=openapi_config(title="Switchyard", version=switchyard.__version__, path="/openapi"),
         logging_config=None,
         debug=False,

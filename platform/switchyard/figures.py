@@ -154,3 +154,23 @@ def to_ms(seconds: float | None) -> float | None:
 def utc_iso(epoch: float, timespec: str = "milliseconds") -> str:
     """Epoch seconds as UTC ISO 8601 text ending in ``Z`` (``2027-01-15T08:00:00.000Z``)."""
     return datetime.fromtimestamp(epoch, UTC).isoformat(timespec=timespec).replace("+00:00", "Z")
+
+
+#: How people read a limit's name, everywhere the console and the command line show one.
+LIMIT_LABELS = {"tokens_per_minute": "tokens per minute", "requests_per_minute": "requests per minute",
+                "tokens_per_day": "tokens per day", "spend_per_month": "spend per month"}
+
+
+def limit_label(name: str) -> str:
+    """``tokens_per_minute`` as people read it (``tokens per minute``); other names with spaces for underscores."""
+    return LIMIT_LABELS.get(name, name.replace("_", " "))
+
+
+def limit_amount(name: str, value: float | None, *, missing: str = "—") -> str:
+    """A limit's value for people: ``5,000,000 tokens``, ``400 requests``, ``$12.50``."""
+    if value is None:
+        return missing
+    if name.startswith("spend"):
+        return f"${value:,.2f}" if value >= 1 else f"${value:.4g}"
+    unit = "requests" if name.startswith("requests") else "tokens"
+    return f"{value:,.0f} {unit}"

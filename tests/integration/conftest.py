@@ -15,7 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -298,6 +298,88 @@ def start_gateway(engines: Engines, database_url: str, data_dir: Path, backend: 
         stop(proc)
         raise
     return Gateway(base, env, backend, proc)
+
+
+@dataclass
+class FaultFleet:
+    """Simulated engines in one ``switchyard sim`` process with its fault control server, and the folder of the
+    policies written for them (``<name>.yaml``)."""
+
+    ports: dict[str, int]
+    control: str
+    folder: Path
+    #: Databases with the keys of each set already made (see :meth:`gateway`).
+    _databases: dict[tuple[tuple[str, tuple[str, str]], ...], tuple[Path, dict[str, str]]] = field(
+        default_factory=dict)
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.ports[name]}"
+
+    def fault(self, **body: Any) -> list[dict[str, Any]]:
+        """Set faults through the sim's control server (targets: region, pool, port; none: every engine)."""
+        status, _, answer = http_json("POST", self.control + "/faults", body)
+        assert status == 200, answer
+        return list(answer["engines"])
+
+    def down(self, *names: str, **settings: Any) -> None:
+        """Set ``settings`` on the engines named."""
+        for name in names:
+            self.fault(port=self.ports[name], **settings)
+
+    def state(self, name: str) -> dict[str, Any]:
+        """The engine's ``/sim/state``."""
+        status, _, body = http_json("GET", self.url(name) + "/sim/state")
+        assert status == 200
+        return dict(body)
+
+    def gateway(self, tmp_path: Path, policy: str, env: dict[str, str],
+                keys: dict[str, tuple[str, str]]) -> Gateway:
+        """A gateway in us-east on policy ``<policy>.yaml``, with ``keys`` (name → tenant, tier).
+
+        The keys are made once per set (with the real CLI) in a database the fleet keeps; each gateway starts on
+        a copy of it, so that a fresh gateway per test costs no key creation.
+        """
+        wanted = tuple(sorted(keys.items()))
+        made = self._databases.get(wanted)
+        if made is None:
+            template = self.folder / f"keys-{len(self._databases)}.db"
+            cli_env = {**os.environ, **GATEWAY_SETTINGS, "SWITCHYARD_DATA_DIR": str(self.folder),
+                       "SWITCHYARD_DATABASE_URL": f"sqlite:///{template}",
+                       "SWITCHYARD_POLICY_FILE": str(self.folder / f"{policy}.yaml")}
+            secrets = {}
+            subprocess.run([SWITCHYARD, "db", "upgrade"], env=cli_env, capture_output=True, timeout=60, check=True)
+            for name, (tenant, tier) in keys.items():
+                done = subprocess.run([SWITCHYARD, "keys", "create", "--tenant", tenant, "--tier", tier],
+                                      env=cli_env, capture_output=True, text=True, timeout=60, check=True)
+                secrets[name] = done.stdout.strip()
+                SECRETS.add(secrets[name])
+            made = self._databases[wanted] = (template, secrets)
+        template, secrets = made
+        database = tmp_path / "gw.db"
+        shutil.copyfile(template, database)
+        gw = start_gateway(Engines(self.folder / f"{policy}.yaml", {}, 0), f"sqlite:///{database}", tmp_path,
+                           "sqlite", {"SWITCHYARD_REGION": "us-east", **env})
+        gw.keys.update(secrets)
+        return gw
+
+
+def fault_fleet(folder: Path, names: Sequence[str], policies: Callable[[dict[str, int]], dict[str, str]],
+                serve: str, time_scale: float = 20) -> Iterator[FaultFleet]:
+    """Start the engines ``names`` on free ports, as the policy ``serve`` of ``policies(ports)`` declares them
+    (every policy written to ``folder``), with a fault control server; stop them at the end."""
+    ports = {name: free_port() for name in names}
+    control = free_port()
+    for name, text in policies(ports).items():
+        (folder / f"{name}.yaml").write_text(text)
+    proc = subprocess.Popen([SWITCHYARD, "sim", "--policy", str(folder / f"{serve}.yaml"), "--time-scale",
+                             f"{time_scale:g}", "--control-port", str(control)])
+    try:
+        for port in ports.values():
+            wait_http(f"http://127.0.0.1:{port}/health", proc)
+        wait_http(f"http://127.0.0.1:{control}/health", proc)
+        yield FaultFleet(ports, f"http://127.0.0.1:{control}", folder)
+    finally:
+        stop(proc)
 
 
 @pytest.fixture(scope="session", params=["sqlite", "postgresql"])

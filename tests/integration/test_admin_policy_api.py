@@ -157,8 +157,13 @@ def test_validate_writes_nothing(db_mode: TestClient[Any]) -> None:
     assert issue["line"] == _line_of(text, "  expect:\n    model: large")
     assert issue["message"].startswith("policy test 'hi is small' failed")
     valid = db_mode.post(f"{API}/validate", json={"yaml": V2}).json()
+    warnings = valid.pop("warnings")
     assert valid == {"valid": True, "issues": [], "sha256": policy_sha256(V2),
                      "changes_from_active": ["tier free: limits.tokens_per_day 10000 → 5000"]}
+    # free may call auto but not large: the rule to large and the default are flagged, with their lines
+    assert [(w["path"], w["line"]) for w in warnings] == [
+        ("routes[auto].rules[hard].model", _line_of(V2, "model: large")),
+        ("routes[auto].default", _line_of(V2, "default: large"))]
     _error(db_mode.post(f"{API}/validate", json={"text": V2}), 400, "invalid_request")
     assert len(db_mode.get(f"{API}/versions").json()["versions"]) == 1
 

@@ -23,6 +23,9 @@ from switchyard.sim.measured import load_profile_file
 from switchyard.sim.profiles import PROFILES
 from tests.integration.test_sim import _free_port, _stop, _wait_healthy
 
+# Timings compared with what they should be: no other test competes for the cores meanwhile.
+pytestmark = pytest.mark.alone
+
 SWITCHYARD = Path(sys.executable).with_name("switchyard")
 MODEL = "sim-calibrated"
 #: Simulated seconds per wall-clock second of the engine under calibration.

@@ -14,6 +14,7 @@ from litestar.testing import TestClient
 from switchyard.admin.session import SESSION_COOKIE
 from switchyard.store import db
 from switchyard.store.admin_users import disable_user, list_users, verify_password
+from switchyard.store.audit import list_events
 from tests.integration.conftest import (
     ADMIN_AUTH,
     CONSOLE_PASSWORD,
@@ -117,6 +118,11 @@ def test_wrong_passwords_are_throttled_per_user_even_with_the_right_one_after(co
     refused = console_login(console, "operator")
     assert refused.status_code == 429 and int(refused.headers["Retry-After"]) > 0
     assert console_login(console, "viewer").status_code == 429  # same client address: throttled too
+    # Each failed login is on record (who tried, from where; never the password); throttled tries are not.
+    with db.session_scope(console.app.state.runtime.engine) as session:
+        failed = list_events(session, 50, action="user.login_failed")
+    assert len(failed) == 5 and all(e.target == f"user:{CONSOLE_USERS['operator']}" for e in failed)
+    assert all(e.origin.startswith("console ") and "not the password" not in str(e.model_dump()) for e in failed)
 
 
 def test_an_unknown_user_and_a_wrong_password_answer_alike(console: TestClient[Any]) -> None:

@@ -22,6 +22,7 @@ from switchyard.batch.intake import create_batch
 from switchyard.settings import Settings
 from switchyard.store import db
 from switchyard.store.audit import list_events
+from switchyard.store.batch_finalize import finalize_ready
 from switchyard.store.batch_queue import claim, record_result
 from switchyard.store.batches import get_batch
 from switchyard.store.files import create_file
@@ -235,3 +236,37 @@ def test_an_unknown_batch_is_a_404_page(console: TestClient[Any]) -> None:
     answer = console.post("/admin/batches/batch_nope/cancel", headers=csrf_headers(console), follow_redirects=False)
     assert answer.status_code == 404 and 'id="batch-missing"' in answer.text
     assert tx(engine_of(console), lambda s: list_events(s, 10, "batch.cancel")) == []
+
+
+def _run_all(client: TestClient[Any], ok: int) -> None:
+    """A worker's turn over every pending line: the first ``ok`` succeed, the rest fail; then the finalizer."""
+    def work(s: Session) -> None:
+        now = datetime.now(UTC)
+        for i, claimed in enumerate(claim(s, "test-worker", 100, 60, now)):
+            if i < ok:
+                record_result(s, claimed.id, "test-worker", 200, {"id": "x", "choices": []}, None, now)
+            else:
+                record_result(s, claimed.id, "test-worker", 429, None, {"code": "rate_limit_exceeded",
+                                                                        "message": "limit"}, now)
+        finalize_ready(s, now)
+
+    tx(engine_of(client), work)
+
+
+@pytest.mark.parametrize(("ok", "badge", "kind"), [
+    (3, "completed", "completed"),
+    (1, "completed with 2 failed", "completed-with-failures"),
+    (0, "completed, all 3 failed", "completed-all-failed"),
+])
+def test_a_completed_batch_with_failed_lines_says_so(console: TestClient[Any], ok: int, badge: str, kind: str) -> None:
+    """OpenAI's status is ``completed`` whatever failed; the console's badge says how many did, not green."""
+    batch = new_batch(console, "acme", jsonl(*(line(f"r{i}") for i in range(3))))
+    _run_all(console, ok)
+    assert get_batch_status(console, batch.id) == "completed"
+    expected = f'<span class="badge batch-badge-{kind}">{badge}</span>'
+    assert expected in console.get("/admin/batches").text
+    assert expected in console.get(f"/admin/batches/{batch.id}").text
+
+
+def get_batch_status(client: TestClient[Any], batch_id: str) -> str:
+    return tx(engine_of(client), lambda s: s.get(Batch, batch_id).status)  # type: ignore[union-attr]

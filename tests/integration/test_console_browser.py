@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 from axe_playwright_python.sync_playwright import Axe
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Browser, Page, Route, expect, sync_playwright
 
 from switchyard.store import db
 from switchyard.whatif.logged import read_log
@@ -38,6 +38,9 @@ from tests.integration.conftest import (
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("SWITCHYARD_ARTIFACTS", REPO / "test-artifacts")) / "console"
 CHROMIUM = os.environ.get("SWITCHYARD_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+#: The questions the browser asked (confirmations), and whether the ``page`` fixture's tab accepts them.
+DIALOGS: list[str] = []
+ACCEPT = [True]
 #: axe-core impacts that fail a page.
 SERIOUS = {"serious", "critical"}
 
@@ -89,6 +92,8 @@ def page(browser: Browser, live: Gateway) -> Iterator[Page]:
     tab = context.new_page()
     tab.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
     tab.on("pageerror", lambda e: errors.append(str(e)))
+    DIALOGS.clear()  # publish, roll back, revoke and purge ask first: accepted unless a test says otherwise
+    tab.on("dialog", lambda d: (DIALOGS.append(d.message), d.accept() if ACCEPT[0] else d.dismiss()))
     try:
         log_in(tab)
         yield tab
@@ -219,11 +224,24 @@ def test_create_a_tenant_and_a_key_use_it_then_revoke_it(page: Page, live: Gatew
     page.get_by_role("button", name="Create key").click()
     secret = page.locator("#new-key-secret").inner_text().strip()
     assert secret.startswith("sk-sy-")
+    page.get_by_role("button", name="Copy").click()  # to the clipboard, or selected where there is none
+    expect(page.locator("#new-key-secret-copied")).to_have_text(re.compile(r"^(Copied\.|Selected: .*)$"))
     check_page(page, "21-tenant-new-key")
     assert _ask(live, secret) == 200
-    page.goto("/admin/tenants/browser-co")
+    keys = page.locator("#keys button", has_text="Revoke").count()
+    page.reload()  # the secret page is a GET after a redirect: a reload neither shows it again nor makes a key
     assert secret not in page.content()  # shown once
+    expect(page.locator("#keys button", has_text="Revoke")).to_have_count(keys)
+    ACCEPT[0] = False  # "Revoke key …?" answered No: nothing is sent, the key still works
+    try:
+        page.locator("#keys button", has_text="Revoke").first.click()
+        assert DIALOGS and DIALOGS[-1].startswith("Revoke key sk-sy-")
+        expect(page.locator("#keys button", has_text="Revoke")).to_have_count(keys)
+        assert _ask(live, secret) == 200
+    finally:
+        ACCEPT[0] = True
     page.locator("#keys button", has_text="Revoke").first.click()
+    expect(page.locator("#form-note")).to_contain_text("revoked")
     expect(page.locator("#keys")).to_contain_text("revoked", ignore_case=True)
     assert _ask(live, secret) == 401  # the key cache TTL is 0 here: at the next request
 
@@ -275,7 +293,7 @@ def test_the_overview_updates_while_traffic_flows(page: Page, live: Gateway) -> 
 def test_every_page_renders_accessibly_for_a_viewer(browser: Browser, live: Gateway) -> None:
     """Screenshots of every page (as a viewer: no write forms) and the detail pages; axe on each."""
     _ask(live, live.keys["pro"])
-    context = browser.new_context(base_url=live.base_url, viewport={"width": 1280, "height": 900})
+    context = browser.new_context(base_url=live.base_url, viewport={"width": 1440, "height": 900})
     errors: list[str] = []
     tab = context.new_page()
     tab.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
@@ -289,6 +307,13 @@ def test_every_page_renders_accessibly_for_a_viewer(browser: Browser, live: Gate
             tab.goto(path)
             assert tab.locator("h1, h2").count() > 0, path
             check_page(tab, name)
+            # At 1440 px the tables fit the page: none hides its columns behind a sideways scroll.
+            assert tab.evaluate(FITS), f"{path}: something is wider than the page at 1440 px"
+            wide = tab.evaluate("[...document.querySelectorAll('main table')].filter("
+                                "t => t.scrollWidth > t.parentElement.clientWidth + 1).map(t => [t.id, t.scrollWidth, "
+                                "t.parentElement.clientWidth, [...t.querySelectorAll('thead th')].map("
+                                "h => h.textContent.trim() + ':' + Math.round(h.getBoundingClientRect().width))])")
+            assert not wide, f"{path}: a table scrolls: {wide}"
         assert tab.locator("#purge-form").count() == 0  # a viewer cannot purge, so no form
         tab.goto("/admin/requests")
         tab.locator("#requests tbody tr a").first.click()
@@ -296,6 +321,50 @@ def test_every_page_renders_accessibly_for_a_viewer(browser: Browser, live: Gate
         check_page(tab, "41-request-detail")
         tab.goto("/admin/policy/edit")
         expect(tab.locator("#publish")).to_have_count(0)  # viewers review, never publish
+        assert not errors, errors
+    finally:
+        context.close()
+
+
+#: Whether the page needs no sideways scroll (its content is no wider than the window).
+FITS = "document.documentElement.scrollWidth <= window.innerWidth"
+PHONE = {"width": 390, "height": 844}
+
+
+def test_every_page_fits_a_phone_and_the_menu_folds(browser: Browser, live: Gateway) -> None:
+    """At 390 px no page scrolls sideways (wide tables scroll inside themselves), the navigation folds behind
+    a Menu button, and Log out stays in reach on every page."""
+    _ask(live, live.keys["pro"])
+    context = browser.new_context(base_url=live.base_url, viewport=PHONE, is_mobile=True, has_touch=True)
+    errors: list[str] = []
+    tab = context.new_page()
+    tab.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    try:
+        log_in(tab)
+        tab.goto("/admin/requests")
+        first = tab.locator("#requests tbody tr a").first.get_attribute("href")
+        pages = [("/admin/", "m02-overview"), ("/admin/policy", "m13-policy"), ("/admin/policy/edit", "m14-editor"),
+                 ("/admin/tenants", "m20-tenants"), ("/admin/tenants/pro-co", "m22-tenant"),
+                 ("/admin/usage", "m23-usage"), ("/admin/requests", "m40-requests"), (first, "m41-request"),
+                 ("/admin/batches", "m45-batches"), ("/admin/dry-run", "m30-dry-run"), ("/admin/cache", "m50-cache"),
+                 ("/admin/audit", "m60-audit")]
+        for path, name in pages:
+            assert path
+            tab.goto(path)
+            expect(tab.get_by_role("button", name="Log out")).to_be_visible()
+            expect(tab.locator("#console-nav")).to_be_hidden()
+            assert tab.evaluate(FITS), f"{path} scrolls sideways at 390 px"
+            check_page(tab, name)
+        tab.get_by_role("button", name="Menu").click()
+        expect(tab.locator("#nav-toggle")).to_have_attribute("aria-expanded", "true")
+        expect(tab.get_by_role("link", name="Tenants & keys")).to_be_visible()
+        assert tab.evaluate(FITS)
+        check_page(tab, "m03-menu-open")
+        tab.get_by_role("link", name="Tenants & keys").click()
+        expect(tab).to_have_url(re.compile(r"/admin/tenants$"))
+        expect(tab.locator("#console-nav")).to_be_hidden()  # a new page starts folded
+        tab.get_by_role("button", name="Log out").click()
+        expect(tab).to_have_url(re.compile(r"/admin/login$"))
         assert not errors, errors
     finally:
         context.close()
@@ -348,12 +417,27 @@ def test_the_review_shows_what_the_change_would_do_then_publish(page: Page, live
     lines.insert(at, "  - {name: trial, priority: sheddable, models: [small]}")  # no logged request is in it
     editor.fill("\n".join(lines) + "\n")
     page.locator("#publish-message").fill("a trial tier")
+    held: list[Route] = []  # the replay's answer is held back a moment: publishing waits for it
+    page.route(re.compile(r"/admin/policy/replay$"), lambda route: held.append(route))
     page.locator("#validate").click()  # the whole review page
     expect(page.locator("#validation-status")).to_contain_text("Valid")
     expect(page.locator("#replay-heading")).to_have_text("What this change would do")
+    expect(page.locator("#publish")).to_be_disabled()
+    expect(page.locator("#publish-waiting")).to_have_text("Publishing opens when the replay below has finished.")
+    for _ in range(100):  # the panel asks for its replay once the page has loaded
+        if held:
+            break
+        page.wait_for_timeout(100)
+    assert held, "the replay was never asked for"
+    expect(page.locator("#publish")).to_be_disabled()  # still: its answer has not come
+    for route in held:
+        route.continue_()
+    page.unroute(re.compile(r"/admin/policy/replay$"))
     expect(page.locator("#replay-headline")).to_be_visible(timeout=30_000)
-    # a new tier moves none of the logged requests
+    expect(page.locator("#publish")).to_be_enabled()
+    # a new tier moves none of the logged requests, and the panel says the log holds none of that tier
     expect(page.locator("#replay-placement")).to_contain_text(re.compile(r"^0 of [1-9]\d* requests change placement"))
+    expect(page.locator("#replay-unseen")).to_contain_text("reached tier trial, which this change touches")
     panel, publish = page.locator("#replay-headline").bounding_box(), page.locator("#publish").bounding_box()
     assert panel is not None and publish is not None and panel["y"] < publish["y"]  # seen before publishing
     page.wait_for_load_state("networkidle")

@@ -157,8 +157,11 @@ def test_no_console_template_has_inline_script() -> None:
         text = template.read_text()
         assert not inline_script(text), (template, inline_script(text))
     base_page = (templates_dir() / "base.html.j2").read_text()
-    # The one script is htmx, served by the gateway itself, told to evaluate nothing.
-    assert re.findall(r"<script[^>]*>", base_page) == ['<script src="/static/htmx-2.0.11.min.js" defer>']
+    # The scripts are htmx (told to evaluate nothing) and the console's own few lines, both served by the gateway.
+    assert re.findall(r"<script[^>]*>", base_page) == ['<script src="/static/htmx-2.0.11.min.js" defer>',
+                                                      '<script src="/static/console.js" defer>']
+    own = (static_dir() / "console.js").read_text()
+    assert "eval(" not in own and "innerHTML" not in own and "new Function" not in own
     assert '"allowEval": false' in base_page and '"allowScriptTags": false' in base_page
     assert '"includeIndicatorStyles": false' in base_page
     assert {p.suffix for p in Path(static_dir()).iterdir()} <= {".js", ".css", ".LICENSE"}

@@ -20,7 +20,7 @@ from litestar.testing import TestClient
 
 from switchyard.figures import DASH
 from switchyard.gateway.activity import Activity
-from tests.integration.conftest import Gateway, client, console_login, eventually
+from tests.integration.conftest import Gateway, client, console_login, eventually, http_json
 
 HX = {"HX-Request": "true"}
 SECRET_PROMPT = "ostrich-vellum-42 say something"
@@ -68,6 +68,7 @@ def test_live_overview_and_requests_pages_over_real_traffic(gateway: Gateway) ->
         model="auto", messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True,
         stream_options={"include_usage": True})
     stream_id = streamed.headers["x-request-id"]  # the gateway's own id
+    stream_pool = dict(p.split("=", 1) for p in streamed.headers["x-switchyard-route"].split("; "))["pool"]
     assert list(streamed.parse())[-1].usage is not None
     unknown_model = f"no-such-model-{run}"
     with pytest.raises(openai.NotFoundError) as not_found:
@@ -92,8 +93,9 @@ def test_live_overview_and_requests_pages_over_real_traffic(gateway: Gateway) ->
     pool_row = row(live, f"pool-stats-{ok_pool}")
     assert re.search(r'<svg class="sparkline"[^>]*role="img"[^>]*aria-label="Requests per second[^"]*"', pool_row)
     assert re.search(r'<polyline points="[-\d., ]+"', pool_row)
-    assert re.search(r"\d+(\.\d)? ms", pool_row), "the pool's TTFT figures"
-    assert "Median time to first byte" in pool_row
+    # TTFT is a stream's: the pool that streamed shows one (a non-streamed answer's first byte is all of it).
+    assert re.search(r"\d+(\.\d)? ms", row(live, f"pool-stats-{stream_pool}")), "the pool's TTFT figures"
+    assert "Median time to first byte" in row(live, f"pool-stats-{stream_pool}")
     refused_row = row(live, "pool-stats--")  # the 404 never reached a pool
     assert "no pool" in refused_row
     for pool in ("small-us", "small-eu", "large-us", "dead-us"):
@@ -155,6 +157,8 @@ def test_live_overview_and_requests_pages_over_real_traffic(gateway: Gateway) ->
     assert 'id="request-moved-on"' in detail.text and ok_pool in detail.text and "pro-co" in detail.text
     stream_detail = console.get(f"/admin/requests/{stream_id}").text
     assert "route auto: rule short matched" in html.unescape(stream_detail)
+    picked = next(line for line in html.unescape(stream_detail).splitlines() if "endpoint http" in line)
+    assert "of 1" in picked or "; runners-up: http" in picked, picked  # why the chosen endpoint won
     missing_detail = console.get(f"/admin/requests/{missing_id}").text
     assert "model_not_found" in missing_detail and unknown_model in missing_detail
     gone = console.get(f"/admin/requests/never-{run}")
@@ -162,6 +166,19 @@ def test_live_overview_and_requests_pages_over_real_traffic(gateway: Gateway) ->
 
     no_secrets(gateway, live, page, listing, four, oks, polled.text, bad.text, detail.text, stream_detail,
                missing_detail)
+
+
+def test_a_request_refused_before_its_decision_says_why_in_its_trace(gateway: Gateway) -> None:
+    """A 400 for a malformed body never reaches the decision; its record still says what was wrong."""
+    answer = httpx.post(f"{gateway.base_url}/v1/chat/completions", timeout=10,
+                        headers={"Authorization": f"Bearer {gateway.keys['pro']}"},
+                        json={"model": "small", "messages": "not a list"})
+    assert answer.status_code == 400
+    rid = answer.headers["x-request-id"]
+    status, _, record = http_json("GET", f"{gateway.base_url}/admin/api/requests/{rid}")
+    assert status == 200, record
+    [line] = record["trace"]
+    assert line.startswith("refused 400 (") and line.endswith("before the decision"), line
 
 
 def test_the_live_pages_want_a_session(gateway: Gateway) -> None:
@@ -224,17 +241,24 @@ def test_fallbacks_cache_hits_and_sheds_show(console: TestClient[Any]) -> None:
     _record(activity, "miss-1", 200, tenant="acme", model="m", pool="p1", cache="miss", ttft_s=0.03)
     _record(activity, "shed-1", 503, tenant="acme", model="m", shed=True)
 
+    _record(activity, "line-1", 200, tenant="acme", model="m", pool="p1", batch=True, ttft_s=3.0)
+
     live = console.get("/admin/", headers=HX).text
-    assert stat(live, "stat-cache-hit-rate") == "50.0%"
+    assert stat(live, "stat-cache-hit-rate") == "50.0%" and "of 2 cacheable" in live  # the rate with its base
+    assert stat(live, "stat-batch-lines") == "1" and stat(live, "stat-requests") == "4"  # counted apart
     assert stat(live, "stat-shed-rate") == "25.0%" and stat(live, "stat-fallback-rate") == "25.0%"
     assert "response cache" in row(live, "pool-stats-cache") and "p1" in row(live, "pool-stats-p1")
     assert "100.0%" in row(live, "pool-stats--")  # the shed request never reached a pool
 
-    listing = console.get("/admin/requests").text
+    assert row_ids(console.get("/admin/requests").text) == ["line-1", "shed-1", "miss-1", "hit-1", "moved-1"]
+    assert row_ids(console.get("/admin/requests", params={"lane": "batch"}).text) == ["line-1"]
+    listing = console.get("/admin/requests", params={"lane": "interactive"}).text
     assert row_ids(listing) == ["shed-1", "miss-1", "hit-1", "moved-1"]
+    assert console.get("/admin/requests", params={"lane": "bulk"}).status_code == 400
     assert "hit (faq)" in row(listing, "req-hit-1") and ">503<" in row(listing, "req-shed-1")
     assert row_ids(console.get("/admin/requests", params={"status": "shed"}).text) == ["shed-1"]
-    assert row_ids(console.get("/admin/requests", params={"limit": "2"}).text) == ["shed-1", "miss-1"]
+    assert row_ids(console.get("/admin/requests", params={"limit": "2", "lane": "interactive"}).text) == [
+        "shed-1", "miss-1"]
 
     detail = console.get("/admin/requests/moved-1").text
     moved = re.search(r'<ul id="request-moved-on">(.*?)</ul>', detail, re.S)

@@ -77,7 +77,7 @@ def test_the_page_shows_the_document_by_section_its_tests_and_history(db_console
         assert f'id="{section}"' in text, section
     assert 'id="file-mode-banner"' not in text
     assert '<tr id="model-large">' in text and "<li>small</li>" in text  # large's fallback chain
-    assert '<tr id="tier-free">' in text and '<td class="num">10000</td>' in text
+    assert '<tr id="tier-free">' in text and '<td class="num">10,000 tokens</td>' in text
     assert '<tr id="priority-batch">' in text and "10m" in text  # the cache rule's ttl
     assert "1 of 1 policy tests pass" in text and "hi is small" in text
     assert '<tr id="version-1" class="active">' in text and 'id="rollback-1"' not in text  # active: no rollback
@@ -174,6 +174,9 @@ def test_a_broken_document_shows_its_errors_and_is_never_published(db_console: T
     valid = _post(db_console, f"{PAGE}/validate", {"yaml": V2}, **HTMX)
     assert "Valid" in valid.text and "tier free: limits.tokens_per_day 10000 → 5000" in valid.text
     assert "disabled" not in _publish_button(valid.text) and "1 of 1 policy tests pass" in valid.text
+    warnings = valid.text[valid.text.index('id="validation-warnings"'):]  # valid, with what a tier never takes
+    assert "2 warnings (the candidate can be published)" in warnings
+    assert f"line {_line_of(V2, 'model: large')}: tier free may call route auto but never takes this rule" in warnings
     full = _post(db_console, f"{PAGE}/validate", {"yaml": broken, "message": "m"})  # without htmx: the whole editor
     assert full.status_code == 200 and "<html" in full.text and _candidate(full.text) == broken
 
@@ -206,6 +209,31 @@ def test_rollback_makes_an_old_version_active_again(db_console: TestClient[Any])
     assert missing.status_code == 404 and "no policy version 9" in missing.text
 
 
+def test_history_rows_link_to_each_version_its_diff_and_say_when_it_repeats_one(db_console: TestClient[Any]) -> None:
+    assert _post(db_console, f"{PAGE}/publish", {"yaml": V2, "message": "tighter"}).status_code == 303
+    assert _post(db_console, f"{PAGE}/rollback", {"version": "1"}).status_code == 303
+    page = db_console.get(PAGE).text
+    # Each section links to its edit (the structured form on the page, else the YAML editor).
+    for link, form in (("edit-tiers", "tier-limits-form"), ("edit-models", "fallback-form"),
+                       ("edit-cache-rules", "cache-rule-form")):
+        assert f'id="{link}" href="#{form}"' in page and f'id="{form}"' in page
+    assert page.count('class="section-edit"') == 7
+    history = page[page.index('<table id="history"'):page.index("</table>", page.index('<table id="history"'))]
+    assert 'href="/admin/policy/versions/3"' in history and "(same content as v1)" in history
+    assert "diff from v2" in history and history.count("same content as") == 1
+    v3 = db_console.get(f"{PAGE}/versions/3")
+    assert v3.status_code == 200
+    assert 'id="version-same-as"' in v3.text and "Same content as" in v3.text and "(a rollback)" in v3.text
+    assert "Changes from v2" in v3.text and "tier free: limits.tokens_per_day 5000 → 10000" in v3.text
+    v2 = db_console.get(f"{PAGE}/versions/2")
+    assert "tier free: limits.tokens_per_day 10000 → 5000" in v2.text and 'id="version-same-as"' not in v2.text
+    assert 'href="/admin/policy/versions/2?against=3"' in v2.text
+    against = db_console.get(f"{PAGE}/versions/2", params={"against": "3"}).text
+    assert "Changes from v3" in against and "10000 → 5000" in against
+    assert "No earlier version to compare with." in db_console.get(f"{PAGE}/versions/1").text
+    assert db_console.get(f"{PAGE}/versions/9").status_code == 404
+
+
 def test_a_viewer_reads_and_validates_but_cannot_change_anything(db_console: TestClient[Any]) -> None:
     assert console_login(db_console, "viewer").status_code == 303
     page = db_console.get(PAGE)
@@ -232,7 +260,9 @@ def test_file_mode_is_read_only_with_a_drift_banner(console: TestClient[Any], tm
     page = console.get(PAGE).text
     banner = page[page.index('id="file-mode-banner"'):]
     assert str(tmp_path / "policies.yaml") in banner and "The file matches the running version v1." in banner
+    assert "SWITCHYARD_POLICY_SOURCE=db" in banner and "--policy-source file" in banner  # how to switch
     assert 'id="tier-limits-form"' not in page and 'id="rollback-' not in page and 'id="history"' in page
+    assert 'class="section-edit"' not in page  # nothing to edit here
     editor = console.get(f"{PAGE}/edit").text
     assert 'id="file-mode-banner"' in editor and 'id="publish"' not in editor
     assert _post(console, f"{PAGE}/validate", {"yaml": V2}, **HTMX).status_code == 200  # drafts can be checked

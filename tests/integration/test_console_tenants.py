@@ -10,6 +10,7 @@ from typing import Any
 
 from litestar.testing import TestClient
 
+from switchyard.admin.reveal import REVEAL_COOKIE
 from switchyard.decide.admit import Estimate, limit_charges
 from switchyard.store import db
 from switchyard.store.audit import list_events
@@ -92,23 +93,50 @@ def test_bad_input_is_refused_with_an_alert_and_nothing_is_written(console: Test
         assert get_tenant(session, "acme").tier == "free"
 
 
+def test_a_sealed_secret_opens_only_for_its_session(console: TestClient[Any]) -> None:
+    posted = _post(console, "/admin/tenants/acme/keys", {"name": "sealed"})
+    sealed = posted.cookies.get(REVEAL_COOKIE)
+    assert posted.status_code == 303 and sealed and "sk-sy-" not in sealed
+    here = "/admin/tenants/acme"
+    tampered = sealed[:-4] + ("AAAA" if not sealed.endswith("AAAA") else "BBBB")
+    console.cookies.set(REVEAL_COOKIE, tampered, path=here)
+    page = console.get(here)
+    assert page.status_code == 200 and 'id="new-key-secret"' not in page.text
+    assert REVEAL_COOKIE in page.headers.get("set-cookie", "")  # deleted all the same
+    console.cookies.set(REVEAL_COOKIE, sealed, path=here)
+    assert SECRET.search(console.get(here).text) is not None
+    # Another console session carrying the same cookie sees no secret.
+    assert console_login(console, "operator").status_code == 303
+    console.cookies.set(REVEAL_COOKIE, sealed, path=here)
+    page = console.get(here)
+    assert page.status_code == 200 and 'id="new-key-secret"' not in page.text and "sealed" in page.text
+
+
 def test_a_new_key_is_shown_once_authenticates_and_can_be_revoked(console: TestClient[Any]) -> None:
     engine = console.app.state.runtime.engine
-    created = _post(console, "/admin/tenants/acme/keys", {"name": "ci", "region": "us-east"})
-    assert created.status_code == 201
+    posted = _post(console, "/admin/tenants/acme/keys", {"name": "ci", "region": "us-east"})
+    # Post/redirect/get: the POST's answer is a redirect, and the secret travels sealed, not readable.
+    assert posted.status_code == 303 and posted.headers["location"] == "/admin/tenants/acme"
+    created = console.get("/admin/tenants/acme")
+    assert created.status_code == 200
     assert "it will not be shown again" in created.text
     found = SECRET.search(created.text)
     assert found is not None
     secret = found.group(1)
-    assert secret.startswith("sk-sy-") and secret not in str(created.headers)
+    assert secret.startswith("sk-sy-")
+    assert secret not in str(posted.headers) and secret not in posted.text and secret not in str(created.headers)
     with db.session_scope(engine) as session:
         who = identify(session, hash_key(secret))
         assert who is not None and who.tenant == "acme" and who.region == "us-east"
         key_id = who.key_id
+        live = len(list_keys(session, "acme"))
     _assert_csp_clean(created.text)
 
+    # A reload shows the page without the secret, and creates no key.
     page = console.get("/admin/tenants/acme")
     assert page.status_code == 200 and secret not in page.text and 'id="new-key-secret"' not in page.text
+    with db.session_scope(engine) as session:
+        assert len(list_keys(session, "acme")) == live
     assert f'id="revoke-{key_id}"' in page.text and secret[:12] in page.text  # its prefix tells it apart
     events = _events(console)
     assert all(secret not in json.dumps(e.model_dump(mode="json")) for e in events)
@@ -116,7 +144,10 @@ def test_a_new_key_is_shown_once_authenticates_and_can_be_revoked(console: TestC
     assert event.target == f"key:{key_id}" and event.detail["name"] == "ci" and event.actor == "console:ada"
 
     revoked = _post(console, f"/admin/keys/{key_id}/revoke")
-    assert revoked.status_code == 303 and revoked.headers["location"] == "/admin/tenants/acme"
+    prefix = secret[:12]
+    assert revoked.status_code == 303 and revoked.headers["location"] == f"/admin/tenants/acme?revoked={prefix}"
+    note = console.get(revoked.headers["location"]).text  # the page it lands on says what happened
+    assert f'id="form-note" class="ok" role="status">Key {prefix}… revoked' in note
     with db.session_scope(engine) as session:
         assert identify(session, hash_key(secret)) is None
         assert [k.revoked_at is not None for k in list_keys(session, "acme")] == [False, True]
@@ -152,7 +183,8 @@ def test_limit_overrides_are_set_and_cleared(console: TestClient[Any]) -> None:
     assert 'id="limits-tokens_per_minute" name="tokens_per_minute" value="5000"' in page
     assert 'id="limits-tokens_per_day" name="tokens_per_day" value="none"' in page
     listed = console.get("/admin/tenants").text
-    assert "tokens_per_minute 5,000; tokens_per_day none" in listed
+    assert "tokens per minute 5,000 tokens; tokens per day none" in listed  # one wording, numbers for people
+    assert "<th scope=\"row\">tokens per minute</th>" in page and ">tokens_per_minute<" not in page
 
     assert _post(console, "/admin/tenants/acme/limits", {"clear": "1", "tokens_per_minute": "7"}).status_code == 303
     assert _tenant_limits(console, "acme") is None
@@ -212,6 +244,8 @@ def test_the_usage_page_shows_the_ledger(console: TestClient[Any]) -> None:
     assert 'id="usage-tenant-acme"' in page.text and 'id="usage-model-large"' in page.text
     assert "1,150" in page.text  # prompt tokens over both days
     assert page.text.count("<rect class=\"usage-bar-") >= 4  # yesterday's bars and today's stacked ones
+    # 30 days asked, data on the last two: the chart spans the last 7 days, not 30 thin slots
+    assert page.text.count('<g class="usage-day">') == 7
 
     small = console.get("/admin/usage", params={"tenant": "acme", "model": "small", "days": "1"}).text
     row = re.search(rf'<tr id="usage-day-{today}">(.*?)</tr>', small, re.S)

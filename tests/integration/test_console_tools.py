@@ -278,7 +278,8 @@ def test_the_audit_log_lists_events_newest_first_with_filters_and_paging(console
     row = re.search(rf'<tr id="audit-{ids[0]}">(.*?)</tr>', page.text, re.S)
     assert row is not None
     assert "cli:alice" in row.group(1) and "demo.publish" in row.group(1) and "thing:0" in row.group(1)
-    assert '{&#34;n&#34;:0,&#34;note&#34;:&#34;&lt;b&gt;x&lt;/b&gt;&#34;}' in row.group(1)  # compact JSON, escaped
+    # the detail as readable fields, escaped
+    assert '<div><dt>n</dt><dd>0</dd></div><div><dt>note</dt><dd>&lt;b&gt;x&lt;/b&gt;</dd></div>' in row.group(1)
 
     assert _ids(console.get("/admin/audit", params={"action": "demo."}).text) == [ids[3], ids[1], ids[0]]
     assert _ids(console.get("/admin/audit", params={"actor": "cli:bob"}).text) == [ids[4], ids[1]]

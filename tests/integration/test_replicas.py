@@ -285,7 +285,7 @@ def test_a_batch_created_on_a_replica_without_worker_is_run_by_the_others(cluste
     lines = _lines(96, "spread", max_tokens=16)
     started = time.monotonic()
     client, batch_id = _submit(a, key, lines)
-    done = wait_done(client, batch_id, timeout=40)
+    done = wait_done(client, batch_id, timeout=120)
     out = _check_every_line_once(client, done, lines)
     print(f"\n{len(lines)} lines in {time.monotonic() - started:.1f} s")
     # Which process served each line: every replica's own activity (a batch line keeps the request id

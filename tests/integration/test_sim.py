@@ -264,7 +264,7 @@ def test_client_disconnect_aborts_the_request(engine: str) -> None:
 def test_fault_error_rate(client: openai.OpenAI, engine: str) -> None:
     assert httpx.post(f"{engine}/sim/faults", json={"error_rate": 1.0}).json() == {
         "mode": "none", "slow_factor": 5.0, "error_rate": 1.0, "throttle_rate": 0.0, "overload_rate": 0.0,
-        "abort_rate": 0.0, "abort_after_tokens": 4}
+        "abort_rate": 0.0, "abort_after_tokens": 4, "drip_interval_s": 2.0, "abort_with": "close"}
     with pytest.raises(openai.InternalServerError) as err:
         client.completions.create(model=MODEL, prompt="x", max_tokens=2)
     assert err.value.status_code == 500

@@ -397,7 +397,7 @@ def test_a_stream_that_turns_to_garbage_ends_with_an_error_event_counted_against
     assert good and all(e["object"] == "chat.completion.chunk" for e in good)
     assert last["error"]["code"] == code and _is_error(last), last
     assert max(len(e) for e in events) < MAX_EVENT
-    assert trust.failures("s") == before + 1 and trust.breaker("s")["last_reason"] == "broke off mid-stream"
+    assert trust.failures("s") == before + 1 and trust.breaker("s")["last_reason"].startswith("broke off mid-stream: ")
     assert gateway_counter(gw, "switchyard_streams_broken_total", pool="solo-us") == broken + 1
 
 

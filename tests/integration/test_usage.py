@@ -161,7 +161,7 @@ async def test_run_flushes_periodically_survives_a_failure_and_aclose_flushes_th
         raise AssertionError("timed out")
 
     recorder.record(ids["acme"], ids["a1"], "small", 10, 1, 0, 0.5)
-    await until(lambda: recorder.pending_rows == 0)
+    await until(lambda: recorder.pending_rows == 0 and bool(_rows(engine)))  # taken, then committed
     today = datetime.now(UTC).date()
     assert [r[3:5] for r in _rows(engine)] in ([(today, 1)], [(today + timedelta(days=1), 1)])
 

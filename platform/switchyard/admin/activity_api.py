@@ -36,18 +36,19 @@ async def activity(activity: NamedDependency[Activity], window: Window = 300) ->
      operation_class=admin_operation(ok("Recent requests, newest first.", docs.REQUESTS), 400))
 async def recent_requests(activity: NamedDependency[Activity], tenant: FromQuery[str | None] = None,
                           model: FromQuery[str | None] = None, status: FromQuery[str | None] = None,
-                          limit: Limit = 100) -> dict[str, Any]:
-    """The requests this process finished lately (the last 500), newest first, with their decision traces.
+                          limit: Limit = 100, lane: FromQuery[str | None] = None) -> dict[str, Any]:
+    """The requests this process finished lately (the last 500, and apart from them the last 500 batch
+    lines), newest first, with their decision traces.
 
     ``tenant``: a tenant name or id; ``model``: the model asked for, resolved to or served by;
     ``status``: a code (``429``), a class (``5xx``) or an outcome (``ok``, ``error``, ``shed``,
-    ``limited``, ``refused``, ``client_closed``).
+    ``limited``, ``refused``, ``client_closed``); ``lane``: ``interactive`` or ``batch`` only.
     """
     try:
         records = overview.recent_requests(activity, tenant=tenant or None, model=model or None,
-                                           status=status or None, limit=limit)
+                                           status=status or None, limit=limit, lane=lane or None)
     except ValueError as exc:
-        raise BadRequest(str(exc), param="status") from None
+        raise BadRequest(str(exc), param="lane" if str(exc).startswith("lane") else "status") from None
     return {"requests": [r.as_dict() for r in records]}
 
 

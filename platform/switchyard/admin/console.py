@@ -15,6 +15,7 @@ import anyio.to_thread
 from litestar import Router, get
 from litestar.di import NamedDependency
 from litestar.plugins.htmx import HTMXRequest, HTMXTemplate
+from litestar.plugins.jinja import JinjaTemplateEngine
 from litestar.response import Template
 from sqlalchemy import Engine
 
@@ -37,6 +38,7 @@ from switchyard.admin.pages import (
 )
 from switchyard.admin.session import CONSOLE_EXCEPTION_HANDLERS, console_guard, security_headers
 from switchyard.engines.endpoints import EndpointRegistry
+from switchyard.figures import limit_amount, limit_label
 from switchyard.gateway.activity import Activity
 from switchyard.gateway.policy_state import PolicyHolder
 from switchyard.policy import PolicyError, policy_sha256, read_policy_file
@@ -85,6 +87,11 @@ def _history(settings: Settings, db: Engine, policy: PolicyHolder) -> dict[str, 
             file_matches = False
     return {"versions": versions, "file_matches": file_matches}
 
+
+
+def template_globals(engine: JinjaTemplateEngine) -> None:
+    """What every console template may call: one wording and one number format for limits."""
+    engine.engine.globals.update(limit_label=limit_label, limit_amount=limit_amount)
 
 @get("/", name="admin:overview", operation_id="adminOverview", include_in_schema=False)
 async def overview(request: HTMXRequest, settings: NamedDependency[Settings], policy: NamedDependency[PolicyHolder],

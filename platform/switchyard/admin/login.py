@@ -28,6 +28,7 @@ from switchyard.admin.session import (
 )
 from switchyard.settings import Settings
 from switchyard.store.admin_users import close_session, open_session, verify_password
+from switchyard.store.audit import append_event
 from switchyard.store.db import session_scope
 
 
@@ -72,7 +73,11 @@ async def login(request: Request[Any, Any, Any],
     def check() -> str | None:
         with session_scope(db) as session:
             user = verify_password(session, data.username, data.password)
-            if user is None:
+            if user is None:  # on record (the throttle bounds how many): who tried, from where
+                name = data.username[:64]
+                append_event(session, actor=f"console:{name}", origin=f"console {client}"[:128],
+                             action="user.login_failed", target=f"user:{name}",
+                             detail={"reason": "wrong username or password"})
                 return None
             return open_session(session, user, timedelta(seconds=settings.console_session_ttl_s), client)
 

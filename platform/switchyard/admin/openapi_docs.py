@@ -90,7 +90,9 @@ VERSIONS = obj({"versions": array(VERSION)}, ["versions"])
 DIFF = obj({"from": STRING, "to": STRING, "semantic": BOOLEAN, "changes": array(STRING), "unified": STRING},
            ["from", "to", "semantic", "changes", "unified"])
 VALIDATION = obj({"valid": BOOLEAN, "issues": array(ISSUE), "sha256": STRING,
-                  "changes_from_active": Schema(type=[OpenAPIType.ARRAY, OpenAPIType.NULL], items=STRING)},
+                  "changes_from_active": Schema(type=[OpenAPIType.ARRAY, OpenAPIType.NULL], items=STRING),
+                  # A valid document's located warnings (a route rule a tier allowed to call it can never take).
+                  "warnings": array(ISSUE)},
                  ["valid", "issues"])
 WRITTEN = obj({"created": BOOLEAN, "version": VERSION}, ["created", "version"])
 WRITTEN_RESPONSES = {201: json_response("A new version is active (this process serves it already).", WRITTEN),

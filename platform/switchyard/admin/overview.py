@@ -18,6 +18,8 @@ from switchyard.gateway.activity import CACHE_POOL, NO_POOL, OUTCOMES, Activity,
 
 #: The overview's traffic window and the width of one sparkline point, in seconds.
 WINDOW_S = 300
+#: The Requests page's lane filter: interactive requests, or batch jobs' lines.
+LANES = ("interactive", "batch")
 POINT_S = 10
 #: A sparkline's box, in CSS pixels.
 SPARK_WIDTH, SPARK_HEIGHT = 120, 24
@@ -34,9 +36,11 @@ def summary(activity: Activity, window_s: float = 300, now: float | None = None,
         ``{"window_s", "point_s", "since", "now", "pools": [row, ...], "total": row}``, pools by
         name; a row is ``{"pool", "requests", "ok", "errors", "shed", "limited", "fallbacks",
         "cache_hits", "cache_misses", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "error_rate",
-        "shed_rate", "limited_rate", "fallback_rate", "cache_hit_rate", "series"}``. Rates are
-        fractions (None with no requests; ``cache_hit_rate`` None with no lookups), TTFT None
-        with no samples (nearest-rank percentiles: always a time that was observed). ``series``
+        "shed_rate", "limited_rate", "fallback_rate", "cache_hit_rate", "cache_lookups", "batch_lines",
+        "batch_ok", "series"}``: interactive requests (batch lines are counted apart, in ``batch_lines``),
+        TTFT over streamed requests only. Rates are fractions (None with no requests;
+        ``cache_hit_rate`` None with no lookups, ``cache_lookups`` its base), TTFT None with no samples
+        (nearest-rank percentiles: always a time that was observed). ``series``
         holds ``requests_per_s`` and ``ttft_p50_ms``, one value per ``point_s`` seconds, oldest
         first (the oldest point may be shorter); the newest includes the current second.
     """
@@ -72,6 +76,7 @@ def _row(name: str, tally: Tally, per_point: list[Tally], lengths: list[int], sp
         "ttft_p50_ms": _ttft_ms(samples, 50, ordered=True), "ttft_p99_ms": _ttft_ms(samples, 99, ordered=True),
         "error_rate": rate(tally.errors), "shed_rate": rate(tally.shed), "limited_rate": rate(tally.limited),
         "fallback_rate": rate(tally.fallbacks), "cache_hit_rate": rate(tally.hits, tally.hits + tally.misses),
+        "cache_lookups": tally.hits + tally.misses, "batch_lines": tally.batch, "batch_ok": tally.batch_ok,
         "series": {
             "requests_per_s": [round(p.requests / length, 3) for p, length in zip(per_point, lengths, strict=True)],
             "ttft_p50_ms": [_ttft_ms(p.ttft, 50) for p in per_point],
@@ -100,7 +105,7 @@ def sparkline_points(values: list[float | None], width: int, height: int) -> str
                     for i, v in present)
 
 
-def _sparkline(values: list[float | None], what: str, fmt: Callable[[float | None], str]) -> dict[str, str]:
+def _sparkline(values: list[float | None], what: str, fmt: Callable[[float | None], str]) -> dict[str, Any]:
     """An SVG polyline of ``values``, its newest point (marked with a dot) and a sentence that says what it
     shows."""
     present = [v for v in values if v is not None]
@@ -111,7 +116,20 @@ def _sparkline(values: list[float | None], what: str, fmt: Callable[[float | Non
         label = f"{what} {window}: no data"
     points = sparkline_points(values, SPARK_WIDTH, SPARK_HEIGHT)
     last_x, _, last_y = points.rpartition(" ")[2].partition(",")
-    return {"points": points, "label": label, "last_x": last_x, "last_y": last_y}
+    # Hover values: each point with what it was and when (a title per point); the scale beside the line.
+    present_at = [i for i, v in enumerate(values) if v is not None]
+    hover = [{"x": x, "y": y, "title": f"{_ago((len(values) - 1 - i) * POINT_S)}: {fmt(values[i])}"}
+             for i, (x, _, y) in zip(present_at, (p.partition(",") for p in points.split()), strict=True)]
+    scale = f"peak {fmt(max(present))}" if present else ""
+    return {"points": points, "label": label, "last_x": last_x, "last_y": last_y, "hover": hover, "scale": scale}
+
+
+def _ago(seconds: int) -> str:
+    """``now``, ``40 s ago``, ``2 min 10 s ago``."""
+    if seconds <= 0:
+        return "now"
+    minutes, secs = divmod(seconds, 60)
+    return (f"{minutes} min {secs} s ago" if secs else f"{minutes} min ago") if minutes else f"{secs} s ago"
 
 
 def _stat_row(name: str, region: str | None, row: dict[str, Any] | None,
@@ -133,6 +151,8 @@ def _stat_row(name: str, region: str | None, row: dict[str, Any] | None,
         "limited_rate": percent(found.get("limited_rate"), missing=DASH),
         "fallback_rate": percent(found.get("fallback_rate"), missing=DASH),
         "cache_hit_rate": percent(found.get("cache_hit_rate"), missing=DASH),
+        "cache_lookups": found.get("cache_lookups", 0),
+        "batch_lines": found.get("batch_lines", 0), "batch_ok": found.get("batch_ok", 0),
         "spark_rps": _sparkline(series.get("requests_per_s", []), "Requests per second", per_second),
         "spark_ttft": _sparkline(series.get("ttft_p50_ms", []), "Median time to first byte", millis),
     }
@@ -179,7 +199,7 @@ def status_filter(status: str) -> Callable[[RequestRecord], bool]:
 
 
 def recent_requests(activity: Activity, tenant: str | None = None, model: str | None = None,
-                    status: str | None = None, limit: int = 100) -> list[RequestRecord]:
+                    status: str | None = None, limit: int = 100, lane: str | None = None) -> list[RequestRecord]:
     """The newest finished requests first, at most ``limit`` (:meth:`Activity.recent` with a status filter).
 
     Args:
@@ -188,8 +208,11 @@ def recent_requests(activity: Activity, tenant: str | None = None, model: str | 
         model: The model asked for, resolved to or served by.
         status: An exact status (``"429"``), a class (``"5xx"``) or an outcome (``"shed"``).
         limit: At most this many.
+        lane: ``interactive`` or ``batch`` (batch jobs' lines) only; None: both.
 
     Raises:
-        ValueError: ``status`` is none of those.
+        ValueError: ``status`` is none of those, or ``lane`` neither lane.
     """
-    return activity.recent(tenant, model, status_filter(status) if status else None, limit)
+    if lane not in (None, *LANES):
+        raise ValueError(f"lane must be interactive or batch; got {lane!r}")
+    return activity.recent(tenant, model, status_filter(status) if status else None, limit, lane=lane)

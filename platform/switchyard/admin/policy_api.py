@@ -23,7 +23,7 @@ from switchyard.admin.common import in_db, json_body, origin_of
 from switchyard.admin.dependencies import PolicyChanged
 from switchyard.api.errors import ApiError, BadRequest
 from switchyard.api.openapi import admin_operation, json_request_body, obj, ok
-from switchyard.decide.policy_tests import compile_checked
+from switchyard.decide.policy_tests import compile_checked, policy_warnings
 from switchyard.gateway.policy_state import PolicyHolder
 from switchyard.policy import PolicyError, policy_sha256, read_policy_file
 from switchyard.policy.diff import diff_documents
@@ -250,7 +250,8 @@ async def validate(request: Request[Any, Any, Any], db: NamedDependency[Engine])
         changes = None
         if row is not None:
             changes = list(diff_documents(row.yaml_text, text, f"v{row.number}", "<request>").changes)
-        return {"valid": True, "issues": [], "sha256": snapshot.sha256, "changes_from_active": changes}
+        return {"valid": True, "issues": [], "sha256": snapshot.sha256, "changes_from_active": changes,
+                "warnings": [w.as_dict() for w in policy_warnings(snapshot, "<request>")]}
 
     try:
         return await in_db(db, check)

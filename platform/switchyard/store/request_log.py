@@ -95,7 +95,8 @@ class RequestLogWriter:
         row = {name: _fit(data[name], _LIMITS[name]) for name in COLUMNS}
         row["at"] = datetime.fromisoformat(data["time"])
         row["replica"] = self.replica
-        row["detail"] = json.dumps({"moved_on": data["moved_on"], "trace": data["trace"]})
+        row["detail"] = json.dumps({"moved_on": data["moved_on"], "trace": data["trace"],
+                                    "resumes": data.get("resumes", 0), "hedges": data.get("hedges", 0)})
         return row
 
     @property
@@ -174,7 +175,8 @@ def _as_dict(entry: RequestLogEntry) -> dict[str, Any]:
     detail = json.loads(entry.detail)
     row = {name: getattr(entry, name) for name in COLUMNS}
     return row | {"time": entry.at.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-                  "replica": entry.replica, "moved_on": detail.get("moved_on", []), "trace": detail.get("trace", [])}
+                  "replica": entry.replica, "moved_on": detail.get("moved_on", []), "trace": detail.get("trace", []),
+                  "resumes": detail.get("resumes", 0), "hedges": detail.get("hedges", 0)}
 
 
 def search(session: Session, *, tenant: str | None = None, model: str | None = None,

@@ -85,8 +85,9 @@ class UsageRecorder:
         self._run_done: asyncio.Event | None = None
 
     def record(self, tenant_id: int, key_id: int, model: str, prompt_tokens: int, completion_tokens: int,
-               cached_tokens: int, spend: float, at: datetime | None = None) -> None:
-        """Count one request, in memory.
+               cached_tokens: int, spend: float, at: datetime | None = None, requests: int = 1) -> None:
+        """Count one request (``requests``: 0 for a further part of one already counted: a resumed stream's
+        continuation on another engine), in memory.
 
         Args:
             tenant_id: The tenant's id.
@@ -109,7 +110,7 @@ class UsageRecorder:
             delta = self._pending.get(key)
             if delta is None:
                 delta = self._pending[key] = _Delta()
-            delta.requests += 1
+            delta.requests += requests
             delta.prompt_tokens += prompt_tokens
             delta.completion_tokens += completion_tokens
             delta.cached_tokens += cached_tokens

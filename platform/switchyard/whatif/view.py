@@ -136,6 +136,9 @@ class ReplayView:
     def prefilling(self, url: str) -> int:
         return 0
 
+    def ttft_quantile(self, pool: Pool, quantile: float, now: float) -> float | None:
+        return None  # the replay answers every try at once: it never hedges
+
     def available(self, candidate: Candidate, now: float) -> bool:
         return candidate.url not in self.down
 

@@ -123,3 +123,15 @@ def test_filters() -> None:
 ])
 def test_sparkline_points(values: list[float | None], width: int, height: int, points: str) -> None:
     assert overview.sparkline_points(values, width, height) == points
+
+
+def test_a_sparkline_has_a_scale_and_a_value_to_hover_at_each_point() -> None:
+    from switchyard.admin.overview import _sparkline
+    from switchyard.figures import per_second
+
+    spark = _sparkline([1.0, None, 3.0, 2.0], "Requests per second", per_second)
+    assert spark["scale"] == f"peak {per_second(3.0)}"
+    assert [p["title"] for p in spark["hover"]] == [f"30 s ago: {per_second(1.0)}", f"10 s ago: {per_second(3.0)}",
+                                                    f"now: {per_second(2.0)}"]
+    assert [(p["x"], p["y"]) for p in spark["hover"]] == [tuple(p.split(",")) for p in spark["points"].split()]
+    assert _sparkline([None, None], "x", per_second)["hover"] == []

@@ -54,16 +54,32 @@ async def audit_page(db: NamedDependency[Engine], action: FromQuery[str | None] 
     more = len(rows) > count
     rows = rows[:count]
     kept = {k: v for k, v in filters.items() if v}
-    context["events"] = [
-        {"event": e, "detail": json.dumps(e.detail, separators=(",", ":"), sort_keys=True, ensure_ascii=False,
-                                          default=str)}
-        for e in rows
-    ]
+    context["events"] = [{"event": e, "fields": detail_fields(e.detail)} for e in rows]
     if more and rows:
         context["older"] = "/admin/audit?" + urlencode({**kept, "before": rows[-1].id})
     if before_id is not None:
         context["newest"] = "/admin/audit" + (f"?{urlencode(kept)}" if kept else "")
     return Template(template_name=TEMPLATE, context=context)
+
+
+def detail_fields(detail: Any) -> list[tuple[str, str]]:
+    """An event's detail as (field, value) pairs for people: keys in order with spaces for underscores, plain
+    values as text (none as "none"), lists joined by commas, anything nested as compact JSON."""
+    if not isinstance(detail, dict):
+        return [] if detail is None else [("detail", _shown(detail))]
+    return [(str(key).replace("_", " "), _shown(value)) for key, value in sorted(detail.items())]
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int | float | str):
+        return f"{value:,}" if isinstance(value, int) and abs(value) >= 10_000 else str(value)
+    if isinstance(value, list) and all(isinstance(v, int | float | str) for v in value):
+        return ", ".join(str(v) for v in value) or "none"
+    return json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False, default=str)
 
 
 ROUTES: list[Any] = [audit_page]

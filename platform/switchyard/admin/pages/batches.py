@@ -71,9 +71,21 @@ def _progress(batch: Batch) -> dict[str, Any]:
             "failed_x": ok_pct, "percent": finished, "label": label}
 
 
+def _badge(batch: Batch) -> dict[str, str]:
+    """The status as the console shows it: OpenAI's ``completed`` says nothing of failed lines, so a completed
+    batch with failures reads "completed with N failed" (amber; red when every line failed)."""
+    failed, total = batch.failed_count, batch.total_count
+    if batch.status != "completed" or not failed:
+        return {"text": batch.status, "kind": batch.status}
+    if failed >= total:
+        return {"text": f"completed, all {failed} failed", "kind": "completed-all-failed"}
+    return {"text": f"completed with {failed:,} failed", "kind": "completed-with-failures"}
+
+
 def _row(batch: Batch, tenant: str) -> dict[str, Any]:
     return {"id": batch.id, "href": _url(batch.id), "tenant": tenant, "tenant_id": batch.tenant_id,
-            "endpoint": batch.endpoint, "status": batch.status, "created": _when(batch.created_at),
+            "endpoint": batch.endpoint, "status": batch.status, "badge": _badge(batch),
+            "created": _when(batch.created_at),
             "expires": _when(batch.expires_at), "progress": _progress(batch), "input_file_id": batch.input_file_id,
             "output_file_id": batch.output_file_id, "error_file_id": batch.error_file_id,
             "live": batch.status in LIVE_STATUSES}

@@ -14,11 +14,11 @@ from typing import Any, get_args
 import anyio.to_thread
 from litestar import get
 from litestar.di import NamedDependency, Provide
-from litestar.params import FromPath
+from litestar.params import FromPath, FromQuery
 from litestar.plugins.htmx import HTMXRequest, HTMXTemplate
 from litestar.response import Template
 from sqlalchemy import Engine
-from sqlmodel import Session
+from sqlmodel import Session, col, select
 
 from switchyard.admin.common import in_db
 from switchyard.admin.policy_api import policy_file_state
@@ -27,17 +27,19 @@ from switchyard.decide.policy_tests import run_policy_tests
 from switchyard.figures import duration
 from switchyard.gateway.policy_state import PolicyHolder
 from switchyard.policy import PolicyIssue
-from switchyard.policy.diff import plain_data
+from switchyard.policy.diff import diff_documents, plain_data
 from switchyard.policy.load import parse_yaml
 from switchyard.policy.tiers import Limits
 from switchyard.settings import Settings
 from switchyard.store import errors as store_errors
-from switchyard.store.policy_versions import active_version, list_versions
+from switchyard.store.models import PolicyVersion, PolicyVersionPublic
+from switchyard.store.policy_versions import active_version, get_version, list_versions
 
 #: Versions the history lists.
 HISTORY = 20
 
 PAGE = "admin/policy.html.j2"
+VERSION_PAGE = "admin/policy_version.html.j2"
 REFUSED = "admin/policy_refused.html.j2"
 FORMS = {
     "tier-limits": "admin/partials/_policy_tier_limits_form.html.j2",
@@ -218,7 +220,8 @@ async def policy_page(request: HTMXRequest, pages: NamedDependency[PolicyPages])
     def read(session: Session) -> dict[str, Any]:
         row = active_version(session)
         text = row.yaml_text if row is not None else snapshot.text
-        return {"versions": list_versions(session, HISTORY), "tests": run_policy_tests(snapshot),
+        versions = list_versions(session, HISTORY)
+        return {"versions": versions, "same_as": same_as_earlier(versions), "tests": run_policy_tests(snapshot),
                 **_forms_context(text, query)}
 
     context = base_context(request, pages) | await in_db(pages.db, read)
@@ -251,4 +254,50 @@ def refused_page(request: HTMXRequest, pages: PolicyPages, status: int, reason: 
                     context=base_context(request, pages) | {"reason": reason, "issues": issues or []})
 
 
-ROUTES: list[Any] = [policy_page, policy_form]
+def same_as_earlier(versions: list[PolicyVersionPublic]) -> dict[int, int]:
+    """For each listed version whose content equals an earlier version's, the first such earlier number."""
+    first: dict[str, int] = {}
+    same: dict[int, int] = {}
+    for v in sorted(versions, key=lambda v: v.number):
+        if v.sha256 in first:
+            same[v.number] = first[v.sha256]
+        else:
+            first[v.sha256] = v.number
+    return same
+
+
+@get("/policy/versions/{number:int}", name="admin:policy-version", include_in_schema=False,
+     dependencies=PAGES_DEPENDENCY)
+async def policy_version_page(request: HTMXRequest, pages: NamedDependency[PolicyPages],
+                              number: FromPath[int], against: FromQuery[int | None] = None) -> Template:
+    """One version: who made it and why, its YAML, and its changes from its parent (or from version ``against``);
+    whether it equals an earlier version's content."""
+    def read(session: Session) -> dict[str, Any] | None:
+        try:
+            row = get_version(session, number)
+        except store_errors.NotFound:
+            return None
+        base_number = against if against is not None else row.parent
+        base = None
+        if base_number is not None:
+            try:
+                base = get_version(session, base_number)
+            except store_errors.NotFound:
+                base = None
+        earlier = session.exec(select(PolicyVersion.number).where(PolicyVersion.sha256 == row.sha256,
+                                                                   col(PolicyVersion.number) < number)
+                               .order_by(col(PolicyVersion.number))).first()
+        current = active_version(session)
+        return {"version": PolicyVersionPublic.model_validate(row), "text": row.yaml_text, "same_as": earlier,
+                "base": PolicyVersionPublic.model_validate(base) if base is not None else None,
+                "diff": diff_documents(base.yaml_text, row.yaml_text, f"v{base.number}", f"v{number}")
+                if base is not None else None,
+                "active_number": current.number if current is not None else None}
+
+    found = await in_db(pages.db, read)
+    if found is None:
+        return refused_page(request, pages, 404, f"there is no policy version {number}")
+    return Template(template_name=VERSION_PAGE, context=base_context(request, pages) | found)
+
+
+ROUTES: list[Any] = [policy_page, policy_form, policy_version_page]

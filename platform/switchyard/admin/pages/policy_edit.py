@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from litestar import get, post
@@ -35,7 +35,7 @@ from switchyard.admin.pages.policy import (
 from switchyard.admin.policy_api import refuse_in_file_mode, write_version
 from switchyard.admin.session import console_origin
 from switchyard.api.errors import ApiError
-from switchyard.decide.policy_tests import PolicyTestResult, compile_checked, run_policy_tests
+from switchyard.decide.policy_tests import PolicyTestResult, compile_checked, policy_warnings, run_policy_tests
 from switchyard.policy import PolicyError, PolicyIssue, compile_policy
 from switchyard.policy.diff import PolicyDiff, diff_documents
 from switchyard.policy.edit import set_cache_rule, set_model_fallback, set_tier_limits
@@ -64,6 +64,7 @@ class Check:
     tests: list[PolicyTestResult] | None  # None: the document does not compile, so no test ran
     diff: PolicyDiff | None  # None: not YAML, or no active version
     active_label: str | None
+    warnings: list[PolicyIssue] = field(default_factory=list)  # of a valid candidate: rules a tier can never take
 
     @property
     def failed_tests(self) -> int:
@@ -91,7 +92,8 @@ def check_candidate(session: Session, text: str) -> Check:
             diff = None
     return Check(valid=not issues, issues=issues, sha256=snapshot.sha256 if snapshot and not issues else None,
                  tests=run_policy_tests(snapshot) if snapshot is not None else None, diff=diff,
-                 active_label=f"v{row.number}" if row is not None else None)
+                 active_label=f"v{row.number}" if row is not None else None,
+                 warnings=policy_warnings(snapshot, CANDIDATE) if snapshot is not None and not issues else [])
 
 
 def text_of(form: FormMultiDict) -> str:

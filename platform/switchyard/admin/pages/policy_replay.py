@@ -40,7 +40,7 @@ from switchyard.decide.pick import Strategy
 from switchyard.decide.policy_tests import compile_checked
 from switchyard.figures import DASH, fixed, percent
 from switchyard.gateway.policy_state import PolicyHolder
-from switchyard.policy import PolicyError, compile_policy
+from switchyard.policy import PolicyError, PolicySnapshot, compile_policy
 from switchyard.settings import Settings
 
 if TYPE_CHECKING:
@@ -338,7 +338,7 @@ def _window_of(value: Any) -> tuple[str, Window] | None:
 
 def _respond(request: HTMXRequest, text: str, context: dict[str, Any]) -> Template:
     context = {"windows": WINDOWS, "window_key": DEFAULT_WINDOW, "window": WINDOWS[DEFAULT_WINDOW],
-               "max_entries": MAX_LOG_ENTRIES, "message": None, "view": None} | context
+               "max_entries": MAX_LOG_ENTRIES, "message": None, "view": None, "unseen": []} | context
     if request.htmx:
         return HTMXTemplate(template_name=PANEL, context=context)
     return Template(template_name=PAGE, context=context | {"text": text})
@@ -361,7 +361,7 @@ async def policy_replay(request: HTMXRequest, settings: NamedDependency[Settings
     key, window = chosen
     base = {"window_key": key, "window": window}
     try:
-        await anyio.to_thread.run_sync(compile_checked, text, CANDIDATE)
+        candidate = await anyio.to_thread.run_sync(compile_checked, text, CANDIDATE)
     except PolicyError as error:
         count = len(error.issues)
         return _respond(request, text, base | {
@@ -386,7 +386,39 @@ async def policy_replay(request: HTMXRequest, settings: NamedDependency[Settings
                                       "sample_rate": settings.request_log_sample_rate}
     if replayed.report is not None:
         context["view"] = report_view(replayed.report)
+        context["unseen"] = unseen_by_the_log(active, candidate, entries)
     return _respond(request, text, context)
+
+
+def touched(active: PolicySnapshot, candidate: PolicySnapshot) -> tuple[list[str], list[str]]:
+    """The tiers, and the models and routes, that the candidate adds, removes or changes."""
+    def changed(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+        return sorted(name for name in old.keys() | new.keys() if old.get(name) != new.get(name))
+
+    def by_name(items: Any) -> dict[str, Any]:
+        return {item.name: item.model_dump(mode="json") for item in items}
+
+    tiers = changed(by_name(active.document.tiers), by_name(candidate.document.tiers))
+    models = changed(by_name(active.document.models) | by_name(active.document.routes),
+                     by_name(candidate.document.models) | by_name(candidate.document.routes))
+    return tiers, models
+
+
+def unseen_by_the_log(active: PolicySnapshot, candidate: PolicySnapshot, entries: list[LogEntry]) -> list[str]:
+    """What the change touches that no replayed request reached, one phrase each: the replay cannot show what
+    the change does there. A model counts as reached when a request asked for it or for a route that can
+    choose it (in either version)."""
+    tiers, models = touched(active, candidate)
+    asked_tiers = {e.tier for e in entries}
+    asked = {e.model for e in entries if e.model is not None}
+    reached = set(asked)
+    for snapshot in (active, candidate):
+        for name in asked & set(snapshot.routes):
+            route = snapshot.routes[name]
+            reached |= {rule.model for rule in route.rules} | {route.default}
+    return ([f"tier {t}" for t in tiers if t not in asked_tiers]
+            + [f"{'route' if m in active.routes or m in candidate.routes else 'model'} {m}"
+               for m in models if m not in reached])
 
 
 ROUTES: list[Any] = [policy_replay]

@@ -22,7 +22,7 @@ from litestar.response import Template
 from sqlalchemy import Engine
 
 from switchyard.admin.common import in_db
-from switchyard.admin.overview import recent_requests, status_filter
+from switchyard.admin.overview import LANES, recent_requests, status_filter
 from switchyard.gateway.activity import RECENT, Activity
 from switchyard.settings import Settings
 from switchyard.store import request_log
@@ -124,30 +124,39 @@ async def _from_log(db: Engine, filters: dict[str, str], limit: int) -> list[dic
                                                        model=filters["model"] or None, limit=limit, **by))
 
 
+def _is_batch_line(row: dict[str, Any]) -> bool:
+    """Whether a request-log entry is a batch job's line (the worker names each ``batch_req_<line>``)."""
+    return bool(row.get("batch")) or str(row.get("request_id", "")).startswith("batch_req_")
+
+
 @get("/requests", name="admin:requests", include_in_schema=False)
 async def requests_page(request: HTMXRequest, settings: NamedDependency[Settings], db: NamedDependency[Engine],
                         activity: NamedDependency[Activity], tenant: FromQuery[str | None] = None,
                         model: FromQuery[str | None] = None, status: FromQuery[str | None] = None,
-                        limit: FromQuery[str | None] = None, source: FromQuery[str | None] = None) -> Template:
+                        limit: FromQuery[str | None] = None, source: FromQuery[str | None] = None,
+                        lane: FromQuery[str | None] = None) -> Template:
     """The recent requests, filtered (or just the table, for htmx polling); a bad filter is a 400 page."""
     filters = {"tenant": (tenant or "").strip(), "model": (model or "").strip(), "status": (status or "").strip(),
-               "limit": (limit or "").strip(), "source": (source or "").strip()}
+               "limit": (limit or "").strip(), "source": (source or "").strip(), "lane": (lane or "").strip()}
     error: str | None = None
     rows: list[dict[str, Any]] = []
     try:
         if filters["source"] not in ("", "live", "log"):
             raise ValueError(f"source must be live or log; got {filters['source']!r}")
         count = _limit(filters["limit"])
+        if filters["lane"] not in ("", *LANES):
+            raise ValueError(f"lane must be interactive or batch; got {filters['lane']!r}")
         if filters["source"] == "log":
-            rows = await _from_log(db, filters, count)
+            rows = [r for r in await _from_log(db, filters, count)
+                    if not filters["lane"] or (filters["lane"] == "batch") == _is_batch_line(r)]
         else:
             rows = [r.as_dict() for r in recent_requests(
                 activity, tenant=filters["tenant"] or None, model=filters["model"] or None,
-                status=filters["status"] or None, limit=count)]
+                status=filters["status"] or None, limit=count, lane=filters["lane"] or None)]
     except ValueError as exc:
         error = str(exc)
     query = urlencode({k: v for k, v in filters.items() if v})
-    context = {"filters": filters, "filtered": any(filters[k] for k in ("tenant", "model", "status")),
+    context = {"filters": filters, "filtered": any(filters[k] for k in ("tenant", "model", "status", "lane")),
                "from_log": filters["source"] == "log", "logging": settings.request_log,
                "records": [_row(r) for r in rows], "error": error, "query": query, "keep": RECENT,
                "default_limit": DEFAULT_LIMIT, "status_options": STATUS_OPTIONS,

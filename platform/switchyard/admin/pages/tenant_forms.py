@@ -3,8 +3,10 @@
 Creating a tenant, moving it to another tier, deleting it, its limit override; creating a key,
 revoking one, a key's own limits. Every change goes through the store's functions and is written to
 the audit log in the same transaction; each answers with the pages of
-:mod:`switchyard.admin.pages.tenants` (with the error, or a redirect). A new key's secret is in the
-one response that creates it, and nowhere else: not stored (only its hash), not logged, not in a URL.
+:mod:`switchyard.admin.pages.tenants` (with the error, or a redirect: post/redirect/get, so a reload
+repeats nothing). A new key's secret reaches the page the creating POST redirects to in a sealed,
+short-lived cookie that page deletes (:mod:`switchyard.admin.reveal`), and nowhere else: not stored
+(only its hash), not logged, not in a URL.
 
 Roles: creating tenants and keys, revoking keys and changing a tier need ``admin``; limit
 overrides need ``operator``.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import re
 from typing import Any
+from urllib.parse import urlencode
 
 from litestar import Response, post
 from litestar.datastructures import FormMultiDict
@@ -34,6 +37,7 @@ from switchyard.admin.pages.tenants import (
     show_tenants,
     tenant_url,
 )
+from switchyard.admin.reveal import reveal_cookie
 from switchyard.admin.session import console_origin
 from switchyard.policy.snapshot import PolicySnapshot
 from switchyard.store.audit import append_event
@@ -172,7 +176,8 @@ async def tenant_limits(request: HTMXRequest, pages: NamedDependency[TenantPages
 @post("/tenants/{name:str}/keys", opt={"role": "admin"}, include_in_schema=False, dependencies=PAGES_DEPENDENCY)
 async def tenant_key_create(request: HTMXRequest, pages: NamedDependency[TenantPages],
                             name: FromPath[str]) -> Response[Any]:
-    """Create a key; the answer is the tenant page with the secret, the only time it is shown."""
+    """Create a key and redirect to the tenant page, which shows the secret this once (a reload of that
+    page shows it no more and creates nothing)."""
     form = await request.form()
     actor, origin = console_origin(request)
     try:
@@ -190,9 +195,10 @@ async def tenant_key_create(request: HTMXRequest, pages: NamedDependency[TenantP
         secret, record = await page_db(pages.db, create)
     except PageError as exc:
         return await show_tenant(request, pages, name, error=exc.message, status=exc.status)
-    return await show_tenant(request, pages, name, status=201,
-                             new_key={"secret": secret, "id": record.id, "prefix": record.prefix,
-                                      "name": record.name})
+    page = tenant_url(name)
+    sealed = reveal_cookie(pages.settings, request, name, page,
+                           {"secret": secret, "id": record.id, "prefix": record.prefix, "name": record.name})
+    return Redirect(path=page, status_code=303, cookies=[sealed])
 
 
 async def _key_tenant(pages: TenantPages, key_id: int) -> str | None:
@@ -222,7 +228,7 @@ async def key_revoke(request: HTMXRequest, pages: NamedDependency[TenantPages],
         record = await page_db(pages.db, revoke, keys=change_keys)
     except PageError as exc:
         return await _key_error(request, pages, key_id, exc)
-    return Redirect(path=tenant_url(record.tenant), status_code=303)
+    return Redirect(path=f"{tenant_url(record.tenant)}?{urlencode({'revoked': record.prefix})}", status_code=303)
 
 
 @post("/keys/{key_id:int}/limits", opt={"role": "operator"}, include_in_schema=False, dependencies=PAGES_DEPENDENCY)

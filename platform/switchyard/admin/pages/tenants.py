@@ -17,7 +17,7 @@ from urllib.parse import quote
 import anyio
 from litestar import get
 from litestar.di import NamedDependency, Provide
-from litestar.params import FromPath
+from litestar.params import FromPath, FromQuery
 from litestar.plugins.htmx import HTMXRequest
 from litestar.response import Template
 from sqlalchemy import Engine
@@ -25,10 +25,11 @@ from sqlmodel import Session
 
 from switchyard.admin.common import PageError, in_db
 from switchyard.admin.dependencies import KeyChanger
+from switchyard.admin.reveal import REVEAL_COOKIE, forget_revealed, take_revealed
 from switchyard.admin.session import current_user
 from switchyard.api.errors import ApiError
 from switchyard.decide.admit import LIMIT_PERIODS, Estimate, LimitCharge, limit_charges
-from switchyard.figures import fixed
+from switchyard.figures import fixed, limit_amount, limit_label
 from switchyard.gateway.admission import Admitter
 from switchyard.gateway.policy_state import PolicyHolder
 from switchyard.policy.snapshot import PolicySnapshot
@@ -84,10 +85,10 @@ def _num(value: float | None, unit: str = "tokens") -> str:
 
 
 def _shown_limits(limits: Mapping[str, Any] | None) -> str:
-    """An override as one line: ``tokens_per_minute 5,000; tokens_per_day none``."""
+    """An override as one line: ``tokens per minute 5,000 tokens; tokens per day none``."""
     if not limits:
         return ""
-    return "; ".join(f"{name} {'none' if value is None else _num(value, LIMIT_PERIODS.get(name, (0, 'tokens'))[1])}"
+    return "; ".join(f"{limit_label(name)} {limit_amount(name, value, missing='none')}"
                      for name, value in limits.items())
 
 
@@ -287,14 +288,14 @@ async def show_tenants(request: HTMXRequest, pages: TenantPages, *, error: str |
 
 async def show_tenant(request: HTMXRequest, pages: TenantPages, name: str, *, error: str | None = None,
                       status: int = 200, new_key: Mapping[str, Any] | None = None,
-                      values: Mapping[str, str] | None = None) -> Template:
+                      values: Mapping[str, str] | None = None, note: str | None = None) -> Template:
     """One tenant's page (the list with the error when there is no such tenant), with ``error``
     (answered with ``status``), a key just created (its secret shown this once) and the forms' ``values``."""
     try:
         context = await _tenant_context(request, pages, name)
     except PageError as exc:  # no such tenant
         return await show_tenants(request, pages, error=exc.message, status=exc.status)
-    context |= {"error": error, "new_key": new_key, "values": dict(values or {})}
+    context |= {"error": error, "new_key": new_key, "values": dict(values or {}), "note": note}
     return Template(template_name="admin/tenant.html.j2", context=context, status_code=status)
 
 
@@ -312,9 +313,16 @@ async def tenants_page(request: HTMXRequest, pages: NamedDependency[TenantPages]
 
 
 @get("/tenants/{name:str}", name="admin:tenant", include_in_schema=False, dependencies=PAGES_DEPENDENCY)
-async def tenant_page(request: HTMXRequest, pages: NamedDependency[TenantPages], name: FromPath[str]) -> Template:
-    """One tenant: tier, effective limits and their use, keys, and the forms that change them."""
-    return await show_tenant(request, pages, name, status=200)
+async def tenant_page(request: HTMXRequest, pages: NamedDependency[TenantPages], name: FromPath[str],
+                      revoked: FromQuery[str | None] = None) -> Template:
+    """One tenant: tier, effective limits and their use, keys, and the forms that change them (and, right
+    after a key was created, its secret, this once; after a revocation, a note saying so)."""
+    new_key = take_revealed(pages.settings, request, name)
+    note = f"Key {revoked}… revoked: its next request is refused, on every replica." if revoked else None
+    page = await show_tenant(request, pages, name, status=200, new_key=new_key, note=note)
+    if REVEAL_COOKIE in request.cookies:
+        forget_revealed(page, tenant_url(name))
+    return page
 
 
 ROUTES: list[Any] = [tenants_page, tenant_page]

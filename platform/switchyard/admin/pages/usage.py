@@ -121,6 +121,17 @@ def _read(session: Session, tenant: str | None, model: str | None, since: date,
     return usage(session, tenant=tenant, model=model, since=since, until=until), tenants
 
 
+#: The fewest days the chart shows, so that a fresh ledger's one day still reads as a day among others.
+MIN_CHART_DAYS = 7
+
+
+def with_data(days: list[tuple[date, Sums]], least: int = MIN_CHART_DAYS) -> list[tuple[date, Sums]]:
+    """The days from the first with data on (the empty days before it would only make the bars thin), at least
+    the last ``least`` of them."""
+    first = next((i for i, (_, s) in enumerate(days) if s.requests or s.tokens or s.spend), len(days))
+    return days[min(first, max(0, len(days) - least)):]
+
+
 def _days_param(raw: str | None) -> int:
     if raw is None or not raw.strip():
         return DEFAULT_DAYS
@@ -177,7 +188,7 @@ async def usage_page(request: HTMXRequest, settings: NamedDependency[Settings], 
         "by_tenant": _grouped(report.rows, "tenant"),
         "by_model": _grouped(report.rows, "model"),
         "totals": totals,
-        "chart": chart(days_list),
+        "chart": chart(with_data(days_list)),
         "flush_s": settings.usage_flush_interval_s,
         "error": error,
     }
