@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -146,6 +146,49 @@ class Settings(BaseSettings):
         "console_login_window_s; more are refused with 429 until the window has passed.",
     )
     console_login_window_s: float = Field(default=300.0, gt=0)
+    console_oidc_issuer: str | None = Field(
+        default=None, description="Console sign-in through the organisation's identity provider (OpenID Connect): "
+        "its issuer URL, as its discovery document (<issuer>/.well-known/openid-configuration) names it. Unset: "
+        "local users only. Local users keep working beside it.",
+    )
+    console_oidc_client_id: str | None = Field(default=None, description="This console's client id at the provider.")
+    console_oidc_client_secret: SecretStr | None = Field(
+        default=None, description="The client's secret (a confidential client: client_secret_basic or "
+        "client_secret_post, as the provider supports). Unset: a public client (PKCE only).",
+    )
+    console_oidc_scopes: str = Field(default="openid profile email", description="Scopes asked for (openid is "
+                                     "always added).")
+    console_oidc_role_claim: str = Field(
+        default="groups", description="The claim the console role is read from: a string or a list of strings, "
+        "a dotted path for nested claims (realm_access.roles). Read from the ID token, else from the userinfo "
+        "endpoint.",
+    )
+    console_oidc_roles: dict[str, Literal["viewer", "operator", "admin"]] = Field(
+        default_factory=dict, description="The role claim's values and the console role each gives, as JSON "
+        '(SWITCHYARD_CONSOLE_OIDC_ROLES=\'{"gateway-admins": "admin", "sre": "operator"}\'); a user with '
+        "several gets the highest.",
+    )
+    console_oidc_default_role: Literal["viewer", "operator", "admin"] | None = Field(
+        default=None, description="The role of a user whose claim maps to none. Unset: such a user is refused.",
+    )
+    console_oidc_username_claim: str = Field(
+        default="preferred_username", description="The claim that names the console user (then email, then "
+        "sub, when it is absent).",
+    )
+    console_oidc_label: str = Field(default="single sign-on", description="The login page's button: "
+                                    "'Sign in with <label>'.")
+    console_oidc_redirect_url: str | None = Field(
+        default=None, description="The callback URL registered at the provider "
+        "(https://<host>/admin/login/oidc/callback). Unset: made from the request's own URL.",
+    )
+
+    @model_validator(mode="after")
+    def _oidc_whole(self) -> Settings:
+        if (self.console_oidc_issuer is None) != (self.console_oidc_client_id is None):
+            raise ValueError("console_oidc_issuer and console_oidc_client_id are set together (or neither)")
+        if self.console_oidc_issuer is not None and not self.console_oidc_issuer.startswith(("https://", "http://")):
+            raise ValueError("console_oidc_issuer is an http(s) URL")
+        return self
 
     @field_validator("log_level", "log_format", mode="before")
     @classmethod

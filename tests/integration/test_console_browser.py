@@ -8,6 +8,7 @@ error (a Content-Security-Policy violation, a failed htmx request) fails its tes
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -25,6 +26,8 @@ from playwright.sync_api import Browser, Page, Route, expect, sync_playwright
 
 from switchyard.store import db
 from switchyard.whatif.logged import read_log
+from tests import oidc_provider
+from tests.conftest import SECRETS
 from tests.integration.conftest import (
     CONSOLE_PASSWORD,
     CONSOLE_USERS,
@@ -41,16 +44,31 @@ CHROMIUM = os.environ.get("SWITCHYARD_CHROMIUM") or shutil.which("chromium") or 
 #: The questions the browser asked (confirmations), and whether the ``page`` fixture's tab accepts them.
 DIALOGS: list[str] = []
 ACCEPT = [True]
+SSO_CLIENT = "switchyard-console"
+SSO_SECRET = "browser-idp-secret-41c9"
+SECRETS.add(SSO_SECRET)
 #: axe-core impacts that fail a page.
 SERIOUS = {"serious", "critical"}
 
 
 @pytest.fixture(scope="module")
-def live(engines: Engines, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    """A gateway whose policy lives in the database (the console publishes), with console users and keys."""
+def idp() -> Iterator[str]:
+    """The organisation's identity provider (OpenID Connect) the console also signs in through."""
+    with oidc_provider.running(SSO_CLIENT, SSO_SECRET) as issuer:
+        yield issuer
+
+
+@pytest.fixture(scope="module")
+def live(engines: Engines, idp: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """A gateway whose policy lives in the database (the console publishes), with console users and keys, and
+    sign-in through ``idp`` beside them."""
     tmp = tmp_path_factory.mktemp("gw-browser")
     gw = start_gateway(engines, f"sqlite:///{tmp / 'gw.db'}", tmp, "sqlite",
-                       {"SWITCHYARD_POLICY_SOURCE": "db", "SWITCHYARD_KEY_CACHE_TTL_S": "0"})
+                       {"SWITCHYARD_POLICY_SOURCE": "db", "SWITCHYARD_KEY_CACHE_TTL_S": "0",
+                        "SWITCHYARD_CONSOLE_OIDC_ISSUER": idp, "SWITCHYARD_CONSOLE_OIDC_CLIENT_ID": SSO_CLIENT,
+                        "SWITCHYARD_CONSOLE_OIDC_CLIENT_SECRET": SSO_SECRET,
+                        "SWITCHYARD_CONSOLE_OIDC_LABEL": "Acme SSO",
+                        "SWITCHYARD_CONSOLE_OIDC_ROLES": json.dumps({"gw-operators": "operator"})})
     try:
         gw.keys = {"free": gw.new_key("free-co", "free"), "pro": gw.new_key("pro-co", "pro")}
         for role, name in CONSOLE_USERS.items():
@@ -127,6 +145,35 @@ def test_login_form_in_the_browser(browser: Browser, live: Gateway) -> None:
         expect(tab).to_have_url(re.compile(r"/admin/requests$"))  # back where it was going
         cookie = next(c for c in context.cookies() if c["name"] == "switchyard_session")
         assert cookie["httpOnly"] and cookie["sameSite"] == "Lax"
+    finally:
+        context.close()
+
+
+@pytest.mark.parametrize("width", [1440, 390])
+def test_sign_in_through_the_identity_provider(browser: Browser, live: Gateway, width: int) -> None:
+    context = browser.new_context(base_url=live.base_url, viewport={"width": width, "height": 900})
+    try:
+        tab = context.new_page()
+        tab.goto("/admin/usage")
+        expect(tab).to_have_url(re.compile(r"/admin/login\?next=/admin/usage$"))
+        check_page(tab, f"01-login-sso-{width}")
+        tab.get_by_role("link", name="Sign in with Acme SSO").click()
+        expect(tab.get_by_role("heading", name="Test identity provider")).to_be_visible()  # the provider's page
+        tab.get_by_label("Username").fill(f"sso-{width}")
+        tab.get_by_label("Groups").fill("staff, gw-operators")
+        tab.get_by_role("button", name="Sign in").click()
+        expect(tab).to_have_url(re.compile(r"/admin/usage$"))  # back where it was going, signed in
+        expect(tab.locator("#whoami")).to_contain_text(f"sso-{width}")
+        expect(tab.locator("#whoami")).to_contain_text("operator")
+        check_page(tab, f"02-signed-in-sso-{width}")
+        assert not any(c["name"] == "switchyard_oidc" for c in context.cookies())  # the attempt is spent
+        # a provider that says no: back on the login page, saying why, with no session
+        context.clear_cookies()
+        tab.goto("/admin/login")
+        tab.get_by_role("link", name="Sign in with Acme SSO").click()
+        tab.get_by_role("button", name="Cancel").click()
+        expect(tab.locator("#login-error")).to_contain_text("access_denied")
+        assert not any(c["name"] == "switchyard_session" for c in context.cookies())
     finally:
         context.close()
 

@@ -52,7 +52,8 @@ def users_cmd() -> None:
         rows = list_users(session)
     for u in rows:
         state = f"disabled {u.disabled_at:%Y-%m-%d}" if u.disabled_at else "active"
-        click.echo(f"{u.username:<24} {u.role:<9} {state:<20} created {u.created_at:%Y-%m-%d %H:%M}")
+        via = f"  signs in through {u.oidc_issuer}" if u.oidc_issuer else ""
+        click.echo(f"{u.username:<24} {u.role:<9} {state:<20} created {u.created_at:%Y-%m-%d %H:%M}{via}")
 
 
 @admin.command("set-role")

@@ -114,6 +114,8 @@ def set_password(session: Session, username: str, password: str, *, actor: str, 
     """A new password; every session of the user ends."""
     _check_password(password)
     user = _user(session, username)
+    if user.oidc_issuer is not None:
+        raise StoreError(f"{username} signs in through {user.oidc_issuer} and has no password here")
     user.password_hash = _hasher.hash(password)
     session.add(user)
     session.exec(delete(AdminSession).where(col(AdminSession.user_id) == user.id))
@@ -150,16 +152,55 @@ def _token_hash(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
-def open_session(session: Session, user: AdminUser, ttl: timedelta, client: str) -> str:
-    """A new login session for ``user``; returns the token for the cookie (the only time it exists)."""
+def open_session(session: Session, user: AdminUser, ttl: timedelta, client: str,
+                 detail: dict[str, str] | None = None) -> str:
+    """A new login session for ``user``; returns the token for the cookie (the only time it exists).
+    ``detail`` goes into the audit entry (how they signed in, when not with a password)."""
     token = secrets.token_urlsafe(32)
     now = utcnow()
     session.exec(delete(AdminSession).where(col(AdminSession.expires_at) < now))  # sweep expired ones
     session.add(AdminSession(token_hash=_token_hash(token), user_id=user.id or 0, created_at=now,
                              expires_at=now + ttl, client=client[:128]))
     append_event(session, actor=f"console:{user.username}", origin=f"console {client}"[:128], action="user.login",
-                 target=f"user:{user.username}")
+                 target=f"user:{user.username}", detail=detail)
     return token
+
+
+class SignInRefused(StoreError):
+    """An identity provider vouched for someone this console does not let in (the message says why)."""
+
+
+def sso_user(session: Session, *, issuer: str, subject: str, username: str, role: str, client: str) -> AdminUser:
+    """The console user an OpenID Connect provider signed in as (``issuer``, ``subject``), made on their first
+    sign-in and given ``role`` (the provider's claim decides it at every sign-in). Refused
+    (:class:`SignInRefused`) when the user was disabled here, or when a first sign-in's ``username`` is
+    another user's (a local user is never taken over by a provider's account of the same name)."""
+    origin = f"console {client}"[:128]
+    checked = _check_role(role)
+    user = session.exec(select(AdminUser).where(AdminUser.oidc_issuer == issuer,
+                                                AdminUser.oidc_subject == subject)).first()
+    if user is None:
+        if not re.fullmatch(USERNAME_PATTERN, username):
+            raise SignInRefused(f"the provider names this user {username[:80]!r}, which is not a console username "
+                                "(1-64 letters, digits and . _ @ -)")
+        if session.exec(select(AdminUser).where(AdminUser.username == username)).first() is not None:
+            raise SignInRefused(f"a console user named {username!r} already exists and is not this provider's "
+                                "account; an administrator can rename or remove it")
+        user = AdminUser(username=username, password_hash="", role=checked, oidc_issuer=issuer,
+                         oidc_subject=subject)
+        session.add(user)
+        session.flush()
+        append_event(session, actor=f"console:{username}", origin=origin, action="user.create",
+                     target=f"user:{username}", detail={"role": checked, "via": "oidc", "issuer": issuer})
+        return user
+    if user.disabled_at is not None:
+        raise SignInRefused(f"the console user {user.username!r} is disabled")
+    if user.role != checked:
+        append_event(session, actor=f"console:{user.username}", origin=origin, action="user.role",
+                     target=f"user:{user.username}", detail={"from": user.role, "to": checked, "via": "oidc"})
+        user.role = checked
+        session.add(user)
+    return user
 
 
 def session_user(session: Session, token: str, now: datetime | None = None) -> ConsoleUser | None:

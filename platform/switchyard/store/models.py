@@ -227,12 +227,14 @@ class AdminUserPublic(SQLModel):
     role: str
     created_at: datetime
     disabled_at: datetime | None
+    oidc_issuer: str | None = None
 
 
 class AdminUser(SQLModel, table=True):
     """Someone who may log in to the console. The password is stored as an argon2id hash only."""
 
     __tablename__ = "admin_user"
+    __table_args__ = (UniqueConstraint("oidc_issuer", "oidc_subject", name="uq_admin_user_oidc"),)
 
     id: int | None = Field(default=None, primary_key=True)
     username: str = Field(max_length=64, unique=True, index=True)
@@ -240,6 +242,10 @@ class AdminUser(SQLModel, table=True):
     role: str = Field(max_length=16)  # viewer | operator | admin
     created_at: datetime = _ts()
     disabled_at: datetime | None = _ts(nullable=True)
+    #: A user who signs in through an OpenID Connect provider: who the provider says they are (issuer and
+    #: subject, unique together). Such a user has no password (an empty hash verifies nothing).
+    oidc_issuer: str | None = Field(default=None, max_length=255)
+    oidc_subject: str | None = Field(default=None, max_length=255)
 
 
 class AdminSession(SQLModel, table=True):
