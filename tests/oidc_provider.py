@@ -7,9 +7,9 @@ and userinfo. ID tokens are RS256-signed JWTs with a key made at start.
 
 ``POST /control`` (JSON) makes it misbehave the way a broken or hostile provider would: ``{"nonce":
 "wrong"}``, ``{"aud": "someone-else"}``, ``{"exp": -3600}`` (seconds from now), ``{"sign": "foreign"}``
-(a key it does not publish, under a published kid), ``{"auth_method": "client_secret_post"}``,
-``{"groups_in": "userinfo"}`` (the role claim only in
-userinfo), ``{"rotate": true}`` (a new signing key; the JWKS publishes only it), ``{"issuer": "..."}`` (the
+(a key it does not publish, under a published kid), ``{"auth_method": "client_secret_post"}`` (or
+``"none"``: a public client), ``{"groups_in": "userinfo"}`` (the role claim only in userinfo),
+``{"rotate": true}`` (a new signing key; the JWKS publishes only it), ``{"issuer": "..."}`` (the
 discovery document names another issuer); ``{}`` resets. ``GET /requests`` lists the token requests it got.
 """
 
@@ -148,7 +148,7 @@ def make_app(p: Provider) -> Litestar:
         basic = request.headers.get("authorization", "")
         p.requests.append({"form": {k: v for k, v in data.items() if k != "client_secret"},
                            "basic": basic.startswith("Basic "), "secret_in_form": "client_secret" in data})
-        if p.client_secret is not None:
+        if p.client_secret is not None and p.method() != "none":  # "none": a public client, PKCE alone
             if p.method() == "client_secret_basic":
                 given = base64.b64decode(basic.removeprefix("Basic ")).decode() if basic else ""
                 if given != f"{p.client_id}:{p.client_secret}":

@@ -234,6 +234,19 @@ def test_roles_from_userinfo_and_client_secret_post(console_app: App, idp: str, 
     assert token_request["secret_in_form"] and not token_request["basic"]
 
 
+def test_a_public_client_signs_in_with_pkce_alone(console_app: App, idp: str, faults: Callable[..., None]) -> None:
+    faults(auth_method="none")
+    console = console_app(console_oidc_client_secret=None)
+    assert sign_in(console, "sam", "staff").status_code == 303
+    token_request = httpx.get(f"{idp}/requests").json()[-1]
+    assert not token_request["basic"] and not token_request["secret_in_form"]
+    assert token_request["form"]["client_id"] == CLIENT_ID and token_request["form"]["code_verifier"]
+    # a confidential client whose provider takes no client secret is told so, not sent in the clear anyway
+    confidential = console_app()
+    answer = sign_in(confidential, "sam", "staff")
+    assert answer.status_code == 502 and "client_secret_basic nor client_secret_post" in answer.text
+
+
 def test_a_local_user_is_never_taken_over_and_a_disabled_one_stays_out(console_app: App) -> None:
     console = console_app()
     with db.session_scope(console.app.state.runtime.engine) as session:

@@ -236,7 +236,8 @@ class OidcClient:
                 form["client_secret"] = secret.get_secret_value()
             else:
                 raise SignInError("the provider takes neither client_secret_basic nor client_secret_post "
-                                  f"({', '.join(provider.auth_methods)})")
+                                  f"({', '.join(provider.auth_methods)}): unset the client secret for a public "
+                                  "client", 502)
         tokens = await self._json("POST", provider.token_endpoint, "token endpoint", data=form, auth=auth,
                                   headers={"Accept": "application/json"})
         id_token = tokens.get("id_token")
