@@ -39,6 +39,16 @@ def test_the_ring_is_bounded_and_newest_first() -> None:
     assert activity.get("r3") is None and activity.get("r9") is not None
 
 
+def test_requests_are_listed_by_the_time_they_show_not_the_order_they_finished() -> None:
+    activity = Activity()
+    long = activity.begin("long", "chat", started=0.0, now=T0)  # arrives first, answers last
+    finish(activity, T0 + 1, rid="short")
+    finish(activity, T0 + 2, rid="batch-line", batch=True)
+    activity.finish(long, 200, now=T0 + 30)
+    assert [r.request_id for r in activity.recent()] == ["batch-line", "short", "long"]
+    assert [r.request_id for r in activity.recent(lane="interactive")] == ["short", "long"]
+
+
 def test_a_record_is_kept_once() -> None:
     activity = Activity()
     record = finish(activity, T0, 502)
