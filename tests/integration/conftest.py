@@ -363,6 +363,11 @@ class FaultFleet:
         return gw
 
 
+#: The faults a fault-injecting engine is cleared of (POST /_fault): every kind off.
+FAULTS_CLEAR = {"mode": "none", "error_rate": 0, "throttle_rate": 0, "overload_rate": 0, "abort_rate": 0,
+                "abort_with": "close"}
+
+
 def fault_fleet(folder: Path, names: Sequence[str], policies: Callable[[dict[str, int]], dict[str, str]],
                 serve: str, time_scale: float = 20) -> Iterator[FaultFleet]:
     """Start the engines ``names`` on free ports, as the policy ``serve`` of ``policies(ports)`` declares them

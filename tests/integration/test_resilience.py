@@ -23,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import (
+    FAULTS_CLEAR,
     FaultFleet,
     Gateway,
     client,
@@ -35,8 +36,7 @@ from tests.integration.conftest import (
 )
 
 NAMES = ("us-a", "us-b", "eu", "bk")
-CLEAR = {"mode": "none", "error_rate": 0, "throttle_rate": 0, "overload_rate": 0, "abort_rate": 0,
-         "abort_with": "close"}
+CLEAR = FAULTS_CLEAR
 
 PASSIVE = """\
   health: {probe_interval: 60, unhealthy_after: 2, healthy_after: 2}

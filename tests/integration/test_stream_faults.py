@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from tests.integration.conftest import (
+    FAULTS_CLEAR,
     FaultFleet,
     Gateway,
     client,
@@ -32,8 +33,7 @@ from tests.integration.conftest import (
 )
 
 NAMES = ("us-a", "us-b", "eu", "so")
-CLEAR = {"mode": "none", "error_rate": 0, "throttle_rate": 0, "overload_rate": 0, "abort_rate": 0,
-         "abort_with": "close"}
+CLEAR = FAULTS_CLEAR
 MESSAGES = [{"role": "user", "content": "tell me a long story about a lighthouse"}]
 
 
