@@ -166,7 +166,7 @@ class Settings(BaseSettings):
     console_oidc_roles: dict[str, Literal["viewer", "operator", "admin"]] = Field(
         default_factory=dict, description="The role claim's values and the console role each gives, as JSON "
         '(SWITCHYARD_CONSOLE_OIDC_ROLES=\'{"gateway-admins": "admin", "sre": "operator"}\'); a user with '
-        "several gets the highest.",
+        "several gets the highest. Empty: a value that names a role (viewer, operator, admin) is that role.",
     )
     console_oidc_default_role: Literal["viewer", "operator", "admin"] | None = Field(
         default=None, description="The role of a user whose claim maps to none. Unset: such a user is refused.",

@@ -174,6 +174,13 @@ def test_no_mapped_group_is_refused_unless_there_is_a_default_role(console_app: 
     assert users(fallback)["ivan"].role == "viewer"
 
 
+def test_with_no_role_table_a_value_that_names_a_role_is_that_role(console_app: App) -> None:
+    console = console_app(console_oidc_roles={})
+    assert sign_in(console, "uma", "staff,operator").status_code == 303
+    assert users(console)["uma"].role == "operator"
+    assert sign_in(console_app(console_oidc_roles={}), "vic", "staff").status_code == 403
+
+
 def test_a_callback_without_its_attempt_or_with_another_state_opens_nothing(console_app: App, idp: str) -> None:
     console = console_app()
     start = console.get("/admin/login/oidc", follow_redirects=False)

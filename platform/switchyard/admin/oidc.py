@@ -35,11 +35,14 @@ import httpx
 import jwt
 
 from switchyard.settings import Settings
-from switchyard.store.admin_users import RANK
+from switchyard.store.admin_users import RANK, ROLES
 
 #: Signature algorithms an ID token may use: asymmetric ones (a symmetric one would make the client secret
 #: a signing key, and a public client has none).
 ASYMMETRIC = frozenset({"RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA"})
+#: With no role table configured, a claim value that is a role's name gives that role (a claim such as
+#: ``switchyard_role: operator`` defined at the provider).
+IDENTITY_ROLES: dict[str, str] = {role: role for role in ROLES}
 DISCOVERY_TTL_S = 3600.0
 #: Clock skew allowed between the provider and this host when checking exp, iat and nbf.
 LEEWAY_S = 60
@@ -256,7 +259,8 @@ class OidcClient:
             values = _values(claim_at(info, role_claim))
         username = next((str(claims[c]) for c in (self.settings.console_oidc_username_claim, "email", "sub")
                          if isinstance(claims.get(c), str) and claims[c]), str(claims["sub"]))
-        role = role_of(values, self.settings.console_oidc_roles, self.settings.console_oidc_default_role)
+        table: Mapping[str, str] = self.settings.console_oidc_roles or IDENTITY_ROLES
+        role = role_of(values, table, self.settings.console_oidc_default_role)
         if role is None:
             held = ", ".join(values) if values else "nothing"
             raise NoRole(f"{username} has no console role: the claim {role_claim!r} holds {held}, and none of it "
