@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
+import signal
 import threading
 import time
 import urllib.request
@@ -349,8 +351,23 @@ def test_a_replica_killed_mid_batch_under_load_loses_nothing(cluster: Cluster) -
                 sent.append(Sent(target, at, False, f"{type(err).__name__}: {err}"))
             time.sleep(0.01)
 
-    def c_holds_lines() -> bool:
-        return any(state == "running" and pid == c.proc.pid for state, pid in _leases(db_url, batch_id).values())
+    def c_held_lines() -> set[int]:
+        return {row for row, (state, pid) in _leases(db_url, batch_id).items()
+                if state == "running" and pid == c.proc.pid}
+
+    def freeze_c_holding_lines(timeout: float) -> set[int]:
+        """Stop C (SIGSTOP) and read the lines it holds while it cannot finish one; go on (SIGCONT) and
+        try again until it holds some. A plain look-then-kill raced C's own progress: it once finished
+        its lines between the two."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            os.kill(c.proc.pid, signal.SIGSTOP)
+            held = c_held_lines()
+            if held:
+                return held
+            os.kill(c.proc.pid, signal.SIGCONT)
+            time.sleep(0.05)
+        return set()
 
     db_url = cluster.database_url
     flows = [threading.Thread(target=flow, args=(w,)) for w in range(3)]
@@ -361,15 +378,15 @@ def test_a_replica_killed_mid_batch_under_load_loses_nothing(cluster: Cluster) -
         reached = eventually(lambda: client.batches.retrieve(batch_id).request_counts.completed >= len(lines) // 4,
                              timeout=30)
         assert reached, client.batches.retrieve(batch_id)
-        assert eventually(c_holds_lines, timeout=10), "C's worker holds no line"
+        orphaned = freeze_c_holding_lines(timeout=10)
+        assert orphaned, "C's worker holds no line"
         # The load balancer takes C out as it dies: from here on, requests go to A and B.
         rotation["alive"] = (0, 1)
         killed_at = time.monotonic()
         c.proc.kill()
         c.proc.wait(timeout=10)
         progress = client.batches.retrieve(batch_id).request_counts.completed
-        orphaned = {row for row, (state, pid) in _leases(db_url, batch_id).items()
-                    if state == "running" and pid == c.proc.pid}
+        assert c_held_lines() == orphaned, "a frozen process finished a line"
         done = wait_done(client, batch_id, timeout=40)
         finished_at = time.monotonic()
         time.sleep(0.5)  # a little more traffic after the batch
@@ -379,7 +396,6 @@ def test_a_replica_killed_mid_batch_under_load_loses_nothing(cluster: Cluster) -
             t.join(timeout=30)
     _check_every_line_once(client, done, lines)
     # The lines C held when it died ran again, on B (A runs no worker), once.
-    assert orphaned, "C was killed holding no line: the kill tested nothing"
     after = _leases(db_url, batch_id)
     assert all(after[row] == ("succeeded", b.proc.pid) for row in orphaned), {row: after[row] for row in orphaned}
     survivors = [s for s in sent if s.replica != 2]
