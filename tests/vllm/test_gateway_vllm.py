@@ -326,39 +326,56 @@ def test_a_stream_whose_replica_is_killed_mid_answer_completes_on_the_other(vllm
         assert time.monotonic() < deadline, endpoint_rows(gateway)
         time.sleep(0.5)
     messages = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
-    raw = client(gateway).chat.completions.with_raw_response.create(
-        model="tiny", messages=messages, max_tokens=200, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body=EXACT)
-    serving = route(raw)["endpoint"]
-    server, other = ((vllm_servers.a, vllm_servers.b) if serving == vllm_servers.a.url else
-                     (vllm_servers.b, vllm_servers.a))
-    try:
-        stream = raw.parse()
-        head: list[Any] = []
-        for chunk in stream:
-            head.append(chunk)
-            if sum(1 for c in head if c.choices and c.choices[0].delta.content) >= 10:
-                break
-        server.kill()  # mid-answer: the connection to the gateway is cut
-        chunks = head + list(stream)
-    finally:
-        vllm_servers.ensure_running()
+    budget = 400
+
+    def attempt() -> tuple[Any, Any, Any, list[Any], dict[str, Any]]:
+        raw = client(gateway).chat.completions.with_raw_response.create(
+            model="tiny", messages=messages, max_tokens=budget, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body=EXACT)
+        serving = route(raw)["endpoint"]
+        server, other = ((vllm_servers.a, vllm_servers.b) if serving == vllm_servers.a.url else
+                         (vllm_servers.b, vllm_servers.a))
+        try:
+            stream = raw.parse()
+            head: list[Any] = []
+            for chunk in stream:
+                head.append(chunk)
+                if sum(1 for c in head if c.choices and c.choices[0].delta.content) >= 3:
+                    break
+            server.kill()  # mid-answer: the connection to the gateway is cut
+            chunks = head + list(stream)
+        finally:
+            vllm_servers.ensure_running()
+        status, _, body = http_json("GET", f"{gateway.base_url}/admin/api/requests/{raw.headers['x-request-id']}")
+        assert status == 200, body
+        return raw, server, other, chunks, body
+
+    # The kill can come too late: a tiny model on CPU may have sent the whole answer, buffered on its way to the
+    # client, before the client read its third token. Such a try (answered by the killed server alone) tests
+    # nothing and is made again.
+    for _ in range(3):
+        raw, server, other, chunks, body = attempt()
+        if not (body["resumes"] == 0 and body["endpoint"] == server.url and body["status"] == 200):
+            break
+        deadline = time.monotonic() + 90
+        while not all(row["healthy"] for row in endpoint_rows(gateway).values()):
+            assert time.monotonic() < deadline, endpoint_rows(gateway)
+            time.sleep(0.5)
     pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     text = "".join(pieces)
     assert len({c.id for c in chunks}) == 1
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.role) == 1
     usage = chunks[-1].usage
-    assert usage is not None and usage.completion_tokens == 200  # the two engines' tokens add up to the budget
+    assert usage is not None and usage.completion_tokens == budget  # the two engines' tokens add up to the budget
     # What came after the break is what the other server answers the request continued from the text the client
     # had (greedy decoding: the same input gives the same output).
-    status, _, body = http_json("GET", f"{gateway.base_url}/admin/api/requests/{raw.headers['x-request-id']}")
-    assert status == 200 and body["resumes"] == 1 and body["endpoint"] == other.url, body
+    assert body["resumes"] == 1 and body["endpoint"] == other.url, body
     resumed = next(line for line in body["trace"] if line.startswith("stream: resuming after "))
     produced = int(resumed.split("stream: resuming after ", 1)[1].split(" ", 1)[0])
     so_far = "".join(pieces[:produced])
     status, _, direct = http_json("POST", other.url + "/v1/chat/completions", {
         "model": MODEL, "messages": [*messages, {"role": "assistant", "content": so_far}], "temperature": 0,
-        "max_tokens": 200 - produced, "continue_final_message": True, "add_generation_prompt": False, **EXACT})
+        "max_tokens": budget - produced, "continue_final_message": True, "add_generation_prompt": False, **EXACT})
     assert status == 200, direct
     assert text == so_far + direct["choices"][0]["message"]["content"]
-    assert direct["usage"]["completion_tokens"] == 200 - produced
+    assert direct["usage"]["completion_tokens"] == budget - produced
