@@ -71,10 +71,27 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path,
 VLLM_TEST_TIMEOUT_S = 900
 
 
+def _set_node_id(item: pytest.Item, nodeid: str) -> None:
+    """Give ``item`` another node id (pytest 9 keeps it as a parsed ``_id``, earlier ones as ``_nodeid``)."""
+    try:
+        from _pytest.nodeid import coerce_node_id
+    except ImportError:  # pytest < 9
+        item._nodeid = nodeid  # type: ignore[attr-defined]
+    else:
+        item._id = coerce_node_id(nodeid)  # type: ignore[attr-defined]
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Give tests of the vLLM tier room for the session fixtures they may have to set up."""
+    """Give tests of the vLLM tier room for the session fixtures they may have to set up, and every schemathesis
+    case its own node id.
+
+    Schemathesis names its items ``test_fuzz[POST /v1/completions]`` but gives them all the function's node id;
+    pytest-xdist keys its scheduling and reports by node id, and counted 4 of the 36 fuzz cases."""
     for item in items:
+        name = item.name
+        if "[" in name and not item.nodeid.endswith("]"):
+            _set_node_id(item, item.nodeid + name[name.index("["):])
         if item.get_closest_marker("vllm") is not None and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(VLLM_TEST_TIMEOUT_S))
 
@@ -289,9 +306,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 # --- tests in parallel (pytest-xdist) ---------------------------------------------------------------------------
 #
-# The suite runs in worker processes (``-n`` in pyproject.toml's addopts), each given whole files. A test
-# marked ``alone`` measures the machine (timings it compares with a model, loop lag): it runs while no other
-# test runs in any worker. Every test holds a shared lock for its setup, call and teardown; an ``alone`` test
+# The suite runs in worker processes (``-n 2 --dist=loadfile``, the README's test command), each given whole
+# files. A test marked ``alone`` measures the machine (timings it compares with a model, loop lag, the order in
+# which things finish, a kill under load): it runs while no other test runs in any worker. Every test holds a
+# shared lock for its setup, call and teardown; an ``alone`` test
 # holds it exclusively. A gate in front keeps a waiting ``alone`` test from being starved by the others: it
 # takes the gate first, and a test takes the gate (for an instant) before its shared lock.
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import random
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -94,11 +96,36 @@ def running(folder: Path, *args: str) -> Iterator[Demo]:
         assert "stopped." in demo.output
 
 
+def _engine_port(taken: set[int]) -> int:
+    """A port for a simulated engine of the demo policy, free with its KV-event ports (+1000, +2000): below the
+    kernel's ephemeral range (32768 up), where no outgoing connection of another process (or test) can take
+    one of them between this check and the engine's bind, as a port picked by the kernel can be."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(20000, 29000)
+        trio = {port, port + 1000, port + 2000}
+        if trio & taken or not all(_port_free(p) for p in trio):
+            continue
+        taken.update(trio)
+        return port
+    raise AssertionError("no free engine port below the ephemeral range")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
 def test_demo_runs_and_stops_cleanly(tmp_path: Path) -> None:
     policy = (ROOT / "policies.yaml").read_text()
     ports = sorted(set(re.findall(r"http://127\.0\.0\.1:(\d+)", policy)))
+    taken: set[int] = set()
     for old in ports:
-        policy = policy.replace(f"127.0.0.1:{old}", f"127.0.0.1:{free_port()}")
+        policy = policy.replace(f"127.0.0.1:{old}", f"127.0.0.1:{_engine_port(taken)}")
     (tmp_path / "policies.yaml").write_text(policy)
     gateway_port = free_port()
     with running(tmp_path, "--port", str(gateway_port)) as demo:

@@ -161,6 +161,7 @@ async def burst(gw: Gateway, seconds: float, rate: float, max_tokens: int) -> li
     return list(await asyncio.wait_for(asyncio.gather(*tasks), timeout=60))
 
 
+@pytest.mark.alone  # it compares timings (or orders) that a busy second worker would shift
 def test_a_burst_at_twice_capacity_degrades_the_least_important_first(flow_gw: Gateway) -> None:
     gw = flow_gw
     max_tokens = 60
@@ -245,6 +246,7 @@ def test_a_saturated_model_is_downgraded_for_the_classes_it_names(flow_gw: Gatew
                   **{"class": "standard"}) == 1
 
 
+@pytest.mark.alone  # it compares timings (or orders) that a busy second worker would shift
 def test_interactive_work_overtakes_batch_and_a_deadline_sheds(flow_gw: Gateway) -> None:
     gw = flow_gw
     finished: list[str] = []

@@ -261,6 +261,7 @@ def test_resumes_are_capped_per_request(fleet: Fleet, gw: Gateway) -> None:
 # --- hung engines, deadlines ---------------------------------------------------------------------------------
 
 
+@pytest.mark.alone  # it compares timings (or orders) that a busy second worker would shift
 def test_a_hang_mid_stream_is_detected_in_about_a_second_and_the_stream_finishes_elsewhere(fleet: Fleet,
                                                                                           gw: Gateway) -> None:
     fleet.down("us-b", mode="down")
@@ -334,6 +335,7 @@ def _aborted(fleet: Fleet, name: str) -> int:
     return int(fleet.state(name)["aborted"])
 
 
+@pytest.mark.alone  # it compares timings (or orders) that a busy second worker would shift
 def test_a_late_first_token_is_hedged_and_the_loser_is_aborted(fleet: Fleet, gw: Gateway) -> None:
     # us-a (home) is picked first; its first token would take a second or more; the hedge goes to eu-west.
     fleet.down("us-b", mode="down")
