@@ -1,6 +1,8 @@
 """The scenarios of ``switchyard bench``, one flag each.
 
-Landed: ``overhead`` (the gateway's added latency and throughput against calling the engine
+Landed: ``headline`` (a day of mixed traffic on fixed capacity, Switchyard against round-robin and least-loaded
+balancers: goodput at SLO, attainment per class and tenant, utilisation, the batch backlog, a region's
+outage; not among the defaults yet), ``overhead`` (the gateway's added latency and throughput against calling the engine
 directly and against LiteLLM), ``prefix`` (precise KV-event routing against the approximate
 index, least-loaded, round-robin and an oracle, on a trace replay and agent sessions), ``overload``
 (flow control against plain FCFS at twice the engines' capacity: per-class TTFT SLO attainment,
@@ -33,11 +35,14 @@ from switchyard.bench.scenarios.base import BenchOptions, Outcome, Scenario, Sce
 from switchyard.bench.scenarios.batch import scenario as batch_scenario
 from switchyard.bench.scenarios.cache import scenario as cache_scenario
 from switchyard.bench.scenarios.failover import scenario as failover_scenario
+from switchyard.bench.scenarios.headline import scenario as headline_scenario
 from switchyard.bench.scenarios.overload import scenario as overload_scenario
 from switchyard.bench.scenarios.soak import scenario as soak_scenario
 
 SCENARIOS: dict[str, Scenario] = {
     s.name: s for s in (
+        Scenario("headline", "a day of mixed traffic on fixed capacity (diurnal load to 1.5x, a batch backlog, a "
+                 "region down): goodput at SLO against round-robin and least-loaded", headline_scenario.run),
         Scenario("overhead", "gateway overhead: added latency and max requests/s vs direct and LiteLLM",
                  overhead.run),
         Scenario("prefix", "precise KV-event routing vs the approximate index, least-loaded, round-robin and an "

@@ -68,8 +68,10 @@ class Capacity:
 
 
 async def measure_capacity(ports: Sequence[int], specs: Sequence[RequestSpec], *, clients_per_engine: int,
-                           warmup_s: float, duration_s: float, timeout_s: float) -> Capacity:
-    """``clients_per_engine`` clients per engine, each sending the next of ``specs`` when its last ends.
+                           warmup_s: float, duration_s: float, timeout_s: float,
+                           api_key: str | None = None) -> Capacity:
+    """``clients_per_engine`` clients per port, each sending the next of ``specs`` when its last ends (with
+    ``api_key``, when the port is a gateway's).
 
     Requests that end inside ``[warmup_s, warmup_s + duration_s)`` are counted.
     """
@@ -84,7 +86,7 @@ async def measure_capacity(ports: Sequence[int], specs: Sequence[RequestSpec], *
         begin, end = warmup_s, warmup_s + duration_s
 
         async def client(port: int) -> None:
-            target = Target(f"http://127.0.0.1:{port}", "capacity")
+            target = Target(f"http://127.0.0.1:{port}", "capacity", default_api_key=api_key)
             while now() - start < end:
                 spec = specs[next(order) % len(specs)]
                 result = Result(spec.index, target.name, spec.tenant, spec.request_class, spec.model, spec.kind,

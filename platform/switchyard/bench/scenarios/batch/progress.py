@@ -108,6 +108,23 @@ async def post_json(session: aiohttp.ClientSession, url: str, headers: Mapping[s
         return await _answer(response, f"POST {url}")
 
 
+async def submit_batch(session: aiohttp.ClientSession, base_url: str, headers: Mapping[str, str], content: bytes,
+                       bench: str) -> str:
+    """Upload ``content`` (JSONL of chat lines) and make a batch of it (``metadata.bench``: ``bench``); its id.
+    A batch refused at once (``failed``) raises ``RuntimeError``."""
+    form = aiohttp.FormData()
+    form.add_field("purpose", "batch")
+    form.add_field("file", content, filename=f"{bench}.jsonl", content_type="application/jsonl")
+    async with session.post(f"{base_url}/v1/files", headers=headers, data=form) as response:
+        uploaded = await _answer(response, f"POST {base_url}/v1/files")
+    batch = await post_json(session, f"{base_url}/v1/batches", headers,
+                            {"input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions",
+                             "completion_window": "24h", "metadata": {"bench": bench}})
+    if batch["status"] == "failed":
+        raise RuntimeError(f"the batch was refused: {batch.get('errors')}")
+    return str(batch["id"])
+
+
 async def read_sample(session: aiohttp.ClientSession, base_url: str, headers: Mapping[str, str],
                       batch_id: str | None, start: float) -> Sample | None:
     """One reading, timed on the run's clock (``start``: its zero); None if the gateway did not answer."""

@@ -30,6 +30,7 @@ from switchyard.bench.scenarios.batch.progress import (
     post_json,
     queue_waits,
     read_sample,
+    submit_batch,
 )
 from switchyard.bench.scenarios.batch.workload import (
     ARMS,
@@ -199,20 +200,7 @@ class BatchRun(FreshArms[ArmRun]):
 
     async def submit(self, session: aiohttp.ClientSession, base: str, auth: Mapping[str, str]) -> str:
         """Upload the batch's file, make the batch, and wait for its first answered line."""
-        form = aiohttp.FormData()
-        form.add_field("purpose", "batch")
-        form.add_field("file", self.batch_file(), filename="bench-batch.jsonl", content_type="application/jsonl")
-        async with session.post(f"{base}/v1/files", headers=auth, data=form) as response:
-            body = await response.read()
-            if response.status != 200:
-                raise RuntimeError(f"POST /v1/files answered {response.status}: {body[:300]!r}")
-            file_id = json.loads(body)["id"]
-        batch = await post_json(session, f"{base}/v1/batches", auth,
-                                 {"input_file_id": file_id, "endpoint": "/v1/chat/completions",
-                                  "completion_window": "24h", "metadata": {"bench": "batch"}})
-        batch_id: str = batch["id"]
-        if batch["status"] == "failed":
-            raise RuntimeError(f"the batch was refused: {batch['errors']}")
+        batch_id = await submit_batch(session, base, auth, self.batch_file(), "batch")
         self.job.batch_id = batch_id
         self.ctx.say(f"batch: {WITH}: batch {batch_id} of {self.job.lines} lines submitted; waiting for its first line")
         started = time.monotonic()

@@ -1,0 +1,281 @@
+"""The ``headline`` scenario's figures: goodput at SLO per arm and class, attainment through the peak and the
+outage, engine utilisation, the batch backlog's progress, and the day's plot."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from switchyard.bench.results import Result
+from switchyard.bench.scenarios.arms import Arm, Capacity
+from switchyard.bench.scenarios.headline.day import arrival_curve, load_at, load_shape
+from switchyard.bench.scenarios.headline.fleet import (
+    ARMS,
+    BASELINES,
+    CLASSES,
+    LEAST_LOADED,
+    MAX_NUM_SEQS,
+    NO_BACKLOG,
+    OUTAGE,
+    OUTAGE_REGION,
+    PRICE,
+    PROFILE,
+    REGIONS,
+    REPLICAS,
+    ROUND_ROBIN,
+    SLO_TTFT_S,
+    SWITCHYARD,
+    TENANTS,
+)
+from switchyard.bench.spec import Workload
+from switchyard.bench.stats import Slo, goodput, slo_attainment
+from switchyard.bench.tables import goal, num, pct, table, text
+from switchyard.figures import fixed, percent
+
+if TYPE_CHECKING:
+    from switchyard.bench.scenarios.headline.scenario import Headline
+
+GOAL_VS_ROUND_ROBIN = 2.0
+GOAL_VS_LEAST_LOADED = 1.5
+GOAL_CRITICAL = 0.99
+GOAL_STANDARD = 0.90
+GOAL_UTILISATION = 0.85
+GOAL_BACKLOG_POINTS = 0.01
+#: Bins of the day plot's offered load and goodput.
+DAY_BINS = 48
+
+
+def slo_spec() -> dict[str, Slo]:
+    """Each class's TTFT objective."""
+    return {cls: Slo(ttft_s=SLO_TTFT_S[cls]) for cls in CLASSES}
+
+
+def _attainment(results: Sequence[Result]) -> float | None:
+    return slo_attainment(results, slo_spec())
+
+
+def measure(arms: Sequence[Arm], workload: Workload, capacity: Capacity, slots: int) -> dict[str, dict[str, Any]]:
+    """Every arm's figures, by arm name."""
+    spec = slo_spec()
+    duration = workload.duration_s
+    shape = load_shape(arrival_curve())
+    peak = [t for t in range(int(duration)) if load_at(shape, t + 0.5, duration) >= 1.0]
+    peak_window = (min(peak), max(peak) + 1.0) if peak else None
+    out: dict[str, dict[str, Any]] = {}
+    for arm in arms:
+        results = arm.results
+        down = (OUTAGE[0] * duration, OUTAGE[1] * duration)
+        in_outage = [r for r in results if down[0] <= r.scheduled_s < down[1]]
+        in_peak = [r for r in results if peak_window and peak_window[0] <= r.scheduled_s < peak_window[1]]
+        running: list[float] = list(getattr(arm, "running", []))
+        day_bins = running[:int(duration)]
+        utilisation = [min(1.0, v / slots) for v in day_bins]
+        row: dict[str, Any] = {
+            "arm": arm.name, "requests": len(results), "ok": sum(r.ok for r in results),
+            "goodput_rps": goodput(results, spec, duration)[0], "attainment": _attainment(results),
+            "outage_requests": len(in_outage), "outage_failed": sum(not r.ok for r in in_outage),
+            "outage_attainment": _attainment(in_outage),
+            "utilisation": float(np.mean(utilisation)) if utilisation else None,
+            "utilisation_series": utilisation,
+            "goodput_series": goodput_series(results, duration),
+            "batch_lines": getattr(arm, "batch_lines", 0), "batch_done": getattr(arm, "batch_done", 0),
+            "batch_failed": getattr(arm, "batch_failed", 0), "batch_via": getattr(arm, "batch_via", ""),
+            "peak_window_s": peak_window,
+            "cost_per_1k": cost_per_1k(results),
+        }
+        for cls in CLASSES:
+            mine = [r for r in results if r.request_class == cls]
+            row[f"{cls}_goodput_rps"] = goodput(mine, spec, duration)[0]
+            row[f"{cls}_attainment"] = _attainment(mine)
+            row[f"{cls}_peak_attainment"] = _attainment([r for r in in_peak if r.request_class == cls])
+            row[f"{cls}_outage_attainment"] = _attainment([r for r in in_outage if r.request_class == cls])
+        for tenant in TENANTS:
+            row[f"tenant_{tenant.name}_attainment"] = _attainment([r for r in results if r.tenant == tenant.name])
+        out[arm.name] = row
+    return out
+
+
+def served_model(result: Result) -> str | None:
+    """The model that answered, from the route header (``model=small; route=auto; ...``)."""
+    for part in (result.route or "").split("; "):
+        if part.startswith("model="):
+            return part[len("model="):]
+    return None
+
+
+def cost_per_1k(results: Sequence[Result]) -> float | None:
+    """Dollars per 1,000 answered requests at the policy's prices, from each answer's usage and the model that
+    served it (None: nothing answered)."""
+    ok = [r for r in results if r.ok]
+    if not ok:
+        return None
+    total = 0.0
+    for r in ok:
+        inp, out = PRICE.get(served_model(r) or "", (0.0, 0.0))
+        total += ((r.prompt_tokens or 0) * inp + (r.completion_tokens or 0) * out) / 1e6
+    return total / len(ok) * 1000
+
+
+def _ratio(measured: Mapping[str, Mapping[str, Any]], arm: str, base: str) -> float | None:
+    if arm not in measured or base not in measured or not measured[base]["goodput_rps"]:
+        return None
+    return float(measured[arm]["goodput_rps"] / measured[base]["goodput_rps"])
+
+
+def tables_of(measured: Mapping[str, Mapping[str, Any]], capacity: Capacity, workload: Workload
+              ) -> list[dict[str, Any]]:
+    """The scenario's tables: goodput and attainment per arm and class, per tenant, the outage, the backlog."""
+    arms = [measured[a] for a in ARMS if a in measured]
+    by_class = [{"arm": r["arm"], **{k: r[k] for k in r if k.startswith(CLASSES)}, "goodput_rps": r["goodput_rps"],
+                 "attainment": r["attainment"]} for r in arms]
+    columns = [text("arm", "arm"), num("goodput_rps", "goodput req/s", 2), pct("attainment", "attained")]
+    for cls in CLASSES:
+        columns += [num(f"{cls}_goodput_rps", f"{cls} req/s", 2), pct(f"{cls}_attainment", f"{cls} attained"),
+                    pct(f"{cls}_peak_attainment", f"{cls} at peak")]
+    tenants = [{"arm": r["arm"], **{t.name: r[f"tenant_{t.name}_attainment"] for t in TENANTS}} for r in arms]
+    outage = [{"arm": r["arm"], "requests": r["outage_requests"], "failed": r["outage_failed"],
+               "attainment": r["outage_attainment"],
+               **{f"{c}_outage_attainment": r[f"{c}_outage_attainment"] for c in CLASSES}} for r in arms]
+    fleet = [{"arm": r["arm"], "utilisation": r["utilisation"], "cost_per_1k": r["cost_per_1k"],
+              "batch_lines": r["batch_lines"],
+              "batch_done": r["batch_done"], "batch_failed": r["batch_failed"], "batch_via": r["batch_via"] or "-"}
+             for r in arms]
+    return [
+        table("Goodput at SLO (interactive requests that met their class's TTFT objective, per second of the day) "
+              "and SLO attainment, overall and per class", columns, by_class,
+              f"Capacity {capacity.rps:.1f} requests/s ({capacity.clients} clients through the round-robin arm's "
+              f"gateway); the day offered {len(workload)} requests over {workload.duration_s:g} s. 'at peak': "
+              "requests scheduled while the offered load was at least 1x capacity."),
+        table("SLO attainment per tenant", [text("arm", "arm"), *(pct(t.name, f"{t.name} ({t.tier})")
+                                                                   for t in TENANTS)], tenants),
+        table(f"The outage ({OUTAGE_REGION} down)", [text("arm", "arm"), num("requests", "requests", 0),
+                                                     num("failed", "failed", 0), pct("attainment", "attained"),
+                                                     *(pct(f"{c}_outage_attainment", f"{c} attained")
+                                                       for c in CLASSES)], outage),
+        table("Engine utilisation (sequences running ÷ slots, mean over the day), cost and the batch backlog",
+              [text("arm", "arm"), pct("utilisation", "utilisation"),
+               num("cost_per_1k", "$ per 1,000 answers", 4), num("batch_lines", "backlog lines", 0),
+               num("batch_done", "lines done", 0), num("batch_failed", "lines failed", 0),
+               text("batch_via", "sent through")], fleet),
+    ]
+
+
+def goals_of(measured: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's goals, met or missed, from the figures."""
+    sy = measured.get(SWITCHYARD)
+    vs_rr, vs_ll = _ratio(measured, SWITCHYARD, ROUND_ROBIN), _ratio(measured, SWITCHYARD, LEAST_LOADED)
+    goals = [
+        goal("goodput at SLO, Switchyard ÷ round-robin", f"≥ {GOAL_VS_ROUND_ROBIN:g}x", vs_rr,
+             None if vs_rr is None else vs_rr >= GOAL_VS_ROUND_ROBIN, unit="x"),
+        goal("goodput at SLO, Switchyard ÷ least-loaded", f"≥ {GOAL_VS_LEAST_LOADED:g}x", vs_ll,
+             None if vs_ll is None else vs_ll >= GOAL_VS_LEAST_LOADED, unit="x"),
+    ]
+    if sy is None:
+        return goals
+    critical = [v for v in (sy["critical_peak_attainment"], sy["critical_outage_attainment"]) if v is not None]
+    worst = min(critical) if critical else None
+    goals.append(goal("critical attainment through the peak and the outage (the lower)", f"≥ {GOAL_CRITICAL:.0%}",
+                      worst, None if worst is None else worst >= GOAL_CRITICAL, unit="%", multiplier=100,
+                      decimals=1, note=f"peak {percent(sy['critical_peak_attainment'])}, outage "
+                                       f"{percent(sy['critical_outage_attainment'])}"))
+    std = sy["standard_attainment"]
+    goals.append(goal("standard attainment over the day", f"≥ {GOAL_STANDARD:.0%}", std,
+                      None if std is None else std >= GOAL_STANDARD, unit="%", multiplier=100, decimals=1))
+    use = sy["utilisation"]
+    goals.append(goal("engine utilisation over the day, with the backlog", f"≥ {GOAL_UTILISATION:.0%}", use,
+                      None if use is None else use >= GOAL_UTILISATION, unit="%", multiplier=100, decimals=1))
+    without = measured.get(NO_BACKLOG)
+    if without is not None and sy["attainment"] is not None and without["attainment"] is not None:
+        drop = without["attainment"] - sy["attainment"]
+        goals.append(goal("interactive attainment lost to the backlog (without - with)",
+                          f"≤ {GOAL_BACKLOG_POINTS * 100:g} point", drop, drop <= GOAL_BACKLOG_POINTS, unit="points",
+                          multiplier=100, decimals=1,
+                          note=f"{percent(sy['attainment'])} with, {percent(without['attainment'])} without"))
+    return goals
+
+
+def notes_of(h: Headline, capacity: Capacity) -> list[str]:
+    """What the figures rest on."""
+    return [
+        f"Fleet: {len(REGIONS)} regions ({', '.join(REGIONS)}), each {REPLICAS} replicas of the small model "
+        f"(`{PROFILE['small']}`) and {REPLICAS} of the large one (`{PROFILE['large']}`), --max-num-seqs "
+        f"{MAX_NUM_SEQS}; simulated engines on their built-in (uncalibrated) profiles, time scale {h.time_scale:g}. "
+        f"Every arm ran on fresh engines and a fresh gateway with the same requests at the same times.",
+        "Arms: round-robin and least-loaded are the gateway with its baseline picker (SWITCHYARD_PICKER), flow "
+        "control off, no priority scheduling, no limits, no shedding, no downgrade and no batch lane: the backlog "
+        "is sent by a batch script as ordinary requests. Both keep the same models, `auto` route, fallbacks, "
+        "health probes and breakers as Switchyard (what a load balancer with health checks also has). "
+        "switchyard-no-backlog is the full policy without the backlog.",
+        f"The day: the Azure conversation trace's arrivals per minute (smoothed) mapped onto {PEAK_WORDS}, "
+        f"stretched over {h.duration_s:g} s; lengths and shared prefixes from the Mooncake conversation trace "
+        f"(scaled); {OUTAGE_REGION} killed from {OUTAGE[0]:.0%} to {OUTAGE[1]:.0%} of the day and started again.",
+        "Cost per 1,000 answers: each interactive answer's usage at the policy's prices of the model that served it "
+        "(its route header).",
+    ]
+
+
+PEAK_WORDS = "0.3x-1.5x the measured capacity"
+
+
+def summary(measured: Mapping[str, Mapping[str, Any]]) -> str:
+    """One sentence for the run's index."""
+    vs_rr, vs_ll = _ratio(measured, SWITCHYARD, ROUND_ROBIN), _ratio(measured, SWITCHYARD, LEAST_LOADED)
+    sy = measured.get(SWITCHYARD, {})
+    return (f"goodput at SLO {fixed(vs_rr, decimals=2, unit='x')} round-robin's and "
+            f"{fixed(vs_ll, decimals=2, unit='x')} least-loaded's; critical attainment "
+            f"{percent(sy.get('critical_attainment'))}, utilisation {percent(sy.get('utilisation'))}")
+
+
+def write_day_plot(measured: Mapping[str, Mapping[str, Any]], workload: Workload, capacity: Capacity,
+                   path: Path) -> Path:
+    """Offered load against capacity, goodput at SLO and engine utilisation over the day, per arm."""
+    duration = workload.duration_s
+    width = duration / DAY_BINS
+    edges = np.arange(DAY_BINS + 1) * width
+    fig = Figure(figsize=(9, 9))
+    axes = fig.subplots(3, 1, sharex=True)
+    arrivals = np.histogram([s.arrival_s for s in workload.specs], bins=edges)[0] / width / capacity.rps
+    axes[0].stairs(arrivals, edges, label="offered load")
+    axes[0].axhline(1.0, color="0.4", linestyle="--", label="capacity")
+    for ax in axes:
+        ax.axvspan(OUTAGE[0] * duration, OUTAGE[1] * duration, color="0.9", zorder=0)
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("load (x capacity)")
+    axes[0].legend(fontsize="small", loc="upper left")
+    axes[0].set_title(f"The day (grey: {OUTAGE_REGION} down)")
+    axes[1].set_ylabel("goodput at SLO (req/s)")
+    axes[2].set_ylabel("engine utilisation")
+    axes[2].set_xlabel("time of the day (s)")
+    for name, row in measured.items():
+        series = row.get("goodput_series") or []
+        if len(series) == DAY_BINS:
+            axes[1].stairs(series, edges, label=name)
+        use = row.get("utilisation_series") or []
+        axes[2].plot(np.arange(len(use)) + 0.5, use, label=name)
+    axes[1].legend(fontsize="small", loc="upper left")
+    axes[2].legend(fontsize="small", loc="lower left")
+    FigureCanvasAgg(fig)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def goodput_series(results: Sequence[Result], duration_s: float, bins: int = DAY_BINS) -> list[float]:
+    """Requests that met their SLO per second, in ``bins`` bins of the day by their scheduled time."""
+    spec = slo_spec()
+    bin_s = duration_s / bins
+    counts = [0] * bins
+    for r in results:
+        if spec[r.request_class].met(r):
+            i = min(bins - 1, int(r.scheduled_s // bin_s))
+            if i >= 0:
+                counts[i] += 1
+    return [c / bin_s for c in counts]
+
+
+__all__ = ["BASELINES", "goals_of", "goodput_series", "measure", "notes_of", "summary", "tables_of",
+           "write_day_plot"]

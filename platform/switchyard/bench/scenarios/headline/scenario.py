@@ -1,0 +1,341 @@
+"""The ``headline`` scenario's run: every arm on fresh engines and a fresh gateway, the same day of requests at
+the same times, the batch backlog, one region down in the middle; then the figures, the goals and the report
+(what the scenario registry calls is :func:`run`).
+
+The first arm (round-robin) measures the fleet's capacity before its day: a closed loop through its gateway
+(no admission, no flow control) with twice as many clients as the fleet has sequence slots, on the day's own
+lengths and ``auto`` route: what the mix can get from the fleet. That capacity scales the day for every arm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import msgspec
+import numpy as np
+
+from switchyard.bench.procs import free_ports
+from switchyard.bench.report import build_report, render_markdown, write_report
+from switchyard.bench.results import Result
+from switchyard.bench.sampler import MetricsSampler
+from switchyard.bench.scenarios.arms import (
+    Arm,
+    Capacity,
+    EngineShape,
+    FreshArms,
+    Stack,
+    measure_capacity,
+    start_engine,
+    wait_engines,
+)
+from switchyard.bench.scenarios.base import Outcome, ScenarioContext
+from switchyard.bench.scenarios.batch.progress import get_json, post_json, submit_batch
+from switchyard.bench.scenarios.headline import figures
+from switchyard.bench.scenarios.headline.day import LENGTHS_TRACE, PEAK, TROUGH, arrival_curve, day, load_at, load_shape
+from switchyard.bench.scenarios.headline.fleet import (
+    ARMS,
+    BASELINES,
+    BATCH_CLASS,
+    BATCH_TENANT,
+    BATCH_TIER,
+    CONTEXT,
+    KV_TOKENS,
+    LARGE,
+    MAX_NUM_SEQS,
+    MODELS,
+    NO_BACKLOG,
+    OUTAGE,
+    OUTAGE_REGION,
+    PICKER,
+    PROFILE,
+    REGIONS,
+    REPLICAS,
+    ROUND_ROBIN,
+    SERVED,
+    SMALL,
+    SWITCHYARD,
+    TENANTS,
+    TIERS,
+    TOKEN_SCALE,
+    WITH_BACKLOG,
+    policy,
+    ports_of,
+)
+from switchyard.bench.sender import Target, send_one
+from switchyard.bench.spec import Labels, RequestSpec, Workload
+from switchyard.bench.synthetic import RequestTemplate, poisson
+from switchyard.bench.traces import mooncake
+
+#: Seconds of the day (the trace's hour compressed into it), with and without ``--quick``.
+DURATION_S = 180.0
+QUICK_DURATION_S = 12.0
+#: The backlog: lines enough for this share of the capacity the interactive load leaves idle over the day.
+BACKLOG_SHARE = 1.2
+#: Workers of the baselines' batch script (lines sent as ordinary requests, each worker one at a time).
+BATCH_SCRIPT_WORKERS = 8
+#: Clients of the capacity loop per sequence slot of the fleet: with one each, the slots of the pool that the
+#: mix loads less stood idle while the other's queued (the loop measured 32 requests in flight, not the fleet);
+#: with two, the busier pool is saturated and the capacity is what the mix can get from the fleet.
+CAPACITY_CLIENTS_PER_SLOT = 2
+#: Seconds between readings of the engines' ``/metrics``.
+SAMPLE_BIN_S = 1.0
+RUNNING = "vllm:num_requests_running"
+
+
+@dataclass
+class ArmRun(Arm):
+    """What one arm measured."""
+
+    #: Sequences running on the fleet's engines, per bin (summed over the engines).
+    running: list[float] = field(default_factory=list)
+    batch_lines: int = 0
+    batch_done: int = 0
+    batch_failed: int = 0
+    batch_via: str = ""
+    outage_s: tuple[float, float] | None = None
+
+
+class Headline(FreshArms[ArmRun]):
+    """The headline scenario's run."""
+
+    scenario = "headline"
+    arm_names = ARMS
+    arm_type = ArmRun
+    pool = "fleet"
+    model = "auto"
+    served = SERVED[SMALL]
+    shape = EngineShape(PROFILE[SMALL], MAX_NUM_SEQS, KV_TOKENS, CONTEXT)
+    load_factor = PEAK
+    quick_duration_s = QUICK_DURATION_S
+    duration_default_s = DURATION_S
+    key_workers = 3
+
+    def __init__(self, ctx: ScenarioContext) -> None:
+        super().__init__(ctx)
+        self.layout: dict[str, dict[tuple[str, str], list[int]]] = {}
+        self.backlog: list[RequestSpec] = []
+
+    @property
+    def slots(self) -> int:
+        return len(REGIONS) * len(MODELS) * REPLICAS * MAX_NUM_SEQS
+
+    def start_engines(self, name: str) -> Stack:
+        layout = ports_of(free_ports(len(REGIONS) * len(MODELS) * REPLICAS))
+        self.layout[name] = layout
+        self.policy_path(name).write_text(policy(name, layout))
+        self.ctx.say(f"headline: {name}: starting {sum(len(p) for p in layout.values())} simulated replicas and "
+                     "the gateway")
+        engines = {port: self.engine_of(name, region, model, i, port)
+                   for (region, model), ports in layout.items() for i, port in enumerate(ports)}
+        return Stack(name, [p for ports in layout.values() for p in ports], engines)
+
+    def engine_of(self, arm: str, region: str, model: str, i: int, port: int) -> Any:
+        shape = EngineShape(PROFILE[model], MAX_NUM_SEQS, KV_TOKENS, CONTEXT)
+        return start_engine(self.ctx.procs, f"headline-{arm}-{model}-{region}-{i}", port, SERVED[model], shape,
+                            seed=self.ctx.options.seed, time_scale=self.time_scale)
+
+    def env(self, name: str) -> dict[str, str]:
+        return {**super().env(name), "SWITCHYARD_PICKER": PICKER[name],
+                "SWITCHYARD_FLOW_CONTROL": "false" if name in BASELINES else "true"}
+
+    def tenants(self) -> list[tuple[str, str]]:
+        return [(t.name, t.tier) for t in TENANTS] + [(BATCH_TENANT, BATCH_TIER)]
+
+    def mix(self, model: str) -> list[RequestTemplate]:
+        return []  # the day is a trace replay (``run`` builds it), not a synthetic mix
+
+    def measure(self, stack: Stack) -> Capacity:
+        """The fleet's capacity for the day's requests: a closed loop through the first arm's gateway."""
+        assert stack.gateway is not None
+        specs = mooncake(LENGTHS_TRACE, limit=4000, seed=self.ctx.options.seed + 1, token_scale=TOKEN_SCALE,
+                         max_model_len=CONTEXT, labels=Labels(tenant="shop", model="auto")).specs
+        self.ctx.say(f"headline: {stack.name}: measuring the fleet's capacity through the gateway "
+                     f"({CAPACITY_CLIENTS_PER_SLOT * self.slots} clients, {self.capacity_s:g} s)")
+        port = int(stack.gateway.base_url.rsplit(":", 1)[1])
+        clients = CAPACITY_CLIENTS_PER_SLOT * self.slots
+        capacity = asyncio.run(measure_capacity([port], specs, clients_per_engine=clients,
+                                                warmup_s=self.capacity_warmup_s, duration_s=self.capacity_s,
+                                                timeout_s=self.timeout_s, api_key=self.keys["shop"]))
+        if capacity.completed == 0:
+            raise RuntimeError(f"{stack.name}: the capacity measurement completed no request")
+        return capacity
+
+    def run(self) -> None:
+        for name in self.arm_names:
+            stack = self.start_engines(name)
+            if not self.keys:
+                self.create_keys(stack)
+            else:
+                self.start_gateway(stack)
+            wait_engines(stack.engines)
+            arm = ArmRun(name)
+            self.arms.append(arm)
+            if self.workload is None:
+                arm.capacity = self.measure(stack)
+                self.workload = day(arm.capacity.rps, self.duration_s, self.ctx.options.seed,
+                                    tenants=TENANTS, class_of_tier=TIERS, model="auto", token_scale=TOKEN_SCALE,
+                                    max_model_len=CONTEXT)
+                self.backlog = self.backlog_lines(arm.capacity)
+            self.load(stack, arm, self.workload)
+            self.stop(stack)
+
+    def backlog_lines(self, capacity: Capacity) -> list[RequestSpec]:
+        """The batch backlog: lines for ``BACKLOG_SHARE`` of the capacity the day leaves idle."""
+        shape = load_shape(arrival_curve())
+        points = np.linspace(0.0, self.duration_s, 400, endpoint=False)
+        idle = float(np.mean([max(0.0, 1.0 - load_at(shape, t, self.duration_s)) for t in points]))
+        count = max(10, math.ceil(BACKLOG_SHARE * capacity.rps * self.duration_s * idle))
+        template = RequestTemplate(tenant=BATCH_TENANT, request_class=BATCH_CLASS, model="auto",
+                                   prompt_tokens=(100, 800), output_tokens=(8, 32), stream=False, name="batch")
+        return list(poisson(count / 10.0, 10.0, [template], self.ctx.options.seed + 2, max_model_len=CONTEXT).specs)
+
+    def load(self, stack: Stack, arm: ArmRun, workload: Workload) -> None:
+        self.ctx.say(f"headline: {arm.name}: {len(workload)} requests over {workload.duration_s:g} s"
+                     + (f", a backlog of {len(self.backlog)} batch lines" if arm.name in WITH_BACKLOG else "")
+                     + f", {OUTAGE_REGION} down from {OUTAGE[0] * workload.duration_s:.0f} s to "
+                       f"{OUTAGE[1] * workload.duration_s:.0f} s")
+        wall = time.monotonic()
+        asyncio.run(self.drive(stack, arm, workload))
+        arm.wall_s = time.monotonic() - wall
+
+    async def drive(self, stack: Stack, arm: ArmRun, workload: Workload) -> None:
+        gateway = stack.gateway
+        assert gateway is not None
+        base = gateway.base_url
+        loop = asyncio.get_running_loop()
+        sampler = MetricsSampler([f"http://127.0.0.1:{p}/metrics" for p in stack.pool], [RUNNING], SAMPLE_BIN_S)
+        tasks: list[asyncio.Task[Any]] = []
+        stop_batch = asyncio.Event()
+        auth = {"Authorization": f"Bearer {self.keys[BATCH_TENANT]}"}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            batch_id = None
+            if arm.name in WITH_BACKLOG:
+                arm.batch_lines = len(self.backlog)
+                if arm.name in BASELINES:
+                    arm.batch_via = f"ordinary requests ({BATCH_SCRIPT_WORKERS} workers)"
+                else:
+                    arm.batch_via = "/v1/batches"
+                    batch_id = await self.submit(session, base, auth)
+
+            def started(at: float) -> None:
+                sampler.start(at)
+                tasks.append(loop.create_task(self.outage(stack, arm, at, workload.duration_s)))
+                if arm.name in BASELINES and arm.name in WITH_BACKLOG:
+                    tasks.append(loop.create_task(self.batch_script(session, base, arm, at, stop_batch)))
+
+            try:
+                arm.results = await asyncio.wait_for(
+                    _open_loop(workload, Target(base, arm.name, api_keys=self.keys), self.ctx.options.progress,
+                               self.timeout_s, started), timeout=workload.duration_s + self.timeout_s + 60)
+            finally:
+                stop_batch.set()
+                await sampler.stop()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            arm.running = sampler.series[RUNNING]
+            if batch_id is not None:
+                batch = await get_json(session, f"{base}/v1/batches/{batch_id}", auth)
+                arm.batch_done = int(batch["request_counts"]["completed"])
+                arm.batch_failed = int(batch["request_counts"]["failed"])
+                if batch["status"] in ("in_progress", "validating"):
+                    await post_json(session, f"{base}/v1/batches/{batch_id}/cancel", auth)
+
+    async def submit(self, session: aiohttp.ClientSession, base: str, auth: dict[str, str]) -> str:
+        """The backlog through the Batch API, submitted just before the day starts."""
+        encode = msgspec.json.Encoder().encode
+        content = b"".join(encode({"custom_id": f"line-{s.index}", "method": "POST", "url": "/v1/chat/completions",
+                                   "body": s.body()}) + b"\n" for s in self.backlog)
+        return await submit_batch(session, base, auth, content, "headline")
+
+    async def batch_script(self, session: aiohttp.ClientSession, base: str, arm: ArmRun, start: float,
+                           stop: asyncio.Event) -> None:
+        """The baselines' backlog: what a batch script does without a batch lane (each of a few workers sends
+        the next line as an ordinary request when its last one ends), until the day is over."""
+        loop = asyncio.get_running_loop()
+        target = Target(base, arm.name, api_keys=self.keys)
+        lines = iter(self.backlog)
+
+        async def worker() -> None:
+            for spec in lines:
+                if stop.is_set():
+                    return
+                result = Result(spec.index, arm.name, spec.tenant, spec.request_class, spec.model, spec.kind,
+                                spec.stream, spec.prompt_tokens, spec.max_tokens, spec.prefix_group,
+                                loop.time() - start)
+                await send_one(session, spec.encode(), target.url(spec.kind), target.headers_for(spec.tenant),
+                               result, loop.time, start)
+                if result.ok:
+                    arm.batch_done += 1
+                else:
+                    arm.batch_failed += 1
+
+        await asyncio.gather(*(worker() for _ in range(BATCH_SCRIPT_WORKERS)))
+
+    async def outage(self, stack: Stack, arm: ArmRun, start: float, duration_s: float) -> None:
+        """Take the outage region's engines down (killed) in the middle of the day, and start them again."""
+        loop = asyncio.get_running_loop()
+        down_at, up_at = (start + share * duration_s for share in OUTAGE)
+        layout = self.layout[arm.name]
+        ports = [(model, i, port) for (region, model), ps in layout.items() if region == OUTAGE_REGION
+                 for i, port in enumerate(ps)]
+        await asyncio.sleep(max(0.0, down_at - loop.time()))
+        for _, _, port in ports:
+            await asyncio.to_thread(self.ctx.procs.stop, stack.engines[port], 1.0, signal.SIGKILL)
+        went_down = loop.time() - start
+        await asyncio.sleep(max(0.0, up_at - loop.time()))
+        for model, i, port in ports:
+            stack.engines[port] = await asyncio.to_thread(self.engine_of, arm.name, OUTAGE_REGION, model, i, port)
+        arm.outage_s = (went_down, loop.time() - start)
+
+
+async def _open_loop(workload: Workload, target: Target, progress: bool, timeout_s: float, started: Any
+                     ) -> list[Result]:
+    from switchyard.bench.loadgen import run_open_loop
+    return await run_open_loop(workload, target, progress=progress, timeout_s=timeout_s, on_start=started)
+
+
+def run(ctx: ScenarioContext) -> Outcome:
+    """Run the headline scenario and write its report into ``ctx.out_dir``."""
+    h = Headline(ctx)
+    started = time.monotonic()
+    h.run()
+    assert h.workload is not None
+    assert h.capacity is not None
+    workload, capacity = h.workload, h.capacity
+    measured = figures.measure(h.arms, workload, capacity, h.slots)
+    tables = figures.tables_of(measured, capacity, workload)
+    goals = figures.goals_of(measured)
+    notes = figures.notes_of(h, capacity)
+    parameters = {"scenario": "headline", "duration_s": h.duration_s, "time_scale": h.time_scale,
+                  "client_timeout_s": h.timeout_s, "capacity_rps": capacity.rps,
+                  "capacity_output_tps": capacity.output_tps, "capacity_clients": capacity.clients,
+                  "peak": PEAK, "trough": TROUGH, "outage": {"region": OUTAGE_REGION, "share_of_day": list(OUTAGE)},
+                  "regions": list(REGIONS), "replicas_per_model_and_region": REPLICAS, "max_num_seqs": MAX_NUM_SEQS,
+                  "profiles": PROFILE, "served": SERVED, "token_scale": TOKEN_SCALE, "batch_lines": len(h.backlog),
+                  "outage_s": {a.name: list(a.outage_s) if a.outage_s else None for a in h.arms},
+                  "batch": {a.name: {"lines": a.batch_lines, "done": a.batch_done, "failed": a.batch_failed,
+                                     "via": a.batch_via} for a in h.arms},
+                  "arm_wall_s": {a.name: a.wall_s for a in h.arms}, "wall_s": time.monotonic() - started}
+    report = build_report({a.name: a.results for a in h.arms}, title="switchyard bench: headline (a day on fixed "
+                          "capacity)", workload=workload, parameters=parameters,
+                          seeds={"day": ctx.options.seed, "capacity": ctx.options.seed + 1,
+                                 "backlog": ctx.options.seed + 2},
+                          slo=figures.slo_spec(), groups=("class", "tenant"), baseline=ROUND_ROBIN, tables=tables,
+                          goals=goals, notes=notes,
+                          extra_series={a.name: {"engine utilisation": measured[a.name]["utilisation_series"]}
+                                        for a in h.arms})
+    write_report(report, ctx.out_dir)
+    figures.write_day_plot(measured, workload, capacity, ctx.out_dir / "headline_day.png")
+    report["plots"] = sorted({*report["plots"], "headline_day.png"})
+    (ctx.out_dir / "report.md").write_text(render_markdown(report), encoding="utf-8")
+    (ctx.out_dir / "report.json").write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=1) + b"\n")
+    return Outcome("headline", "ok", figures.summary(measured), goals, tables[:2], "headline/report.md",
+                   notes=notes[:1])
+
+
+__all__ = ["ARMS", "LARGE", "NO_BACKLOG", "SWITCHYARD", "Headline", "run"]

@@ -1,0 +1,97 @@
+"""The headline scenario's policies and figures (its day: ``test_headline_day``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from switchyard.bench.results import Result
+from switchyard.bench.scenarios import SCENARIOS
+from switchyard.bench.scenarios.arms import Arm, Capacity
+from switchyard.bench.scenarios.headline.figures import cost_per_1k, goals_of, goodput_series, measure, tables_of
+from switchyard.bench.scenarios.headline.fleet import (
+    ARMS,
+    BASELINES,
+    LARGE,
+    MAX_NUM_SEQS,
+    MODELS,
+    NO_BACKLOG,
+    REGIONS,
+    REPLICAS,
+    ROUND_ROBIN,
+    SLO_TTFT_S,
+    SMALL,
+    SWITCHYARD,
+    TIERS,
+    policy,
+    ports_of,
+)
+from switchyard.bench.spec import Workload
+from switchyard.policy import compile_policy
+from tests.unit.bench.helpers import result
+
+PORTS = ports_of(list(range(9000, 9000 + len(REGIONS) * len(MODELS) * REPLICAS)))
+
+
+def test_every_arm_has_the_same_fleet_and_only_switchyard_the_controls() -> None:
+    snapshots = {arm: compile_policy(policy(arm, PORTS), f"{arm}.yaml") for arm in ARMS}
+    for arm, snapshot in snapshots.items():
+        full = arm not in BASELINES
+        assert sorted(snapshot.pools) == sorted(f"{m}-{r}" for r in REGIONS for m in MODELS)
+        assert {p.region for p in snapshot.pools.values()} == set(REGIONS)
+        assert all(len(p.endpoints) == REPLICAS and p.max_num_seqs == MAX_NUM_SEQS for p in snapshot.pools.values())
+        assert all(p.priority_scheduling is full for p in snapshot.pools.values())
+        assert {n: t.priority for n, t in snapshot.tiers.items()} == TIERS
+        assert (snapshot.models[LARGE].on_saturation is not None) is full
+        assert ("batch" in snapshot.priorities) is full
+        assert (snapshot.tiers["free"].limits is not None and snapshot.tiers["free"].limits.tokens_per_minute
+                is not None) is full
+        assert (snapshot.priorities["sheddable"].shed_above_utilisation is not None) is full
+        assert "auto" in snapshot.routes
+    # Every endpoint appears once across the pools.
+    urls = [u for p in snapshots[SWITCHYARD].pools.values() for u in p.endpoints]
+    assert len(urls) == len(set(urls)) == len(REGIONS) * len(MODELS) * REPLICAS
+
+
+def test_the_scenario_is_registered_but_not_a_default() -> None:
+    from switchyard.bench.scenarios import DEFAULT_SCENARIOS
+    assert "headline" in SCENARIOS and "headline" not in DEFAULT_SCENARIOS
+
+
+def _day(arm: str, good: bool) -> list[Result]:
+    out = []
+    for i in range(100):
+        cls = ("critical", "standard", "sheddable")[i % 3]
+        ttft = SLO_TTFT_S[cls] / 2 if good or i % 2 else SLO_TTFT_S[cls] * 2
+        r = result(i, arm=arm, cls=cls, tenant="bank" if cls == "critical" else "shop", scheduled=i * 1.0,
+                   ttft=ttft, route=f"model={SMALL if i % 2 else LARGE}; route=auto", prompt_tokens=1000, tokens=100)
+        out.append(r)
+    return out
+
+
+def test_goodput_attainment_and_the_goals_from_the_results() -> None:
+    arms = []
+    for name in ARMS:
+        arm = Arm(name)
+        arm.results = _day(name, good=name not in BASELINES)
+        arm.running = [MAX_NUM_SEQS * 16 * 0.9] * 100  # type: ignore[attr-defined]
+        arms.append(arm)
+    workload = Workload((), 100.0, {})
+    capacity = Capacity(32, 4.0, 40, 0, 10.0, 100.0, 1.0)
+    measured = measure(arms, workload, capacity, MAX_NUM_SEQS * 16)
+    sy, rr = measured[SWITCHYARD], measured[ROUND_ROBIN]
+    assert sy["goodput_rps"] == pytest.approx(1.0) and rr["goodput_rps"] == pytest.approx(0.5)
+    assert sy["critical_attainment"] == 1.0 and rr["attainment"] == pytest.approx(0.5)
+    assert sy["utilisation"] == pytest.approx(0.9)
+    goals = {g["goal"]: g for g in goals_of(measured)}
+    assert goals["goodput at SLO, Switchyard ÷ round-robin"]["value"] == pytest.approx(2.0)
+    assert goals["goodput at SLO, Switchyard ÷ round-robin"]["met"] is True
+    assert goals["goodput at SLO, Switchyard ÷ least-loaded"]["met"] is True
+    assert goals["engine utilisation over the day, with the backlog"]["met"] is True
+    lost = goals["interactive attainment lost to the backlog (without - with)"]
+    assert lost["value"] == 0.0 and lost["met"] is True and NO_BACKLOG in measured
+    assert len(tables_of(measured, capacity, workload)) == 4
+    # 50 answers by each model of 1,000 prompt and 100 answer tokens: (1000*0.1 + 100*0.2) / 1e6 dollars for
+    # small, (1000*0.4 + 100*1.2) / 1e6 for large, per answer.
+    assert cost_per_1k(arms[0].results) == pytest.approx((120e-6 + 520e-6) / 2 * 1000)
+    series = goodput_series(arms[2].results, 100.0, bins=10)
+    assert series == [1.0] * 10
