@@ -20,6 +20,7 @@ import aiohttp
 import msgspec
 import numpy as np
 
+from switchyard.bench.loadgen import run_open_loop
 from switchyard.bench.procs import free_ports
 from switchyard.bench.report import build_report, render_markdown, write_report
 from switchyard.bench.results import Result
@@ -46,10 +47,8 @@ from switchyard.bench.scenarios.headline.fleet import (
     BATCH_TIER,
     CONTEXT,
     KV_TOKENS,
-    LARGE,
     MAX_NUM_SEQS,
     MODELS,
-    NO_BACKLOG,
     OUTAGE,
     OUTAGE_REGION,
     PICKER,
@@ -59,7 +58,6 @@ from switchyard.bench.scenarios.headline.fleet import (
     ROUND_ROBIN,
     SERVED,
     SMALL,
-    SWITCHYARD,
     TENANTS,
     TIERS,
     TOKEN_SCALE,
@@ -155,10 +153,10 @@ class Headline(FreshArms[ArmRun]):
         assert stack.gateway is not None
         specs = mooncake(LENGTHS_TRACE, limit=4000, seed=self.ctx.options.seed + 1, token_scale=TOKEN_SCALE,
                          max_model_len=CONTEXT, labels=Labels(tenant="shop", model="auto")).specs
-        self.ctx.say(f"headline: {stack.name}: measuring the fleet's capacity through the gateway "
-                     f"({CAPACITY_CLIENTS_PER_SLOT * self.slots} clients, {self.capacity_s:g} s)")
-        port = int(stack.gateway.base_url.rsplit(":", 1)[1])
         clients = CAPACITY_CLIENTS_PER_SLOT * self.slots
+        self.ctx.say(f"headline: {stack.name}: measuring the fleet's capacity through the gateway ({clients} "
+                     f"clients, {self.capacity_s:g} s)")
+        port = int(stack.gateway.base_url.rsplit(":", 1)[1])
         capacity = asyncio.run(measure_capacity([port], specs, clients_per_engine=clients,
                                                 warmup_s=self.capacity_warmup_s, duration_s=self.capacity_s,
                                                 timeout_s=self.timeout_s, api_key=self.keys["shop"]))
@@ -231,8 +229,9 @@ class Headline(FreshArms[ArmRun]):
 
             try:
                 arm.results = await asyncio.wait_for(
-                    _open_loop(workload, Target(base, arm.name, api_keys=self.keys), self.ctx.options.progress,
-                               self.timeout_s, started), timeout=workload.duration_s + self.timeout_s + 60)
+                    run_open_loop(workload, Target(base, arm.name, api_keys=self.keys),
+                                  progress=self.ctx.options.progress, timeout_s=self.timeout_s, on_start=started),
+                    timeout=workload.duration_s + self.timeout_s + 60)
             finally:
                 stop_batch.set()
                 await sampler.stop()
@@ -293,12 +292,6 @@ class Headline(FreshArms[ArmRun]):
         arm.outage_s = (went_down, loop.time() - start)
 
 
-async def _open_loop(workload: Workload, target: Target, progress: bool, timeout_s: float, started: Any
-                     ) -> list[Result]:
-    from switchyard.bench.loadgen import run_open_loop
-    return await run_open_loop(workload, target, progress=progress, timeout_s=timeout_s, on_start=started)
-
-
 def run(ctx: ScenarioContext) -> Outcome:
     """Run the headline scenario and write its report into ``ctx.out_dir``."""
     h = Headline(ctx)
@@ -338,4 +331,4 @@ def run(ctx: ScenarioContext) -> Outcome:
                    notes=notes[:1])
 
 
-__all__ = ["ARMS", "LARGE", "NO_BACKLOG", "SWITCHYARD", "Headline", "run"]
+__all__ = ["ArmRun", "Headline", "run"]
