@@ -208,6 +208,8 @@ class FreshArms(ABC, Generic[ArmT]):
     duration_default_s: float = DURATION_S
     #: Key creations run at once (each is a ``switchyard keys create`` process).
     key_workers: int
+    #: Measure every arm's capacity (a check of the first's); False: the first arm's only.
+    measure_every_arm: bool = True
 
     def __init__(self, ctx: ScenarioContext) -> None:
         self.ctx = ctx
@@ -299,10 +301,18 @@ class FreshArms(ABC, Generic[ArmT]):
             wait_engines(stack.engines)
             arm = self.arm_type(name)
             self.arms.append(arm)
-            # Every arm's engines get the same closed loop first; the first arm's sets the offered rate.
-            arm.capacity = self.measure(stack)
+            # Every arm's engines get the same closed loop first (or the first arm's only); the first arm's sets
+            # the offered load.
+            if self.workload is None or self.measure_every_arm:
+                arm.capacity = self.measure(stack)
             if self.workload is None:
-                self.workload = poisson(self.load_factor * arm.capacity.rps, self.duration_s, self.mix(self.model),
-                                        self.ctx.options.seed, max_model_len=self.shape.max_model_len)
+                assert arm.capacity is not None
+                self.workload = self.workload_for(arm.capacity)
             self.load(stack, arm, self.workload)
             self.stop(stack)
+
+    def workload_for(self, capacity: Capacity) -> Workload:
+        """The load every arm is offered, from the first arm's capacity: Poisson arrivals of :meth:`mix` at
+        ``load_factor`` times it."""
+        return poisson(self.load_factor * capacity.rps, self.duration_s, self.mix(self.model), self.ctx.options.seed,
+                       max_model_len=self.shape.max_model_len)

@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 
 from switchyard.bench.results import Result
 from switchyard.bench.scenarios.arms import Arm, Capacity
-from switchyard.bench.scenarios.headline.day import arrival_curve, load_at, load_shape
+from switchyard.bench.scenarios.headline.day import PEAK, TROUGH, arrival_curve, load_at, load_shape
 from switchyard.bench.scenarios.headline.fleet import (
     ARMS,
     BASELINES,
@@ -211,15 +211,13 @@ def notes_of(h: Headline, capacity: Capacity) -> list[str]:
         "is sent by a batch script as ordinary requests. Both keep the same models, `auto` route, fallbacks, "
         "health probes and breakers as Switchyard (what a load balancer with health checks also has). "
         "switchyard-no-backlog is the full policy without the backlog.",
-        f"The day: the Azure conversation trace's arrivals per minute (smoothed) mapped onto {PEAK_WORDS}, "
+        f"The day: the Azure conversation trace's arrivals per minute (smoothed) mapped onto {TROUGH:g}x-{PEAK:g}x "
+        "the measured capacity, "
         f"stretched over {h.duration_s:g} s; lengths and shared prefixes from the Mooncake conversation trace "
         f"(scaled); {OUTAGE_REGION} killed from {OUTAGE[0]:.0%} to {OUTAGE[1]:.0%} of the day and started again.",
         "Cost per 1,000 answers: each interactive answer's usage at the policy's prices of the model that served it "
         "(its route header).",
     ]
-
-
-PEAK_WORDS = "0.3x-1.5x the measured capacity"
 
 
 def summary(measured: Mapping[str, Mapping[str, Any]]) -> str:
