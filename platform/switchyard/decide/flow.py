@@ -3,17 +3,22 @@
 A request that has been admitted is scheduled (:func:`schedule`) before it picks an endpoint:
 
 1. **Saturated?** Each pool's utilisation is its least-loaded endpoint's, as the request's lane
-   sees it (the executor's :meth:`~switchyard.decide.views.FleetView.pool_utilisation`; endpoints in
-   a failure cool-down are left out unless all are). A pool *has room* for a class when it is under
-   the class's ceiling (1.0 interactive, ``max_utilisation`` for the batch lane) and nobody waits
-   before the newcomer (:class:`~switchyard.decide.views.QueueView`).
+   sees it (the executor's :meth:`~switchyard.decide.views.FleetView.pool_utilisation`; endpoints
+   down or behind an open breaker are left out, and a pool with none in service is infinitely full).
+   A pool *has room* for a class when it is under the class's ceiling (1.0 interactive,
+   ``max_utilisation`` for the batch lane) and nobody waits before the newcomer
+   (:class:`~switchyard.decide.views.QueueView`). When no pool of the model is in service the request
+   goes on at once: its fallback plan (another model, or a 503) decides, not a queue.
 2. **Degrade before refusing**: a model with ``on_saturation`` sends requests of the chosen
    classes to ``downgrade_to`` when its own pools have no room (or are above the class's
-   shedding threshold) and the cheaper model's have.
+   shedding threshold, or at least ``at_utilisation`` full: headroom kept for the classes that are
+   not downgraded) and the cheaper model's have.
 3. **Shed** a class with ``shed_above_utilisation`` at once when its pools are above it.
 4. **Go** when a pool has room.
 5. **Queue** otherwise, in the queue of every pool of the model (whichever frees first serves
-   it), unless the predicted wait already exceeds the class's deadline. A saturated pool turns
+   it) and, where the model's downgrade rule for the class says ``wait_for_either``, of every pool
+   of the cheaper model too (served there, it is downgraded), unless the predicted wait already
+   exceeds the class's deadline. A saturated pool turns
    over the tokens it holds once per service time (Little's law), so the wait is predicted as
    ``tokens served before it * mean service time / tokens in flight there``. The request leaves
    with 503 when its deadline passes, or quietly when its client disconnects.
@@ -57,11 +62,11 @@ WAITING_SHARE = 0.5
 def downgrade_target(snapshot: PolicySnapshot, model: Model, class_name: str, needed_tokens: int) -> Model | None:
     """The model that serves ``model``'s requests of ``class_name`` when its pools are saturated, if any.
 
-    None when the model declares no ``on_saturation``, the class is not one it downgrades, or the
-    target's context window cannot hold the request (prompt + output budget).
+    None when no ``on_saturation`` rule of the model applies to the class, or the target's context
+    window cannot hold the request (prompt + output budget).
     """
-    rule = model.on_saturation
-    if rule is None or (rule.classes is not None and class_name not in rule.classes):
+    rule = model.saturation_rule(class_name)
+    if rule is None:
         return None
     target = snapshot.models[rule.downgrade_to]
     if target.context_window < needed_tokens:
@@ -91,11 +96,13 @@ class FlowDecision:
 
     Attributes:
         action: ``go`` (a pool has room), ``downgrade`` (to ``model``), ``shed`` (above the class's
-            threshold) or ``queue`` (wait in the queues of ``pools``).
+            threshold) or ``queue`` (wait in the queues of ``pools``, and of ``also``'s).
         model: The model to serve it: the asked one, or the downgrade target.
         pools: The model's pools within the request's regions.
         least: The least utilisation among them, as the class sees it.
-        reason: A downgrade's reason (``shed_threshold`` or ``saturated``).
+        reason: A downgrade's reason (``shed_threshold``, ``saturated`` or ``headroom``).
+        also: When it queues, the model it may be downgraded to, and that model's pools it waits for too
+            (whichever pool frees first serves it, with its own model).
     """
 
     action: Literal["go", "downgrade", "shed", "queue"]
@@ -103,6 +110,7 @@ class FlowDecision:
     pools: tuple[Pool, ...]
     least: float
     reason: str | None = None
+    also: tuple[Model, tuple[Pool, ...]] | None = None
 
 
 def plan_flow(snapshot: PolicySnapshot, model: Model, cls: ClassDecision, needed_tokens: int,
@@ -127,19 +135,28 @@ def plan_flow(snapshot: PolicySnapshot, model: Model, cls: ClassDecision, needed
 
     pools = pools_within(snapshot.model_pools[model.name], regions)
     has, saturated, least = room(pools)
+    if math.isinf(least):  # no pool of the model has an endpoint in service: its fallback plan decides at once
+        return FlowDecision("go", model, pools, least)
     shed_at = cls.cls.shed_above_utilisation
     above = shed_at is not None and least > shed_at
-    if above or saturated:
-        target = downgrade_target(snapshot, model, cls.name, needed_tokens)
-        target_pools = pools_within(snapshot.model_pools[target.name], regions) if target is not None else ()
-        if target is not None and target_pools:
-            _, target_saturated, target_least = room(target_pools)
-            if not target_saturated and not (shed_at is not None and target_least > shed_at):
-                return FlowDecision("downgrade", target, target_pools, least,
-                                    "shed_threshold" if above else "saturated")
+    rule = model.saturation_rule(cls.name)
+    early = rule is not None and least >= rule.at_utilisation
+    target = downgrade_target(snapshot, model, cls.name, needed_tokens)
+    target_pools = pools_within(snapshot.model_pools[target.name], regions) if target is not None else ()
+    if (above or saturated or early) and target is not None and target_pools:
+        _, target_saturated, target_least = room(target_pools)
+        if not target_saturated and not (shed_at is not None and target_least > shed_at):
+            return FlowDecision("downgrade", target, target_pools, least,
+                                "shed_threshold" if above else "saturated" if saturated else "headroom")
     if above:
         return FlowDecision("shed", model, pools, least)
-    return FlowDecision("go" if has else "queue", model, pools, least)
+    if has:
+        return FlowDecision("go", model, pools, least)
+    # Saturated, and so is the cheaper model: wait for both. (Not saturated: only a grant in transit holds the
+    # model's room, and it will have it in a moment.)
+    either = rule is not None and rule.wait_for_either
+    also = (target, target_pools) if either and saturated and target is not None and target_pools else None
+    return FlowDecision("queue", model, pools, least, also=also)
 
 
 # --- scheduling: the flow stage of the procedure ---------------------------------------------------
@@ -174,6 +191,8 @@ class Waited:
 
     outcome: Literal["granted", "expired", "left"]
     waited_s: float
+    #: The pool that granted it.
+    pool: str | None = None
 
 
 @dataclass(slots=True)
@@ -183,7 +202,7 @@ class Scheduled:
     Attributes:
         model: The model to serve it (the resolved one, or its downgrade).
         downgraded_from: The resolved model when ``model`` is its downgrade.
-        reason: A downgrade's reason (``shed_threshold`` or ``saturated``).
+        reason: A downgrade's reason (``shed_threshold``, ``saturated`` or ``headroom``).
         note: Why it was downgraded (for the ``x-switchyard-degraded`` header; ASCII).
         waited_s: Time spent in the queue.
     """
@@ -209,8 +228,13 @@ def schedule(snapshot: PolicySnapshot, model: Model, cls: ClassDecision, cost: i
     least, shed_at, klass = decision.least, cls.cls.shed_above_utilisation, cls.cls
     if decision.action == "downgrade":
         target = decision.model
-        why = (f"above the {shed_at:g} threshold of class {cls.name}" if decision.reason == "shed_threshold"
-               else "saturated")
+        rule = model.saturation_rule(cls.name)
+        if decision.reason == "shed_threshold":
+            why = f"above the {shed_at:g} threshold of class {cls.name}"
+        elif decision.reason == "headroom" and rule is not None:
+            why = f"at least {rule.at_utilisation:g} full (the rest is kept for the classes not downgraded)"
+        else:
+            why = "saturated"
         note = f"{model.name} -> {target.name}: the pools of {model.name} are {why} (utilisation {least:.2f})"
         return Scheduled(target, model, decision.reason, note)
     if decision.action == "shed":
@@ -222,16 +246,21 @@ def schedule(snapshot: PolicySnapshot, model: Model, cls: ClassDecision, cost: i
     if decision.action == "go":
         return Scheduled(model)
     deadline_s = klass.queue_deadline_s
+    also_model, also_pools = decision.also if decision.also is not None else (None, ())
+    pools = (*decision.pools, *also_pools)
     predicted = predicted_wait_s([(fleet.queues(p), fleet.service(p), fleet.reserved_tokens(p))
-                                  for p in decision.pools], klass.lane, tenant, cls.rank)
+                                  for p in pools], klass.lane, tenant, cls.rank)
     if predicted is not None and predicted > deadline_s:
         return Refusal(503, "queue_wait_too_long",
                        f"Shed: the predicted wait for model {model.name} ({predicted:.1f} s) exceeds the "
                        f"{deadline_s * 1000:g} ms queue deadline of priority class {cls.name}.",
                        retry_after_s=max(1.0, math.ceil(predicted)), shed="predicted_wait")
-    waited = yield Queue(decision.pools, tenant, cls.name, cls.rank, klass.lane, cost, klass.dispatch_ceiling,
-                         deadline_s)
+    waited = yield Queue(pools, tenant, cls.name, cls.rank, klass.lane, cost, klass.dispatch_ceiling, deadline_s)
     if waited.outcome == "granted":
+        if also_model is not None and any(p.name == waited.pool for p in also_pools):
+            note = (f"{model.name} -> {also_model.name}: the pools of {model.name} were saturated and one of "
+                    f"{also_model.name}'s freed first (waited {waited.waited_s * 1000:.0f} ms)")
+            return Scheduled(also_model, model, "saturated", note, waited.waited_s)
         return Scheduled(model, waited_s=waited.waited_s)
     if waited.outcome == "expired":
         return Refusal(503, "queue_deadline_exceeded",

@@ -196,7 +196,8 @@ class FleetView(Protocol):
         ...
 
     def pool_utilisation(self, pool: Pool, lane: Lane, now: float) -> float:
-        """The pool's utilisation as a newcomer of ``lane`` sees it (flow control)."""
+        """The pool's utilisation as a newcomer of ``lane`` sees it (flow control); ``math.inf`` when none of its
+        endpoints is in service."""
         ...
 
     def queues(self, pool: Pool) -> QueueView:

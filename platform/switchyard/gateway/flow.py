@@ -22,6 +22,7 @@ scraped metrics.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -97,23 +98,29 @@ class FlowController:
     # --- load ---------------------------------------------------------------------------------
 
     def utilisation(self, pool: Pool, now: float, preempting: bool = False) -> float:
-        """The pool's utilisation: that of its least-loaded endpoint out of cool-down (all, if none is).
+        """The pool's utilisation: that of its least-loaded endpoint in service; infinite when none is.
 
+        A pool whose endpoints are all down or behind open breakers has no room: its model's requests go
+        to the model's other pools, and wait for those when they are full, instead of being let through
+        as if it were empty (the picker would then crowd them into the live pools' engines).
         ``preempting``: as an interactive request sees it, without this process's yielders.
         """
         age = self.endpoints.signal_max_age
-        return min(s.utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs, preempting)
-                   for s in self._in_service(pool, now))
+        return min((s.utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs, preempting)
+                    for s in self._in_service(pool, now)), default=math.inf)
 
     def _in_service(self, pool: Pool, now: float) -> list[EndpointState]:
-        """The states of the pool's endpoints out of cool-down (all of them, if none is)."""
-        states = [self.endpoints.state(url) for url in pool.endpoints]
-        return [s for s in states if s.healthy(now)] or states
+        """The states of the pool's endpoints that may take a request now (health and breakers)."""
+        registry = self.endpoints
+        return [registry.state(url) for url in pool.endpoints if registry.available(url, pool.name, now)]
 
     def batch_utilisation(self, pool: Pool, now: float) -> float:
         """The pool's utilisation as the batch lane sees it (:func:`~switchyard.decide.flow.batch_pool_utilisation`
-        of its endpoints in service, each seen through :func:`~switchyard.decide.flow.batch_view`)."""
+        of its endpoints in service, each seen through :func:`~switchyard.decide.flow.batch_view`); infinite
+        when none is in service."""
         healthy = self._in_service(pool, now)
+        if not healthy:
+            return math.inf
         age = self.endpoints.signal_max_age
         return batch_pool_utilisation(
             pool, [batch_view(s.utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs), s.prefilling,
@@ -176,7 +183,7 @@ class FlowController:
                 self._gauge(ticket)
         waited = time.monotonic() - now
         if ticket.state == GRANTED:
-            return Waited("granted", waited), ticket
+            return Waited("granted", waited, ticket.granted_by), ticket
         return Waited("expired" if ticket.state == EXPIRED else "left", waited), None
 
     def counted(self, class_name: str, outcome: Scheduled | Refusal) -> None:

@@ -57,7 +57,8 @@ METRIC_LABEL_VALUES: dict[tuple[str, str], str] = {
         "`ok`, `refused` (a 4xx other than 429), `limited` (429), `shed` (flow control's 503), `error` (5xx, or a "
         "stream the engine broke off) or `client_closed` (499).",
     ("switchyard_shed_total", "reason"): "`utilisation`, `deadline` or `predicted_wait`.",
-    ("switchyard_downgrades_total", "reason"): "`shed_threshold` or `saturated`.",
+    ("switchyard_downgrades_total", "reason"):
+        "`shed_threshold`, `saturated` or `headroom` (`on_saturation.at_utilisation`).",
     ("switchyard_fallbacks_total", "reason"):
         "`connect_error`, `timeout`, `broken`, `first_token_timeout`, `hung`, `body_error`, `body_timeout`, "
         "`invalid_response`, the engine's HTTP status code, or `unavailable` (no endpoint of a stage in service).",

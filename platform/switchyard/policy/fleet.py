@@ -246,6 +246,15 @@ class OnSaturation(Strict):
     downgrade_to: ModelName = Field(description="The model that serves the request instead.")
     classes: list[Name] | None = Field(
         default=None, min_length=1, description="Priority classes that may be downgraded (default: all).")
+    at_utilisation: float = Field(
+        default=1.0, gt=0, le=1, description="Downgrade once every pool of the model is at least this full "
+        "(default 1: saturated). Below 1 the downgraded classes leave the rest of the model's pools to the classes "
+        "that are not downgraded, so that a burst of those finds room at once instead of waiting for a slot; "
+        "while the cheaper model has no room they still take it.")
+    wait_for_either: bool = Field(
+        default=False, description="When both models are saturated, a request of these classes waits for the "
+        "model's pools and the cheaper model's alike and is served by whichever frees first (default: it waits "
+        "for the model's own pools only).")
 
 
 class Model(Strict):
@@ -276,9 +285,11 @@ class Model(Strict):
         "beside the tokenizer.json, else the `chat_template` of the `tokenizer_config.json` beside it, as a "
         f"Hugging Face model folder has them. Needs a `tokenizer` file; `{SIM_TOKENIZER}` has its own template.",
     )
-    on_saturation: OnSaturation | None = Field(
+    on_saturation: OnSaturation | list[OnSaturation] | None = Field(
         default=None, description="Degrade before refusing: when the model's pools are saturated, requests "
-        "of the chosen classes are served by `downgrade_to` instead of queueing or being shed.")
+        "of the chosen classes are served by `downgrade_to` instead of queueing or being shed. A list gives "
+        "classes rules of their own (another model, another `at_utilisation`): a request follows the first rule "
+        "that names its class (or names none).")
     endpoint_profile: Name | None = Field(
         default=None, description="The `endpoint_profiles` entry that picks this model's endpoints (default: "
         "Switchyard's built-in profile).")
@@ -292,6 +303,21 @@ class Model(Strict):
         "and the continuation is spliced into the client's stream. Set false for engines that cannot continue "
         "a message: a broken stream then ends with an error event.")
     max_resumes: int = Field(default=2, ge=0, le=10, description="Most resumes of one request's stream.")
+
+    @property
+    def saturation_rules(self) -> tuple[OnSaturation, ...]:
+        """``on_saturation`` as a list of rules (none, one, or the list given)."""
+        rules = self.on_saturation
+        if rules is None:
+            return ()
+        return (rules,) if isinstance(rules, OnSaturation) else tuple(rules)
+
+    def saturation_rule(self, class_name: str) -> OnSaturation | None:
+        """The first ``on_saturation`` rule that applies to ``class_name`` (None: the class is never downgraded)."""
+        for rule in self.saturation_rules:
+            if rule.classes is None or class_name in rule.classes:
+                return rule
+        return None
 
     @model_validator(mode="after")
     def _consistent(self) -> Model:

@@ -85,16 +85,17 @@ def _models(doc: PolicyDocument) -> Iterator[Finding]:
                 yield loc, _unknown("region", region, regions)
             elif not any(pools[p].region == region for p in models[name].pools if p in pools):
                 yield loc, f"model {name!r} has no pool in region {region!r}"
-        if model.on_saturation is not None:
-            target = model.on_saturation.downgrade_to
+        listed = isinstance(model.on_saturation, list)
+        for k, rule in enumerate(model.saturation_rules):
+            at: tuple[str | int, ...] = ("models", i, "on_saturation", *((k,) if listed else ()))
+            target = rule.downgrade_to
             if target not in models:
-                yield ("models", i, "on_saturation", "downgrade_to"), _unknown("model", target, set(models))
+                yield (*at, "downgrade_to"), _unknown("model", target, set(models))
             elif target == model.name:
-                yield ("models", i, "on_saturation", "downgrade_to"), "a model cannot downgrade to itself"
-            for j, cls in enumerate(model.on_saturation.classes or []):
+                yield (*at, "downgrade_to"), "a model cannot downgrade to itself"
+            for j, cls in enumerate(rule.classes or []):
                 if cls not in doc.priorities:
-                    yield (("models", i, "on_saturation", "classes", j),
-                           _unknown("priority class", cls, set(doc.priorities)))
+                    yield (*at, "classes", j), _unknown("priority class", cls, set(doc.priorities))
 
 
 def _fallback_cycles(doc: PolicyDocument) -> Iterator[Finding]:

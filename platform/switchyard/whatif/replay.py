@@ -327,7 +327,7 @@ class _Arm:
                 queues.grant(granted, name)
                 queues.dispatched(granted)
                 entry: _Running = granted.waiter
-                self._resume(granted, Waited("granted", now - granted.enqueued))
+                self._resume(granted, Waited("granted", now - granted.enqueued, name))
                 if entry.request is None:
                     break  # it was not sent (refused, or too long for the engine): the pool's load did not move
 

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import pytest
 
+from switchyard.decide.classes import classify
 from switchyard.decide.flow import (
     WAITING_SHARE,
+    FlowDecision,
     batch_pool_utilisation,
     batch_view,
     downgrade_target,
+    plan_flow,
     preemption_victims,
 )
-from switchyard.policy import PolicySnapshot
+from switchyard.policy import PolicyError, PolicySnapshot, compile_policy
 from switchyard.policy.fleet import Pool
+from tests.unit.policy.base import to_yaml
 
 
 def test_downgrade_targets(four_classes: PolicySnapshot) -> None:
@@ -21,6 +25,63 @@ def test_downgrade_targets(four_classes: PolicySnapshot) -> None:
     assert downgrade_target(four_classes, large, "critical", 1000) is None  # not a class it downgrades
     assert downgrade_target(four_classes, large, "standard", 9000) is None  # small's window is 8192
     assert downgrade_target(four_classes, small, "standard", 10) is None  # no on_saturation
+
+
+def test_a_list_of_downgrade_rules_gives_classes_rules_of_their_own(four_classes: PolicySnapshot) -> None:
+    doc = four_classes.document.model_dump(mode="json", exclude_none=True)
+    doc["models"][1]["on_saturation"] = [
+        {"downgrade_to": "small", "classes": ["standard", "sheddable"], "at_utilisation": 0.75},
+        # (standard: the first rule applies)
+        {"downgrade_to": "small", "classes": ["critical", "standard"], "wait_for_either": True},
+    ]
+    doc["tiers"] = [{"name": c, "priority": c, "models": ["*"]} for c in ("critical", "standard", "sheddable")]
+    doc["tests"] = []
+    snapshot = compile_policy(to_yaml(doc))
+    large, small = snapshot.models["large"], snapshot.models["small"]
+    assert [r.at_utilisation for r in large.saturation_rules] == [0.75, 1.0]
+    assert large.saturation_rule("standard") is large.saturation_rules[0]
+    assert large.saturation_rule("critical") is large.saturation_rules[1]
+    assert large.saturation_rule("batch") is None and small.saturation_rules == ()
+    assert downgrade_target(snapshot, large, "critical", 1000) is small
+
+    def plan(klass: str, u: dict[str, float]) -> FlowDecision:
+        return plan_flow(snapshot, large, classify(snapshot, klass, None, None), 1000, None,
+                         lambda pool, _lane: u[snapshot.pools[pool.name].served_model], lambda _pool: _EMPTY)
+
+    # Large three-quarters full, small idle: standard leaves large's last quarter to critical; critical takes it.
+    served = {snapshot.pools[large.pools[0]].served_model: 0.75, snapshot.pools[small.pools[0]].served_model: 0.0}
+    early = plan("standard", served)
+    assert (early.action, early.model.name, early.reason) == ("downgrade", "small", "headroom")
+    assert plan("critical", served).action == "go"
+    # Both saturated: critical (wait_for_either) waits for large and for small, whichever frees first; standard
+    # waits for large only.
+    full = dict.fromkeys(served, 1.0)
+    waits = plan("critical", full)
+    assert waits.action == "queue" and waits.also is not None and waits.also[0] is small
+    own = plan("standard", full)
+    assert own.action == "queue" and own.also is None
+
+
+def test_a_rule_naming_an_unknown_class_or_model_is_refused_at_its_place(four_classes: PolicySnapshot) -> None:
+    doc = four_classes.document.model_dump(mode="json", exclude_none=True)
+    doc["models"][1]["on_saturation"] = [{"downgrade_to": "small", "classes": ["standard"]},
+                                         {"downgrade_to": "nowhere", "classes": ["gold"]}]
+    with pytest.raises(PolicyError) as caught:
+        compile_policy(to_yaml(doc))
+    text = str(caught.value)
+    assert "models[large].on_saturation[1].downgrade_to" in text and "nowhere" in text
+    assert "models[large].on_saturation[1].classes[0]" in text and "gold" in text
+
+
+class _Empty:
+    def has_room(self, lane: str, u: float, ceiling: float) -> bool:
+        return u < ceiling
+
+    def saturated(self, lane: str, u: float, ceiling: float) -> bool:
+        return u >= ceiling
+
+
+_EMPTY = _Empty()
 
 
 def test_preemption_takes_the_youngest_until_there_is_room_and_those_still_waiting() -> None:

@@ -618,3 +618,107 @@ async def test_steering_sends_the_interactive_request_where_the_youngest_batch_r
     assert decide_flow.steer(free, options, set(), 1.0, view(flow), time.monotonic()) is free  # room without preempting
     older.task.cancel()
     await asyncio.gather(older.task, return_exceptions=True)
+
+
+OTHER = "http://127.0.0.1:9103"
+
+
+@pytest.fixture
+def two_regions() -> PolicySnapshot:
+    """Model ``big`` with a pool in each of two regions, one endpoint each."""
+    doc = base()
+    doc["pools"] = [
+        {"name": f"big-{region}", "region": region, "served_model": "b", "endpoints": [url],
+         "kv_cache_tokens": 10000, "max_num_seqs": 2, "batch_reserve_slots": 0}
+        for region, url in (("us-east", BIG), ("eu-west", OTHER))]
+    doc["models"] = [{"name": "big", "pools": ["big-us-east", "big-eu-west"], "context_window": 8192,
+                      "price": {"input_per_mtok": 1, "output_per_mtok": 1}}]
+    doc["routes"] = []
+    doc["priorities"] = {"critical": {"max_queue_ms": 2000}}
+    doc["tiers"] = [{"name": "critical", "priority": "critical", "models": ["*"]}]
+    doc["cache"] = []
+    doc["tests"] = []
+    return compile_policy(to_yaml(doc))
+
+
+async def test_a_pool_with_no_endpoint_in_service_has_no_room(flow: FlowController,
+                                                               two_regions: PolicySnapshot) -> None:
+    # eu-west's only endpoint is down (an outage): it must not look like an empty pool. With us-east full, a
+    # request waits for us-east instead of being let through to crowd its engine.
+    flow.endpoints.mark_down(OTHER, "connection refused")
+    pool = two_regions.pools["big-eu-west"]
+    assert flow.utilisation(pool, time.monotonic()) == float("inf")
+    assert flow.batch_utilisation(pool, time.monotonic()) == float("inf")
+    fill(flow)
+    waiting = asyncio.create_task(schedule(flow, two_regions, "critical"))
+    await asyncio.sleep(0.15)  # a few of the controller's ticks: the dead pool grants nothing
+    assert not waiting.done() and flow.waiting() == 2  # queued at both pools, granted by neither
+    finish(flow, BIG, "big-us-east")
+    got = await waiting
+    assert got.ticket is not None and got.ticket.granted_by == "big-us-east"
+
+
+async def test_when_no_pool_of_the_model_is_in_service_the_request_goes_on_at_once(
+        flow: FlowController, two_regions: PolicySnapshot) -> None:
+    # Nothing to wait for: the request goes to its fallback plan (another model, or a 503 naming the outage).
+    flow.endpoints.mark_down(BIG, "connection refused")
+    flow.endpoints.mark_down(OTHER, "connection refused")
+    got = await schedule(flow, two_regions, "critical")
+    assert got.model.name == "big" and got.ticket is None and got.waited_s == 0
+
+
+async def test_a_downgrade_threshold_keeps_headroom_for_the_classes_not_downgraded(
+        snapshot: PolicySnapshot, flow: FlowController) -> None:
+    doc = snapshot.document.model_dump(mode="json", exclude_none=True)
+    doc["models"][0]["on_saturation"]["at_utilisation"] = 0.5
+    headroom = compile_policy(to_yaml(doc))
+    fill(flow, 1)  # one of big's two slots: utilisation 0.5
+    done = await schedule(flow, headroom, "standard")
+    assert done.model.name == "spare" and done.note is not None and "at least 0.5 full" in done.note
+    assert sample(flow, "switchyard_downgrades_total", reason="headroom", model="big",
+                  **{"class": "standard"}) == 1
+    # The slot left is critical's (not downgraded) ...
+    assert (await schedule(flow, headroom, "critical")).model.name == "big"
+    # ... and without the threshold the standard request would have taken it.
+    assert (await schedule(flow, snapshot, "standard")).model.name == "big"
+
+
+async def test_a_request_whose_rule_says_so_waits_for_both_models(flow: FlowController,
+                                                                      snapshot: PolicySnapshot) -> None:
+    doc = snapshot.document.model_dump(mode="json", exclude_none=True)
+    doc["models"][0]["on_saturation"]["wait_for_either"] = True
+    either = compile_policy(to_yaml(doc))
+    fill(flow)  # big saturated
+    for _ in range(101):  # spare saturated too (10,100 tokens reserved of 10,000)
+        flow.endpoints.acquire(SPARE, 100)
+    waiting = asyncio.create_task(schedule(flow, either, "standard"))
+    critical = asyncio.create_task(schedule(flow, either, "critical"))  # not downgraded: big only
+    await asyncio.sleep(0.01)
+    assert flow.waiting() == 3  # standard at big and spare, critical at big
+    for _ in range(2):  # spare frees first
+        finish(flow, SPARE, "spare")
+    got = await waiting
+    assert got.model.name == "spare" and got.downgraded_from is not None and got.downgraded_from.name == "big"
+    assert got.ticket is not None and got.ticket.granted_by == "spare"
+    assert got.note is not None and "one of spare's freed first" in got.note
+    assert sample(flow, "switchyard_downgrades_total", reason="saturated", model="big",
+                  **{"class": "standard"}) == 1
+    assert not critical.done()
+    finish(flow)
+    assert (await critical).model.name == "big"
+
+
+async def test_by_default_a_queued_request_waits_for_its_own_model_only(flow: FlowController,
+                                                                        snapshot: PolicySnapshot) -> None:
+    fill(flow)
+    for _ in range(101):
+        flow.endpoints.acquire(SPARE, 100)
+    waiting = asyncio.create_task(schedule(flow, snapshot, "standard"))
+    await asyncio.sleep(0.01)
+    assert flow.waiting() == 1
+    finish(flow, SPARE, "spare")
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    finish(flow)
+    got = await waiting
+    assert got.model.name == "big" and got.downgraded_from is None
