@@ -56,3 +56,19 @@ def test_the_backlog_goes_through_the_batch_api_only_with_switchyard(report: dic
     assert batch[NO_BACKLOG] == {"lines": 0, "done": 0, "failed": 0, "via": ""}
     # The figures hold the day's interactive requests only: every tenant of the day, and no batch line.
     assert sorted(report["groups"]["tenant"]) == sorted(t.name for t in TENANTS)
+
+
+def test_the_engines_were_sampled_through_the_day_and_the_capacity_is_the_fleets(report: dict[str, Any]) -> None:
+    duration = report["parameters"]["duration_s"]
+    for arm in ARMS:
+        engines = report["engines"][arm]
+        assert len(engines["utilisation"]) >= duration - 2  # one sample a second
+        known = [v for v in engines["utilisation"] if v is not None]
+        assert known and all(0.0 <= v <= 1.0 for v in known) and max(known) > 0
+        assert all(v is None or 0.0 <= v <= 1.0 for v in engines["busy"])
+        assert all(v is None or v >= 0.0 for v in engines["lag_s"])
+    # The capacity is every engine of the fleet called directly: the two models' pools side by side.
+    parts = report["parameters"]["pool_capacity_rps"]
+    assert set(parts) == {"small", "large"} and all(v > 0 for v in parts.values())
+    assert sum(parts.values()) == pytest.approx(report["parameters"]["capacity_rps"])
+    assert report["parameters"]["capacity_clients"] == 32  # 8 engines x --max-num-seqs 4

@@ -3,7 +3,8 @@
 The load generator sees requests; what waits inside the engines (``vllm:num_requests_waiting``)
 it cannot see. A :class:`MetricsSampler` reads the named series from a set of ``/metrics`` URLs
 every ``bin_s`` on the run's own clock and sums them over the URLs, so the report can plot queue
-depth over time in the same bins as throughput.
+depth over time in the same bins as throughput. An :class:`EngineStateSampler` reads simulated
+engines' own ``/sim/state`` (busy time, sequences running, lag behind the wall clock).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import asyncio
 import contextlib
 import math
 import re
-from collections.abc import Sequence
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import aiohttp
 
@@ -125,19 +128,11 @@ async def scrape_sums(session: aiohttp.ClientSession, urls: Sequence[str], names
     return sums, answered
 
 
-class MetricsSampler:
-    """Samples series from ``/metrics`` URLs into bins of ``bin_s`` (one value per bin).
+class _Sampler(ABC):
+    """Runs :meth:`_run` from :meth:`start` (the run's start on the loop's clock) until :meth:`stop`."""
 
-    Call :meth:`start` with the run's start (``loop.time()``), :meth:`stop` when it ends;
-    :attr:`series` then maps each name to its per-bin values. A URL that does not answer adds
-    nothing to the sum (an engine that is down holds no requests).
-    """
-
-    def __init__(self, urls: Sequence[str], names: Sequence[str], bin_s: float = 1.0) -> None:
-        self.urls = list(urls)
-        self.names = list(names)
+    def __init__(self, bin_s: float) -> None:
         self.bin_s = bin_s
-        self.series: dict[str, list[float]] = {n: [] for n in names}
         self._task: asyncio.Task[None] | None = None
 
     def start(self, at: float) -> None:
@@ -152,16 +147,100 @@ class MetricsSampler:
                 await self._task
             self._task = None
 
+    @abstractmethod
     async def _run(self, at: float) -> None:
+        """Sample until cancelled, bins counted from ``at``."""
+
+    async def _bins(self, at: float) -> AsyncIterator[int]:
+        """Each bin's index, at the middle of the bin."""
         loop = asyncio.get_running_loop()
+        index = 0
+        while True:
+            await asyncio.sleep(max(0.0, at + (index + 0.5) * self.bin_s - loop.time()))
+            yield index
+            index += 1
+
+
+class MetricsSampler(_Sampler):
+    """Samples series from ``/metrics`` URLs into bins of ``bin_s`` (one value per bin).
+
+    Call :meth:`start` with the run's start (``loop.time()``), :meth:`stop` when it ends;
+    :attr:`series` then maps each name to its per-bin values. A URL that does not answer adds
+    nothing to the sum (an engine that is down holds no requests).
+    """
+
+    def __init__(self, urls: Sequence[str], names: Sequence[str], bin_s: float = 1.0) -> None:
+        super().__init__(bin_s)
+        self.urls = list(urls)
+        self.names = list(names)
+        self.series: dict[str, list[float]] = {n: [] for n in names}
+
+    async def _run(self, at: float) -> None:
         async with aiohttp.ClientSession() as session:
-            index = 0
-            while True:
-                # Sample in the middle of each bin.
-                due = at + (index + 0.5) * self.bin_s
-                await asyncio.sleep(max(0.0, due - loop.time()))
+            async for _ in self._bins(at):
                 sums, _answered = await scrape_sums(session, self.urls, self.names, timeout_s=self.bin_s)
                 for name in self.names:
-                    values = self.series[name]
-                    values.append(sums[name])
-                index += 1
+                    self.series[name].append(sums[name])
+
+
+class EngineStateSampler(_Sampler):
+    """Samples simulated engines' ``/sim/state`` once per bin of ``bin_s``: how busy they were and how far
+    behind their own clock they ran.
+
+    Per bin, over the engines that answered (an engine that is down is out of the fleet, not idle):
+
+    - ``busy``: the share of the bin's time the engines spent computing steps (simulated busy seconds over
+      simulated seconds): what a GPU's utilisation counter reports, the share of time a kernel ran;
+    - ``occupancy``: sequences running over their sequence slots (``max_num_seqs`` each);
+    - ``lag_s``: the largest lag of an engine behind its wall clock (simulated seconds): how far the machine
+      running the simulators fell short of simulating them in real time;
+    - ``engines``: how many answered.
+    """
+
+    def __init__(self, urls: Sequence[str], max_num_seqs: int, time_scale: float, bin_s: float = 1.0) -> None:
+        super().__init__(bin_s)
+        self.urls = list(urls)
+        self.max_num_seqs = max_num_seqs
+        self.time_scale = time_scale
+        self.busy: list[float | None] = []
+        self.occupancy: list[float | None] = []
+        self.lag_s: list[float | None] = []
+        self.engines: list[int] = []
+
+    async def _run(self, at: float) -> None:
+        loop = asyncio.get_running_loop()
+        last: dict[str, tuple[float, float]] = {}  # url -> (loop time, busy_s) of its last answer
+        async with aiohttp.ClientSession() as session:
+            async for _ in self._bins(at):
+                states = await asyncio.gather(*(_sim_state(session, url, self.bin_s) for url in self.urls))
+                now = loop.time()
+                busy = elapsed = 0.0
+                running, lags, answered = 0.0, [], 0
+                for url, state in zip(self.urls, states, strict=True):
+                    if state is None:
+                        last.pop(url, None)
+                        continue
+                    answered += 1
+                    running += float(state["running"])
+                    lags.append(float(state["lag_s"]))
+                    seen = float(state["busy_s"])
+                    if url in last:
+                        then, before = last[url]
+                        busy += seen - before if seen >= before else seen  # a restarted engine counts from 0
+                        elapsed += (now - then) * self.time_scale
+                    last[url] = (now, seen)
+                self.engines.append(answered)
+                self.busy.append(min(1.0, busy / elapsed) if elapsed > 0 else None)
+                self.occupancy.append(running / (answered * self.max_num_seqs) if answered else None)
+                self.lag_s.append(max(lags) if lags else None)
+
+
+async def _sim_state(session: aiohttp.ClientSession, url: str, timeout_s: float) -> dict[str, Any] | None:
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+            if response.status != 200:
+                return None
+            state: dict[str, Any] = await response.json()
+            return state
+    except (TimeoutError, aiohttp.ClientError, ValueError):
+        return None

@@ -103,6 +103,16 @@ async def measure_capacity(ports: Sequence[int], specs: Sequence[RequestSpec], *
                     sum(r.e2e_s for r in ok) / len(ok) if ok else None)
 
 
+def combined(parts: Sequence[Capacity]) -> Capacity:
+    """The capacity of several pools measured side by side over the same window: their sums (the mean request
+    time weighted by completions)."""
+    completed = sum(p.completed for p in parts)
+    e2e = sum(p.e2e_mean_s * p.completed for p in parts if p.e2e_mean_s is not None)
+    return Capacity(sum(p.clients for p in parts), max(p.window_s for p in parts), completed,
+                    sum(p.failed for p in parts), sum(p.rps for p in parts), sum(p.output_tps for p in parts),
+                    e2e / completed if completed else None)
+
+
 def capacity_table(arms: Sequence[Arm], *, title: str, tps_label: str, first_use: str, note: str
                    ) -> dict[str, Any]:
     """The table of every arm's capacity measurement (the first one's ``use`` is ``first_use``)."""

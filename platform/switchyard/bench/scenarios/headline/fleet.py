@@ -30,12 +30,13 @@ PROFILE = {SMALL: "h100-8b", LARGE: "h100-32b"}
 REPLICAS = 2
 MAX_NUM_SEQS = 4
 KV_TOKENS = 60_000
-CONTEXT = 4096
-#: Mooncake's lengths times this (prompts of about 12,000 tokens become about 600).
-TOKEN_SCALE = 0.05
+CONTEXT = 8192
+#: Mooncake's lengths times this (the conversation trace's prompts of some 12,000 tokens on average become
+#: about 1,200, its answers of some 340 tokens about 35).
+TOKEN_SCALE = 0.1
 PRICE = {SMALL: (0.10, 0.20), LARGE: (0.40, 1.20)}  # dollars per million input, output tokens
 #: ``auto`` sends prompts shorter than this to the small model, the rest to the large one.
-AUTO_SMALL_BELOW = 500
+AUTO_SMALL_BELOW = 1000
 
 TIERS = {"enterprise": "critical", "pro": "standard", "free": "sheddable"}
 CLASSES = ("critical", "standard", "sheddable")
@@ -46,8 +47,12 @@ SHED_ABOVE = 0.9
 TENANTS = (Tenant("bank", "enterprise", 0.08), Tenant("clinic", "enterprise", 0.07),
            Tenant("shop", "pro", 0.25), Tenant("studio", "pro", 0.2),
            Tenant("hobby", "free", 0.25), Tenant("students", "free", 0.15))
-#: The free tier's per-tenant limit (tokens per minute) in the Switchyard arms.
-FREE_TOKENS_PER_MINUTE = 400_000
+#: The free tier's per-tenant limit (tokens per minute) in the Switchyard arms: about a quarter of what the
+#: fleet turns over in a minute (some 60 requests/s of some 1,200 tokens), so that no free tenant can take more.
+FREE_TOKENS_PER_MINUTE = 1_000_000
+#: The large model's standard and sheddable requests go to the small one once its pools are this full: the rest
+#: of the large pools is kept for critical requests (``on_saturation.at_utilisation``).
+DOWNGRADE_AT = 0.75
 BATCH_TENANT, BATCH_TIER = "analytics", "pro"
 BATCH_CLASS = "batch"
 
@@ -81,14 +86,16 @@ def policy(arm: str, ports: Mapping[tuple[str, str], Sequence[int]]) -> str:
     for model in MODELS:
         inp, out = PRICE[model]
         fallback = [SMALL] if model == LARGE else []
-        extra = (", on_saturation: {downgrade_to: small, classes: [standard, sheddable]}"
-                 if full and model == LARGE else "")
+        extra = (f", on_saturation: [{{downgrade_to: small, classes: [standard, sheddable], "
+                 f"at_utilisation: {DOWNGRADE_AT:g}}}, {{downgrade_to: small, classes: [critical], "
+                 "wait_for_either: true}]" if full and model == LARGE else "")
         models.append(f"  - {{name: {model}, pools: [{', '.join(pool_name(r, model) for r in REGIONS)}], "
                       f"tokenizer: switchyard-sim, context_window: {CONTEXT}, "
                       f"price: {{input_per_mtok: {inp}, output_per_mtok: {out}}}, fallback: [{', '.join(fallback)}]"
                       f"{extra}}}")
     # (The baselines' gateways run without flow control: their queue deadlines are never used.)
     classes = [f"  {c}: {{max_queue_ms: {MAX_QUEUE_MS[c]}"
+               + (f", ttft_objective: {SLO_TTFT_S[c]:g}" if full else "")
                + (f", shed_above_utilisation: {SHED_ABOVE:g}" if full and c == "sheddable" else "") + "}"
                for c in CLASSES]
     if full:

@@ -13,7 +13,7 @@ import asyncio
 import math
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -24,13 +24,14 @@ from switchyard.bench.loadgen import run_open_loop
 from switchyard.bench.procs import free_ports
 from switchyard.bench.report import build_report, render_markdown, write_report
 from switchyard.bench.results import Result
-from switchyard.bench.sampler import MetricsSampler
+from switchyard.bench.sampler import EngineStateSampler
 from switchyard.bench.scenarios.arms import (
     Arm,
     Capacity,
     EngineShape,
     FreshArms,
     Stack,
+    combined,
     measure_capacity,
     start_engine,
 )
@@ -45,6 +46,7 @@ from switchyard.bench.scenarios.headline.fleet import (
     BATCH_TENANT,
     BATCH_TIER,
     CONTEXT,
+    DOWNGRADE_AT,
     KV_TOKENS,
     MAX_NUM_SEQS,
     MODELS,
@@ -56,6 +58,7 @@ from switchyard.bench.scenarios.headline.fleet import (
     REPLICAS,
     ROUND_ROBIN,
     SERVED,
+    SLO_TTFT_S,
     SMALL,
     TENANTS,
     TIERS,
@@ -64,9 +67,10 @@ from switchyard.bench.scenarios.headline.fleet import (
     policy,
     ports_of,
 )
+from switchyard.bench.scenarios.prefix.workloads import SHIPPED_TRACES
 from switchyard.bench.sender import Target, send_one
 from switchyard.bench.spec import Labels, RequestSpec, Workload
-from switchyard.bench.synthetic import RequestTemplate, poisson
+from switchyard.bench.synthetic import RequestTemplate
 from switchyard.bench.traces import mooncake
 
 #: Seconds of the day (the trace's hour compressed into it), with and without ``--quick``.
@@ -74,23 +78,23 @@ DURATION_S = 180.0
 QUICK_DURATION_S = 12.0
 #: The backlog: lines enough for this share of the capacity the interactive load leaves idle over the day.
 BACKLOG_SHARE = 1.2
+#: The backlog's lines (prompt and answer lengths, shared prefixes): the other Mooncake trace.
+BACKLOG_TRACE = SHIPPED_TRACES / "mooncake_synthetic.jsonl"
 #: Workers of the baselines' batch script (lines sent as ordinary requests, each worker one at a time).
 BATCH_SCRIPT_WORKERS = 8
-#: Clients of the capacity loop per sequence slot of the fleet: with one each, the slots of the pool that the
-#: mix loads less stood idle while the other's queued (the loop measured 32 requests in flight, not the fleet);
-#: with two, the busier pool is saturated and the capacity is what the mix can get from the fleet.
-CAPACITY_CLIENTS_PER_SLOT = 2
 #: Seconds between readings of the engines' ``/metrics``.
 SAMPLE_BIN_S = 1.0
-RUNNING = "vllm:num_requests_running"
 
 
 @dataclass
 class ArmRun(Arm):
     """What one arm measured."""
 
-    #: Sequences running on the fleet's engines, per bin (summed over the engines).
-    running: list[float] = field(default_factory=list)
+    #: The fleet's engines per bin of the day (:class:`~switchyard.bench.sampler.EngineStateSampler`): the share
+    #: of time they computed, their sequence slots taken, the largest lag behind the wall clock.
+    busy: list[float | None] = field(default_factory=list)
+    occupancy: list[float | None] = field(default_factory=list)
+    lag_s: list[float | None] = field(default_factory=list)
     batch_lines: int = 0
     batch_done: int = 0
     batch_failed: int = 0
@@ -118,6 +122,10 @@ class Headline(FreshArms[ArmRun]):
         super().__init__(ctx)
         self.layout: dict[str, dict[tuple[str, str], list[int]]] = {}
         self.backlog: list[RequestSpec] = []
+        #: Backlog lines the idle capacity called for (the trace may have fewer).
+        self.backlog_wanted = 0
+        #: Each model's pools' part of the fleet's capacity (requests per second).
+        self.pool_capacity: dict[str, float] = {}
 
     @property
     def slots(self) -> int:
@@ -149,17 +157,26 @@ class Headline(FreshArms[ArmRun]):
         return []  # the day is a trace replay (``run`` builds it), not a synthetic mix
 
     def measure(self, stack: Stack) -> Capacity:
-        """The fleet's capacity for the day's requests: a closed loop through the first arm's gateway."""
-        assert stack.gateway is not None
+        """The fleet's capacity for the day's requests: every sequence slot of every engine busy, each engine
+        called directly (``max_num_seqs`` clients each, no gateway) with the day's kind of requests, whatever
+        model its prompt would be routed to; the sum over the fleet. No router can serve more than this."""
         specs = mooncake(LENGTHS_TRACE, limit=4000, seed=self.ctx.options.seed + 1, token_scale=TOKEN_SCALE,
-                         max_model_len=CONTEXT, labels=Labels(tenant="shop", model="auto")).specs
-        clients = CAPACITY_CLIENTS_PER_SLOT * self.slots
-        self.ctx.say(f"headline: {stack.name}: measuring the fleet's capacity through the gateway ({clients} "
-                     f"clients, {self.capacity_s:g} s)")
-        port = int(stack.gateway.base_url.rsplit(":", 1)[1])
-        capacity = asyncio.run(measure_capacity([port], specs, clients_per_engine=clients,
-                                                warmup_s=self.capacity_warmup_s, duration_s=self.capacity_s,
-                                                timeout_s=self.timeout_s, api_key=self.keys["shop"]))
+                         max_model_len=CONTEXT, labels=Labels(tenant="shop")).specs
+        layout = self.layout[stack.name]
+        self.ctx.say(f"headline: {stack.name}: measuring the fleet's capacity, every slot of its {len(stack.pool)} "
+                     f"engines busy ({self.slots} clients, {self.capacity_s:g} s)")
+
+        async def both() -> list[Capacity]:
+            return await asyncio.gather(*(
+                measure_capacity([p for (_, m), ports in layout.items() if m == model for p in ports],
+                                 [replace(s, labels=replace(s.labels, model=SERVED[model])) for s in specs],
+                                 clients_per_engine=MAX_NUM_SEQS, warmup_s=self.capacity_warmup_s,
+                                 duration_s=self.capacity_s, timeout_s=self.timeout_s)
+                for model in MODELS))
+
+        parts = asyncio.run(both())
+        self.pool_capacity = {model: part.rps for model, part in zip(MODELS, parts, strict=True)}
+        capacity = combined(parts)
         if capacity.completed == 0:
             raise RuntimeError(f"{stack.name}: the capacity measurement completed no request")
         return capacity
@@ -171,14 +188,15 @@ class Headline(FreshArms[ArmRun]):
                    model="auto", token_scale=TOKEN_SCALE, max_model_len=CONTEXT)
 
     def backlog_lines(self, capacity: Capacity) -> list[RequestSpec]:
-        """The batch backlog: lines for ``BACKLOG_SHARE`` of the capacity the day leaves idle."""
+        """The batch backlog: the Mooncake synthetic trace's rows (long documents, short answers; scaled like the
+        day's), lines enough for ``BACKLOG_SHARE`` of the capacity the day leaves idle, at most the trace's rows."""
         shape = load_shape(arrival_curve())
         points = np.linspace(0.0, self.duration_s, 400, endpoint=False)
         idle = float(np.mean([max(0.0, 1.0 - load_at(shape, t, self.duration_s)) for t in points]))
-        count = max(10, math.ceil(BACKLOG_SHARE * capacity.rps * self.duration_s * idle))
-        template = RequestTemplate(tenant=BATCH_TENANT, request_class=BATCH_CLASS, model="auto",
-                                   prompt_tokens=(100, 800), output_tokens=(8, 32), stream=False, name="batch")
-        return list(poisson(count / 10.0, 10.0, [template], self.ctx.options.seed + 2, max_model_len=CONTEXT).specs)
+        self.backlog_wanted = max(10, math.ceil(BACKLOG_SHARE * capacity.rps * self.duration_s * idle))
+        labels = Labels(tenant=BATCH_TENANT, request_class=BATCH_CLASS, model="auto", stream=False)
+        return list(mooncake(BACKLOG_TRACE, limit=self.backlog_wanted, seed=self.ctx.options.seed + 2,
+                             token_scale=TOKEN_SCALE, max_model_len=CONTEXT, labels=labels).specs)
 
     def load(self, stack: Stack, arm: ArmRun, workload: Workload) -> None:
         self.ctx.say(f"headline: {arm.name}: {len(workload)} requests over {workload.duration_s:g} s"
@@ -194,7 +212,8 @@ class Headline(FreshArms[ArmRun]):
         assert gateway is not None
         base = gateway.base_url
         loop = asyncio.get_running_loop()
-        sampler = MetricsSampler([f"http://127.0.0.1:{p}/metrics" for p in stack.pool], [RUNNING], SAMPLE_BIN_S)
+        sampler = EngineStateSampler([f"http://127.0.0.1:{p}/sim/state" for p in stack.pool], MAX_NUM_SEQS,
+                                     self.time_scale, SAMPLE_BIN_S)
         tasks: list[asyncio.Task[Any]] = []
         stop_batch = asyncio.Event()
         auth = {"Authorization": f"Bearer {self.keys[BATCH_TENANT]}"}
@@ -223,7 +242,7 @@ class Headline(FreshArms[ArmRun]):
                 stop_batch.set()
                 await sampler.stop()
                 await asyncio.gather(*tasks, return_exceptions=True)
-            arm.running = sampler.series[RUNNING]
+            arm.busy, arm.occupancy, arm.lag_s = sampler.busy, sampler.occupancy, sampler.lag_s
             if batch_id is not None:
                 batch = await get_json(session, f"{base}/v1/batches/{batch_id}", auth)
                 arm.batch_done = int(batch["request_counts"]["completed"])
@@ -287,8 +306,8 @@ def run(ctx: ScenarioContext) -> Outcome:
     assert h.workload is not None
     assert h.capacity is not None
     workload, capacity = h.workload, h.capacity
-    measured = figures.measure(h.arms, workload, capacity, h.slots)
-    tables = figures.tables_of(measured, capacity, workload)
+    measured = figures.measure(h.arms, workload)
+    tables = figures.tables_of(measured, capacity, workload, h.pool_capacity)
     goals = figures.goals_of(measured)
     notes = figures.notes_of(h, capacity)
     parameters = {"scenario": "headline", "duration_s": h.duration_s, "time_scale": h.time_scale,
@@ -296,7 +315,10 @@ def run(ctx: ScenarioContext) -> Outcome:
                   "capacity_output_tps": capacity.output_tps, "capacity_clients": capacity.clients,
                   "peak": PEAK, "trough": TROUGH, "outage": {"region": OUTAGE_REGION, "share_of_day": list(OUTAGE)},
                   "regions": list(REGIONS), "replicas_per_model_and_region": REPLICAS, "max_num_seqs": MAX_NUM_SEQS,
-                  "profiles": PROFILE, "served": SERVED, "token_scale": TOKEN_SCALE, "batch_lines": len(h.backlog),
+                  "profiles": PROFILE, "served": SERVED, "token_scale": TOKEN_SCALE,
+                  "pool_capacity_rps": h.pool_capacity, "slo_ttft_s": SLO_TTFT_S, "downgrade_at": DOWNGRADE_AT,
+                  "batch_lines": len(h.backlog),
+                  "batch_lines_wanted": h.backlog_wanted, "batch_trace": str(BACKLOG_TRACE),
                   "outage_s": {a.name: list(a.outage_s) if a.outage_s else None for a in h.arms},
                   "batch": {a.name: {"lines": a.batch_lines, "done": a.batch_done, "failed": a.batch_failed,
                                      "via": a.batch_via} for a in h.arms},
@@ -306,9 +328,10 @@ def run(ctx: ScenarioContext) -> Outcome:
                           seeds={"day": ctx.options.seed, "capacity": ctx.options.seed + 1,
                                  "backlog": ctx.options.seed + 2},
                           slo=figures.slo_spec(), groups=("class", "tenant"), baseline=ROUND_ROBIN, tables=tables,
-                          goals=goals, notes=notes,
-                          extra_series={a.name: {"engine utilisation": measured[a.name]["utilisation_series"]}
-                                        for a in h.arms})
+                          goals=goals, notes=notes)
+    # Each arm's engines per second of the day (None: no engine answered), beside the load generator's series.
+    report["engines"] = {a.name: {"bin_s": SAMPLE_BIN_S, "utilisation": a.occupancy, "busy": a.busy, "lag_s": a.lag_s}
+                         for a in h.arms}
     write_report(report, ctx.out_dir)
     figures.write_day_plot(measured, workload, capacity, ctx.out_dir / "headline_day.png")
     report["plots"] = sorted({*report["plots"], "headline_day.png"})
