@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -253,6 +254,51 @@ def test_a_batch_waits_for_its_tenants_rate_limit_instead_of_failing(engines: En
         status, _, log = http_json("GET", f"{gw.base_url}/admin/api/requests?tenant=tiny-co&status=429&limit=500")
         assert len(log["requests"]) == 3, log  # one try each: no wait makes such a line fit
     finally:
+        assert stop(gw.proc)
+
+
+# --- a slow model does not hold the worker ---------------------------------------------------------
+
+SLOW_LINES, QUICK_LINES, HOL_CONCURRENCY = 6, 8, 4
+
+
+def test_lines_for_a_slow_model_do_not_hold_the_worker_from_a_free_one(engines: Engines, tmp_path: Path) -> None:
+    """A job whose first lines go to a slow pool of one sequence slot (``hang-us`` slowed a thousandfold) and
+    the rest to ``small``: the slow pool's batch lane keeps one line waiting, the others go back to the job's
+    queue without spending a try, and the worker's room goes to the small lines, which all finish while the
+    slow ones are still running. (It used to fill its room with lines waiting for the slow pool.)"""
+    policy = tmp_path / "policies.yaml"
+    text_ = engines.policy_file.read_text()
+    pool = "  - {name: hang-us, region: us-east, served_model: sim-hang, "
+    assert pool in text_ and "\ntiers:\n" in text_
+    # The batch class last (a header may only lower a request's class), the slow pool with one slot.
+    policy.write_text(text_.replace(pool, pool + "max_num_seqs: 1, ").replace("\ntiers:\n", "\n" + BATCH_CLASS
+                                                                                  + "tiers:\n"))
+    gw = start_gateway(Engines(policy, engines.ports, engines.dead_port), f"sqlite:///{tmp_path / 'gw.db'}",
+                       tmp_path, "sqlite", {"SWITCHYARD_BATCH_CONCURRENCY": str(HOL_CONCURRENCY),
+                                            "SWITCHYARD_UPSTREAM_READ_TIMEOUT_S": "120"})
+    status, _, body = http_json("POST", f"{engines.url('hang-us')}/sim/faults", {"mode": "slow", "slow_factor": 1000})
+    assert status == 200, body
+    try:
+        client = _sdk(gw, gw.new_key("hol-co", "pro"))
+        slow = [{**_chat_line(i, model="hangs"), "body": {**_chat_line(i, model="hangs")["body"], "max_tokens": 60}}
+                for i in range(SLOW_LINES)]
+        quick = [_chat_line(SLOW_LINES + i) for i in range(QUICK_LINES)]
+        uploaded = client.files.create(file=("h.jsonl", io.BytesIO(_jsonl(slow + quick))), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        progress = eventually(lambda: (b := client.batches.retrieve(batch.id)).request_counts is not None
+                              and b.request_counts.completed >= QUICK_LINES and b, timeout=30)
+        assert progress, client.batches.retrieve(batch.id)
+        assert progress.request_counts.failed == 0
+        with urllib.request.urlopen(f"{gw.base_url}/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        sent_back = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                     if line.startswith("switchyard_shed_total{") and 'reason="lane_full"' in line]
+        assert sent_back and sent_back[0] >= 1, [m for m in metrics.splitlines() if m.startswith("switchyard_shed")]
+        client.batches.cancel(batch.id)
+    finally:
+        http_json("POST", f"{engines.url('hang-us')}/sim/faults", {"mode": "none"})
         assert stop(gw.proc)
 
 

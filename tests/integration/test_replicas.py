@@ -331,7 +331,9 @@ def test_a_replica_killed_mid_batch_under_load_loses_nothing(cluster: Cluster) -
     a, b, c = cluster.replicas
     batch_key = a.new_key("crash-co", "pro")
     flow_key = a.new_key("flow-co", "pro")
-    lines = _lines(240, "crash")
+    # Answers long enough that a worker holds lines most of the time: with 4 tokens each it finished its four in a
+    # few milliseconds and slept between claims, and C, frozen at any moment, was seldom holding one.
+    lines = _lines(240, "crash", max_tokens=256)
     rotation = {"alive": (0, 1, 2)}  # the replicas the client spreads its requests over
     sent: list[Sent] = []
     stopping = threading.Event()

@@ -12,7 +12,11 @@ limits have no room for is not a failure: it goes back without spending a try, d
 says (``Retry-After``); the worker claims none of that tenant's lines until then, and afterwards only a
 few at a time (halved at each refusal, one more for each line served) — so a batch is paced to its
 tenant's budget instead of retried into it. It fails on a limit only when it can never
-fit: alone larger than the limit, or room only after the job's completion window.
+fit: alone larger than the limit, or room only after the job's completion window. Nor is a line
+whose model's batch lane already has as many lines waiting as its pools have sequence slots
+(``batch_lane_full``): it goes back without spending a try, due when the lane is likely to have room,
+and the worker pauses its claims a moment; otherwise the worker's room would fill with lines waiting
+for the slowest model while the other models' pools stood idle.
 
 A line runs as the key that made its job, as that key is *now*: the worker caches identities by key
 id only while the process's key cache hears of no key change (``KeyAuthenticator.changes``: PostgreSQL
@@ -65,6 +69,11 @@ MAX_BACKOFF_S = 300.0
 IDENTITY_TTL_S = 5.0
 #: Lookups of one identity while key changes keep landing during them (then the last answer is used).
 _LOOKUP_TRIES = 3
+#: The refusal of a line whose model's batch lane already has as many lines waiting as its pools have slots.
+LANE_FULL = "batch_lane_full"
+#: After such a refusal the worker claims nothing for this long (the lines it claims next are likely the
+#: same model's: a pause keeps it from handing lines back as fast as it can claim them).
+LANE_FULL_PAUSE_S = 0.25
 
 
 def backoff_s(attempts: int, base_s: float = 2.0) -> float:
@@ -140,6 +149,10 @@ class BatchWorker:
         #: Tenants whose limits had no room (their lines are paced), and the tenant of each running line.
         self._paced: dict[int, _Pace] = {}
         self._tenant_of: dict[int, int] = {}
+        #: No claims before this (monotonic): a line just came back from a full batch lane.
+        self._paused_until = 0.0
+        #: Set when a line ends: the loop claims again at once.
+        self._line_done = asyncio.Event()
 
     async def _db(self, work: Callable[[Session], T]) -> T:
         return await in_transaction(self.engine, work)
@@ -150,7 +163,7 @@ class BatchWorker:
         while True:
             now = time.time()
             try:
-                free = self.concurrency - len(self._running)
+                free = self.concurrency - len(self._running) if time.monotonic() >= self._paused_until else 0
                 claimed = (await self._db(functools.partial(_claim, owner=self.owner, limit=free, lease_s=self.lease_s,
                                                             now=now, paced=self._room(now))) if free > 0 else [])
                 for line in claimed:
@@ -172,7 +185,18 @@ class BatchWorker:
             except Exception:  # the database may be down for a while: try again
                 log.exception("batch worker: a round failed; trying again")
                 claimed = []
-            await asyncio.sleep(0.05 if claimed else self.poll_s)
+            await self._until_room(0.05 if claimed else self.poll_s)
+
+    async def _until_room(self, delay_s: float) -> None:
+        """Wait ``delay_s`` seconds (until a pause ends, at most), or less when a line ends: a full worker claims
+        again as soon as one of its lines is done, not at its next poll (a worker of 4 whose lines took 100 ms
+        ran 4 a second)."""
+        paused = self._paused_until - time.monotonic()
+        if paused > 0:
+            delay_s = min(delay_s, paused)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._line_done.wait(), delay_s)
+        self._line_done.clear()
 
     def _running_of(self, tenant: int) -> int:
         return sum(1 for row in self._running if self._tenant_of.get(row) == tenant)
@@ -197,6 +221,7 @@ class BatchWorker:
     def _done(self, row: int, task: asyncio.Task[None]) -> None:
         self._running.pop(row, None)
         self._tenant_of.pop(row, None)
+        self._line_done.set()
         if not task.cancelled() and (error := task.exception()) is not None:
             # Its lease runs out and another round tries it again (the database may have been down).
             log.error("batch line %s: %s: %s", row, error.__class__.__name__, error)
@@ -265,6 +290,8 @@ class BatchWorker:
             detail = {"code": error.code or error.type, "message": error.message}
             if isinstance(error, RateLimited):
                 await self._over_limit(line, error, detail)
+            elif error.code == LANE_FULL:
+                await self._lane_full(line, error, detail)
             elif error.status_code in TRANSIENT and line.attempts < self.max_attempts:
                 delay = backoff_s(line.attempts)
                 await self._db(lambda s: batch_queue.retry_later(s, line.id, self.owner, delay, detail, time.time()))
@@ -294,6 +321,15 @@ class BatchWorker:
         self._refused(line.tenant_id, now + wait)
         await self._db(lambda s: batch_queue.retry_later(s, line.id, self.owner, wait, detail, now,
                                                          count_attempt=False))
+
+    async def _lane_full(self, line: batch_queue.ClaimedRequest, error: ApiError, detail: dict[str, Any]) -> None:
+        """A line its model's batch lane had no waiting room for: it goes back to the job's queue without spending
+        a try, due when the lane is likely to have room (the refusal's ``Retry-After``), and the worker claims
+        again after a pause, so that its room goes to lines other pools can start now."""
+        now = time.time()
+        self._paused_until = max(self._paused_until, time.monotonic() + LANE_FULL_PAUSE_S)
+        await self._db(lambda s: batch_queue.retry_later(s, line.id, self.owner, _retry_after_s(error.headers),
+                                                         detail, now, count_attempt=False))
 
     async def _finish(self, line: batch_queue.ClaimedRequest, status: int, body: dict[str, Any] | None,
                       error: dict[str, Any] | None, request_id: str | None = None) -> None:

@@ -53,6 +53,9 @@ class _EmptyQueue:
     def tokens_before(self, tenant: str, rank: int) -> int:
         return 0
 
+    def __len__(self) -> int:
+        return 0
+
     def saturated(self, lane: Lane, utilisation: float, ceiling: float) -> bool:
         return utilisation >= ceiling
 

@@ -18,7 +18,10 @@ A request that has been admitted is scheduled (:func:`schedule`) before it picks
 5. **Queue** otherwise, in the queue of every pool of the model (whichever frees first serves
    it) and, where the model's downgrade rule for the class says ``wait_for_either``, of every pool
    of the cheaper model too (served there, it is downgraded), unless the predicted wait already
-   exceeds the class's deadline. A saturated pool turns
+   exceeds the class's deadline. The batch lane keeps at most :func:`batch_waiting_room` requests
+   waiting per pool: beyond that a batch line is refused (``batch_lane_full``) and goes back to its
+   job's queue, so that lines for a slow model cannot take all of the batch worker's room while
+   another model's pools stand idle. A saturated pool turns
    over the tokens it holds once per service time (Little's law), so the wait is predicted as
    ``tokens served before it * mean service time / tokens in flight there``. The request leaves
    with 503 when its deadline passes, or quietly when its client disconnects.
@@ -52,6 +55,17 @@ from switchyard.decide.views import Candidate, DrainView, FleetView, QueueView
 from switchyard.policy.fleet import Model, Pool
 from switchyard.policy.snapshot import PolicySnapshot
 from switchyard.policy.tiers import Lane
+
+#: Batch lines that may wait at a pool per endpoint when the pool does not declare ``max_num_seqs``.
+BATCH_WAITING_PER_ENDPOINT = 16
+
+
+def batch_waiting_room(pool: Pool) -> int:
+    """How many batch-lane requests may wait at ``pool``: as many as it has sequence slots (``max_num_seqs``
+    per endpoint, or :data:`BATCH_WAITING_PER_ENDPOINT` when it declares none). More would only wait longer,
+    and hold the batch worker's room for lines that other pools could start now."""
+    return (pool.max_num_seqs or BATCH_WAITING_PER_ENDPOINT) * len(pool.endpoints)
+
 
 #: A batch request sent to an endpoint less than this share of its usual interactive time to first byte ago
 #: has most likely not had its first engine step yet (that time is the engine's frontend, the wait for the
@@ -250,6 +264,12 @@ def schedule(snapshot: PolicySnapshot, model: Model, cls: ClassDecision, cost: i
     pools = (*decision.pools, *also_pools)
     predicted = predicted_wait_s([(fleet.queues(p), fleet.service(p), fleet.reserved_tokens(p))
                                   for p in pools], klass.lane, tenant, cls.rank)
+    if klass.lane == "batch" and all(len(fleet.queues(p).lane("batch")) >= batch_waiting_room(p) for p in pools):
+        return Refusal(503, "batch_lane_full",
+                       f"The batch lane of model {model.name} is full: each of its pools has as many batch requests "
+                       "waiting as it has sequence slots. A batch line goes back to its job's queue without "
+                       "spending a try.", retry_after_s=min(60.0, max(1.0, math.ceil(predicted or 1.0))),
+                       shed="lane_full")
     if predicted is not None and predicted > deadline_s:
         return Refusal(503, "queue_wait_too_long",
                        f"Shed: the predicted wait for model {model.name} ({predicted:.1f} s) exceeds the "

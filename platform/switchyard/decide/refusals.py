@@ -7,7 +7,7 @@ from typing import Literal
 
 #: Why flow control shed a request: above its class's threshold, a predicted wait past its deadline, or
 #: the deadline passed while it waited.
-ShedReason = Literal["utilisation", "predicted_wait", "deadline"]
+ShedReason = Literal["utilisation", "predicted_wait", "deadline", "lane_full"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -147,6 +147,10 @@ class LaneView(Protocol):
         """Tokens served before a newcomer from ``tenant`` of class ``rank``."""
         ...
 
+    def __len__(self) -> int:
+        """Requests waiting in the lane."""
+        ...
+
 
 class QueueView(Protocol):
     """A pool's queues as flow control's decisions read them (:class:`switchyard.state.queues.PoolQueues`)."""

@@ -85,7 +85,8 @@ class GatewayMetrics:
         self.shed = Counter(
             "switchyard_shed", "Requests refused with 503 by flow control, by class and reason (utilisation: "
             "above the class's shedding threshold; deadline: waited its class's max_queue_ms; predicted_wait: "
-            "its predicted wait exceeded the deadline on arrival).", ["class", "reason"], registry=self.registry)
+            "its predicted wait exceeded the deadline on arrival; lane_full: a batch line found its batch lane's "
+            "waiting room full).", ["class", "reason"], registry=self.registry)
         self.downgrades = Counter(
             "switchyard_downgrades", "Requests served by a cheaper model because the requested one's pools were "
             "saturated, by class, reason and the model asked for.", ["class", "reason", "model"],

@@ -56,7 +56,9 @@ METRIC_LABEL_VALUES: dict[tuple[str, str], str] = {
     ("switchyard_requests_total", "outcome"):
         "`ok`, `refused` (a 4xx other than 429), `limited` (429), `shed` (flow control's 503), `error` (5xx, or a "
         "stream the engine broke off) or `client_closed` (499).",
-    ("switchyard_shed_total", "reason"): "`utilisation`, `deadline` or `predicted_wait`.",
+    ("switchyard_shed_total", "reason"):
+        "`utilisation`, `deadline`, `predicted_wait` or `lane_full` (a batch line the batch lane had no waiting room "
+        "for: it goes back to its job's queue).",
     ("switchyard_downgrades_total", "reason"):
         "`shed_threshold`, `saturated` or `headroom` (`on_saturation.at_utilisation`).",
     ("switchyard_fallbacks_total", "reason"):

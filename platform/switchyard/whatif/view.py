@@ -15,6 +15,7 @@ other pools have no events, so the scorer uses the approximate index there, as i
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -100,9 +101,11 @@ class ReplayView:
         return replace(view, healthy=False) if candidate.url in self.down else view
 
     def pool_utilisation(self, pool: Pool, lane: Lane, now: float) -> float:
-        """Its least-loaded endpoint's utilisation; the batch lane's keeps the pool's reserved slots free."""
-        views = ([self.fleet.endpoints[url].view() for url in pool.endpoints if url not in self.down]
-                 or [self.fleet.endpoints[url].view() for url in pool.endpoints])
+        """Its least-loaded endpoint's utilisation (of those in service; infinite when none is, as the gateway
+        sees it); the batch lane's keeps the pool's reserved slots free."""
+        views = [self.fleet.endpoints[url].view() for url in pool.endpoints if url not in self.down]
+        if not views:
+            return math.inf
         if lane == "interactive":
             return min(v.utilisation for v in views)
         return batch_pool_utilisation(pool, [v.utilisation for v in views], sum(v.load for v in views))

@@ -722,3 +722,25 @@ async def test_by_default_a_queued_request_waits_for_its_own_model_only(flow: Fl
     finish(flow)
     got = await waiting
     assert got.model.name == "big" and got.downgraded_from is None
+
+
+async def test_the_batch_lane_keeps_as_many_lines_waiting_as_the_pool_has_slots(
+        flow: FlowController, snapshot: PolicySnapshot) -> None:
+    # big: one endpoint of max_num_seqs 2, so two batch lines may wait there; a third goes back to its job.
+    assert decide_flow.batch_waiting_room(snapshot.pools["big"]) == 2
+    assert decide_flow.batch_waiting_room(snapshot.pools["spare"]) == decide_flow.BATCH_WAITING_PER_ENDPOINT
+    fill(flow, 1)  # utilisation 0.5: at the batch class's ceiling
+    waiting = [asyncio.create_task(schedule(flow, snapshot, "batch")) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    assert flow.waiting() == 2
+    with pytest.raises(Overloaded) as caught:
+        await schedule(flow, snapshot, "batch")
+    err = caught.value
+    assert err.status_code == 503 and err.code == "batch_lane_full"
+    assert err.headers is not None and int(err.headers["Retry-After"]) >= 1
+    assert sample(flow, "switchyard_shed_total", reason="lane_full", **{"class": "batch"}) == 1
+    # Interactive requests are not held by it.
+    assert (await schedule(flow, snapshot, "critical")).model.name == "big"
+    for t in waiting:
+        t.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
