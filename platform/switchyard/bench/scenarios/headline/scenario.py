@@ -10,7 +10,6 @@ lengths and ``auto`` route: what the mix can get from the fleet. That capacity s
 from __future__ import annotations
 
 import asyncio
-import math
 import signal
 import time
 from dataclasses import dataclass, field, replace
@@ -41,6 +40,7 @@ from switchyard.bench.scenarios.headline import figures
 from switchyard.bench.scenarios.headline.day import LENGTHS_TRACE, PEAK, TROUGH, arrival_curve, day, load_at, load_shape
 from switchyard.bench.scenarios.headline.fleet import (
     ARMS,
+    AUTO_SMALL_BELOW,
     BASELINES,
     BATCH_CLASS,
     BATCH_TENANT,
@@ -48,6 +48,7 @@ from switchyard.bench.scenarios.headline.fleet import (
     CONTEXT,
     DOWNGRADE_AT,
     KV_TOKENS,
+    LARGE,
     MAX_NUM_SEQS,
     MODELS,
     OUTAGE,
@@ -80,6 +81,8 @@ QUICK_DURATION_S = 12.0
 BACKLOG_SHARE = 1.2
 #: The backlog's lines (prompt and answer lengths, shared prefixes): the other Mooncake trace.
 BACKLOG_TRACE = SHIPPED_TRACES / "mooncake_synthetic.jsonl"
+#: Readings of that trace at most (each with another seed: other text of the same lengths).
+MAX_BACKLOG_CYCLES = 4
 #: Workers of the baselines' batch script (lines sent as ordinary requests, each worker one at a time).
 BATCH_SCRIPT_WORKERS = 8
 #: Seconds between readings of the engines' ``/metrics``.
@@ -122,8 +125,8 @@ class Headline(FreshArms[ArmRun]):
         super().__init__(ctx)
         self.layout: dict[str, dict[tuple[str, str], list[int]]] = {}
         self.backlog: list[RequestSpec] = []
-        #: Backlog lines the idle capacity called for (the trace may have fewer).
-        self.backlog_wanted = 0
+        #: The backlog's lines by the model ``auto`` sends them to.
+        self.backlog_models: dict[str, int] = {}
         #: Each model's pools' part of the fleet's capacity (requests per second).
         self.pool_capacity: dict[str, float] = {}
 
@@ -189,14 +192,31 @@ class Headline(FreshArms[ArmRun]):
 
     def backlog_lines(self, capacity: Capacity) -> list[RequestSpec]:
         """The batch backlog: the Mooncake synthetic trace's rows (long documents, short answers; scaled like the
-        day's), lines enough for ``BACKLOG_SHARE`` of the capacity the day leaves idle, at most the trace's rows."""
+        day's), enough that each model's lines fill ``BACKLOG_SHARE`` of the capacity its pools have left idle
+        over the day (``auto`` sends a line's prompt to one model: the small model's pools, the faster, would
+        otherwise run out of lines first). The trace is read again with another seed (other text) when it is
+        too short."""
         shape = load_shape(arrival_curve())
         points = np.linspace(0.0, self.duration_s, 400, endpoint=False)
         idle = float(np.mean([max(0.0, 1.0 - load_at(shape, t, self.duration_s)) for t in points]))
-        self.backlog_wanted = max(10, math.ceil(BACKLOG_SHARE * capacity.rps * self.duration_s * idle))
+        parts = self.pool_capacity or {SMALL: capacity.rps}
+        wanted = {model: BACKLOG_SHARE * rps * self.duration_s * idle for model, rps in parts.items()}
         labels = Labels(tenant=BATCH_TENANT, request_class=BATCH_CLASS, model="auto", stream=False)
-        return list(mooncake(BACKLOG_TRACE, limit=self.backlog_wanted, seed=self.ctx.options.seed + 2,
-                             token_scale=TOKEN_SCALE, max_model_len=CONTEXT, labels=labels).specs)
+        lines: list[RequestSpec] = []
+        counts = dict.fromkeys(wanted, 0)
+        for cycle in range(MAX_BACKLOG_CYCLES):
+            rows = mooncake(BACKLOG_TRACE, seed=self.ctx.options.seed + 2 + cycle, token_scale=TOKEN_SCALE,
+                            max_model_len=CONTEXT, labels=labels).specs
+            for spec in rows:
+                if all(counts[m] >= wanted[m] for m in wanted):
+                    break
+                lines.append(replace(spec, index=len(lines)))
+                counts[SMALL if spec.prompt_tokens < AUTO_SMALL_BELOW else LARGE] += 1
+            else:
+                continue
+            break
+        self.backlog_models = counts
+        return lines
 
     def load(self, stack: Stack, arm: ArmRun, workload: Workload) -> None:
         self.ctx.say(f"headline: {arm.name}: {len(workload)} requests over {workload.duration_s:g} s"
@@ -318,7 +338,7 @@ def run(ctx: ScenarioContext) -> Outcome:
                   "profiles": PROFILE, "served": SERVED, "token_scale": TOKEN_SCALE,
                   "pool_capacity_rps": h.pool_capacity, "slo_ttft_s": SLO_TTFT_S, "downgrade_at": DOWNGRADE_AT,
                   "batch_lines": len(h.backlog),
-                  "batch_lines_wanted": h.backlog_wanted, "batch_trace": str(BACKLOG_TRACE),
+                  "batch_lines_by_model": h.backlog_models, "batch_trace": str(BACKLOG_TRACE),
                   "outage_s": {a.name: list(a.outage_s) if a.outage_s else None for a in h.arms},
                   "batch": {a.name: {"lines": a.batch_lines, "done": a.batch_done, "failed": a.batch_failed,
                                      "via": a.batch_via} for a in h.arms},
