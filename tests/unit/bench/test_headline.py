@@ -11,6 +11,7 @@ from switchyard.bench.scenarios.headline.figures import cost_per_1k, goals_of, g
 from switchyard.bench.scenarios.headline.fleet import (
     ARMS,
     BASELINES,
+    CLASSES,
     LARGE,
     MAX_NUM_SEQS,
     MODELS,
@@ -46,6 +47,8 @@ def test_every_arm_has_the_same_fleet_and_only_switchyard_the_controls() -> None
         assert (snapshot.tiers["free"].limits is not None and snapshot.tiers["free"].limits.tokens_per_minute
                 is not None) is full
         assert (snapshot.priorities["sheddable"].shed_above_utilisation is not None) is full
+        assert bool(snapshot.document.cache) is full
+        assert all((snapshot.priorities[c].ttft_objective is not None) is full for c in CLASSES)
         assert "auto" in snapshot.routes
     # Every endpoint appears once across the pools.
     urls = [u for p in snapshots[SWITCHYARD].pools.values() for u in p.endpoints]

@@ -57,6 +57,13 @@ BATCH_TENANT, BATCH_TIER = "analytics", "pro"
 BATCH_CLASS = "batch"
 
 
+#: The Switchyard arms' response cache: an exact answer repeated answers at once (per tenant, ten minutes).
+CACHE_RULES = """\
+cache:
+  - {name: repeated-questions, match: {routes: [auto]}, mode: exact, ttl: 10m, scope: tenant}
+"""
+
+
 def ports_of(ports: Sequence[int]) -> dict[tuple[str, str], list[int]]:
     """``ports`` dealt out to (region, model), ``REPLICAS`` each, in the order of ``REGIONS`` and ``MODELS``."""
     out: dict[tuple[str, str], list[int]] = {}
@@ -73,8 +80,8 @@ def pool_name(region: str, model: str) -> str:
 
 def policy(arm: str, ports: Mapping[tuple[str, str], Sequence[int]]) -> str:
     """The policy document of ``arm``: the same fleet, models, ``auto`` route and fallbacks for every arm; the
-    Switchyard arms add priority scheduling, queue deadlines and shedding, the free tier's limit, the large
-    model's downgrade when saturated and the batch lane."""
+    Switchyard arms add priority scheduling, TTFT objectives, queue deadlines and shedding, the free tier's
+    limit, the large model's downgrades, the response cache and the batch lane."""
     full = arm not in BASELINES
     pools = []
     for (region, model), endpoints in ports.items():
@@ -121,4 +128,4 @@ priorities:
 {newline.join(classes)}
 tiers:
 {newline.join(tiers)}
-"""
+""" + (CACHE_RULES if full else "")
