@@ -24,7 +24,7 @@ from switchyard.sim.calibrate.fit import (
     nnls,
 )
 from switchyard.sim.calibrate.probe import decode_run, make_plan
-from switchyard.sim.calibrate.replay import make_workload
+from switchyard.sim.calibrate.replay import CAPACITY_SHARE, make_workload, within_capacity
 from switchyard.sim.config import EngineConfig, resolve
 from switchyard.sim.core import EngineCore
 from switchyard.sim.measured import (
@@ -208,6 +208,23 @@ def test_workload_is_fixed_by_its_seed_and_fits_the_limits() -> None:
     arrivals = [r.at for r in a.requests]
     assert arrivals == sorted(arrivals) and a.rate > 0
     assert "30 requests" in a.describe()
+
+
+def test_the_replay_stays_under_a_share_of_what_the_engine_completed() -> None:
+    fast = make_workload(_fit(), requests=30, max_model_len=512, block_size=128, max_num_seqs=8,
+                         vocab_size=1536, seed=3)
+    # An engine slower than its fit (its API server and the client share two cores): the rate comes down,
+    # the same requests arrive in the same order, every gap stretched by the same factor.
+    capacity = fast.rate  # requests/s the pilot completed
+    slow = within_capacity(fast, capacity, 8)
+    assert slow.rate == pytest.approx(CAPACITY_SHARE * capacity)
+    assert [(r.prompt, r.max_tokens) for r in slow.requests] == [(r.prompt, r.max_tokens) for r in fast.requests]
+    factor = fast.rate / slow.rate
+    assert [r.at for r in slow.requests] == pytest.approx([r.at * factor for r in fast.requests])
+    assert f"40% of the {capacity:.2f}/s the engine completed with 8 in flight" in slow.describe()
+    # An engine with room to spare keeps the rate its fit gave.
+    roomy = within_capacity(fast, 10 * fast.rate, 8)
+    assert roomy.rate == fast.rate and [r.at for r in roomy.requests] == [r.at for r in fast.requests]
 
 
 # --- the profile file --------------------------------------------------------------------------

@@ -20,16 +20,23 @@ from switchyard.sim.calibrate.probe import Measurements, Plan, Prompts, make_pla
 from switchyard.sim.calibrate.replay import (
     LatencySummary,
     Workload,
+    closed_loop_rate,
     make_workload,
     replay,
     simulated_engine,
     summarize,
+    within_capacity,
 )
 from switchyard.sim.measured import MeasuredProfile, StepTimeModel, save_profile_file
 
 #: vLLM's ``max_num_batched_tokens`` for the OpenAI server on CPU (engine/arg_utils.py);
 #: a client cannot see it, and with prompts under it a calibration does not depend on it.
 DEFAULT_BATCHED_TOKENS = 2048
+
+#: The comparison's pilot: this many requests in flight (or the engine's ``max_num_seqs``, if fewer),
+#: closed loop, three rounds of them, before the replay.
+PILOT_IN_FLIGHT = 8
+PILOT_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -167,7 +174,8 @@ def _comparison_record(c: Comparison) -> dict[str, Any]:
         out.update({f"itl_p{q}_s": _round(v) for q, v in s.itl.items()})
         return out
 
-    return {"workload": c.workload.describe(), "real": pct(c.real), "sim": pct(c.sim)}
+    return {"workload": c.workload.describe(), "rate": _round(c.workload.rate),
+            "pilot_rate": _round(c.workload.capacity or math.nan), "real": pct(c.real), "sim": pct(c.sim)}
 
 
 async def calibrate(opts: CalibrationOptions, log: Callable[[str], None]) -> CalibrationResult:
@@ -233,10 +241,17 @@ async def _compare(session: aiohttp.ClientSession, client: EngineClient, facts: 
                    profile: MeasuredProfile, fit: StepFit, opts: CalibrationOptions,
                    log: Callable[[str], None]) -> Comparison:
     n = opts.replay_requests or (40 if opts.quick else 120)
-    workload = make_workload(fit, requests=n, max_model_len=facts.max_model_len,
-                             block_size=facts.block_size, max_num_seqs=profile.max_num_seqs,
-                             vocab_size=facts.vocab_size, seed=opts.seed + 1)
-    log(f"calibrate: replaying {n} requests at {workload.rate:.2f}/s against the engine")
+    limits = {"max_model_len": facts.max_model_len, "block_size": facts.block_size,
+              "max_num_seqs": profile.max_num_seqs, "vocab_size": facts.vocab_size}
+    workload = make_workload(fit, requests=n, seed=opts.seed + 1, **limits)
+    # The pilot's requests are drawn with another seed: other shared prefixes, so the replay starts
+    # with the real engine's prefix cache as cold for its prompts as the simulator's.
+    in_flight = min(PILOT_IN_FLIGHT, profile.max_num_seqs)
+    pilot = make_workload(fit, requests=PILOT_ROUNDS * in_flight, seed=opts.seed + 2, **limits)
+    capacity = await closed_loop_rate(client, pilot.requests, in_flight)
+    workload = within_capacity(workload, capacity, in_flight)
+    log(f"calibrate: the engine completed {capacity:.2f} requests/s with {in_flight} in flight; "
+        f"replaying {n} requests at {workload.rate:.2f}/s against it")
     real = summarize(await replay(client, workload))
     log("calibrate: and against the simulator with the fitted profile")
     async with simulated_engine(session, opts.out, facts.model) as sim_url:
