@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import time
@@ -220,6 +221,13 @@ def test_overhead_says_litellm_was_not_measured_and_its_figures_agree(
     report = _json(out / "overhead" / "report.json")
     md = (out / "overhead" / "report.md").read_text()
     assert "not measured: --no-litellm" in md
+    # The measured request path is the demo policy's kind (kept beside the report), and every exact-cache lookup
+    # missed: the engine answered every request the gateway counted.
+    policy = (out / "overhead" / "policy.yaml").read_text()
+    assert "routes:" in policy and "cache:" in policy and "limits:" in policy
+    assert any(n.startswith("Policy (`policy.yaml` beside this report") for n in report["notes"])
+    lookups = next(n for n in report["notes"] if n.startswith("The gateway's exact-cache lookups over the run: "))
+    assert re.fullmatch(r"The gateway's exact-cache lookups over the run: [\d,]+ miss\.", lookups), lookups
     lite = [g for g in report["goals"] if "LiteLLM" in g["goal"]]
     assert lite and all(g["met"] is None and "--no-litellm" in g["note"] for g in lite)
     latency, saturation = report["tables"][0]["rows"], report["tables"][1]["rows"]

@@ -33,17 +33,57 @@ tiers:
 """
 
 
-def overhead_policy(engine_port: int, served_model: str, model: str) -> str:
-    """One pool of one instant engine; clients call ``model``."""
+#: What the overhead scenario's policy keeps on, as its report states it.
+HOT_PATH_FEATURES = (
+    "the key from the key cache; model `auto`, resolved by route rules (the `features` difficulty classifier, "
+    "prompt length and turns) to `small` or `medium`, as in the demo policy; the tier's token and request limits "
+    "(admission, in-process counters); flow control (the priority class's queue, the pool's saturation); the "
+    "exact cache rule's lookup on every request (sent with temperature 0 and `x-switchyard-cache-control: "
+    "no-store`, so the lookup runs and misses, and nothing is stored: a hit would not reach the engine); the `chat` "
+    "endpoint "
+    "profile's filters and scorers (prefix index, load, session affinity, KV room); prompts counted with the "
+    "model's tokenizer; metrics and the request log (every request, SQLite)")
+
+
+def overhead_policy(engine_port: int, served_model: str) -> str:
+    """The demo policy's kind of request path in front of one instant engine (:data:`HOT_PATH_FEATURES`): clients
+    call ``auto``, which resolves to ``small`` or ``medium``, both served by the engine's pool."""
     return f"""\
 schema: 1
 regions: [local]
 pools:
   - {{name: instant, region: local, served_model: {served_model}, endpoints: {_urls([engine_port])},
       kv_cache_tokens: 100000}}
-""" + _tail(f"""\
 models:
-  - {{name: {model}, pools: [instant], context_window: 8192, price: {{input_per_mtok: 0, output_per_mtok: 0}}}}""")
+  - {{name: small, pools: [instant], tokenizer: {SIM_TOKENIZER}, context_window: 8192, default_max_tokens: 256,
+      price: {{input_per_mtok: 0.10, output_per_mtok: 0.20}}, endpoint_profile: chat}}
+  - {{name: medium, pools: [instant], tokenizer: {SIM_TOKENIZER}, context_window: 16384, default_max_tokens: 512,
+      price: {{input_per_mtok: 0.40, output_per_mtok: 1.20}}, fallback: [small], endpoint_profile: chat}}
+routes:
+  - name: auto
+    rules:
+      - {{name: hard-to-medium, when: {{classifier: hard}}, model: medium}}
+      - {{name: short-and-simple, when: {{prompt_tokens_lt: 2000, messages_lt: 8}}, model: small}}
+    default: medium
+classifiers:
+  hard: {{type: features, threshold: 0.5}}
+endpoint_profiles:
+  chat:
+    filters: [{{type: healthy}}, {{type: serves-model}}, {{type: under-saturation}}]
+    scorers:
+      - {{type: kv-cache-precise, weight: 0.6}}
+      - {{type: load, weight: 0.4}}
+      - {{type: session-affinity, weight: 0.5}}
+      - {{type: kv-cache, weight: 0.2}}
+    picker: {{type: max-score}}
+priorities:
+  {PRIORITY}: {{max_queue_ms: 1500, ttft_objective: 3s}}
+tiers:
+  - {{name: {TIER}, priority: {PRIORITY}, models: [auto, small, medium],
+      limits: {{tokens_per_minute: 1000000000, requests_per_minute: 100000000, tokens_per_day: 100000000000}}}}
+cache:
+  - {{name: deterministic, match: {{models: [small, medium]}}, mode: exact, ttl: 1h, scope: tenant}}
+"""
 
 
 #: The prefix scenario's precise profile: the engines' own report of their caches (KV-cache events), with load as

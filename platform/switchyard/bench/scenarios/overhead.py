@@ -5,7 +5,7 @@ client calls the engine), ``switchyard`` (through ``switchyard serve``) and ``li
 the LiteLLM proxy, one worker, installed by ``bench.litellm_env``), each non-streaming and
 streaming, back to back on the same engine.
 
-(a) **Added latency**: open-loop Poisson load at fixed rates (25, 100, 250, 500 requests/s; 25
+(a) **Added latency**: open-loop Poisson load at fixed rates (25, 100, 250, 500, 1,000 requests/s; 25
 is there so that LiteLLM, which sustains 40 to 80 here, has a figure too); a request's
 latency is measured from the moment it was sent (the whole body when not streaming, the first
 content chunk when streaming). Added latency = the arm's percentile minus the direct arm's
@@ -24,8 +24,13 @@ load generator was the limit.
 CPU placement: with two or more CPUs the proxy runs alone on one; the load generator and the
 engine share the others (``cpu_plan``), so every arm's client side is the same and the proxy
 competes with nothing; the proxies not being measured are paused (SIGSTOP) meanwhile.
-Goals: p99 added latency ≤ 2 ms at 500 requests/s; sustained requests/s at least 5 times
-LiteLLM's.
+The gateway runs the demo policy's kind of request path (``bench.policies.overhead_policy``:
+auth from the key cache, ``auto`` route rules, limits, flow control, the exact cache's lookup,
+the prefix index, metrics, the request log); the report names it and keeps the file.
+
+Goals (issue #31, one gateway process on one core): added p50 ≤ 0.5 ms and p99 ≤ 2 ms at 500
+requests/s non-streamed, first-chunk p99 ≤ 2 ms streamed, p99 ≤ 5 ms at 1,000 requests/s;
+at least 3,000 requests/s sustained non-streamed and 2,000 streamed, 25 times LiteLLM's.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from switchyard.bench.policies import TENANT, TIER, overhead_policy
 from switchyard.bench.procs import Proc, StartError, cpu_seconds, free_port, wait_http
 from switchyard.bench.profile import ProfileSummary, record_profile
 from switchyard.bench.results import Result
-from switchyard.bench.sampler import histogram_buckets, scrape_text
+from switchyard.bench.sampler import by_label, histogram_buckets, scrape_text
 from switchyard.bench.scenarios.base import Outcome, ScenarioContext, cpu_plan
 from switchyard.bench.scenarios.overhead_figures import (
     CONCURRENCY,
@@ -64,10 +69,13 @@ from switchyard.bench.stack import create_key, start_gateway, start_instant_engi
 from switchyard.bench.stats import percentiles
 from switchyard.bench.synthetic import RequestTemplate, poisson
 
-MODEL = "bench"
+MODEL = "auto"
 SERVED = "instant"
-RATES = (25.0, 100.0, 250.0, 500.0)
-QUICK_RATES = (500.0,)
+RATES = (25.0, 100.0, 250.0, 500.0, 1000.0)
+QUICK_RATES = (500.0, 1000.0)
+#: Sent by the client to the gateway: the exact cache's lookup runs on every request, nothing is stored (a hit
+#: would not reach the engine).
+CACHE_HEADERS = {"x-switchyard-cache-control": "no-store"}
 #: Repeats of each arm's step at the goal rate (p99 jitters between runs on a small machine).
 REPEATS = 3
 #: A step whose send lateness p99 is above this ran on a stalled machine and is run again.
@@ -75,6 +83,7 @@ STALL_S = 0.05
 #: The gateway's event-loop lag histogram (it names what stands between the gateway and the p99 goal).
 LOOP_LAG_METRIC = "switchyard_event_loop_lag_seconds"
 GC_PAUSE_METRIC = "switchyard_gc_pause_seconds"
+CACHE_LOOKUPS_METRIC = "switchyard_cache_lookups_total"
 #: The line the gateway logs per stall (``gateway/stalls.py``; bench runs the gateway as a process and reads
 #: its log, it does not import it).
 STALL_PREFIX = "event loop stalled"
@@ -95,7 +104,8 @@ class Arm:
 
 def _template(stream: bool) -> RequestTemplate:
     return RequestTemplate(tenant=TENANT, request_class="stream" if stream else "non-stream", model=MODEL,
-                           prompt_tokens=(16, 16), output_tokens=(1, 1), stream=stream)
+                           prompt_tokens=(16, 16), output_tokens=(1, 1), stream=stream,
+                           extra_body={"temperature": 0})
 
 
 def _one_request(stream: bool, seed: int) -> RequestSpec:
@@ -151,6 +161,8 @@ class Overhead:
         self.stall_lines: list[str] = []
         self.gateway_env: dict[str, str] = {}
         self.gateway_key = ""
+        #: The gateway's response-cache lookups over the run, by result (``hit``, ``miss``, ...).
+        self.cache_lookups: dict[str, float] = {}
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -161,7 +173,8 @@ class Overhead:
         engine = start_instant_engine(procs, "instant-engine", engine_port, cpus=self.plan["engine"])
         engine_url = f"http://127.0.0.1:{engine_port}"
         policy = ctx.state_dir / "policies.yaml"
-        policy.write_text(overhead_policy(engine_port, SERVED, MODEL))
+        policy.write_text(overhead_policy(engine_port, SERVED))
+        (ctx.out_dir / "policy.yaml").write_text(policy.read_text())
         env = state_env(ctx.state_dir / "switchyard", policy)
         key = create_key(env, TENANT, TIER)
         self.gateway_env, self.gateway_key = env, key
@@ -169,7 +182,8 @@ class Overhead:
         gateway = start_gateway(procs, "gateway", env, cpus=self.plan["proxy"])
         self.arms = [
             Arm("direct", Target(engine_url, "direct"), engine),
-            Arm("switchyard", Target(gateway.base_url, "switchyard", default_api_key=key), gateway.proc),
+            Arm("switchyard", Target(gateway.base_url, "switchyard", default_api_key=key, headers=CACHE_HEADERS),
+                gateway.proc),
         ]
         self.arms.append(self._start_litellm(engine_url))
 
@@ -298,6 +312,17 @@ class Overhead:
             await self._measure()
         finally:
             watcher.cancel()
+        await self._count_cache_lookups()
+
+    async def _count_cache_lookups(self) -> None:
+        """The gateway's exact-cache lookups over the run by result: every one should miss (a hit is answered
+        without the engine, and would flatter the gateway)."""
+        arm = next((a for a in self.arms if a.name == "switchyard"), None)
+        if arm is None or arm.target is None:
+            return
+        async with aiohttp.ClientSession() as session:
+            text = await scrape_text(session, f"{arm.target.base_url}/metrics")
+        self.cache_lookups = by_label(text, CACHE_LOOKUPS_METRIC, "result") if text else {}
 
     async def _measure(self) -> None:
         for mode in MODES:
@@ -330,7 +355,8 @@ class Overhead:
         for proc in paused:
             proc.popen.send_signal(signal.SIGSTOP)
         try:
-            target = Target(handle.base_url, "switchyard-stalls", default_api_key=self.gateway_key)
+            target = Target(handle.base_url, "switchyard-stalls", default_api_key=self.gateway_key,
+                            headers=CACHE_HEADERS)
             for mode in MODES:
                 workload = poisson(GOAL_RATE, self.warmup_s + self.step_s, [_template(mode == "stream")],
                                    self.ctx.options.seed + 7)
