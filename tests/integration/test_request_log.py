@@ -94,6 +94,41 @@ def test_a_failed_write_keeps_the_entries_for_the_next_one(engine: Any) -> None:
         assert request_log.find(s, "kept") is not None
 
 
+class _Flaky:
+    """A record whose first write fails (as a database that went away between two chunks would)."""
+
+    def __init__(self, record: RequestRecord) -> None:
+        self.record, self.outcome, self.failed = record, record.outcome, False
+
+    def as_dict(self) -> dict[str, Any]:
+        if not self.failed:
+            self.failed = True
+            raise OperationalError("INSERT", {}, Exception("the database went away"))
+        return self.record.as_dict()
+
+
+def test_the_periodic_flush_writes_in_paced_chunks_and_keeps_what_it_did_not_write(engine: Any) -> None:
+    writer = RequestLogWriter(engine)
+    records = [finished(Activity(), f"p-{i:02d}", 200) for i in range(2 * request_log.FLUSH_CHUNK + 8)]
+    for record in records:
+        writer.offer(record)
+    flaky = _Flaky(records[request_log.FLUSH_CHUNK + 3])
+    writer._buffer[request_log.FLUSH_CHUNK + 3] = flaky
+    with pytest.raises(OperationalError):
+        writer.flush(pause_s=0.001)
+    # The first chunk is in; its successor (with the record that failed) and the rest wait for the next flush.
+    with Session(engine) as s:
+        written = {r["request_id"] for r in request_log.search(s, limit=1000) if r["request_id"].startswith("p-")}
+    assert written == {f"p-{i:02d}" for i in range(request_log.FLUSH_CHUNK)}
+    assert writer.pending == len(records) - request_log.FLUSH_CHUNK
+    started = time.monotonic()
+    assert writer.flush(pause_s=0.001) == len(records) - request_log.FLUSH_CHUNK
+    assert time.monotonic() - started >= 0.001  # it paused between its chunks
+    with Session(engine) as s:
+        written = {r["request_id"] for r in request_log.search(s, limit=1000) if r["request_id"].startswith("p-")}
+    assert written == {r.request_id for r in records}
+
+
 @pytest.fixture(scope="module")
 def replicas(engines: Engines, tmp_path_factory: pytest.TempPathFactory,
              pg_database: Callable[[], str]) -> Iterator[tuple[Gateway, Gateway]]:

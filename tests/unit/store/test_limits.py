@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
 from switchyard.store.limits import Bucket, BucketState, Charge, LimitStore, MemoryLimitStore
-from switchyard.store.limits.arithmetic import SWEEP_BATCH
+from switchyard.store.limits.arithmetic import SWEEP_BATCH, new_reservation_id
 
 # Full from empty in 60 s, 60 s and 8000 s; the last one never refills.
 TPM = Bucket("t:1:tokens_per_minute", 1200, 20, "tokens_per_minute", "tokens")
@@ -256,3 +257,20 @@ async def test_the_memory_store_index_stays_within_twice_the_outstanding_reserva
             kept.append(admission.reservation)
         assert len(store._expiries) <= 2 * len(kept) + 65
     assert await store.sweep(T + 20_000) == 200
+
+
+def test_reservation_ids_are_unique_in_a_process_and_across_a_fork() -> None:
+    ids = [new_reservation_id() for _ in range(1000)]
+    assert len(set(ids)) == 1000 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child draws its own ids, not the parent's next ones
+        os.write(write, " ".join(new_reservation_id() for _ in range(3)).encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    os.close(write)
+    child = os.read(read, 1000).decode().split()
+    os.close(read)
+    parent = [new_reservation_id() for _ in range(3)]
+    assert len(child) == 3 and not set(child) & set(parent + ids)
+    assert {c[:16] for c in child} != {p[:16] for p in parent}
