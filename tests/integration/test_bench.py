@@ -228,6 +228,12 @@ def test_overhead_says_litellm_was_not_measured_and_its_figures_agree(
     assert any(n.startswith("Policy (`policy.yaml` beside this report") for n in report["notes"])
     lookups = next(n for n in report["notes"] if n.startswith("The gateway's exact-cache lookups over the run: "))
     assert re.fullmatch(r"The gateway's exact-cache lookups over the run: [\d,]+ miss\.", lookups), lookups
+    # Requests/s against `serve --workers N`, N up to the CPUs there are (more than one needs Redis, which the test
+    # machines run).
+    scaling = next(t for t in report["tables"] if t["title"].startswith("Max sustained requests/s against gateway"))
+    rows = {r["workers"]: r for r in scaling["rows"]}
+    assert sorted(rows) == list(range(1, min(4, len(os.sched_getaffinity(0))) + 1))
+    assert all(r["non-stream_rps"] > 0 and r["stream_rps"] > 0 for r in rows.values()), rows
     lite = [g for g in report["goals"] if "LiteLLM" in g["goal"]]
     assert lite and all(g["met"] is None and "--no-litellm" in g["note"] for g in lite)
     latency, saturation = report["tables"][0]["rows"], report["tables"][1]["rows"]

@@ -4,7 +4,8 @@ The gateway hands each finished request to :meth:`RequestLogWriter.offer` on the
 record appended to a bounded buffer; nothing touches the database there, and the record is read
 only when written, so a stream's usage, counted just after it ends, is in); a background task writes the
 buffer every ``flush_interval_s``, in short transactions with pauses between them (``FLUSH_CHUNK``: a
-flush in one go stalled the event loop), and deletes rows older than the retention every ``PRUNE_EVERY_S``. Successful requests are kept at ``sample_rate`` (chosen at random); every
+flush in one go stalled the event loop), and deletes rows older than the retention every
+``PRUNE_EVERY_S``. Successful requests are kept at ``sample_rate`` (chosen at random); every
 request that did not succeed is kept, since those are what an operator looks for. A buffer that
 fills while the database is away drops its oldest entries (counted in ``dropped``) rather than grow.
 

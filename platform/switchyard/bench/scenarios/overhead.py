@@ -40,9 +40,11 @@ import gc
 import os
 import secrets
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -84,6 +86,8 @@ STALL_S = 0.05
 LOOP_LAG_METRIC = "switchyard_event_loop_lag_seconds"
 GC_PAUSE_METRIC = "switchyard_gc_pause_seconds"
 CACHE_LOOKUPS_METRIC = "switchyard_cache_lookups_total"
+#: The most gateway processes the scaling step starts (``switchyard serve --workers N``; at most the CPUs there are).
+MAX_WORKERS = 4
 #: The line the gateway logs per stall (``gateway/stalls.py``; bench runs the gateway as a process and reads
 #: its log, it does not import it).
 STALL_PREFIX = "event loop stalled"
@@ -163,6 +167,8 @@ class Overhead:
         self.gateway_key = ""
         #: The gateway's response-cache lookups over the run, by result (``hit``, ``miss``, ...).
         self.cache_lookups: dict[str, float] = {}
+        #: Max sustained requests/s against the gateway's worker processes (``scale_workers``).
+        self.scaling: list[dict[str, Any]] = []
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -342,6 +348,63 @@ class Overhead:
                                 self._check_outside(arm.name, arm.proc)
         self.focus(None)
 
+    async def scale_workers(self) -> None:
+        """Max sustained requests/s of ``switchyard serve --workers N`` for N from 1 to the CPUs there are (at most
+        :data:`MAX_WORKERS`), each mode, the measured proxies paused. One worker is the gateway measured above;
+        more need Redis (limits and caches shared by the processes)."""
+        gateway = next((a for a in self.arms if a.name == "switchyard"), None)
+        if gateway is None or gateway.target is None:
+            return
+        row: dict[str, Any] = {"workers": 1, "cpus": ",".join(map(str, self.plan["proxy"])) or "all",
+                               "note": "the gateway measured above"}
+        for mode in MODES:
+            row[f"{mode}_rps"] = self.sustained(gateway, mode)
+            row[f"{mode}_cpu"] = gateway.cpu_share.get(mode)
+        self.scaling = [row]
+        cpus = sorted({c for role in self.plan.values() for c in role}) or [0]  # (this process is pinned by now)
+        redis = _redis_url()
+        for n in range(2, min(MAX_WORKERS, len(cpus)) + 1):
+            if redis is None:
+                note = ("not measured: `--workers` needs Redis (SWITCHYARD_REDIS_URL, or one answering on "
+                        "127.0.0.1:6379)")
+                self.scaling.append({"workers": n, "note": note})
+                continue
+            await self._scaled(n, cpus, redis)
+
+    async def _scaled(self, n: int, cpus: list[int], redis: str) -> None:
+        ctx = self.ctx
+        # The workers get the last n CPUs when the load generator and engine keep at least one; else every CPU.
+        mine = tuple(cpus[-n:]) if len(cpus) > n else ()
+        env = {**self.gateway_env, "SWITCHYARD_WORKERS": str(n), "SWITCHYARD_REDIS_URL": redis,
+               "SWITCHYARD_REDIS_KEY_PREFIX": f"sy-bench-{secrets.token_hex(4)}:"}
+        ctx.say(f"overhead: {n} gateway worker processes")
+        handle = start_gateway(ctx.procs, f"gateway-{n}-workers", env, cpus=mine)
+        paused = [a.proc for a in self.arms if a.name != "direct" and a.proc is not None and a.proc.alive()]
+        for proc in paused:
+            proc.popen.send_signal(signal.SIGSTOP)
+        row: dict[str, Any] = {"workers": n, "cpus": ",".join(map(str, mine)) or "all",
+                               "note": "" if mine else "shares its CPUs with the load generator and the engine"}
+        try:
+            target = Target(handle.base_url, f"switchyard-{n}-workers", default_api_key=self.gateway_key,
+                            headers=CACHE_HEADERS)
+            for mode in MODES:
+                tree = _descendants(handle.proc.pid)
+                before = sum(cpu_seconds(pid) or 0.0 for pid in tree)
+                wall = time.monotonic()
+                sat = await run_closed_loop(_one_request(mode == "stream", ctx.options.seed), target,
+                                            concurrency=CONCURRENCY * n, duration_s=self.saturation_s,
+                                            warmup_s=self.warmup_s, timeout_s=10.0)
+                used = sum(cpu_seconds(pid) or 0.0 for pid in tree) - before
+                ok = sat.error_rate is not None and sat.error_rate <= MAX_ERROR_RATE
+                row[f"{mode}_rps"] = sat.throughput_rps if ok else None
+                row[f"{mode}_cpu"] = used / (time.monotonic() - wall)
+                ctx.say(f"overhead: {n} workers {mode}: max sustained {sat.throughput_rps:.0f} requests/s")
+        finally:
+            for proc in paused:
+                proc.popen.send_signal(signal.SIGCONT)
+            ctx.procs.stop(handle.proc)
+        self.scaling.append(row)
+
     async def find_stalls(self) -> None:
         """The diagnostic step (not counted): a second gateway with the stall sampler on takes the goal rate in
         each mode while the measured proxies are paused; its log says where its event loop was when it stalled."""
@@ -388,6 +451,19 @@ class Overhead:
         self.focus(None)
 
 
+def _redis_url() -> str | None:
+    """``SWITCHYARD_REDIS_URL``, else a Redis answering on loopback's default port, else None."""
+    url = os.environ.get("SWITCHYARD_REDIS_URL")
+    if url:
+        return url
+    try:
+        with socket.create_connection(("127.0.0.1", 6379), timeout=0.5) as conn:
+            conn.sendall(b"PING\r\n")
+            return "redis://127.0.0.1:6379/0" if conn.recv(16).startswith(b"+PONG") else None
+    except OSError:
+        return None
+
+
 def _shifted(result: Result, by: float) -> Result:
     """``result`` with its times moved ``by`` seconds earlier (the warm-up cut off)."""
     result.scheduled_s -= by
@@ -407,6 +483,7 @@ def run(ctx: ScenarioContext) -> Outcome:
         if run_.plan["loadgen"]:
             os.sched_setaffinity(0, run_.plan["loadgen"])
         asyncio.run(run_.measure())
+        asyncio.run(run_.scale_workers())
         asyncio.run(run_.find_stalls())
         if ctx.options.profile:
             asyncio.run(run_.profile())

@@ -292,6 +292,17 @@ def write(ctx: ScenarioContext, run_: Overhead) -> Outcome:
     goals_ = goals(latency, saturation, lag, stalls)
     tables = [_latency_table(latency, run_.step_s, run_.warmup_s, run_.repeats),
               _saturation_table(saturation, run_.saturation_s)]
+    if run_.scaling:
+        tables.append(table(
+            "Max sustained requests/s against gateway processes (`switchyard serve --workers N`)",
+            [num("workers", "processes", 0), text("cpus", "CPUs"), num("non-stream_rps", "non-stream req/s", 0),
+             num("stream_rps", "stream req/s", 0), num("non-stream_cpu", "cores used, non-stream", 2),
+             num("stream_cpu", "cores used, stream", 2), text("note", "note")],
+            run_.scaling,
+            f"Closed loop as above ({CONCURRENCY} connections per process, {run_.saturation_s:g} s after a warm-up), "
+            "the other proxies paused. More than one process shares limits and caches through Redis. Cores used: "
+            "the processes' CPU time over the window. Where the processes get every CPU, the load generator and the "
+            "engine compete with them, and the figure is a lower bound."))
     if lag:
         tables.append(table(
             f"Gateway event-loop lag at {GOAL_RATE:g} requests/s", [
