@@ -49,7 +49,7 @@ class Workload:
     rate: float
     seed: int
     shared_prefix_tokens: int
-    #: Requests per second the engine completed in the pilot, when the rate was capped by it.
+    #: Requests per second the engine completed in the pilot (the rate is at most CAPACITY_SHARE of it).
     capacity: float | None = None
     capacity_in_flight: int = 0
 

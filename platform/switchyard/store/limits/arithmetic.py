@@ -56,7 +56,7 @@ class _Ids:
 
     A ``uuid4`` per admission asked the kernel for randomness on every request, a system call on the event
     loop at which a busy worker thread took the GIL (`switchyard bench --scenario overhead`'s stall sampler
-    found the loop there in every run).
+    found the loop there in most runs).
     """
 
     def __init__(self) -> None:
