@@ -379,6 +379,10 @@ class Overhead:
                "SWITCHYARD_REDIS_KEY_PREFIX": f"sy-bench-{secrets.token_hex(4)}:"}
         ctx.say(f"overhead: {n} gateway worker processes")
         handle = start_gateway(ctx.procs, f"gateway-{n}-workers", env, cpus=mine)
+        for _ in range(300):  # ready means one worker answers: wait (30 s at most) for all n and the supervisor
+            if len(_descendants(handle.proc.pid)) >= n + 1:
+                break
+            await asyncio.sleep(0.1)
         paused = [a.proc for a in self.arms if a.name != "direct" and a.proc is not None and a.proc.alive()]
         for proc in paused:
             proc.popen.send_signal(signal.SIGSTOP)
