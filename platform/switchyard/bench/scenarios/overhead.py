@@ -36,12 +36,14 @@ at least 3,000 requests/s sustained non-streamed and 2,000 streamed, 25 times Li
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import secrets
 import signal
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,7 +69,7 @@ from switchyard.bench.scenarios.overhead_figures import (
 )
 from switchyard.bench.sender import Target
 from switchyard.bench.spec import RequestSpec
-from switchyard.bench.stack import create_key, start_gateway, start_instant_engine, state_env
+from switchyard.bench.stack import GatewayHandle, create_key, start_gateway, start_instant_engine, state_env
 from switchyard.bench.stats import percentiles
 from switchyard.bench.synthetic import RequestTemplate, poisson
 
@@ -371,6 +373,19 @@ class Overhead:
                 continue
             await self._scaled(n, cpus, redis)
 
+    @contextlib.contextmanager
+    def _alone(self, handle: GatewayHandle) -> Iterator[None]:
+        """While an extra gateway is measured: the measured proxies paused (SIGSTOP); the gateway stopped after."""
+        paused = [a.proc for a in self.arms if a.name != "direct" and a.proc is not None and a.proc.alive()]
+        for proc in paused:
+            proc.popen.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for proc in paused:
+                proc.popen.send_signal(signal.SIGCONT)
+            self.ctx.procs.stop(handle.proc)
+
     async def _scaled(self, n: int, cpus: list[int], redis: str) -> None:
         ctx = self.ctx
         # The workers get the last n CPUs when the load generator and engine keep at least one; else every CPU.
@@ -383,12 +398,9 @@ class Overhead:
             if len(_descendants(handle.proc.pid)) >= n + 1:
                 break
             await asyncio.sleep(0.1)
-        paused = [a.proc for a in self.arms if a.name != "direct" and a.proc is not None and a.proc.alive()]
-        for proc in paused:
-            proc.popen.send_signal(signal.SIGSTOP)
         row: dict[str, Any] = {"workers": n, "cpus": ",".join(map(str, mine)) or "all",
                                "note": "" if mine else "shares its CPUs with the load generator and the engine"}
-        try:
+        with self._alone(handle):
             target = Target(handle.base_url, f"switchyard-{n}-workers", default_api_key=self.gateway_key,
                             headers=CACHE_HEADERS)
             for mode in MODES:
@@ -403,10 +415,6 @@ class Overhead:
                 row[f"{mode}_rps"] = sat.throughput_rps if ok else None
                 row[f"{mode}_cpu"] = used / (time.monotonic() - wall)
                 ctx.say(f"overhead: {n} workers {mode}: max sustained {sat.throughput_rps:.0f} requests/s")
-        finally:
-            for proc in paused:
-                proc.popen.send_signal(signal.SIGCONT)
-            ctx.procs.stop(handle.proc)
         self.scaling.append(row)
 
     async def find_stalls(self) -> None:
@@ -418,20 +426,13 @@ class Overhead:
         ctx.say(f"overhead: where the gateway's event loop stalls ({STALL_SAMPLER_MS:g} ms sampler, not counted)")
         env = {**self.gateway_env, "SWITCHYARD_STALL_SAMPLER_MS": f"{STALL_SAMPLER_MS:g}"}
         handle = start_gateway(ctx.procs, "gateway-stalls", env, cpus=self.plan["proxy"])
-        paused = [a.proc for a in self.arms if a.name != "direct" and a.proc is not None and a.proc.alive()]
-        for proc in paused:
-            proc.popen.send_signal(signal.SIGSTOP)
-        try:
+        with self._alone(handle):
             target = Target(handle.base_url, "switchyard-stalls", default_api_key=self.gateway_key,
                             headers=CACHE_HEADERS)
             for mode in MODES:
                 workload = poisson(GOAL_RATE, self.warmup_s + self.step_s, [_template(mode == "stream")],
                                    self.ctx.options.seed + 7)
                 await run_open_loop(workload, target, progress=False, timeout_s=10.0, request_id_prefix=None)
-        finally:
-            for proc in paused:
-                proc.popen.send_signal(signal.SIGCONT)
-            ctx.procs.stop(handle.proc)
         text = handle.proc.log_path.read_text(errors="replace")
         self.stall_lines = [line for line in text.splitlines() if STALL_PREFIX in line]
 

@@ -204,17 +204,20 @@ class Headline(FreshArms[ArmRun]):
         labels = Labels(tenant=BATCH_TENANT, request_class=BATCH_CLASS, model="auto", stream=False)
         lines: list[RequestSpec] = []
         counts = dict.fromkeys(wanted, 0)
+
+        def enough() -> bool:
+            return all(counts[m] >= wanted[m] for m in wanted)
+
         for cycle in range(MAX_BACKLOG_CYCLES):
             rows = mooncake(BACKLOG_TRACE, seed=self.ctx.options.seed + 2 + cycle, token_scale=TOKEN_SCALE,
                             max_model_len=CONTEXT, labels=labels).specs
             for spec in rows:
-                if all(counts[m] >= wanted[m] for m in wanted):
+                if enough():
                     break
                 lines.append(replace(spec, index=len(lines)))
                 counts[SMALL if spec.prompt_tokens < AUTO_SMALL_BELOW else LARGE] += 1
-            else:
-                continue
-            break
+            if enough():
+                break
         self.backlog_models = counts
         return lines
 
