@@ -10,7 +10,7 @@ from typing import Any
 from litestar import Router, get
 from litestar.di import NamedDependency
 
-from switchyard.admin import activity_api, cache_api, kv_api, policy_api, usage_api
+from switchyard.admin import activity_api, cache_api, canary_api, kv_api, policy_api, usage_api
 from switchyard.admin import openapi_docs as docs
 from switchyard.admin.common import admin_token_guard
 from switchyard.admin.dependencies import AdminDependencies
@@ -118,7 +118,7 @@ async def endpoints(policy: NamedDependency[PolicyHolder], endpoints: NamedDepen
 def admin_api_router(dependencies: AdminDependencies) -> Router:
     """The admin API's routes under ``/admin/api``, behind the admin token, given ``dependencies``."""
     return Router(path="/admin/api",
-                  route_handlers=[endpoints, *policy_api.ROUTES, *usage_api.ROUTES, *cache_api.ROUTES,
-                                  *activity_api.ROUTES, *kv_api.ROUTES],
+                  route_handlers=[endpoints, *policy_api.ROUTES, *canary_api.ROUTES, *usage_api.ROUTES,
+                                  *cache_api.ROUTES, *activity_api.ROUTES, *kv_api.ROUTES],
                   tags=["admin"], guards=[admin_token_guard(dependencies.settings)],
                   dependencies=dependencies.providers())

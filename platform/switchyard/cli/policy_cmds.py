@@ -28,6 +28,9 @@ _VERSION = re.compile(r"^v?(\d+)$")
 
 #: Subcommands that live in modules of their own (``tests/unit/cli/test_lazy.py`` keeps the short help true).
 LAZY_COMMANDS = {
+    "canary": LazyCommand("switchyard.cli.canary_cmds:canary",
+                          "Roll a policy version out to a slice of traffic, with steps and guardrails: start, "
+                          "status, promote, abort."),
     "replay": LazyCommand("switchyard.cli.replay_cmd:replay",
                           "Replay a trace against the active policy (or --against) and CANDIDATE, in simulated "
                           "time, and report what would change: placement, cost per 1,000 requests, refusals per "

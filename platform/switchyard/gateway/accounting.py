@@ -41,5 +41,8 @@ async def account(runtime: GatewayRuntime, req: PendingRequest, legs: Sequence[L
         prompt_sum, completion_sum, cached_sum = prompt_sum + prompt, completion_sum + completion, cached_sum + cached
         spend_sum += spend
     record.prompt_tokens, record.completion_tokens, record.cached_tokens = prompt_sum, completion_sum, cached_sum
+    record.spend = spend_sum
+    if record.canary is not None:
+        runtime.canary.spent(record, spend_sum)
     if req.lease.reservation is not None:
         await req.lease.settle(prompt_sum + completion_sum, spend_sum)

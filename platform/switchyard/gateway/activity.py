@@ -152,6 +152,14 @@ class RequestRecord:
     on_finish: Callable[[RequestRecord], None] | None = None
     #: Set where flow control refused it (a 503 that is a shed, not a failure).
     shed: bool = False
+    #: The policy version that decided it.
+    policy_version: int | None = None
+    #: Its part in a policy canary (``canary``, ``control``, ``shadow``; None: outside any canary).
+    canary: str | None = None
+    #: Where a shadow candidate decided otherwise: ``{field: [active, candidate]}``.
+    shadow: dict[str, list[str | None]] | None = None
+    #: What it cost (the usage ledger's spend), once accounted.
+    spend: float = 0.0
 
     def identified(self, identity: KeyIdentity) -> None:
         """Who sent it (never the key itself)."""
@@ -173,8 +181,8 @@ class RequestRecord:
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens, "max_tokens": self.max_tokens,
             "digest": self.digest, "deterministic": self.deterministic, "cache": self.cache,
-            "cache_rule": self.cache_rule,
-            "trace": [str(line) for line in self.trace],
+            "cache_rule": self.cache_rule, "policy_version": self.policy_version, "canary": self.canary,
+            "shadow": self.shadow, "trace": [str(line) for line in self.trace],
         }
 
 
@@ -300,6 +308,8 @@ class Activity:
         self.log_requests = log_requests
         #: Also hands each finished record to this (the request log's writer), when set.
         self.sink: Callable[[RequestRecord], object] | None = None
+        #: Counts the finished requests of a policy canary's scope (``gateway.canary``).
+        self.canary_sink: Callable[[RequestRecord], object] | None = None
         self.started = clock() if started is None else started
         self._recent: deque[RequestRecord] = deque(maxlen=recent)
         #: Batch lines have their own memory, so that a batch does not push interactive requests out.
@@ -329,6 +339,8 @@ class Activity:
             record.on_finish(record)
         if self.sink is not None:
             self.sink(record)
+        if record.canary is not None and self.canary_sink is not None:
+            self.canary_sink(record)
         if self.log_requests:
             data = record.as_dict()
             log.info("%s %s %s %d %s", record.request_id, record.kind, record.served_model or record.model or "-",

@@ -29,7 +29,8 @@ async def readyz(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     checks: dict[str, Any] = {}
     snapshot = runtime.policy.snapshot
     checks["policy"] = {"ok": True, "version": snapshot.label, "sha256": snapshot.sha256,
-                        "source": runtime.settings.policy_source, **runtime.reloader.describe()}
+                        "source": runtime.settings.policy_source, **runtime.reloader.describe(),
+                        "canary": runtime.canary.describe()}
     holder = runtime.policy
     if holder.last_error is not None:
         checks["policy"]["rejected"] = {"source": holder.error_source,

@@ -124,6 +124,14 @@ class Proxy:
         holder = runtime.policy
         # Read once, in one step of the event loop: this request keeps a matching set to the end.
         snapshot, counters, renderers = holder.snapshot, holder.counters, holder.renderers
+        canary = runtime.canary
+        role: str | None = None
+        if canary.live is not None:  # (in the same step: a canary's candidate or the active version decides)
+            chosen = canary.choose(snapshot, counters, renderers, tier=identity.tier, tenant=str(identity.tenant_id),
+                                   key=str(identity.key_id), region=settings.region, headers=headers, body=body,
+                                   request_id=record.request_id)
+            snapshot, counters, renderers, role = chosen.snapshot, chosen.counters, chosen.renderers, chosen.role
+        record.policy_version, record.canary = snapshot.version, role
         caller = Caller(identity.tier, str(identity.tenant_id), str(identity.key_id), identity.tenant_limits,
                         identity.key_limits, identity.region)
         ask = Ask(kind, body, features, caller, settings.region, settings.picker, runtime.flow.enabled, counters,
@@ -132,7 +140,10 @@ class Proxy:
         record.trace = d.trace  # one trace: the procedure's lines, and this gateway's own
         req = PendingRequest(kind, body, incoming.raw, record.stream, record.request_id, record.started, identity, d,
                              batch=incoming.batch, trace=spans)
-        return await _Run(self, req, incoming, record).execute()
+        run = _Run(self, req, incoming, record)
+        if role == "shadow":  # the candidate decides alongside, on the fleet as this request finds it
+            run.shadow = canary.shadow_decide(ask)
+        return await run.execute()
 
 
 class _Run:
@@ -147,6 +158,8 @@ class _Run:
         self.record = record
         #: What the queue waits so far added up to (a preempted request queues again).
         self.waited_s = 0.0
+        #: A shadow canary's decision for this request, compared with the live one when that is made.
+        self.shadow: Decision | None = None
 
     async def execute(self) -> Response[Any]:
         """Drive the procedure to its end and answer: the engine's response, the cache's, or the refusal."""
@@ -155,11 +168,18 @@ class _Run:
         try:
             await self.drive(decide(self.d, self.runtime.view))
             self._sync()
+            self._compare_shadow()
             return await self._conclude()
         except BaseException:
             self._sync()
+            self._compare_shadow()
             self._abandon()
             raise
+
+    def _compare_shadow(self) -> None:
+        if self.shadow is not None:
+            self.runtime.canary.compare(self.record, self.d, self.shadow)
+            self.shadow = None
 
     async def drive(self, steps: Generator[Effect, Any, Any]) -> Any:
         """Answer ``steps``' effects live until it returns (the whole procedure, or a resume of its stream); its

@@ -49,6 +49,7 @@ from sqlmodel import col, select
 
 from switchyard.decide.policy_tests import compile_checked
 from switchyard.gateway.auth import KeyAuthenticator
+from switchyard.gateway.canary import CanaryFollower
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.model_tokens import ModelTokens, load_model_tokens
 from switchyard.gateway.policy_state import PolicyHolder, record_file
@@ -98,8 +99,10 @@ class PolicyReloader:
     """Keeps one process's :class:`PolicyHolder` on the active version (see the module doc)."""
 
     def __init__(self, settings: Settings, engine: Engine, holder: PolicyHolder, metrics: GatewayMetrics,
-                 tokenizers: TokenizerCache, keys: KeyAuthenticator | None = None) -> None:
+                 tokenizers: TokenizerCache, keys: KeyAuthenticator | None = None,
+                 canary: CanaryFollower | None = None) -> None:
         self.settings = settings
+        self.canary = canary  # the policy canary this process follows (announced on the same channel)
         self.keys = keys  # the key cache that follows key changes on the LISTEN connection
         self.tokenizers = tokenizers
         self.engine = engine
@@ -143,7 +146,15 @@ class PolicyReloader:
         log.error("still serving policy %s", self.holder.snapshot.label)
 
     async def check_database(self, via: str = "poll") -> bool:
-        """Activate the database's active version if it is not the one serving; whether it switched."""
+        """Activate the database's active version if it is not the one serving, and follow the running canary;
+        whether the active version switched."""
+        try:
+            return await self._check_active(via)
+        finally:
+            if self.canary is not None:
+                await self.canary.check()
+
+    async def _check_active(self, via: str) -> bool:
         row = await anyio.to_thread.run_sync(self._active_row)
         current = self.holder.snapshot
         if row is None or (row[0] == current.version and row[1] == current.sha256):

@@ -27,6 +27,7 @@ from switchyard.engines.upstream import UpstreamTimeouts, create_client_session
 from switchyard.gateway.activity import Activity, RequestRecord, outcome_of
 from switchyard.gateway.admission import Admitter
 from switchyard.gateway.auth import KeyAuthenticator
+from switchyard.gateway.canary import CanaryFollower
 from switchyard.gateway.classifiers import ClassifierRunner
 from switchyard.gateway.flow import FlowController
 from switchyard.gateway.kvevents import Exported, Subscriptions, export_metrics, sources_of
@@ -109,6 +110,9 @@ class GatewayRuntime:
         # (A random source breaks ties between equally scored endpoints.)
         self.view = LiveView(self.endpoints, self.flow, self.memory, self.next_rotation, random.Random(),
                              self.latencies)
+        #: The policy canary this process follows, if one runs.
+        self.canary = CanaryFollower(lambda: self.engine, lambda snapshot: self.reloader.counters_for(snapshot),
+                                     self.view)
 
     @property
     def engine(self) -> Engine:
@@ -329,7 +333,9 @@ class GatewayRuntime:
         snapshot = self.policy.snapshot
         self.metrics.set_policy(snapshot.label, snapshot.sha256, snapshot.version)
         self._reloader = PolicyReloader(self.settings, self.engine, self.policy, self.metrics, self.tokenizers,
-                                        keys=self.auth)
+                                        keys=self.auth, canary=self.canary)
+        await self.canary.check()  # a canary that runs already (this replica restarted in the middle of it)
+        self.activity.canary_sink = self.canary.observe
         # Every endpoint's KV-cache events, followed off the request path; the fleet's changes follow reloads.
         kv_events = self.kv_events = Subscriptions(self.memory.engine_caches)
         kv_events.update(sources_of(snapshot))
@@ -375,13 +381,14 @@ class GatewayRuntime:
         gauges = asyncio.create_task(self._cache_gauges(), name="switchyard-cache-gauges")
         kv_gauges = asyncio.create_task(self._kv_gauges(), name="switchyard-kv-gauges")
         lag = asyncio.create_task(self._watch_loop_lag(), name="switchyard-loop-lag")
+        canary_task = asyncio.create_task(self.canary.run(), name="switchyard-canary")
         try:
             async with following(self._reloader):
                 yield
         finally:
             with contextlib.suppress(ValueError):
                 gc.callbacks.remove(gc_hook)
-            for task in (scraping, probing, pumping, watching, gauges, kv_gauges, lag):
+            for task in (scraping, probing, pumping, watching, gauges, kv_gauges, lag, canary_task):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task

@@ -20,6 +20,7 @@ from switchyard.policy.cache_rules import CacheRule
 from switchyard.policy.fleet import Model, Pool
 from switchyard.policy.policy_tests import PolicyTest
 from switchyard.policy.resilience import Resilience
+from switchyard.policy.rollout import Rollout
 from switchyard.policy.routes import Route
 from switchyard.policy.routing import ClassifierSpec, EndpointProfile
 from switchyard.policy.tiers import PriorityClass, Tier
@@ -47,5 +48,8 @@ class PolicyDocument(Strict):
         default_factory=Resilience, description="Health probes, circuit breakers, retries, the first-token timeout "
         "and what happens when Redis or the database cannot be reached.")
     tests: list[PolicyTest] = Field(default_factory=list)
+    rollout: Rollout | None = Field(
+        default=None, description="How this document goes live when the policy file changes (file mode): as a "
+        "canary with steps and guardrails instead of at once. Ignored where a version is published by hand.")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)

@@ -410,5 +410,63 @@ class RequestLogEntry(SQLModel, table=True):
     deterministic: bool | None = None
     cache: str = Field(default="none", max_length=16)
     cache_rule: str | None = Field(default=None, max_length=256)
-    #: JSON: ``{"moved_on": [...], "trace": [...]}``.
+    #: The policy version that decided it (a canary's candidate for its slice).
+    policy_version: int | None = None
+    #: Its part in a policy canary: ``canary`` (decided by the candidate), ``control`` (the rest of the
+    #: canary's scope) or ``shadow`` (decided by the active version, and by the candidate alongside).
+    canary: str | None = Field(default=None, max_length=16)
+    #: JSON: ``{"moved_on": [...], "trace": [...]}`` (and ``shadow``: what the candidate would have decided
+    #: otherwise, ``{field: [active, candidate]}``).
     detail: str = Field(sa_column=Column(Text(), nullable=False))
+
+
+# --- policy canaries -----------------------------------------------------------------------
+# A candidate version serving a slice of traffic next to the active one (``store.canary``).
+
+#: A canary's states: running, then promoted, rolled back (a guardrail breached) or aborted (by hand, or
+#: superseded by a publish).
+CANARY_STATES = ("running", "promoted", "rolled_back", "aborted")
+
+
+class PolicyCanary(SQLModel, table=True):
+    """One canary rollout of a policy version; at most one runs at a time."""
+
+    __tablename__ = "policy_canary"
+    __table_args__ = (
+        Index("uq_policy_canary_one_running", "status", unique=True,
+              sqlite_where=text("status = 'running'"), postgresql_where=text("status = 'running'")),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    #: The candidate version (stored, not active while the canary runs).
+    version: int = Field(foreign_key="policy_version.number", index=True)
+    #: The version active when it started (what the slice is compared with).
+    base: int | None = Field(default=None, foreign_key="policy_version.number")
+    status: str = Field(default="running", max_length=16)
+    #: The rollout as declared (``policy.rollout.Rollout``), JSON.
+    rollout: str = Field(sa_column=Column(Text(), nullable=False))
+    #: The index of the current step in the rollout's stages, and its share of traffic.
+    step: int = 0
+    percent: float
+    started_at: datetime = _ts()
+    step_started_at: datetime = _ts()
+    ended_at: datetime | None = _ts(nullable=True)
+    author: str = Field(max_length=128)
+    #: Why it ended (the breached guardrail, who aborted it).
+    reason: str = Field(default="", sa_column=Column(Text(), nullable=False))
+
+
+class CanaryFigures(SQLModel, table=True):
+    """What one gateway process counted for a canary since its previous flush, per side and class."""
+
+    __tablename__ = "canary_figures"
+
+    id: int | None = Field(default=None, primary_key=True)
+    canary_id: int = Field(foreign_key="policy_canary.id", index=True)
+    at: datetime = Field(sa_column=Column(UTCDateTime(), nullable=False, index=True))
+    replica: str = Field(max_length=128)
+    #: ``canary``, ``control`` or ``shadow``; the class (``*``: all classes).
+    role: str = Field(max_length=16)
+    cls: str = Field(max_length=64)
+    #: JSON: ``decide.canary.Tally.as_json`` (shadow: ``{"requests": n, "diffs": {field: n}}``).
+    figures: str = Field(sa_column=Column(Text(), nullable=False))

@@ -58,7 +58,8 @@ def record_version(session: Session, *, text: str, sha256: str, source: str, aut
     version (and is not audited). Two processes recording at once cannot both win: the version
     number is the primary key and only one row may be active, so the loser's transaction fails
     and it re-reads. A new version is audited (``origin`` defaults to ``source``) and announced
-    on :data:`CHANNEL` in the caller's transaction.
+    on :data:`CHANNEL` in the caller's transaction; a running canary is aborted in it
+    (:func:`switchyard.store.canary.supersede`).
     """
     if source not in SOURCES:
         raise ValueError(f"unknown policy version source {source!r}")
@@ -80,6 +81,9 @@ def record_version(session: Session, *, text: str, sha256: str, source: str, aut
             session.expire_all()
             continue
         _announce(session, row, origin or source, rollback_to)
+        from switchyard.store.canary import supersede  # (it builds on this module)
+
+        supersede(session, row.number, author, origin or source)
         return PolicyVersionPublic.model_validate(row), True
     raise RuntimeError("could not record the policy version: the store kept changing under us")
 

@@ -58,7 +58,7 @@ FLUSH_PAUSE_S = 0.002
 COLUMNS = ("request_id", "kind", "tenant", "tenant_id", "key_id", "tier", "model", "resolved_model", "served_model",
            "pool", "region", "endpoint", "status", "outcome", "error_code", "stream", "priority", "queue_ms",
            "attempts", "ttft_ms", "duration_ms", "prompt_tokens", "completion_tokens", "cached_tokens", "max_tokens",
-           "digest", "deterministic", "cache", "cache_rule")
+           "digest", "deterministic", "cache", "cache_rule", "policy_version", "canary")
 #: The longest text each column holds, or the largest integer (None: no limit to keep to).
 _LIMITS: dict[str, int | None] = {
     c.name: (2**63 - 1 if isinstance(c.type, BigInteger) else 2**31 - 1) if isinstance(c.type, Integer)
@@ -109,8 +109,11 @@ class RequestLogWriter:
         row = {name: _fit(data[name], _LIMITS[name]) for name in COLUMNS}
         row["at"] = datetime.fromisoformat(data["time"])
         row["replica"] = self.replica
-        row["detail"] = json.dumps({"moved_on": data["moved_on"], "trace": data["trace"],
-                                    "resumes": data.get("resumes", 0), "hedges": data.get("hedges", 0)})
+        detail = {"moved_on": data["moved_on"], "trace": data["trace"], "resumes": data.get("resumes", 0),
+                  "hedges": data.get("hedges", 0)}
+        if data.get("shadow"):
+            detail["shadow"] = data["shadow"]
+        row["detail"] = json.dumps(detail)
         return row
 
     @property
@@ -201,7 +204,8 @@ def _as_dict(entry: RequestLogEntry) -> dict[str, Any]:
     row = {name: getattr(entry, name) for name in COLUMNS}
     return row | {"time": entry.at.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
                   "replica": entry.replica, "moved_on": detail.get("moved_on", []), "trace": detail.get("trace", []),
-                  "resumes": detail.get("resumes", 0), "hedges": detail.get("hedges", 0)}
+                  "resumes": detail.get("resumes", 0), "hedges": detail.get("hedges", 0),
+                  "shadow": detail.get("shadow")}
 
 
 def search(session: Session, *, tenant: str | None = None, model: str | None = None,

@@ -1,0 +1,166 @@
+"""The admin JSON API of policy canaries: start one, read its status, promote it, abort it.
+
+The same operations as ``switchyard policy canary`` (``store.canary`` carries them out). Starting a canary of a
+new document stores that document as a version that is not active; in file mode (the policy file is the
+truth) only a stored version can be rolled out here, since a new document must come through the file (its
+``rollout:`` stanza).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from litestar import Request, Response, get, post
+from litestar.di import NamedDependency
+from litestar.openapi.spec import OpenAPIType, Schema
+from pydantic import ValidationError
+from sqlalchemy import Engine
+from sqlmodel import Session
+
+from switchyard.admin import openapi_docs as docs
+from switchyard.admin.common import in_db, json_body, origin_of
+from switchyard.admin.dependencies import PolicyChanged
+from switchyard.admin.policy_api import MAX_ID, Author, Conflict, _rejected
+from switchyard.api.errors import BadRequest, NotFound
+from switchyard.api.openapi import admin_operation, json_request_body, json_response, obj, ok
+from switchyard.policy import PolicyError
+from switchyard.policy.rollout import Rollout
+from switchyard.settings import Settings
+from switchyard.store import canary as store
+from switchyard.store import errors as store_errors
+
+_ANY = Schema(type=OpenAPIType.OBJECT, additional_properties=True)
+STATUS = obj({"id": Schema(type=OpenAPIType.INTEGER), "version": Schema(type=OpenAPIType.INTEGER),
+              "status": Schema(type=OpenAPIType.STRING, enum=["running", "promoted", "rolled_back", "aborted"]),
+              "percent": Schema(type=OpenAPIType.NUMBER), "figures": _ANY},
+             ["id", "version", "status", "percent", "figures"], description="A canary, its figures side by side, "
+             "the guardrails tested over its window and its next move.")
+START_BODY = json_request_body(obj({
+    "yaml": Schema(type=OpenAPIType.STRING, description="A new document to roll out (or give version)."),
+    "version": Schema(type=OpenAPIType.INTEGER, minimum=1, maximum=MAX_ID, description="A stored version to roll "
+                      "out."),
+    "rollout": Schema(type=OpenAPIType.OBJECT, additional_properties=True, description="The policy document's "
+                      "`rollout:` stanza: by, percent or steps [{percent, hold}], only {tiers, regions, models}, "
+                      "guards, window, min_requests, alpha, shadow."),
+    "message": docs.MESSAGE, "author": docs.AUTHOR}, ["rollout"], extra=False))
+ABORT_BODY = json_request_body(obj({"reason": Schema(type=OpenAPIType.STRING, max_length=1000),
+                                    "author": docs.AUTHOR}, extra=False))
+
+
+class StartRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """A canary to start."""
+
+    rollout: dict[str, Any]
+    yaml: str | None = None
+    version: Annotated[int, msgspec.Meta(ge=1, le=MAX_ID)] | None = None
+    message: Annotated[str, msgspec.Meta(max_length=1000)] = ""
+    author: Author = None
+
+
+class EndRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Who ends a canary, and why."""
+
+    reason: Annotated[str, msgspec.Meta(max_length=1000)] = ""
+    author: Author = None
+
+
+async def _changed(db: Engine, policy_changed: PolicyChanged, work: Any) -> dict[str, Any]:
+    try:
+        data: dict[str, Any] = await in_db(db, work)
+    except store_errors.Conflict as exc:
+        raise Conflict(str(exc), code="canary_conflict") from None
+    await policy_changed()  # this process follows at once; the others hear it on the policy channel
+    return data
+
+
+@get("/policy/canary", operation_id="adminPolicyCanary",
+     operation_class=admin_operation(ok("The running canary, else the last one.", STATUS), 404))
+async def canary_status(db: NamedDependency[Engine]) -> dict[str, Any]:
+    """The running canary (else the last that ran): slice, figures side by side, guardrails, next move."""
+    def read(session: Session) -> dict[str, Any] | None:
+        found = store.status(session)
+        return found.as_json() if found is not None else None
+
+    data = await in_db(db, read)
+    if data is None:
+        raise NotFound("no canary has run")
+    return data
+
+
+@post("/policy/canary", operation_id="adminPolicyCanaryStart",
+      operation_class=admin_operation({201: json_response("The canary runs (this process serves it already).",
+                                                          STATUS)}, 400, 404, 409, 413, 422, body=START_BODY))
+async def canary_start(request: Request[Any, Any, Any], settings: NamedDependency[Settings],
+                       db: NamedDependency[Engine],
+                       policy_changed: NamedDependency[PolicyChanged]) -> Response[dict[str, Any]]:
+    """Start a canary of a new document (``yaml``) or a stored ``version`` next to the active version.
+
+    The body: ``{"yaml": "...", "rollout": {"steps": [{"percent": 1, "hold": "1m"}, {"percent": 10,
+    "hold": "2m"}], "guards": {"ttft_p99": 1.5, "error_rate": 0.01}}, "message": "why"}``. 409 while another
+    canary runs; 422 with every issue when the document is invalid.
+    """
+    data = await json_body(request, StartRequest)
+    if (data.yaml is None) == (data.version is None):
+        raise BadRequest("give the candidate as yaml or as a stored version, one of them", param="yaml")
+    if data.yaml is not None and settings.policy_source == "file":
+        raise Conflict(f"policy_source is file: a new document goes live through {settings.policy_file} (with a "
+                       "rollout: stanza); here only a stored version can be rolled out", code="policy_source_is_file")
+    try:
+        rollout = Rollout.model_validate(data.rollout)
+    except ValidationError as exc:
+        words = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'rollout'}: {e['msg']}" for e in exc.errors())
+        raise BadRequest(f"invalid rollout: {words}", param="rollout") from None
+    origin = origin_of(request)
+
+    def start(session: Session) -> dict[str, Any]:
+        row = store.start(session, rollout, author=data.author or "api", origin=origin, text=data.yaml,
+                          number=data.version, source="api", message=data.message, document="<request>")
+        found = store.status(session, row)
+        assert found is not None
+        return found.as_json()
+
+    try:
+        return Response(await _changed(db, policy_changed, start), status_code=201)
+    except PolicyError as error:
+        return _rejected(error)
+
+
+@post("/policy/canary/promote", operation_id="adminPolicyCanaryPromote", status_code=200,
+      operation_class=admin_operation(ok("Promoted: its version is active.", STATUS), 400, 404, 413,
+                                      body=ABORT_BODY))
+async def canary_promote(request: Request[Any, Any, Any], db: NamedDependency[Engine],
+                         policy_changed: NamedDependency[PolicyChanged]) -> dict[str, Any]:
+    """Make the running canary's version active now."""
+    data = await json_body(request, EndRequest) if await request.body() else EndRequest()
+    origin = origin_of(request)
+
+    def promote(session: Session) -> dict[str, Any]:
+        row = store.promote(session, actor=data.author or "api", origin=origin,
+                            reason=data.reason or "promoted by hand")
+        found = store.status(session, row)
+        assert found is not None
+        return found.as_json()
+
+    return await _changed(db, policy_changed, promote)
+
+
+@post("/policy/canary/abort", operation_id="adminPolicyCanaryAbort", status_code=200,
+      operation_class=admin_operation(ok("Aborted: the active version serves everything.", STATUS), 400, 404, 413,
+                                      body=ABORT_BODY))
+async def canary_abort(request: Request[Any, Any, Any], db: NamedDependency[Engine],
+                       policy_changed: NamedDependency[PolicyChanged]) -> dict[str, Any]:
+    """Stop the running canary: the active version decides every request again."""
+    data = await json_body(request, EndRequest) if await request.body() else EndRequest()
+    origin = origin_of(request)
+
+    def abort(session: Session) -> dict[str, Any]:
+        row = store.abort(session, actor=data.author or "api", origin=origin, reason=data.reason)
+        found = store.status(session, row)
+        assert found is not None
+        return found.as_json()
+
+    return await _changed(db, policy_changed, abort)
+
+
+ROUTES = [canary_status, canary_start, canary_promote, canary_abort]

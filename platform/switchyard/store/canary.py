@@ -1,0 +1,356 @@
+"""Policy canaries in the database: start, step, promote, roll back, abort; the figures gateways flush; the status.
+
+At most one canary runs (a unique index over running rows). Its candidate is a stored version that is not
+active. Every change of a canary is one transaction that also writes its audit entry and, on PostgreSQL,
+announces it on the policy channel (payload ``canary``), so every gateway process follows within a second
+(the poll of the policy is the safety net, as for publishes). Steps and endings are compare-and-set updates
+(``WHERE status = 'running' AND step = :seen``): every gateway process evaluates the canary, and exactly
+one of them carries each transition out and audits it.
+
+Publishing a version by any other way while a canary runs aborts the canary in the same transaction
+(an operator's fix must never wait for a rollout): see :func:`supersede`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, update
+from sqlalchemy import select as sa_select
+from sqlalchemy import text as sql_text
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, col, select
+
+from switchyard.decide.canary import (
+    ALL,
+    Figures,
+    GuardResult,
+    Tally,
+    Verdict,
+    evaluate,
+    verdict,
+)
+from switchyard.decide.policy_tests import compile_checked
+from switchyard.policy.rollout import Rollout
+from switchyard.store.audit import append_event
+from switchyard.store.errors import Conflict, NotFound, StoreError
+from switchyard.store.models import CanaryFigures, PolicyCanary, PolicyVersion, utcnow
+from switchyard.store.policy_versions import CHANNEL, MAX_AUTHOR, active_version, get_version
+
+#: The announcement of a canary change on the policy channel.
+NOTICE = "canary"
+#: Figures older than this many windows are not read back (and are pruned when a canary ends).
+KEEP_WINDOWS = 3
+
+
+def running(session: Session) -> PolicyCanary | None:
+    """The running canary, if any."""
+    return session.exec(select(PolicyCanary).where(PolicyCanary.status == "running")).first()
+
+
+def get_canary(session: Session, canary_id: int) -> PolicyCanary:
+    """Canary ``canary_id``.
+
+    Raises:
+        NotFound: there is no such canary.
+    """
+    row = session.get(PolicyCanary, canary_id)
+    if row is None:
+        raise NotFound(f"no canary {canary_id}")
+    return row
+
+
+def latest(session: Session) -> PolicyCanary | None:
+    """The running canary, else the last one that ended."""
+    return running(session) or session.exec(select(PolicyCanary).order_by(col(PolicyCanary.id).desc())).first()
+
+
+def rollout_of(row: PolicyCanary) -> Rollout:
+    """The canary's rollout as declared."""
+    return Rollout.model_validate_json(row.rollout)
+
+
+def _announce(session: Session) -> None:
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(sql_text("SELECT pg_notify(:channel, :payload)"), {"channel": CHANNEL, "payload": NOTICE})
+
+
+def start(session: Session, rollout: Rollout, *, author: str, origin: str, text: str | None = None,
+          number: int | None = None, source: str = "api", message: str = "",
+          document: str | None = None) -> PolicyCanary:
+    """Start a canary of a new document ``text`` (stored as a version that is not active) or of stored version
+    ``number``.
+
+    Raises:
+        PolicyError: ``text`` is invalid or its tests fail; nothing was written.
+        Conflict: a canary is running already, there is no active version, or the candidate is the active one.
+        NotFound: there is no version ``number``.
+        StoreError: the author is too long.
+    """
+    if (text is None) == (number is None):
+        raise ValueError("give the candidate's text or its version number")
+    if not author or len(author) > MAX_AUTHOR:
+        raise StoreError(f"the author must be 1 to {MAX_AUTHOR} characters")
+    current = running(session)
+    if current is not None:
+        raise Conflict(f"canary {current.id} of v{current.version} is running: promote or abort it first")
+    active = active_version(session)
+    if active is None:
+        raise Conflict("there is no active version to compare a canary with: publish one first")
+    if text is not None:
+        snapshot = compile_checked(text, document or f"<{source}>")
+        if snapshot.sha256 == active.sha256:
+            raise Conflict(f"the candidate is the active version's content (v{active.number}): nothing to roll out")
+        new = (session.exec(select(func.max(PolicyVersion.number))).one() or 0) + 1
+        candidate = PolicyVersion(number=new, yaml_text=snapshot.text, sha256=snapshot.sha256, source=source,
+                                  author=author, message=message or "canary candidate", active=False,
+                                  parent=active.number)
+        session.add(candidate)
+        session.flush()
+    else:
+        assert number is not None
+        candidate = get_version(session, number)
+        compile_checked(candidate.yaml_text, f"policy version {number}")
+        if candidate.active or candidate.sha256 == active.sha256:
+            raise Conflict(f"v{number} is the active version's content: nothing to roll out")
+    first = rollout.stages[0]
+    row = PolicyCanary(version=candidate.number, base=active.number, status="running",
+                       rollout=rollout.model_dump_json(), step=0, percent=first.percent, author=author)
+    try:
+        with session.begin_nested():
+            session.add(row)
+            session.flush()
+    except IntegrityError:
+        raise Conflict("another canary started at the same moment") from None
+    append_event(session, actor=author, origin=origin, action="policy.canary.start",
+                 target=f"policy:v{candidate.number}",
+                 detail={"canary": row.id, "version": candidate.number, "base": active.number,
+                         "mode": "shadow" if rollout.shadow else "canary", "percent": first.percent,
+                         "rollout": json.loads(row.rollout)})
+    _announce(session)
+    return row
+
+
+def advance(session: Session, row: PolicyCanary, to_step: int, reason: str, *, actor: str) -> bool:
+    """Move ``row`` from the step it was read at to ``to_step``; whether this call did it."""
+    percent = rollout_of(row).stages[to_step].percent
+    now = utcnow()
+    done = session.execute(update(PolicyCanary)
+                           .where(col(PolicyCanary.id) == row.id, col(PolicyCanary.status) == "running",
+                                  col(PolicyCanary.step) == row.step)
+                           .values(step=to_step, percent=percent, step_started_at=now))
+    if done.rowcount != 1:  # type: ignore[attr-defined]
+        return False
+    append_event(session, actor=actor, origin="canary", action="policy.canary.step", target=f"policy:v{row.version}",
+                 detail={"canary": row.id, "from_percent": row.percent, "to_percent": percent, "step": to_step,
+                         "reason": reason})
+    _announce(session)
+    return True
+
+
+_ACTIONS = {"promoted": "policy.canary.promote", "rolled_back": "policy.canary.rollback",
+            "aborted": "policy.canary.abort"}
+
+
+def finish(session: Session, row: PolicyCanary, status: str, reason: str, *, actor: str, origin: str,
+           detail: dict[str, Any] | None = None) -> bool:
+    """End ``row`` as ``status`` (``promoted`` makes its version active); whether this call did it."""
+    now = utcnow()
+    done = session.execute(update(PolicyCanary)
+                           .where(col(PolicyCanary.id) == row.id, col(PolicyCanary.status) == "running")
+                           .values(status=status, ended_at=now, reason=reason[:4000]))
+    if done.rowcount != 1:  # type: ignore[attr-defined]
+        return False
+    facts: dict[str, Any] = {"canary": row.id, "version": row.version, "base": row.base, "percent": row.percent,
+                             "reason": reason, **(detail or {})}
+    if status == "promoted":
+        session.execute(update(PolicyVersion).where(col(PolicyVersion.active).is_(True)).values(active=False))
+        session.execute(update(PolicyVersion).where(col(PolicyVersion.number) == row.version).values(active=True))
+        facts["from"] = row.base
+    append_event(session, actor=actor, origin=origin, action=_ACTIONS[status], target=f"policy:v{row.version}",
+                 detail=facts)
+    _announce(session)
+    session.execute(sql_text("DELETE FROM canary_figures WHERE canary_id = :id AND at < :before"),
+                    {"id": row.id, "before": now - timedelta(days=7)})
+    return True
+
+
+def promote(session: Session, *, actor: str, origin: str, reason: str = "promoted by hand") -> PolicyCanary:
+    """Promote the running canary's version to active.
+
+    Raises:
+        NotFound: no canary is running.
+    """
+    row = _must_run(session)
+    finish(session, row, "promoted", reason, actor=actor, origin=origin)
+    session.refresh(row)
+    return row
+
+
+def abort(session: Session, *, actor: str, origin: str, reason: str = "") -> PolicyCanary:
+    """Stop the running canary; the active version serves everything again.
+
+    Raises:
+        NotFound: no canary is running.
+    """
+    row = _must_run(session)
+    finish(session, row, "aborted", reason or f"aborted by {actor}", actor=actor, origin=origin)
+    session.refresh(row)
+    return row
+
+
+def supersede(session: Session, published: int, actor: str, origin: str) -> None:
+    """A version was published by other means: abort the running canary (the caller's transaction)."""
+    row = running(session)
+    if row is not None and row.version != published:
+        finish(session, row, "aborted", f"superseded by the publish of v{published}", actor=actor, origin=origin)
+
+
+def _must_run(session: Session) -> PolicyCanary:
+    row = running(session)
+    if row is None:
+        raise NotFound("no canary is running")
+    return row
+
+
+# --- figures ----------------------------------------------------------------------------------
+
+def record_figures(session: Session, canary_id: int, replica: str, rows: Iterable[tuple[str, str, dict[str, Any]]],
+                   at: datetime | None = None) -> int:
+    """Store what one process counted since its last flush (``(role, class, figures)`` each); rows written."""
+    when = at or utcnow()
+    n = 0
+    for role, cls, figures in rows:
+        session.add(CanaryFigures(canary_id=canary_id, at=when, replica=replica, role=role, cls=cls,
+                                  figures=json.dumps(figures, separators=(",", ":"))))
+        n += 1
+    return n
+
+
+@dataclass
+class Window:
+    """A canary's figures read back: over the sliding window, and the slice's requests in the current step."""
+
+    figures: Figures = field(default_factory=lambda: {"canary": {}, "control": {}})
+    slice_in_step: int = 0
+    shadowed: int = 0
+    diffs: dict[str, int] = field(default_factory=dict)
+    replicas: set[str] = field(default_factory=set)
+
+
+def read_window(session: Session, row: PolicyCanary, now: datetime, window_s: float) -> Window:
+    """The figures of ``row`` since ``now - window_s`` (and, for the step's count, since its step began)."""
+    step_start = row.step_started_at
+    since = min(now - timedelta(seconds=window_s), step_start)
+    found = session.execute(sa_select(col(CanaryFigures.at), col(CanaryFigures.replica), col(CanaryFigures.role),
+                                      col(CanaryFigures.cls), col(CanaryFigures.figures))
+                            .where(col(CanaryFigures.canary_id) == row.id, col(CanaryFigures.at) >= since)).all()
+    out = Window()
+    window_start = now - timedelta(seconds=window_s)
+    for at, replica, role, cls, text in found:
+        data = json.loads(text)
+        out.replicas.add(replica)
+        at = at if at.tzinfo is not None else at.replace(tzinfo=now.tzinfo)
+        if role == "shadow":
+            if at >= window_start:
+                out.shadowed += int(data.get("requests", 0))
+                for name, n in dict(data.get("diffs", {})).items():
+                    out.diffs[name] = out.diffs.get(name, 0) + int(n)
+            if at >= step_start and cls == ALL:
+                out.slice_in_step += int(data.get("requests", 0))
+            continue
+        tally = Tally.from_json(data)
+        if at >= window_start:
+            side = out.figures.setdefault(role, {})
+            side.setdefault(cls, Tally()).merge(tally)
+        if role == "canary" and cls == ALL and at >= step_start:
+            out.slice_in_step += tally.requests
+    return out
+
+
+# --- the status -------------------------------------------------------------------------------
+
+@dataclass
+class CanaryStatus:
+    """A canary and its figures now: what ``canary status``, the admin API and the console show."""
+
+    row: PolicyCanary
+    rollout: Rollout
+    window: Window
+    results: list[GuardResult]
+    verdict: Verdict | None
+
+    def as_json(self) -> dict[str, Any]:
+        """The status as the admin API answers it."""
+        row, rollout = self.row, self.rollout
+        stages = rollout.stages
+        sides: dict[str, dict[str, dict[str, Any]]] = {}
+        for role, by_cls in self.window.figures.items():
+            for cls, t in sorted(by_cls.items()):
+                sides.setdefault(cls, {})[role] = {
+                    "requests": t.requests,
+                    "error_rate": t.errors / t.requests if t.requests else None,
+                    "shed_rate": t.shed / t.requests if t.requests else None,
+                    "rate_limited_rate": t.limited / t.requests if t.requests else None,
+                    "ttft_p99_ms": t.quantile_ms(0.99), "cost_per_1k": t.cost_per_1k()}
+        out: dict[str, Any] = {
+            "id": row.id, "version": row.version, "base": row.base, "status": row.status,
+            "mode": "shadow" if rollout.shadow else "canary", "by": rollout.by, "percent": row.percent,
+            "step": row.step + 1, "steps": [{"percent": s.percent, "hold_s": s.hold if s.hold != float("inf") else None}
+                                            for s in stages],
+            "automatic": rollout.automatic, "only": rollout.only.model_dump(), "guards": rollout.guards,
+            "window_s": rollout.window, "min_requests": rollout.min_requests, "alpha": rollout.alpha,
+            "started_at": row.started_at.isoformat(), "step_started_at": row.step_started_at.isoformat(),
+            "ended_at": row.ended_at.isoformat() if row.ended_at else None, "author": row.author,
+            "reason": row.reason, "figures": sides, "slice_in_step": self.window.slice_in_step,
+            "replicas": sorted(self.window.replicas),
+            "guards_tested": [{"guard": r.guard, "class": r.cls, "canary": r.canary, "rest": r.rest,
+                               "limit": r.limit, "p_value": r.p_value, "breached": r.breached,
+                               "n_canary": r.n_canary, "n_rest": r.n_rest} for r in self.results],
+        }
+        if rollout.shadow:
+            out["shadow"] = {"decided": self.window.shadowed, "differences": dict(sorted(self.window.diffs.items()))}
+        if self.verdict is not None:
+            out["next"] = {"action": self.verdict.action, "reason": self.verdict.reason,
+                           "in_s": self.verdict.wait_s}
+        return out
+
+
+def status(session: Session, row: PolicyCanary | None = None, now: datetime | None = None) -> CanaryStatus | None:
+    """The latest canary (or ``row``) with its window's figures and, while it runs, its next move."""
+    row = row or latest(session)
+    if row is None:
+        return None
+    rollout = rollout_of(row)
+    now = now or utcnow()
+    until = row.ended_at or now
+    window = read_window(session, row, until, rollout.window)
+    if rollout.shadow:
+        return CanaryStatus(row, rollout, window, [], None)
+    results = evaluate(rollout, window.figures)
+    step_age = (now - row.step_started_at).total_seconds()
+    found = verdict(rollout, row.step, step_age, window.slice_in_step, results) if row.status == "running" else None
+    return CanaryStatus(row, rollout, window, results, found)
+
+
+def carry_out(session: Session, found: CanaryStatus, actor: str) -> str | None:
+    """Carry ``found``'s verdict out, if it moves the canary; the action taken (None: holding, or another process
+    took it first)."""
+    v = found.verdict
+    if v is None or v.action == "hold":
+        return None
+    row = found.row
+    if v.action == "advance":
+        return "advance" if advance(session, row, v.step, v.reason, actor=actor) else None
+    detail = {"guards": [r.describe() for r in v.results if r.breached]} if v.action == "rollback" else None
+    status_ = "promoted" if v.action == "promote" else "rolled_back"
+    return v.action if finish(session, row, status_, v.reason, actor=actor, origin="canary", detail=detail) else None
+
+
+def history(session: Session, limit: int = 20) -> Sequence[PolicyCanary]:
+    """The newest canaries first."""
+    return session.exec(select(PolicyCanary).order_by(col(PolicyCanary.id).desc()).limit(limit)).all()
