@@ -45,7 +45,7 @@ def upgrade() -> None:
         sa.Column("at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("replica", sa.String(length=128), nullable=False),
         sa.Column("role", sa.String(length=16), nullable=False),
-        sa.Column("cls", sa.String(length=64), nullable=False),
+        sa.Column("priority", sa.String(length=64), nullable=False),
         sa.Column("figures", sa.Text(), nullable=False),
     )
     op.create_index("ix_canary_figures_canary_id", "canary_figures", ["canary_id"])

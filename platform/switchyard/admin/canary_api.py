@@ -8,6 +8,7 @@ truth) only a stored version can be rolled out here, since a new document must c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgspec
@@ -65,11 +66,15 @@ class EndRequest(msgspec.Struct, forbid_unknown_fields=True):
     author: Author = None
 
 
-async def _changed(db: Engine, policy_changed: PolicyChanged, work: Any) -> dict[str, Any]:
-    try:
-        data: dict[str, Any] = await in_db(db, work)
-    except store_errors.Conflict as exc:
-        raise Conflict(str(exc), code="canary_conflict") from None
+async def _changed(db: Engine, policy_changed: PolicyChanged, work: Callable[[Session], dict[str, Any]]
+                   ) -> dict[str, Any]:
+    def conflicts_as_409(session: Session) -> dict[str, Any]:
+        try:
+            return work(session)
+        except store_errors.Conflict as exc:
+            raise Conflict(str(exc), code="canary_conflict") from None
+
+    data = await in_db(db, conflicts_as_409)
     await policy_changed()  # this process follows at once; the others hear it on the policy channel
     return data
 

@@ -138,6 +138,7 @@ def start(session: Session, rollout: Rollout, *, author: str, origin: str, text:
 def advance(session: Session, row: PolicyCanary, to_step: int, reason: str, *, actor: str) -> bool:
     """Move ``row`` from the step it was read at to ``to_step``; whether this call did it."""
     percent = rollout_of(row).stages[to_step].percent
+    was = row.percent  # (the update below refreshes ``row``)
     now = utcnow()
     done = session.execute(update(PolicyCanary)
                            .where(col(PolicyCanary.id) == row.id, col(PolicyCanary.status) == "running",
@@ -146,7 +147,7 @@ def advance(session: Session, row: PolicyCanary, to_step: int, reason: str, *, a
     if done.rowcount != 1:  # type: ignore[attr-defined]
         return False
     append_event(session, actor=actor, origin="canary", action="policy.canary.step", target=f"policy:v{row.version}",
-                 detail={"canary": row.id, "from_percent": row.percent, "to_percent": percent, "step": to_step,
+                 detail={"canary": row.id, "from_percent": was, "to_percent": percent, "step": to_step,
                          "reason": reason})
     _announce(session)
     return True
@@ -160,13 +161,13 @@ def finish(session: Session, row: PolicyCanary, status: str, reason: str, *, act
            detail: dict[str, Any] | None = None) -> bool:
     """End ``row`` as ``status`` (``promoted`` makes its version active); whether this call did it."""
     now = utcnow()
+    facts: dict[str, Any] = {"canary": row.id, "version": row.version, "base": row.base, "percent": row.percent,
+                             "reason": reason, **(detail or {})}
     done = session.execute(update(PolicyCanary)
                            .where(col(PolicyCanary.id) == row.id, col(PolicyCanary.status) == "running")
                            .values(status=status, ended_at=now, reason=reason[:4000]))
     if done.rowcount != 1:  # type: ignore[attr-defined]
         return False
-    facts: dict[str, Any] = {"canary": row.id, "version": row.version, "base": row.base, "percent": row.percent,
-                             "reason": reason, **(detail or {})}
     if status == "promoted":
         session.execute(update(PolicyVersion).where(col(PolicyVersion.active).is_(True)).values(active=False))
         session.execute(update(PolicyVersion).where(col(PolicyVersion.number) == row.version).values(active=True))
@@ -225,7 +226,7 @@ def record_figures(session: Session, canary_id: int, replica: str, rows: Iterabl
     when = at or utcnow()
     n = 0
     for role, cls, figures in rows:
-        session.add(CanaryFigures(canary_id=canary_id, at=when, replica=replica, role=role, cls=cls,
+        session.add(CanaryFigures(canary_id=canary_id, at=when, replica=replica, role=role, priority=cls,
                                   figures=json.dumps(figures, separators=(",", ":"))))
         n += 1
     return n
@@ -247,7 +248,7 @@ def read_window(session: Session, row: PolicyCanary, now: datetime, window_s: fl
     step_start = row.step_started_at
     since = min(now - timedelta(seconds=window_s), step_start)
     found = session.execute(sa_select(col(CanaryFigures.at), col(CanaryFigures.replica), col(CanaryFigures.role),
-                                      col(CanaryFigures.cls), col(CanaryFigures.figures))
+                                      col(CanaryFigures.priority), col(CanaryFigures.figures))
                             .where(col(CanaryFigures.canary_id) == row.id, col(CanaryFigures.at) >= since)).all()
     out = Window()
     window_start = now - timedelta(seconds=window_s)

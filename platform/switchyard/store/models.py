@@ -465,8 +465,8 @@ class CanaryFigures(SQLModel, table=True):
     canary_id: int = Field(foreign_key="policy_canary.id", index=True)
     at: datetime = Field(sa_column=Column(UTCDateTime(), nullable=False, index=True))
     replica: str = Field(max_length=128)
-    #: ``canary``, ``control`` or ``shadow``; the class (``*``: all classes).
+    #: ``canary``, ``control`` or ``shadow``; the priority class (``*``: all classes).
     role: str = Field(max_length=16)
-    cls: str = Field(max_length=64)
+    priority: str = Field(max_length=64)
     #: JSON: ``decide.canary.Tally.as_json`` (shadow: ``{"requests": n, "diffs": {field: n}}``).
     figures: str = Field(sa_column=Column(Text(), nullable=False))
