@@ -162,8 +162,8 @@ def test_a_canary_passes_its_steps_and_is_promoted(pair: Pair) -> None:
     assert final["status"] == "promoted", final
     steps = [e.detail for e in audit(pair, "policy.canary.step") if e.detail["canary"] == started["id"]]
     assert [(s["from_percent"], s["to_percent"]) for s in steps] == [(30, 60)]
-    assert eventually(lambda: http_json("GET", pair.b.base_url + "/readyz")[2]["checks"]["policy"]["version"] == candidate,
-               timeout=5)
+    assert eventually(lambda: http_json("GET", pair.b.base_url + "/readyz")[2]["checks"]["policy"]["version"]
+                      == candidate, timeout=5)
     assert {v for _, _, _, v in traffic(pair, 16)} == {candidate}
     pair.base_text = variant(pair.base_text, 2)
 

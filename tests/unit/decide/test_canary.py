@@ -112,9 +112,9 @@ def test_equal_sides_do_not_breach_in_many_trials() -> None:
 
 
 @pytest.mark.parametrize(("guard", "canary"), [
-    ("error_rate", dict(error_rate=0.08, ttft_scale=1.0, cost=1.0)),
-    ("ttft_p99", dict(error_rate=0.01, ttft_scale=3.0, cost=1.0)),
-    ("cost_per_1k", dict(error_rate=0.01, ttft_scale=1.0, cost=2.0)),
+    ("error_rate", {"error_rate": 0.08, "ttft_scale": 1.0, "cost": 1.0}),
+    ("ttft_p99", {"error_rate": 0.01, "ttft_scale": 3.0, "cost": 1.0}),
+    ("cost_per_1k", {"error_rate": 0.01, "ttft_scale": 1.0, "cost": 2.0}),
 ])
 def test_a_real_regression_breaches_its_guard(guard: str, canary: dict[str, float]) -> None:
     rng = random.Random(2)
