@@ -86,7 +86,7 @@ def start_cmd(candidate: str, percent: float | None, by: str, steps: tuple[str, 
     """
     from pydantic import ValidationError
 
-    from switchyard.cli.policy_cmds import _rejected, _version_number
+    from switchyard.cli.policy_cmds import _refuse_in_file_mode, _rejected, _version_number
     from switchyard.policy import PolicyError, read_policy_file
     from switchyard.policy.rollout import rollout_from_flags
     from switchyard.store import canary as store
@@ -98,6 +98,8 @@ def start_cmd(candidate: str, percent: float | None, by: str, steps: tuple[str, 
     except (ValidationError, ValueError) as exc:
         raise click.BadParameter(_words(exc)) from None
     number = _version_number(candidate)
+    if number is None:
+        _refuse_in_file_mode("rolling a new document out")
     try:
         text = None if number is not None else read_policy_file(Path(candidate))
         with open_session() as session:

@@ -42,6 +42,7 @@ from switchyard.store.request_log import replica_name
 if TYPE_CHECKING:
     from switchyard.decide.views import FleetView
     from switchyard.gateway.activity import RequestRecord
+    from switchyard.gateway.metrics import GatewayMetrics
     from switchyard.gateway.model_tokens import ModelTokens
 
 log = logging.getLogger("switchyard.canary")
@@ -82,7 +83,8 @@ class Chosen:
 class CanaryFollower:
     """The running canary in this process (see the module doc)."""
 
-    def __init__(self, engine_of: Any, load_tokens: Any, fleet: FleetView) -> None:
+    def __init__(self, engine_of: Any, load_tokens: Any, fleet: FleetView, metrics: GatewayMetrics) -> None:
+        self._metrics = metrics
         self._engine_of = engine_of  # () -> Engine (the database opens with the lifespan)
         self._load_tokens = load_tokens  # (PolicySnapshot) -> ModelTokens
         self._fleet = fleet
@@ -117,6 +119,7 @@ class CanaryFollower:
             log.info("canary %d of v%d ended: the active version decides every request", live.id, live.version)
             self.live = None
             self._reset()
+            self._metrics.canary_percent.set(0)
             return True
         cid, version, percent, step, rollout_json, text = found
         if live is not None and live.id == cid:
@@ -124,6 +127,7 @@ class CanaryFollower:
                 return False
             self.live = LiveCanary(cid, version, percent, step, live.rollout, live.snapshot, live.counters,
                                    live.renderers)
+            self._metrics.canary_percent.set(percent / 100)
             log.info("canary %d of v%d at %g%%", cid, version, percent)
             return True
         async with self._lock:
@@ -136,6 +140,7 @@ class CanaryFollower:
             self._reset()
             self.live = LiveCanary(cid, version, percent, step, Rollout.model_validate_json(rollout_json), snapshot,
                                    *tokens)
+            self._metrics.canary_percent.set(percent / 100)
         log.info("canary %d of v%d (%s) at %g%%", cid, version, "shadow" if self.live.shadow else "live", percent)
         return True
 
@@ -187,10 +192,12 @@ class CanaryFollower:
         role = record.canary
         if role is None or self.live is None:
             return
+        self._metrics.canary_requests.labels(role).inc()
         if role == "shadow":
             self._shadow_requests += 1
             for name in record.shadow or ():
                 self._diffs[name] = self._diffs.get(name, 0) + 1
+                self._metrics.canary_differences.labels(name).inc()
             return
         rules.add_to(self._figures, role, record.priority, record.outcome or "error", _ms(record.ttft_s), 0.0)
 

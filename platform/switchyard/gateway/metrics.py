@@ -70,6 +70,17 @@ class GatewayMetrics:
         self.policy_version = Gauge(
             "switchyard_policy_active_version", "The number of the policy version this process serves "
             "(0 for an unversioned document).", registry=self.registry)
+        self.canary_requests = Counter(
+            "switchyard_canary_requests", "Requests of a running policy canary's scope, by their part in it: "
+            "decided by the candidate (canary), by the active version (control), or by the active version with "
+            "the candidate deciding alongside (shadow).", ["role"], registry=self.registry)
+        self.canary_differences = Counter(
+            "switchyard_canary_shadow_differences", "Shadow requests the candidate would have decided otherwise, "
+            "by what differed.", ["field"], registry=self.registry)
+        self.canary_percent = Gauge(
+            "switchyard_canary_slice_ratio", "The share of its scope a running policy canary takes, 0 to 1 (0: none "
+            "runs).",
+            registry=self.registry)
         self.reload_failures = Counter(
             "switchyard_policy_reload_failures", "Policy documents rejected by a reload, by where they came "
             "from (file, database); the last good version kept serving.", ["source"], registry=self.registry)

@@ -24,6 +24,7 @@ LABEL_VALUES: dict[str, str] = {
     "classifier": "An embedding classifier name of the policy's `classifiers`.",
     "dependency": "`redis` (the limit store) or `database` (key lookups).",
     "endpoint": "An endpoint URL of the policy's pools.",
+    "field": "What a shadow decision can differ in: `model`, `class`, `pool`, `region`, `admission` or `cache`.",
     "generation": "The garbage collector's generation: `0`, `1` or `2` (a full collection).",
     "kind": "`prompt`, `completion` or `cached` (prompt tokens found in the engine's prefix cache).",
     "lane": "`interactive` or `batch` (the class's lane).",
@@ -35,6 +36,7 @@ LABEL_VALUES: dict[str, str] = {
     "name": "The endpoint URL (scope `endpoint`) or the pool name (scope `pool`) of the policy.",
     "pool": "A pool name of the policy's `pools` (on `switchyard_requests_total` also `cache`, a response-cache "
             "hit, and `-`, refused or failed before an engine answered).",
+    "role": "`canary`, `control` or `shadow`.",
     "rule": "A response-cache rule of the policy's `cache`: its name, or `cache[<index>]` when unnamed.",
     "scope": "`endpoint` or `pool`.",
     "sha256": "The first 12 hex digits of the active policy's SHA-256 (one series at a time).",

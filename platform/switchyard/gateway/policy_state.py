@@ -21,6 +21,7 @@ from switchyard.decide.policy_tests import compile_checked
 from switchyard.decide.tokens import TokenCounter
 from switchyard.policy import PolicyError, PolicySnapshot, read_policy_file
 from switchyard.settings import Settings
+from switchyard.store.canary import follow_file
 from switchyard.store.db import session_scope
 from switchyard.store.policy_versions import MAX_AUTHOR, active_version, record_version
 
@@ -68,9 +69,32 @@ def record_file(engine: Engine, path: Path, snapshot: PolicySnapshot, message: s
     return snapshot.with_version(version.number)
 
 
+def file_rollout(engine: Engine, path: Path, snapshot: PolicySnapshot) -> str:
+    """Roll the file's document out as a canary, as its ``rollout:`` stanza says (``store.canary.follow_file``);
+    what happened: ``active`` (nothing to roll out: record and activate it as usual), ``running``, ``started`` or
+    ``refused``."""
+    rollout = snapshot.document.rollout
+    assert rollout is not None
+    with session_scope(engine) as session:
+        outcome, row = follow_file(session, snapshot.text, snapshot.sha256, rollout, author=file_author(path),
+                                   document=str(path))
+        if outcome == "started" and row is not None:
+            log.warning("policy %s goes live as canary %s (version %s) at %g%%", path, row.id, row.version,
+                        row.percent)
+        elif outcome == "refused" and row is not None:
+            log.error("policy %s is not rolled out again: its canary %s ended %s (%s); the active version keeps "
+                      "serving until the file changes", path, row.id, row.status, row.reason)
+    return outcome
+
+
 def _from_file(settings: Settings, engine: Engine, message: str) -> PolicySnapshot:
     path = settings.policy_file
-    return record_file(engine, path, compile_checked(read_policy_file(path), str(path)), message)
+    snapshot = compile_checked(read_policy_file(path), str(path))
+    if snapshot.document.rollout is not None:
+        stored = _stored(engine)
+        if stored is not None and stored.sha256 != snapshot.sha256 and file_rollout(engine, path, snapshot) != "active":
+            return stored  # the file's document goes live as a canary; the active version serves the rest
+    return record_file(engine, path, snapshot, message)
 
 
 def load_startup_policy(settings: Settings, engine: Engine) -> PolicyHolder:

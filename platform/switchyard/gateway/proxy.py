@@ -177,6 +177,7 @@ class _Run:
             raise
 
     def _compare_shadow(self) -> None:
+        """Compare a shadow canary's decision with this one, once, before the request can finish."""
         if self.shadow is not None:
             self.runtime.canary.compare(self.record, self.d, self.shadow)
             self.shadow = None
@@ -208,6 +209,7 @@ class _Run:
         kind = type(effect)
         if kind is Attempt:
             self._sync()  # (a try ends the request's record, with what was decided)
+            self._compare_shadow()
             return await self._attempt(effect)  # type: ignore[arg-type]
         if kind is Mark:
             self._mark(effect)  # type: ignore[arg-type]

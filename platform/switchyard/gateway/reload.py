@@ -14,6 +14,8 @@ read; endpoint state, connection pools, counters and caches are keyed by name an
   would miss) and its identity (inode, size, mtime) is polled as well. A changed file is
   validated and run through its policy tests, recorded as a version (source ``file``; identical
   content is not a new version) and activated; the other processes follow through the database.
+  A document with a ``rollout:`` stanza is not activated: it starts a canary with that stanza's slice,
+  steps and guardrails (``store.canary.follow_file``), which promotes it or rolls it back.
 
 A document that fails is never activated: the last good version keeps serving, and the error
 (each issue with its YAML path and line) is kept for ``/readyz`` and the admin API, logged, and
@@ -52,7 +54,7 @@ from switchyard.gateway.auth import KeyAuthenticator
 from switchyard.gateway.canary import CanaryFollower
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.gateway.model_tokens import ModelTokens, load_model_tokens
-from switchyard.gateway.policy_state import PolicyHolder, record_file
+from switchyard.gateway.policy_state import PolicyHolder, file_rollout, record_file
 from switchyard.gateway.tokenizers import TokenizerCache
 from switchyard.policy import PolicyError, PolicySnapshot, policy_sha256, read_policy_file
 from switchyard.settings import Settings
@@ -211,6 +213,16 @@ class PolicyReloader:
             self.holder.last_error = None
             if snapshot.sha256 == self.holder.snapshot.sha256:
                 return False
+            if snapshot.document.rollout is not None:  # it goes live as a canary, not at once
+                try:
+                    outcome = await anyio.to_thread.run_sync(file_rollout, self.engine, path, snapshot)
+                except BaseException:
+                    self._file_identity = self._file_sha = None
+                    raise
+                if outcome != "active":
+                    if self.canary is not None:
+                        await self.canary.check()
+                    return False
             try:
                 recorded = await anyio.to_thread.run_sync(record_file, self.engine, path, snapshot,
                                                           "the policy file changed")

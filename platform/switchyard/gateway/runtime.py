@@ -112,7 +112,7 @@ class GatewayRuntime:
                              self.latencies)
         #: The policy canary this process follows, if one runs.
         self.canary = CanaryFollower(lambda: self.engine, lambda snapshot: self.reloader.counters_for(snapshot),
-                                     self.view)
+                                     self.view, self.metrics)
 
     @property
     def engine(self) -> Engine:

@@ -135,6 +135,41 @@ def start(session: Session, rollout: Rollout, *, author: str, origin: str, text:
     return row
 
 
+def follow_file(session: Session, text: str, sha256: str, rollout: Rollout, *, author: str,
+                document: str) -> tuple[str, PolicyCanary | None]:
+    """A policy file whose document carries a ``rollout:`` stanza changed: roll it out as a canary.
+
+    Returns what happened: ``active`` (it is the active content: nothing to do), ``running`` (its canary runs
+    already: another process or an earlier check started it), ``started``, or ``refused`` (a canary of this
+    very content was rolled back or aborted: it is not tried again until the file changes), with the canary.
+    A canary of other content that runs is aborted (the file is the truth).
+
+    Raises:
+        PolicyError: the document is invalid (the caller checked it: only if it changed since).
+    """
+    active = active_version(session)
+    if active is None or active.sha256 == sha256:
+        return "active", None
+    current = running(session)
+    if current is not None:
+        candidate = session.get(PolicyVersion, current.version)
+        if candidate is not None and candidate.sha256 == sha256:
+            return "running", current
+        finish(session, current, "aborted", f"superseded by a new policy file ({document})", actor=author,
+               origin="file")
+    ended = session.exec(select(PolicyCanary).join(PolicyVersion, col(PolicyVersion.number) == PolicyCanary.version)
+                         .where(col(PolicyVersion.sha256) == sha256)
+                         .order_by(col(PolicyCanary.id).desc())).first()
+    if ended is not None and ended.status in ("rolled_back", "aborted"):
+        return "refused", ended
+    try:
+        row = start(session, rollout, author=author, origin="file", text=text, source="file",
+                    message="the policy file changed (its rollout: stanza)", document=document)
+    except Conflict:  # another process started it at the same moment
+        return "running", running(session)
+    return "started", row
+
+
 def advance(session: Session, row: PolicyCanary, to_step: int, reason: str, *, actor: str) -> bool:
     """Move ``row`` from the step it was read at to ``to_step``; whether this call did it."""
     percent = rollout_of(row).stages[to_step].percent
