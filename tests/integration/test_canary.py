@@ -208,7 +208,7 @@ def test_one_canary_at_a_time_and_a_publish_supersedes_it(pair: Pair) -> None:
     assert status == 409 and body["error"]["code"] == "canary_conflict"
     status, _, body = http_json("POST", pair.a.base_url + "/admin/api/policy/canary",
                                 {"yaml": variant(pair.base_text, 4), "rollout": {"percent": 150}}, AUTH)
-    assert status == 400 and "percent" in body["error"]["message"]
+    assert status == 422 and "percent" in body["error"]["message"]
     status, _, body = http_json("POST", pair.a.base_url + "/admin/api/policy/versions",
                                 {"yaml": variant(pair.base_text, 5), "message": "urgent fix"}, AUTH)
     assert status == 201

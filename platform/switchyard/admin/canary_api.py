@@ -23,7 +23,7 @@ from switchyard.admin import openapi_docs as docs
 from switchyard.admin.common import in_db, json_body, origin_of
 from switchyard.admin.dependencies import PolicyChanged
 from switchyard.admin.policy_api import MAX_ID, Author, Conflict, _rejected
-from switchyard.api.errors import BadRequest, NotFound
+from switchyard.api.errors import NotFound
 from switchyard.api.openapi import admin_operation, json_request_body, json_response, obj, ok
 from switchyard.policy import PolicyError
 from switchyard.policy.rollout import Rollout
@@ -47,6 +47,15 @@ START_BODY = json_request_body(obj({
     "message": docs.MESSAGE, "author": docs.AUTHOR}, ["rollout"], extra=False))
 ABORT_BODY = json_request_body(obj({"reason": Schema(type=OpenAPIType.STRING, max_length=1000),
                                     "author": docs.AUTHOR}, extra=False))
+
+
+def _unprocessable(message: str, code: str, issues: list[tuple[str, str]]) -> Response[dict[str, Any]]:
+    """422: a well-formed body whose rollout or candidate cannot be carried out (nothing was written); each
+    issue with the path of the field in the body."""
+    return Response({"error": {"message": message, "type": "invalid_request_error", "param": issues[0][0],
+                               "code": code},
+                     "issues": [{"path": path, "message": words, "line": None, "source": "<request>"}
+                                for path, words in issues]}, status_code=422)
 
 
 class StartRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -103,19 +112,23 @@ async def canary_start(request: Request[Any, Any, Any], settings: NamedDependenc
 
     The body: ``{"yaml": "...", "rollout": {"steps": [{"percent": 1, "hold": "1m"}, {"percent": 10,
     "hold": "2m"}], "guards": {"ttft_p99": 1.5, "error_rate": 0.01}}, "message": "why"}``. 409 while another
-    canary runs; 422 with every issue when the document is invalid.
+    canary runs; 422 when the rollout is invalid (``invalid_rollout``, what is wrong in the message), when both
+    or neither of yaml and version are given (``invalid_candidate``), or with every issue when the document is
+    invalid (``invalid_policy``).
     """
     data = await json_body(request, StartRequest)
     if (data.yaml is None) == (data.version is None):
-        raise BadRequest("give the candidate as yaml or as a stored version, one of them", param="yaml")
+        return _unprocessable("give the candidate as yaml or as a stored version, one of them",
+                              "invalid_candidate", [("yaml", "give yaml or version, one of them")])
     if data.yaml is not None and settings.policy_source == "file":
         raise Conflict(f"policy_source is file: a new document goes live through {settings.policy_file} (with a "
                        "rollout: stanza); here only a stored version can be rolled out", code="policy_source_is_file")
     try:
         rollout = Rollout.model_validate(data.rollout)
     except ValidationError as exc:
-        words = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'rollout'}: {e['msg']}" for e in exc.errors())
-        raise BadRequest(f"invalid rollout: {words}", param="rollout") from None
+        issues = [(".".join(["rollout", *map(str, e["loc"])]), e["msg"]) for e in exc.errors()]
+        return _unprocessable("invalid rollout: " + "; ".join(f"{p}: {m}" for p, m in issues), "invalid_rollout",
+                              issues)
     origin = origin_of(request)
 
     def start(session: Session) -> dict[str, Any]:
