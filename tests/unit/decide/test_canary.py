@@ -180,3 +180,17 @@ def test_a_canary_at_a_fixed_percent_waits_for_a_person() -> None:
     rollout = rollout_from_flags(percent=5, min_requests=20)
     v = c.verdict(rollout, 0, 10_000, 10_000, _passing())
     assert v.action == "hold" and v.wait_s is None
+
+
+def test_every_process_computes_the_same_slice() -> None:
+    """Another interpreter (another hash seed, as another replica would have) puts the same subjects in the slice."""
+    import subprocess
+    import sys
+
+    code = ("from switchyard.decide.canary import in_slice\n"
+            "print(''.join('1' if in_slice(11, 25, f't:{i}') else '0' for i in range(500)))")
+    here = "".join("1" if c.in_slice(11, 25, f"t:{i}") else "0" for i in range(500))
+    for seed in ("1", "2"):
+        other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                               env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout.strip()
+        assert other == here
