@@ -32,7 +32,7 @@ def chat(gw: Gateway, model: str = "auto") -> tuple[int, dict[str, str]]:
                                    {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
                                    {"Authorization": f"Bearer {gw.keys['pro']}"})
     route = dict(p.split("=", 1) for p in headers.get("x-switchyard-route", "").split("; ") if "=" in p)
-    return status, route
+    return status, route | {"request_id": headers.get("x-request-id", "")}
 
 
 def readyz_canary(gw: Gateway) -> dict[str, Any] | None:
@@ -76,6 +76,8 @@ def test_a_shadow_canary_decides_alongside_and_counts_what_differs(engines: Engi
             assert {r.policy_version for r in rows} == {1}
         finally:
             engine.dispose()
+        page = gw.console("viewer").get(f"/admin/requests/{answers[0][1]['request_id']}").text
+        assert "Shadow would differ" in page and "model: small → large" in page and "v1" in page
         aborted = gw.cli("policy", "canary", "abort", "--reason", "seen enough").stdout
         assert "aborted: canary 1 of v2" in aborted
         assert eventually(lambda: readyz_canary(gw) is None, timeout=5)

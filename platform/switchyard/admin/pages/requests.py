@@ -96,7 +96,13 @@ def _fields(row: dict[str, Any]) -> list[tuple[str, str]]:
         ("Queue ms", row["queue_ms"]), ("TTFT ms", row["ttft_ms"]), ("Duration ms", row["duration_ms"]),
         ("Prompt tokens", row["prompt_tokens"]), ("Completion tokens", row["completion_tokens"]),
         ("Cached tokens", row["cached_tokens"]), ("Cache", row["cache"]), ("Cache rule", row["cache_rule"]),
+        ("Policy version", f"v{row['policy_version']}" if row.get("policy_version") is not None else None),
     ]
+    if row.get("canary") is not None:
+        pairs.append(("Canary", row["canary"]))
+    if row.get("shadow"):
+        pairs.append(("Shadow would differ", "; ".join(f"{name}: {live} → {other}"
+                                                       for name, (live, other) in row["shadow"].items())))
     return [(label, _text(value)) for label, value in pairs]
 
 
