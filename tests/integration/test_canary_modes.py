@@ -61,7 +61,9 @@ def test_a_shadow_canary_decides_alongside_and_counts_what_differs(engines: Engi
         answers = [chat(gw) for _ in range(30)]
         # The active version served every request: the shadow only decided.
         assert {(s, r["policy"], r["model"]) for s, r in answers} == {(200, "v1", "small")}
-        status = eventually(lambda: (s := status_of(gw)) and s["shadow"]["decided"] >= 30 and s, timeout=10)
+        status = eventually(lambda: (s := http_json("GET", gw.base_url + "/admin/api/policy/canary")[2])
+                            and s["shadow"]["decided"] >= 30 and s, timeout=10)
+        assert status_of(gw)["shadow"] == status["shadow"]  # the command line reads the same
         assert status["mode"] == "shadow" and status["shadow"]["differences"] == {"model": 30}, status
         assert gateway_counter(gw, "switchyard_canary_shadow_differences_total", field="model") == 30
         assert gateway_counter(gw, "switchyard_canary_requests_total", role="shadow") == 30
