@@ -17,7 +17,10 @@ from sqlalchemy import Engine
 
 from switchyard.admin.pages import policy_replay
 from switchyard.app import create_app
+from switchyard.decide import canary as rules
+from switchyard.policy.rollout import Rollout
 from switchyard.settings import Settings
+from switchyard.store import canary as canary_store
 from switchyard.store import db
 from switchyard.store.models import RequestLogEntry
 from switchyard.whatif.outcomes import NOT_MODELLED
@@ -286,6 +289,57 @@ def test_without_htmx_the_panel_is_a_page_that_carries_the_candidate(db_console:
     hidden = re.search(r'<input type="hidden" name="yaml" value="([^"]*)">', page.text, re.DOTALL)
     assert hidden is not None and html.unescape(hidden.group(1)) == candidate
     assert _text(page.text, "replay-placement").startswith("4 of 10 requests change placement")
+
+
+# --- a canary ----------------------------------------------------------------------------------------
+
+#: The request ids of :func:`_traffic`'s entries that are replayed (in the last hour, with a tier), and of its four
+#: pro requests for auto (the ones :func:`_short_prompts_to_large` moves).
+REPLAYED = [f"req-{n}" for n in (0, 1, 2, 3, 4, 10, 11, 12, 13, 21)]
+MOVED = [f"req-{n}" for n in (10, 11, 12, 13)]
+
+
+def test_a_canary_of_the_candidate_decides_only_its_slice(db_console: TestClient[Any]) -> None:
+    """``replay_as`` a share: the candidate decides the requests the gateway's hash puts in the slice (by the
+    logged request id here), the serving policy the rest; the panel says how many and shows the slice alone."""
+    _traffic(db_console)
+    text = _replay(db_console, _short_prompts_to_large(), replay_as="50", replay_by="request")
+    inside = [r for r in REPLAYED if rules.in_slice(0, 50, f"r:{r}")]
+    moved = [r for r in MOVED if r in inside]
+    assert 0 < len(inside) < len(REPLAYED) and moved, "pick another share: the slice must split the log"
+    assert _text(text, "replay-canary").startswith("The candidate (")
+    assert f"decided {len(inside)} of 10 requests" in _text(text, "replay-canary")
+    assert "the slice of 50% by request of the 10 requests in the canary's scope (every request)" in _text(
+        text, "replay-canary")
+    assert _text(text, "replay-placement").startswith(f"{len(moved)} of 10 requests change placement")
+    assert _cells(text, "replay-canary-slice-served") == ["served", str(len(inside)), str(len(inside)), "same"]
+    assert '<option value="50" selected>a canary of 50%</option>' in text
+    assert '<option value="request" selected>request</option>' in text
+    assert 'value="running"' not in text  # no canary runs
+    # every request: no canary paragraph, all four move
+    whole = _replay(db_console, _short_prompts_to_large())
+    assert 'id="replay-canary"' not in whole and _text(whole, "replay-placement").startswith("4 of 10")
+    for bad in ({"replay_as": "33"}, {"replay_as": "running"}, {"replay_as": "10", "replay_by": "moon"}):
+        refused = _replay(db_console, _short_prompts_to_large(), **bad)
+        assert "Choose one of the offered ways to replay the candidate" in refused, bad
+
+
+def test_the_running_canary_is_replayed_with_its_slice_and_id(db_console: TestClient[Any]) -> None:
+    _traffic(db_console)
+    with db.session_scope(_engine(db_console)) as session:
+        row = canary_store.start(session, Rollout(percent=50, by="request"), author="test", origin="test",
+                                 text=_short_prompts_to_large())
+        canary_id, version = row.id, row.version
+    assert canary_id is not None and version == 2
+    offered = _replay(db_console, V1)
+    assert '<option value="running">the running canary (v2 on 50% by request) instead</option>' in offered
+    text = _replay(db_console, V1, replay_as="running")  # the posted candidate is not the one replayed
+    inside = [r for r in REPLAYED if rules.in_slice(canary_id, 50, f"r:{r}")]
+    canary = _text(text, "replay-canary")
+    assert canary.startswith(f"The candidate (v2) decided {len(inside)} of 10 requests"), canary
+    assert "Candidate (v2 canary (50% by request))" in text
+    moved = [r for r in MOVED if r in inside]
+    assert _text(text, "replay-placement").startswith(f"{len(moved)} of 10 requests change placement")
 
 
 # --- end to end: a real gateway, its request log, the official SDK -----------------------------------

@@ -14,13 +14,17 @@ from litestar.testing import TestClient
 from switchyard.decide.dryrun import DryRun, dry_run
 from switchyard.decide.policy_tests import body_of_request, features_of_request
 from switchyard.gateway.runtime import GatewayRuntime
+from switchyard.policy import compile_policy
 from switchyard.policy.policy_tests import PolicyTestRequest
+from switchyard.policy.rollout import Rollout
+from switchyard.store import canary as canary_store
 from switchyard.store import db
 from switchyard.store.audit import append_event, list_events
 from switchyard.store.cache import CacheEntry
 from switchyard.store.models import TenantCreate
 from switchyard.store.tenants import create_tenant, get_tenant
 from tests.integration.conftest import console_login, csrf_headers
+from tests.unit.policy.base import base, to_yaml
 
 # --- helpers -------------------------------------------------------------------------------------------
 
@@ -335,3 +339,62 @@ def test_a_dry_run_may_name_a_tier_instead_of_a_tenant(console: TestClient[Any])
     assert "tokens_per_minute" in element(answer.text, "dry-run-limits")  # pro's own limit on large
     bad = submit(console, tier="platinum", model="auto")
     assert bad.status_code == 400 and "unknown tier 'platinum'" in alert_of(bad.text)
+
+
+# --- dry-run against a named version ---------------------------------------------------------------------
+
+
+def _start_canary(client: TestClient[Any], doc: dict[str, Any], percent: float = 10) -> int:
+    """A canary of ``doc`` (stored as v2, not active) next to the serving v1; its candidate's version number."""
+    with db.session_scope(runtime_of(client).engine) as session:
+        row = canary_store.start(session, Rollout(percent=percent), author="test", origin="test", text=to_yaml(doc))
+        return row.version
+
+
+def test_a_dry_run_names_the_version_it_runs_against(console: TestClient[Any]) -> None:
+    """The form offers the serving version (the default), the running canary's candidate and the other stored
+    versions; the answer is the evaluator's against the version chosen, with the same form."""
+    doc = base()
+    doc["models"][0]["pools"] = ["small-eu"]  # the candidate keeps small in eu-west
+    doc["models"][0]["fallback"] = []
+    number = _start_canary(console, doc, percent=10)
+    assert number == 2 and runtime_of(console).policy.snapshot.label == "v1"
+    form = element(console.get("/admin/dry-run").text, "dry-run-version")
+    assert '<option value="" selected>v1 (serving)</option>' in form
+    assert "<option value=\"2\">v2 (the running canary's candidate, 10%)</option>" in form
+
+    fields = {"tenant": "acme", "model": "auto", "prompt": "hi"}
+    candidate = compile_policy(to_yaml(doc), "v2", 2)
+    req = PolicyTestRequest(tier="free", model="auto", prompt="hi")
+    expected = dry_run(candidate, "free", features_of_request(req), strategy=runtime_of(console).settings.picker,
+                       gateway_region=runtime_of(console).settings.region, body=body_of_request(req))
+    serving = direct(console, "free", model="auto", prompt="hi")
+    assert (expected.pool, expected.region) == ("small-eu", "eu-west") != (serving.pool, serving.region)
+    for ref in ("2", "v2"):
+        answer = submit(console, **fields, version=ref)
+        assert answer.status_code == 200, answer.text
+        assert element(answer.text, "dry-run-decided-pool") == "small-eu"
+        assert trace_of(answer.text) == list(expected.trace)
+        assert html.unescape(element(answer.text, "dry-run-policy")) == "v2 (the running canary's candidate)"
+        assert "<option value=\"2\" selected>" in element(answer.text, "dry-run-version")
+    for ref in ("", "active", "1", "v1"):
+        answer = submit(console, **fields, version=ref)
+        assert answer.status_code == 200, (ref, answer.text)
+        assert element(answer.text, "dry-run-decided-pool") == serving.pool
+        assert trace_of(answer.text) == list(serving.trace)
+        assert element(answer.text, "dry-run-policy") == "v1 (serving)"
+    for ref, message in (("9", "there is no policy version 9"), ("latest", "'latest' is not a policy version")):
+        bad = submit(console, **fields, version=ref)
+        assert bad.status_code == 400 and message in alert_of(bad.text), ref
+
+
+def test_a_version_without_the_tier_or_model_asked_for_is_a_form_error(console: TestClient[Any]) -> None:
+    doc = base()
+    doc["tiers"][0]["name"] = "starter"  # acme's tier, free, is gone in this version
+    doc["tests"] = []
+    _start_canary(console, doc)
+    bad = submit(console, tenant="acme", model="auto", prompt="hi", version="2")
+    assert bad.status_code == 400
+    assert "tenant 'acme' is in tier 'free', which policy v2 does not define" in alert_of(bad.text)
+    assert "<option value=\"2\" selected>" in element(bad.text, "dry-run-version")  # still v2, to correct
+    assert submit(console, tier="starter", model="auto", prompt="hi", version="2").status_code == 200

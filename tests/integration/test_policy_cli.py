@@ -193,3 +193,30 @@ def test_policy_test_runs_each_test_through_the_gateways_decisions(tmp_path: Pat
     assert (report["passed"], report["failed"]) == (1, 1)
     assert report["tests"][1] == {"name": "eu please", "passed": False, "expected": "region eu-west",
                                   "got": "status 200, model small, pool small-us, region us-east"}
+
+
+def test_policy_test_runs_a_stored_versions_tests_against_that_version(cli: Cli, tmp_path: Path) -> None:
+    """`policy test 7`, `v7` or `active` runs the tests of the version as it was published, against it."""
+    cli("policy", "publish", str(_write(tmp_path / "v1.yaml", base())))
+    doc = base()
+    doc["routes"][0]["rules"][1]["model"] = "large"  # short prompts to large now
+    doc["tests"] = [{"name": "hi is large", "request": {"model": "auto", "tier": "pro", "prompt": "hi"},
+                     "expect": {"model": "large"}},
+                    {"name": "small stays small", "request": {"model": "small", "tier": "pro", "prompt": "hi"},
+                     "expect": {"model": "small"}}]
+    cli("policy", "publish", str(_write(tmp_path / "v2.yaml", doc)))
+
+    first = json.loads(cli("policy", "test", "v1", "--json").stdout)
+    assert (first["policy"], first["passed"], first["failed"]) == ("v1", 1, 0)
+    assert [t["name"] for t in first["tests"]] == ["hi is small"]
+    for ref in ("2", "v2", "active"):
+        second = json.loads(cli("policy", "test", ref, "--json").stdout)
+        assert (second["policy"], second["passed"], second["failed"]) == ("v2", 2, 0), ref
+        assert [t["name"] for t in second["tests"]] == ["hi is large", "small stays small"]
+    shown = cli("policy", "test", "v1").stdout.splitlines()
+    assert shown[0] == "policy tests of v1" and shown[-1] == "1 passed, 0 failed"
+    assert "PASS hi is small: expected model small" in shown
+    assert "no policy version 9" in cli("policy", "test", "v9", code=1).stderr
+    # Anything else is a file, as before.
+    as_file = json.loads(cli("policy", "test", str(tmp_path / "v2.yaml"), "--json").stdout)
+    assert as_file["policy"] == str(tmp_path / "v2.yaml") and as_file["passed"] == 2

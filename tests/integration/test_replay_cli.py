@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from switchyard.decide import canary as rules
 from switchyard.policy import policy_sha256
+from switchyard.policy.rollout import Rollout
+from switchyard.store import canary as canary_store
 from switchyard.store import db
 from switchyard.store.models import RequestLogEntry
 from switchyard.store.policy_versions import record_version
@@ -149,3 +152,82 @@ def test_an_empty_request_log_is_said_plainly(tmp_path: Path) -> None:
     _log_db(tmp_path, [])
     result = run(tmp_path, str(ROOT / "policies.yaml"), "--from-log", "--since", "5")
     assert result.returncode == 1 and "the request log of the last 5 minutes: no requests to replay" in result.stderr
+
+
+def _canary_db(tmp: Path, candidate: str, rollout: Rollout) -> int:
+    """The embedded database of ``tmp`` with the demo policy active (v1) and a canary of ``candidate`` (v2)
+    running; the canary's id."""
+    engine = db.create_db_engine(f"sqlite:///{tmp / 'data' / 'switchyard.db'}")
+    db.upgrade(engine)
+    with db.session_scope(engine) as session:
+        record_version(session, text=POLICY, sha256=policy_sha256(POLICY), source="file", author="test")
+        row = canary_store.start(session, rollout, author="test", origin="test", text=candidate)
+        assert row.id is not None
+        canary_id = row.id
+    engine.dispose()
+    return canary_id
+
+
+def test_the_running_canary_is_replayed_its_candidate_deciding_its_slice(files: Path, tmp_path: Path) -> None:
+    """`--canary`: the running canary's candidate (v2) decides the requests of its slice, hashed as the gateway
+    hashes them and salted with the canary's id, at its step's percentage; the active version (v1) the rest."""
+    canary_id = _canary_db(tmp_path, (files / "cand.yaml").read_text(), Rollout(percent=30, by="request"))
+    (tmp_path / "trace.csv").write_text((files / "trace.csv").read_text())
+    (tmp_path / "cand.yaml").write_text((files / "cand.yaml").read_text())
+    result = run(tmp_path, "--canary", "--trace", "trace.csv", "--tier", "pro", "--limit", "200", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    canary = report["canary"]
+    decided = sum(rules.in_slice(canary_id, 30, f"r:replay-{i}") for i in range(200))
+    assert (canary["candidate"], canary["percent"], canary["by"], canary["salt"]) == ("v2", 30, "request", canary_id)
+    assert (canary["requests"], canary["in_scope"], canary["candidate_decided"]) == (200, 200, decided)
+    assert 30 < decided < 90
+    active, arm = report["arms"]
+    assert (active["policy"], arm["policy"], arm["name"]) == ("v1", "v2 canary (30% by request)", "canary")
+    # The slice's own changes are among the whole replay's (the rest, decided by v1, may move too: it shares
+    # the fleet with a slice whose requests went elsewhere).
+    assert 0 < canary["slice"]["changes"]["model_changed"] <= report["changes"]["model_changed"]
+    assert canary["slice"]["changes"]["requests"] == decided
+    markdown = run(tmp_path, "--canary", "--trace", "trace.csv", "--tier", "pro", "--limit", "200")
+    assert f"**v2 decided {decided} of 200 requests**" in markdown.stdout
+
+    # By tenant, a trace's tenant is its tier: the whole tier is on one side.
+    both = run(tmp_path, "cand.yaml", "--trace", "trace.csv", "--tier", "free", "--tier", "pro", "--limit", "100",
+               "--canary-percent", "50", "--canary-salt", "3", "--canary-tier", "pro", "--json")
+    assert both.returncode == 0, both.stderr
+    tiers = {r["tier"]: r["requests"] for r in json.loads(both.stdout)["refusals"]}
+    expected = tiers["pro"] if rules.in_slice(3, 50, "t:pro") else 0
+    sliced = json.loads(both.stdout)["canary"]
+    assert (sliced["in_scope"], sliced["candidate_decided"]) == (tiers["pro"], expected)
+    assert sliced["only"]["tiers"] == ["pro"] and sliced["salt"] == 3
+
+
+def test_canary_options_are_checked(files: Path, tmp_path: Path) -> None:
+    (tmp_path / "trace.csv").write_text((files / "trace.csv").read_text())
+    (tmp_path / "cand.yaml").write_text((files / "cand.yaml").read_text())
+    for args, message in ((["cand.yaml", "--canary"], "give no CANDIDATE"),
+                          (["--canary", "--canary-percent", "5"], "give no CANDIDATE and no --canary-* option"),
+                          (["cand.yaml", "--canary-by", "key"], "shape a canary of --canary-percent"),
+                          ([], "give a CANDIDATE")):
+        result = run(tmp_path, *args, "--trace", "trace.csv")
+        assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
+    none = run(tmp_path, "--canary", "--trace", "trace.csv")
+    assert none.returncode == 1 and "no canary runs" in none.stderr
+    full = run(tmp_path, "cand.yaml", "--trace", "trace.csv", "--canary-percent", "100")
+    assert full.returncode == 2 and "--canary-percent" in full.stderr
+
+
+def test_a_canary_replayed_from_the_log_takes_the_slice_the_gateway_took(tmp_path: Path) -> None:
+    """Logged requests keep their tenant's id: by tenant, each tenant's requests are all on one side, the side
+    the gateway's hash of that id puts them."""
+    start = datetime.now(UTC) - timedelta(minutes=5)
+    _log_db(tmp_path, [{"at": start + timedelta(seconds=i * 0.5), "kind": "chat", "tier": "pro", "model": "auto",
+                        "status": 200, "stream": False, "prompt_tokens": 150 + i, "completion_tokens": 10,
+                        "max_tokens": 10, "tenant_id": i % 12, "key_id": 50 + i % 12} for i in range(96)])
+    (tmp_path / "cand.yaml").write_text(POLICY.replace("requests_per_minute: 20,", "requests_per_minute: 100,"))
+    result = run(tmp_path, "cand.yaml", "--from-log", "--canary-percent", "50", "--canary-salt", "4", "--json")
+    assert result.returncode == 0, result.stderr
+    canary = json.loads(result.stdout)["canary"]
+    tenants_in = [t for t in range(12) if rules.in_slice(4, 50, f"t:{t}")]
+    assert 0 < len(tenants_in) < 12
+    assert (canary["in_scope"], canary["candidate_decided"]) == (96, 8 * len(tenants_in))

@@ -81,28 +81,37 @@ def validate(file: Path, as_json: bool) -> None:
 
 
 @policy.command("test")
-@click.argument("file", type=click.Path(path_type=Path))
+@click.argument("file", metavar="FILE|VERSION")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def test_cmd(file: Path, as_json: bool) -> None:
+def test_cmd(file: str, as_json: bool) -> None:
     """Run FILE's policy tests through the gateway's decisions; exit 1 if one fails.
 
     Each test's request goes through the same code the gateway runs (model resolution, fallback
-    plan, endpoint picking on an idle fleet); nothing is sent anywhere.
+    plan, endpoint picking on an idle fleet); nothing is sent anywhere. Instead of a file, name a
+    stored version (7 or v7, or `active`): its tests run against it, as it was published.
     """
     from switchyard.decide.policy_tests import run_policy_tests
     from switchyard.policy import PolicyError, compile_policy, read_policy_file
 
+    stored = _is_stored(file)
     try:
-        snapshot = compile_policy(read_policy_file(file), str(file))
+        if stored:
+            with open_session() as session:
+                label, text = _read_stored(session, file)
+            snapshot = compile_policy(text, f"policy version {label.removeprefix('v')}", int(label[1:]))
+        else:
+            label, snapshot = file, compile_policy(read_policy_file(file), file)
     except PolicyError as error:
         _rejected(error)
     results = run_policy_tests(snapshot)
     failed = [r for r in results if not r.passed]
     if as_json:
-        click.echo(json.dumps({"passed": len(results) - len(failed), "failed": len(failed),
+        click.echo(json.dumps({"policy": label, "passed": len(results) - len(failed), "failed": len(failed),
                                "tests": [{"name": r.name, "passed": r.passed, "expected": r.expected, "got": r.got}
                                          for r in results]}, indent=2))
     else:
+        if stored:
+            click.echo(f"policy tests of {label}")
         for r in results:
             click.echo(f"{'PASS' if r.passed else 'FAIL'} {r.name}: expected {r.expected}"
                        + ("" if r.passed else f"; got {r.got}"))

@@ -1,4 +1,5 @@
-"""``switchyard policy replay``: what a candidate policy would change, before it is published."""
+"""``switchyard policy replay``: what a candidate policy would change, before it is published (or what a canary
+of it would change: ``--canary``, ``--canary-percent``)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,15 @@ from switchyard.cli.context import cli_context
 from switchyard.decide.pick import STRATEGIES, Strategy
 from switchyard.decide.policy_tests import compile_checked
 from switchyard.policy import PolicyError, PolicySnapshot, read_policy_file
+from switchyard.policy.rollout import SLICE_BY, rollout_from_flags
 from switchyard.settings import Settings
+from switchyard.store import canary as store_canary
 from switchyard.store import db as store_db
 from switchyard.store.models import PolicyVersion
 from switchyard.store.policy_versions import active_version
-from switchyard.whatif import render_report, replay_report
+from switchyard.whatif import CanarySlice, Who, render_report, replay_report
 from switchyard.whatif.fleet import FleetError
-from switchyard.whatif.logged import log_workload, read_log
+from switchyard.whatif.logged import log_who, log_workload, read_log
 
 _VERSION = re.compile(r"^v?(\d+)$")
 
@@ -101,9 +104,41 @@ def _workload(trace: Path, labels: list[tuple[Labels, float]], rate_multiplier: 
         raise click.ClickException(str(error)) from None
 
 
+def running_canary(settings: Settings) -> tuple[PolicySnapshot, CanarySlice]:
+    """The running canary in the database: its candidate, and the slice it serves now (its step's percentage,
+    salted with its id; the scope's region is this gateway's, ``SWITCHYARD_REGION``).
+
+    Raises:
+        click.ClickException: No canary runs (or there is no database), or it cannot be read.
+    """
+    url = make_url(settings.resolved_database_url)
+    if url.get_backend_name() == "sqlite" and url.database and not Path(url.database).exists():
+        raise click.ClickException("no canary runs: there is no database yet")
+    engine = store_db.create_db_engine(settings.resolved_database_url)
+    try:
+        if not store_db.is_current(engine):
+            raise click.ClickException("no canary runs: the database schema is not current (`switchyard db upgrade`)")
+        with store_db.session_scope(engine) as session:
+            row = store_canary.running(session)
+            if row is None:
+                raise click.ClickException("no canary runs (start one with `switchyard policy canary start`)")
+            version = session.get(PolicyVersion, row.version)
+            assert version is not None
+            assert row.id is not None
+            snapshot = compile_checked(version.yaml_text, f"policy version {version.number}", version.number)
+            return snapshot, CanarySlice(store_canary.rollout_of(row), row.percent, row.id, settings.region)
+    except OperationalError as exc:
+        raise click.ClickException(f"cannot reach the database: {exc.orig}") from None
+    except PolicyError as error:
+        raise click.ClickException(f"the running canary's candidate is invalid:\n{error}") from None
+    finally:
+        engine.dispose()
+
+
 def _log_workload(settings: Settings, since_minutes: float, rate_multiplier: float, duration: float | None,
-                  limit: int | None, seed: int, model: str | None) -> Workload:
-    """The request log's last ``since_minutes`` as a workload (``--duration``, ``--limit`` applied after)."""
+                  limit: int | None, seed: int, model: str | None) -> tuple[Workload, dict[int, Who]]:
+    """The request log's last ``since_minutes`` as a workload (``--duration``, ``--limit`` applied after), and who
+    sent each of its requests (by index, as the gateway identified them)."""
     engine = store_db.create_db_engine(settings.resolved_database_url)
     try:
         if not store_db.is_current(engine):
@@ -118,10 +153,21 @@ def _log_workload(settings: Settings, since_minutes: float, rate_multiplier: flo
         workload = log_workload(entries, rate_multiplier=rate_multiplier, seed=seed, default_model=model)
     except WorkloadError as error:
         raise click.ClickException(str(error)) from None
+    who = log_who(entries, default_model=model)
     specs = [s for s in workload.specs if duration is None or s.arrival_s < duration][:limit]
     if len(specs) == len(workload.specs):
-        return workload
-    return replace(workload, specs=tuple(specs), duration_s=specs[-1].arrival_s if specs else 0.0)
+        return workload, who
+    return replace(workload, specs=tuple(specs), duration_s=specs[-1].arrival_s if specs else 0.0), who
+
+
+def _canary_flags(settings: Settings, percent: float, by: str, tiers: tuple[str, ...], regions: tuple[str, ...],
+                  models: tuple[str, ...], salt: int) -> CanarySlice:
+    """A canary of ``percent`` from the command line's ``--canary-*`` options."""
+    try:
+        rollout = rollout_from_flags(percent=percent, by=by, tiers=tiers, regions=regions, models=models)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--canary-percent") from None
+    return CanarySlice(rollout, percent, salt, settings.region)
 
 
 def _default_model(snapshot: PolicySnapshot) -> str:
@@ -131,7 +177,7 @@ def _default_model(snapshot: PolicySnapshot) -> str:
 
 
 @click.command()
-@click.argument("candidate")
+@click.argument("candidate", required=False)
 @click.option("--against", default="active", show_default=True,
               help="The policy to compare with: 'active', a version (v7), or a file.")
 @click.option("--trace", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
@@ -155,10 +201,29 @@ def _default_model(snapshot: PolicySnapshot) -> str:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Also write report.md and report.json here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of Markdown.")
-def replay(candidate: str, against: str, trace: Path | None, from_log: bool, since_minutes: float,
+@click.option("--canary", "running", is_flag=True,
+              help="Replay the running canary (from the database): its candidate decides the requests of its "
+                   "slice, at its step's percentage, and the active policy the rest (give no CANDIDATE).")
+@click.option("--canary-percent", type=click.FloatRange(min=0, min_open=True, max=100, max_open=True),
+              default=None, help="Replay a canary of CANDIDATE: it decides this percentage of the requests (hashed "
+                                 "as the gateway hashes them) and the active policy the rest.")
+@click.option("--canary-by", type=click.Choice(SLICE_BY), default="tenant", show_default=True,
+              help="With --canary-percent: what a request is hashed by to fall in the slice.")
+@click.option("--canary-tier", "canary_tiers", multiple=True,
+              help="With --canary-percent: only requests of this tier (repeat for more).")
+@click.option("--canary-region", "canary_regions", multiple=True,
+              help="With --canary-percent: only through gateways of this region (SWITCHYARD_REGION is the "
+                   "replay's).")
+@click.option("--canary-model", "canary_models", multiple=True,
+              help="With --canary-percent: only requests for this model (as the client names it).")
+@click.option("--canary-salt", type=click.IntRange(min=0), default=0, show_default=True,
+              help="With --canary-percent: the canary id the hash is salted with (each canary takes another slice).")
+def replay(candidate: str | None, against: str, trace: Path | None, from_log: bool, since_minutes: float,
            tiers: tuple[str, ...], model: str | None,
            rate_multiplier: float, duration: float | None, limit: int | None, seed: int, picker: str | None,
-           out_dir: Path | None, as_json: bool) -> None:
+           out_dir: Path | None, as_json: bool, running: bool, canary_percent: float | None, canary_by: str,
+           canary_tiers: tuple[str, ...], canary_regions: tuple[str, ...], canary_models: tuple[str, ...],
+           canary_salt: int) -> None:
     """Replay a trace against the active policy (or --against) and CANDIDATE, in simulated time,
     and report what would change: placement, cost per 1,000 requests, refusals per tier, TTFT per
     class and the prefix-cache hit ratio.
@@ -169,27 +234,51 @@ def replay(candidate: str, against: str, trace: Path | None, from_log: bool, sin
     The requests come from a trace (--trace, sent as --tier and --model) or from the request log
     (--from-log: each request's own tier, model, kind and lengths; its text is never logged, so
     prompts are synthetic, sharing a prefix where the engine's prefix cache served one).
+
+    A canary is replayed with --canary (the running one; no CANDIDATE) or --canary-percent (a canary of
+    CANDIDATE): the candidate decides the requests of the slice, hashed as the gateway hashes them (a
+    logged request by its tenant, key and request id; a trace's by its tier and position) and the other
+    policy decides the rest; the report says how many requests the candidate decided.
     """
     settings = cli_context().settings()
     if (trace is None) == (not from_log):
         raise click.UsageError("give exactly one of --trace FILE and --from-log")
+    flags_given = bool(canary_by != "tenant" or canary_tiers or canary_regions or canary_models or canary_salt)
+    if running and (candidate is not None or canary_percent is not None or flags_given):
+        raise click.UsageError("--canary replays the running canary as it runs: give no CANDIDATE and no "
+                               "--canary-* option")
+    if canary_percent is None and flags_given:
+        raise click.UsageError("--canary-by, --canary-tier, --canary-region, --canary-model and --canary-salt "
+                               "shape a canary of --canary-percent")
+    if candidate is None and not running:
+        raise click.UsageError("give a CANDIDATE (a policy file or a version), or --canary")
     base, base_dir = load_policy(against, settings)
-    cand, cand_dir = load_policy(candidate, settings)
+    canary: CanarySlice | None = None
+    if running:
+        cand, canary = running_canary(settings)
+        cand_dir: Path | None = settings.policy_file.resolve().parent
+    else:
+        assert candidate is not None
+        cand, cand_dir = load_policy(candidate, settings)
+        if canary_percent is not None:
+            canary = _canary_flags(settings, canary_percent, canary_by, canary_tiers, canary_regions, canary_models,
+                                   canary_salt)
     if trace is not None:
         labels = _labels(tiers or (base.document.tiers[0].name,), model or _default_model(base))
         workload = _workload(trace, labels, rate_multiplier, duration, limit, seed)
         what = str(trace)
+        who: dict[int, Who] = {}
     else:
         if tiers:
             raise click.UsageError("--tier applies to --trace: a logged request keeps its own tier")
-        workload = _log_workload(settings, since_minutes, rate_multiplier, duration, limit, seed, model)
+        workload, who = _log_workload(settings, since_minutes, rate_multiplier, duration, limit, seed, model)
         what = f"the request log of the last {since_minutes:g} minutes"
     if not workload.specs:
         raise click.ClickException(f"{what}: no requests to replay (check --duration and --limit)")
     strategy = cast(Strategy, picker or settings.picker)  # click.Choice checked it
     try:
         report = replay_report(base, cand, workload, active_dir=base_dir, candidate_dir=cand_dir,
-                               strategy=strategy, seed=seed)
+                               strategy=strategy, seed=seed, canary=canary, who=who)
     except FleetError as error:
         raise click.ClickException(f"cannot simulate the policy's engines: {error}") from None
     markdown = render_report(report)

@@ -15,6 +15,9 @@ computed, not in wall-clock time.
 Also the offline fit of the built-in difficulty classifier's weights (``whatif.difficulty_fit``):
 like the replay, it runs the decisions' own code on bench's data.
 
+A candidate can also be replayed as a canary (``whatif.canary``): it decides the requests of a slice (the
+gateway's own hash, salted by the canary's id) and the active version the rest.
+
 Workloads come from a trace file (bench's builders) or from the request log (``whatif.logged``,
 read through the store by its callers' sessions).
 
@@ -24,8 +27,10 @@ the workload builders of ``bench``, the in-process limit store (``store.limits``
 simulated clock) and the request log's table.
 """
 
+from switchyard.whatif.canary import CanarySlice, ReplayCanary, Who
 from switchyard.whatif.outcomes import ArmResult, ReplayOutcome
 from switchyard.whatif.replay import replay_policy
 from switchyard.whatif.report import compare_arms, render_report, replay_report
 
-__all__ = ["ArmResult", "ReplayOutcome", "compare_arms", "render_report", "replay_policy", "replay_report"]
+__all__ = ["ArmResult", "CanarySlice", "ReplayCanary", "ReplayOutcome", "Who", "compare_arms", "render_report",
+           "replay_policy", "replay_report"]

@@ -85,12 +85,25 @@ class Fleet:
             FleetError: A pool cannot be simulated (the message names it).
         """
         self.endpoints: dict[str, SimEndpoint] = {}
+        self.add(snapshot, base_dir, seed)
+
+    def add(self, snapshot: PolicySnapshot, base_dir: Path | None = None, seed: int = 0) -> None:
+        """Build an engine core for each endpoint URL of ``snapshot``'s pools that has none yet (a canary's
+        candidate next to the active version: an endpoint both name is one engine, built from the first).
+
+        Raises:
+            FleetError: A pool cannot be simulated (the message names it).
+        """
         for pool in snapshot.pools.values():
+            if all(url in self.endpoints for url in pool.endpoints):
+                continue
             try:
                 config = resolve(pool_engine_config(snapshot, pool, seed=seed, base_dir=base_dir))
             except (ValueError, KeyError, OSError) as error:
                 raise FleetError(f"pool {pool.name}: {error}") from error
             for url in pool.endpoints:
+                if url in self.endpoints:
+                    continue
                 core = EngineCore(config.profile, kv_cache_tokens=config.kv_cache_tokens,
                                   max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,

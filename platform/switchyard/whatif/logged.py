@@ -22,6 +22,9 @@ output budget asked for — never the text. :func:`log_workload` turns entries i
   the replay's response cache sees them repeat as the gateway's did. Entries logged before the
   fingerprint was kept never repeat.
 
+- **Identity**: the tenant's and key's ids and the request id, which a replayed canary's slice is
+  hashed by as the gateway hashed it (:func:`log_who`); the replay's tenant stays the tier.
+
 Entries that cannot be replayed are counted, not guessed: those with no tier (the key was
 refused) or no prompt count (refused before the body was read).
 
@@ -42,6 +45,7 @@ from sqlmodel import Session, col, select
 from switchyard.bench.prompts import SynthText, prompt_overhead_tokens, unique_key
 from switchyard.bench.spec import Labels, RequestSpec, Workload, WorkloadError
 from switchyard.store.models import RequestLogEntry
+from switchyard.whatif.canary import Who
 
 #: Output tokens of a request that never ran and set no budget, when no request of the log ran either.
 DEFAULT_OUTPUT = 256
@@ -67,6 +71,9 @@ class LogEntry:
     digest: str | None = None
     deterministic: bool | None = None
     cache: str = "none"
+    tenant_id: int | None = None
+    key_id: int | None = None
+    request_id: str | None = None
 
 
 def read_log(session: Session, *, since: datetime | None = None, window: timedelta | None = None,
@@ -81,7 +88,8 @@ def read_log(session: Session, *, since: datetime | None = None, window: timedel
     return [LogEntry(at=r.at, kind=r.kind, tier=r.tier, model=r.model, stream=r.stream, status=r.status,
                      prompt_tokens=r.prompt_tokens, completion_tokens=r.completion_tokens,
                      cached_tokens=r.cached_tokens, max_tokens=r.max_tokens, digest=r.digest,
-                     deterministic=r.deterministic, cache=r.cache) for r in reversed(list(session.exec(query)))]
+                     deterministic=r.deterministic, cache=r.cache, tenant_id=r.tenant_id, key_id=r.key_id,
+                     request_id=r.request_id) for r in reversed(list(session.exec(query)))]
 
 
 def fill_output(entries: Sequence[LogEntry]) -> int:
@@ -113,6 +121,32 @@ def _recipe(entry: LogEntry, index: int, kind: Literal["chat", "completion"], mo
     return SynthText(tuple(segments), seed), output, group
 
 
+def _usable(ordered: Sequence[LogEntry], default_model: str | None) -> tuple[list[LogEntry], dict[str, int]]:
+    """The entries that can be replayed (in the given order), and how many could not, by reason."""
+    usable: list[LogEntry] = []
+    skipped: dict[str, int] = {"no_tier": 0, "no_prompt_count": 0, "no_model": 0}
+    for entry in ordered:
+        if not entry.tier:
+            skipped["no_tier"] += 1
+        elif not entry.prompt_tokens:
+            skipped["no_prompt_count"] += 1
+        elif not entry.model and default_model is None:
+            skipped["no_model"] += 1
+        else:
+            usable.append(entry)
+    return usable, skipped
+
+
+def log_who(entries: Sequence[LogEntry], *, default_model: str | None = None) -> dict[int, Who]:
+    """Who sent each request of :func:`log_workload`'s workload of the same entries, by the request's index: the
+    tenant's and key's ids and the request id, as the gateway hashed a canary's slice by them (an entry without
+    them is left to the replay's own)."""
+    usable, _ = _usable(sorted(entries, key=lambda e: e.at), default_model)
+    return {i: Who(None if e.tenant_id is None else str(e.tenant_id), None if e.key_id is None else str(e.key_id),
+                   e.request_id)
+            for i, e in enumerate(usable) if e.tenant_id is not None or e.key_id is not None or e.request_id}
+
+
 def log_workload(entries: Sequence[LogEntry], *, rate_multiplier: float = 1.0, seed: int = 0,
                  default_model: str | None = None) -> Workload:
     """The entries (any order) as a workload in arrival order (see the module doc).
@@ -125,17 +159,7 @@ def log_workload(entries: Sequence[LogEntry], *, rate_multiplier: float = 1.0, s
     if rate_multiplier <= 0:
         raise WorkloadError(f"rate_multiplier must be > 0, got {rate_multiplier}")
     ordered = sorted(entries, key=lambda e: e.at)
-    usable: list[LogEntry] = []
-    skipped: dict[str, int] = {"no_tier": 0, "no_prompt_count": 0, "no_model": 0}
-    for entry in ordered:
-        if not entry.tier:
-            skipped["no_tier"] += 1
-        elif not entry.prompt_tokens:
-            skipped["no_prompt_count"] += 1
-        elif not entry.model and default_model is None:
-            skipped["no_model"] += 1
-        else:
-            usable.append(entry)
+    usable, skipped = _usable(ordered, default_model)
     fill = fill_output(usable)
     specs: list[RequestSpec] = []
     t0 = usable[0].at if usable else None

@@ -47,6 +47,8 @@ class ReplayOutcome:
         queued_s: Time it waited in flow control's queue (None: it did not queue).
         downgraded_from: The model flow control downgraded it from, if it did.
         cache_hit: Answered from the response cache.
+        canary: Its part in a replayed canary: ``canary`` (the candidate decided it), ``control`` (in the
+            canary's scope; the active version decided it), None (outside the scope, or no canary).
     """
 
     index: int
@@ -73,6 +75,7 @@ class ReplayOutcome:
     queued_s: float | None = None
     downgraded_from: str | None = None
     cache_hit: bool = False
+    canary: str | None = None
 
     @property
     def placement(self) -> str:
@@ -95,6 +98,8 @@ class ArmResult:
         outcomes: One per request, in workload order.
         simulated_s: Simulated seconds from the first arrival to the last token.
         wall_s: Wall-clock seconds the replay took.
+        canary: The canary replayed, when the arm replayed one (its candidate, slice and scope): the candidate
+            decided the outcomes whose ``canary`` is ``canary``, the active version the others.
     """
 
     name: str
@@ -104,6 +109,7 @@ class ArmResult:
     simulated_s: float
     wall_s: float
     not_modelled: tuple[str, ...] = NOT_MODELLED
+    canary: dict[str, Any] | None = None
 
     @property
     def speedup(self) -> float | None:

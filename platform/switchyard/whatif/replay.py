@@ -16,6 +16,12 @@ the gateway's own, at its arrival time on the simulated clock; this module is it
   its class gets there (a prompt plus output budget larger than the engine's context window is the
   engine's 400).
 
+**A canary.** An arm may replay a policy canary (``canary``): its candidate decides the requests of the
+canary's slice and the active version the rest (:meth:`_Arm.decider`, the one place a request's policy is
+chosen; :mod:`switchyard.whatif.canary` says which requests). Both decide on one fleet (the active
+version's engines, and the candidate's that the active version does not name), one limit store and one set
+of queues, as two versions share them in the gateway.
+
 The ``kv-cache-precise`` scorer reads the simulated engines' own prefix caches, exactly and at once, for
 pools that declare ``kv_events`` (:class:`~switchyard.whatif.view.FleetCaches`), and renders prompts with
 the simulator's tokenizer for models that name a ``tokenizer``, as the gateway renders with theirs; so a
@@ -49,11 +55,12 @@ from switchyard.decide.flow import Queue, Waited
 from switchyard.decide.pick import Strategy
 from switchyard.decide.picking import PromptRenderer
 from switchyard.decide.procedure import Steps, decide
-from switchyard.policy.fleet import Model
+from switchyard.policy.fleet import Model, Pool
 from switchyard.policy.snapshot import PolicySnapshot
 from switchyard.sim.request import SimRequest
 from switchyard.state.queues import Ticket
 from switchyard.store.limits import MemoryLimitStore, answer_of, charges_of
+from switchyard.whatif.canary import ReplayCanary, Who
 from switchyard.whatif.fleet import Fleet
 from switchyard.whatif.outcomes import ArmResult, ReplayOutcome, prompt_ids
 from switchyard.whatif.view import ReplayView
@@ -122,6 +129,10 @@ class _Arm:
     gateway_region: str | None = None
     #: Endpoints out of service for the whole replay.
     down: frozenset[str] = frozenset()
+    #: A canary: its candidate decides the requests of its slice (None: ``snapshot`` decides every request).
+    canary: ReplayCanary | None = None
+    #: Who each request was (by index), as the gateway identified it: what a canary's slice is hashed by.
+    who: Mapping[int, Who] = field(default_factory=dict)
     limits: MemoryLimitStore = field(default_factory=MemoryLimitStore)
     running: list[_Running] = field(default_factory=list)
     unsettled: dict[SimRequest, _Running] = field(default_factory=dict)
@@ -133,11 +144,29 @@ class _Arm:
     #: The prompt renderers of the models that name a tokenizer (the gateway has exact prompt tokens for those
     #: only): the simulated engines' own, since they are the engines replayed.
     renderers: dict[str, PromptRenderer] = field(init=False)
+    #: The canary's candidate's renderers.
+    candidate_renderers: dict[str, PromptRenderer] = field(init=False)
+    #: Every pool by name, the active version's first (queues are the pools' of either version).
+    pools: dict[str, Pool] = field(init=False)
 
     def __post_init__(self) -> None:
         self.view = ReplayView(self.fleet, lambda: self.clock, self.seed, self.down)
-        self.renderers = {name: prompt_ids for name, model in self.snapshot.models.items()
-                          if model.tokenizer is not None}
+        self.renderers = _renderers(self.snapshot)
+        candidate = self.canary.candidate if self.canary is not None else None
+        self.candidate_renderers = _renderers(candidate) if candidate is not None else {}
+        self.pools = {**(candidate.pools if candidate is not None else {}), **self.snapshot.pools}
+
+    def decider(self, spec: RequestSpec, caller: Caller, headers: Mapping[str, str],
+                body: Mapping[str, Any]) -> tuple[PolicySnapshot, Mapping[str, PromptRenderer], str | None]:
+        """The policy that decides ``spec`` (with its models' renderers), and the request's part in the canary
+        (``canary``, ``control``, or None outside it or without one)."""
+        canary = self.canary
+        if canary is None:
+            return self.snapshot, self.renderers, None
+        role = canary.slice.role(spec.index, caller, self.gateway_region, headers, body, self.who.get(spec.index))
+        if role == "canary":
+            return canary.candidate, self.candidate_renderers, role
+        return self.snapshot, self.renderers, role
 
     # --- time -------------------------------------------------------------------------------------
 
@@ -191,11 +220,13 @@ class _Arm:
         headers = {k.lower(): v for k, v in spec.labels.headers.items()}
         features = chat_features(body, headers) if "messages" in body else completion_features(body, headers)
         caller = self.callers.get(spec.tenant) or Caller(spec.tenant, spec.tenant, spec.tenant)
-        tier = self.snapshot.tiers.get(caller.tier)
-        outcome = ReplayOutcome(spec.index, spec.arrival_s, spec.tenant, tier.priority if tier else "-", spec.model)
+        snapshot, renderers, role = self.decider(spec, caller, headers, body)
+        tier = snapshot.tiers.get(caller.tier)
+        outcome = ReplayOutcome(spec.index, spec.arrival_s, spec.tenant, tier.priority if tier else "-", spec.model,
+                                canary=role)
         ask = Ask("chat" if "messages" in body else "completion", body, features, caller, self.gateway_region,
-                  self.strategy, self.flow_control, renderers=self.renderers)
-        d = Decision(self.snapshot, ask)
+                  self.strategy, self.flow_control, renderers=renderers)
+        d = Decision(snapshot, ask)
         entry = _Running(outcome, spec, d, decide(d, self.view))
         self.running.append(entry)
         self._drive(entry, None)
@@ -318,7 +349,7 @@ class _Arm:
             for ticket in queues.expire(now):
                 self._resume(ticket, Waited("expired", now - ticket.enqueued))
         for name, queues in list(self.view.all_queues().items()):
-            pool = self.snapshot.pools[name]
+            pool = self.pools[name]
             while queues.waiting():
                 u = self.view.pool_utilisation(pool, "interactive", now)
                 granted = queues.next_grant(u, self.view.pool_utilisation(pool, "batch", now))
@@ -351,6 +382,10 @@ class _Arm:
         return done
 
 
+def _renderers(snapshot: PolicySnapshot) -> dict[str, PromptRenderer]:
+    return {name: prompt_ids for name, model in snapshot.models.items() if model.tokenizer is not None}
+
+
 def _fill(entry: _Running) -> ReplayOutcome:
     outcome, request, model = entry.outcome, entry.request, entry.model
     if request is None or model is None:
@@ -370,8 +405,10 @@ def replay_policy(snapshot: PolicySnapshot, workload: Workload | Sequence[Reques
                   base_dir: Path | None = None, strategy: Strategy = "prefix-aware", seed: int = 0,
                   flow_control: bool = True, callers: Mapping[str, Caller] | None = None,
                   gateway_region: str | None = None, down: Collection[str] = (),
-                  background: Mapping[str, int] | None = None) -> ArmResult:
-    """Replay ``workload`` through ``snapshot``'s decisions on fresh simulated engines.
+                  background: Mapping[str, int] | None = None, canary: ReplayCanary | None = None,
+                  who: Mapping[int, Who] | None = None) -> ArmResult:
+    """Replay ``workload`` through ``snapshot``'s decisions on fresh simulated engines (with ``canary``: through
+    a canary's, its candidate deciding the slice and ``snapshot`` the rest).
 
     Args:
         snapshot: The policy.
@@ -388,6 +425,9 @@ def replay_policy(snapshot: PolicySnapshot, workload: Workload | Sequence[Reques
         down: Endpoints out of service for the whole replay (a region down, say).
         background: Requests already running in an endpoint's engine when the replay starts (other
             gateways' traffic), by URL.
+        canary: A canary: its candidate decides the requests of its slice (the arm's policy is named after it).
+        who: Who each request was, by index, as the gateway identified it (the request log knows): what the
+            canary's slice hashes (default: the request's caller and its index).
 
     Raises:
         FleetError: A pool of the policy cannot be simulated.
@@ -395,9 +435,12 @@ def replay_policy(snapshot: PolicySnapshot, workload: Workload | Sequence[Reques
     specs = workload.specs if isinstance(workload, Workload) else tuple(workload)
     started = time.perf_counter()
     fleet = Fleet(snapshot, base_dir, seed)
+    if canary is not None:
+        fleet.add(canary.candidate, canary.base_dir, seed)
     for url, count in (background or {}).items():
         fleet.occupy(url, count)
-    arm = _Arm(snapshot, fleet, strategy, seed, flow_control, callers or {}, gateway_region, frozenset(down))
+    arm = _Arm(snapshot, fleet, strategy, seed, flow_control, callers or {}, gateway_region, frozenset(down), canary,
+               who or {})
     outcomes: list[ReplayOutcome] = []
     for i, spec in enumerate(specs):
         arm.run_until(spec.arrival_s)
@@ -411,5 +454,8 @@ def replay_policy(snapshot: PolicySnapshot, workload: Workload | Sequence[Reques
     outcomes.sort(key=lambda o: o.index)
     first = specs[0].arrival_s if specs else 0.0
     last_refusal = max((o.arrival_s for o in outcomes), default=first)
+    if canary is not None:
+        return ArmResult(name, canary.label(), canary.candidate.sha256, outcomes, max(end, last_refusal) - first,
+                         time.perf_counter() - started, canary=canary.describe())
     return ArmResult(name, snapshot.label, snapshot.sha256, outcomes, max(end, last_refusal) - first,
                      time.perf_counter() - started)

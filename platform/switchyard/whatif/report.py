@@ -3,6 +3,10 @@
 :func:`compare_arms` turns two :class:`~switchyard.whatif.replay.ArmResult` into plain data
 (``report.json``, and what the console's publish step shows); :func:`render_report` renders the
 Markdown from that data alone, so the two cannot disagree.
+
+When the candidate's arm replayed a canary (its candidate deciding the slice, the active version the rest),
+the report's ``canary`` says which: how many requests the candidate decided, of how many in the canary's
+scope, and the slice's own figures under both arms (:func:`canary_summary`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from switchyard.bench.tables import ms, num, render_table, table, text
 from switchyard.decide.pick import Strategy
 from switchyard.figures import NO_VALUE, fixed, percentile
 from switchyard.policy.snapshot import PolicySnapshot
+from switchyard.whatif.canary import CanarySlice, ReplayCanary, Who
 from switchyard.whatif.outcomes import ArmResult, ReplayOutcome
 from switchyard.whatif.replay import replay_policy
 
@@ -125,8 +130,34 @@ def ttft_by_class(base: Sequence[ReplayOutcome], cand: Sequence[ReplayOutcome]) 
     return rows
 
 
+def _part(arm: ArmResult, outcomes: list[ReplayOutcome]) -> ArmResult:
+    return ArmResult(arm.name, arm.policy, arm.sha256, outcomes, arm.simulated_s, arm.wall_s, arm.not_modelled)
+
+
+def canary_summary(base: ArmResult, cand: ArmResult) -> dict[str, Any]:
+    """What a canary arm's candidate decided: the canary (candidate, slice, scope), how many requests it decided
+    (``candidate_decided``) of those in its scope (``in_scope``) and of all (``requests``), and the slice's own
+    figures under both arms (``slice``: the headline figures and placement changes of those requests alone)."""
+    assert cand.canary is not None
+    n = len(cand.outcomes)
+    decided = {o.index for o in cand.outcomes if o.canary == "canary"}
+    in_scope = sum(1 for o in cand.outcomes if o.canary is not None)
+    b = [o for o in base.outcomes if o.index in decided]
+    c = [o for o in cand.outcomes if o.index in decided]
+    return {
+        **cand.canary,
+        "requests": n,
+        "in_scope": in_scope,
+        "candidate_decided": len(decided),
+        "share": len(decided) / n if n else None,
+        "share_of_scope": len(decided) / in_scope if in_scope else None,
+        "slice": {"arms": [arm_summary(_part(base, b)), arm_summary(_part(cand, c))],
+                  "changes": placement_changes(b, c)},
+    }
+
+
 def compare_arms(base: ArmResult, cand: ArmResult, workload: Mapping[str, Any]) -> dict[str, Any]:
-    """The replay's report as plain data.
+    """The replay's report as plain data (with ``canary`` when the candidate's arm replayed a canary).
 
     Raises:
         ValueError: The arms did not replay the same requests.
@@ -134,7 +165,7 @@ def compare_arms(base: ArmResult, cand: ArmResult, workload: Mapping[str, Any]) 
     if [o.index for o in base.outcomes] != [o.index for o in cand.outcomes]:
         raise ValueError("the two arms replayed different requests")
     b, c = base.outcomes, cand.outcomes
-    return {
+    report = {
         "schema": SCHEMA,
         "title": "switchyard policy replay",
         "workload": dict(workload),
@@ -144,21 +175,33 @@ def compare_arms(base: ArmResult, cand: ArmResult, workload: Mapping[str, Any]) 
         "ttft": ttft_by_class(b, c),
         "not_modelled": list(cand.not_modelled),
     }
+    if cand.canary is not None:
+        report["canary"] = canary_summary(base, cand)
+    return report
 
 
 def replay_report(active: PolicySnapshot, candidate: PolicySnapshot, workload: Workload, *,
                   active_dir: Path | None = None, candidate_dir: Path | None = None,
-                  strategy: Strategy = "prefix-aware", seed: int = 0) -> dict[str, Any]:
+                  strategy: Strategy = "prefix-aware", seed: int = 0, canary: CanarySlice | None = None,
+                  who: Mapping[int, Who] | None = None) -> dict[str, Any]:
     """Replay ``workload`` through both policies and compare them (:func:`compare_arms`'s data).
 
-    ``*_dir``: the folder a policy's relative ``sim_profile`` paths start from.
+    ``*_dir``: the folder a policy's relative ``sim_profile`` paths start from. ``canary``: the candidate's arm
+    replays a canary instead: the candidate decides the requests of this slice and the active version the
+    rest (``who``: who each request was, by index, as the gateway identified it; see
+    :mod:`switchyard.whatif.canary`).
 
     Raises:
         FleetError: A pool of either policy cannot be simulated.
     """
-    arms = [replay_policy(snapshot, workload, name=name, base_dir=folder, strategy=strategy, seed=seed)
-            for name, snapshot, folder in (("active", active, active_dir), ("candidate", candidate, candidate_dir))]
-    return compare_arms(arms[0], arms[1], workload.describe())
+    base = replay_policy(active, workload, name="active", base_dir=active_dir, strategy=strategy, seed=seed)
+    if canary is None:
+        cand = replay_policy(candidate, workload, name="candidate", base_dir=candidate_dir, strategy=strategy,
+                             seed=seed)
+    else:
+        cand = replay_policy(active, workload, name="canary", base_dir=active_dir, strategy=strategy, seed=seed,
+                             canary=ReplayCanary(candidate, canary, candidate_dir), who=who)
+    return compare_arms(base, cand, workload.describe())
 
 
 def _delta(a: float | None, b: float | None) -> str:
@@ -191,6 +234,30 @@ def headline_rows(report: Mapping[str, Any]) -> list[dict[str, str]]:
     return rows
 
 
+def _render_canary(canary: Mapping[str, Any], active: str) -> list[str]:
+    """The canary section: who decided what, and the slice's own headline figures."""
+    only = canary["only"]
+    scope = "; ".join(f"{name} {', '.join(values)}" for name, values in only.items() if values)
+    share = canary["share"]
+    out = ["## Canary", "",
+           f"**{canary['candidate']} decided {canary['candidate_decided']} of {canary['requests']} requests**"
+           f" ({NO_VALUE if share is None else f'{share:.1%}'}): the slice of {canary['percent']:g}% by "
+           f"{canary['by']} (salted with {canary['salt']}) of the {canary['in_scope']} requests in the canary's "
+           f"scope ({scope or 'every request'}); {active} decided the rest.", ""]
+    if canary.get("shadow"):
+        out += ["The canary runs in shadow: the replay shows what its slice would meet if the candidate served it.",
+                ""]
+    if canary["candidate_decided"]:
+        sliced = canary["slice"]
+        rows = headline_rows({"arms": sliced["arms"]})
+        moved = sliced["changes"]
+        out += render_table(level=3, data=table("The slice alone", [
+            text("figure", "figure"), text("active", active), text("candidate", canary["candidate"]),
+            text("change", "change")], rows,
+            f"{moved['any_changed']} of {moved['requests']} requests of the slice change placement."))
+    return out
+
+
 def render_report(report: Mapping[str, Any]) -> str:
     """``report.md`` of a replay, from :func:`compare_arms`'s data alone."""
     base, cand = report["arms"]
@@ -207,6 +274,8 @@ def render_report(report: Mapping[str, Any]) -> str:
     out += [f"**{changes['any_changed']} of {changes['requests']} requests change placement**: "
             f"{changes['model_changed']} change model, {changes['pool_changed']} change pool, "
             f"{changes['region_changed']} change region.", ""]
+    if report.get("canary") is not None:
+        out += _render_canary(report["canary"], base["policy"])
     if changes["moves"]:
         note = f"{changes['other_moves']} more requests move in other ways." if changes["other_moves"] else ""
         out += render_table(level=2, data=table("Moves", [text("from", "active"), text("to", "candidate"),

@@ -6,13 +6,20 @@ and the answer comes from the evaluator the policy tests and ``switchyard policy
 (:func:`switchyard.decide.dryrun.dry_run`, which runs the gateway's own decisions), with the features
 and body built by the same helpers as a policy test's. The POST is a read (viewer role): it only
 carries the CSRF token because every console POST does.
+
+The form names the policy version to run against: the serving one by default, or a stored version (the running
+canary's candidate is offered first). Only the snapshot changes: the decisions are the same evaluator's, with
+that version's models' token counters and prompt renderers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import anyio.to_thread
 from litestar import get, post
 from litestar.datastructures import FormMultiDict
 from litestar.di import NamedDependency
@@ -26,13 +33,20 @@ from switchyard.admin.common import in_db
 from switchyard.api.errors import ApiError
 from switchyard.api.headers import PRIORITY_HEADER, REGION_HEADER
 from switchyard.decide.dryrun import dry_run
+from switchyard.decide.picking import PromptRenderer
 from switchyard.decide.policy_tests import body_of_request, features_of_request
+from switchyard.decide.tokens import TokenCounter
+from switchyard.gateway.model_tokens import ModelTokens, load_model_tokens
 from switchyard.gateway.policy_state import PolicyHolder
+from switchyard.gateway.tokenizers import TokenizerCache
+from switchyard.policy import PolicyError, compile_policy
 from switchyard.policy.policy_tests import PolicyTestRequest
 from switchyard.policy.snapshot import PolicySnapshot
 from switchyard.policy.tiers import Limits
 from switchyard.settings import Settings
+from switchyard.store import canary as canary_store
 from switchyard.store.models import TenantPublic
+from switchyard.store.policy_versions import get_version, list_versions
 from switchyard.store.tenants import get_tenant, list_tenants
 
 TEMPLATE = "admin/dryrun.html.j2"
@@ -40,10 +54,16 @@ TEMPLATE = "admin/dryrun.html.j2"
 #: The form's fields and their values when the page opens.
 DEFAULTS: dict[str, str] = {
     "tenant": "", "tier": "", "model": "", "prompt": "", "system": "", "messages": "1", "max_tokens": "",
-    "temperature": "", "priority": "", "priority_header": "", "region_header": "",
+    "temperature": "", "priority": "", "priority_header": "", "region_header": "", "version": "",
 }
 #: The form's checkboxes.
 FLAGS = ("stream", "tools", "json_mode", "images")
+#: Stored versions the form offers (the newest), besides the serving one and the running canary's candidate.
+OFFERED_VERSIONS = 20
+#: Stored versions kept compiled, with their models' tokenizers (a version never changes).
+_KEPT = 4
+_compiled: dict[tuple[int, str, Path], tuple[PolicySnapshot, ModelTokens]] = {}
+_tokenizers = TokenizerCache()
 
 
 class BadInput(ValueError):
@@ -61,6 +81,76 @@ class Who:
 
 
 
+@dataclass(frozen=True, slots=True)
+class Against:
+    """The policy a dry-run runs against: its snapshot, its models' token counters and prompt renderers, and
+    what it is (``serving``, ``canary``: the running canary's candidate, or None: another stored version)."""
+
+    snapshot: PolicySnapshot
+    counters: Mapping[str, TokenCounter]
+    renderers: Mapping[str, PromptRenderer]
+    role: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Offered:
+    """The versions the form offers: the running canary's (version, percent), and the newest stored ones."""
+
+    canary: tuple[int, float] | None
+    versions: list[int]
+
+
+def _offered(session: Session) -> Offered:
+    row = canary_store.running(session)
+    return Offered(None if row is None else (row.version, row.percent),
+                   [v.number for v in list_versions(session, OFFERED_VERSIONS)])
+
+
+def _version_number(ref: str) -> int | None:
+    """The version ``7`` or ``v7`` names (None: the serving one, as ``active`` and an empty choice name it)."""
+    if ref in ("", "active"):
+        return None
+    digits = ref.removeprefix("v")
+    if not (digits.isascii() and digits.isdigit()) or not 1 <= int(digits) < 2**31:
+        raise BadInput(f"{ref!r} is not a policy version: give a number (7 or v7)")
+    return int(digits)
+
+
+async def _against(db: Engine, settings: Settings, policy: PolicyHolder, ref: str) -> Against:
+    """The policy version ``ref`` names (the form's ``version``): the serving snapshot with the counters it serves
+    with, or a stored version compiled with its own (kept: a version never changes)."""
+    serving = policy.snapshot
+    number = _version_number(ref)
+    if number is None or number == serving.version:
+        return Against(serving, policy.counters, policy.renderers, "serving")
+
+    def read(session: Session) -> tuple[str, str, int | None]:
+        row = get_version(session, number)
+        running = canary_store.running(session)
+        return row.yaml_text, row.sha256, running.version if running is not None else None
+
+    try:
+        text, sha, canary = await in_db(db, read)
+    except ApiError:
+        raise BadInput(f"there is no policy version {number}") from None
+    folder = settings.policy_file.resolve().parent  # where relative tokenizer paths start, as the gateway's
+    kept = _compiled.get((number, sha, folder))
+    if kept is None:
+        def build() -> tuple[PolicySnapshot, ModelTokens]:
+            snapshot = compile_policy(text, f"policy version {number}", number)
+            return snapshot, load_model_tokens(snapshot, folder, _tokenizers)
+
+        try:
+            kept = await anyio.to_thread.run_sync(build)
+        except PolicyError as error:
+            raise BadInput(f"v{number} cannot be run here: {error}") from None
+        while len(_compiled) >= _KEPT:
+            del _compiled[next(iter(_compiled))]
+        _compiled[(number, sha, folder)] = kept
+    snapshot, tokens = kept
+    return Against(snapshot, tokens.counters, tokens.renderers, "canary" if canary == number else None)
+
+
 def _choices(snapshot: PolicySnapshot, tenants: list[TenantPublic]) -> dict[str, Any]:
     return {
         "tenants": tenants,
@@ -73,10 +163,15 @@ def _choices(snapshot: PolicySnapshot, tenants: list[TenantPublic]) -> dict[str,
 
 
 async def _page(db: Engine, policy: PolicyHolder, values: dict[str, str], flags: set[str], status: int = 200,
-                error: str | None = None, result: dict[str, Any] | None = None) -> Template:
+                error: str | None = None, result: dict[str, Any] | None = None,
+                snapshot: PolicySnapshot | None = None) -> Template:
+    """The page; the form's choices are ``snapshot``'s (the version run against), by default the serving one's."""
     tenants = await in_db(db, list_tenants)
-    context = {**_choices(policy.snapshot, tenants), "values": values, "flags": flags, "error": error,
-               "result": result}
+    offered = await in_db(db, _offered)
+    serving = policy.snapshot
+    context = {**_choices(snapshot or serving, tenants), "values": values, "flags": flags, "error": error,
+               "result": result, "serving": serving.label, "serving_version": serving.version,
+               "canary": offered.canary, "versions": offered.versions}
     return Template(template_name=TEMPLATE, status_code=status, context=context)
 
 
@@ -103,7 +198,7 @@ def _request_of(snapshot: PolicySnapshot, values: dict[str, str], flags: set[str
     if not model:
         raise BadInput("choose a model")
     if model not in snapshot.models and model not in snapshot.routes:
-        raise BadInput(f"unknown model {model!r}: the active policy has no model or route of that name")
+        raise BadInput(f"unknown model {model!r}: policy {snapshot.label} has no model or route of that name")
     headers = {header: values[field] for header, field in ((PRIORITY_HEADER, "priority_header"),
                                                             (REGION_HEADER, "region_header")) if values[field]}
     try:
@@ -121,8 +216,7 @@ def _request_of(snapshot: PolicySnapshot, values: dict[str, str], flags: set[str
                                  f"{e['msg']}" for e in invalid.errors())) from None
 
 
-async def _who(db: Engine, policy: PolicyHolder, values: dict[str, str]) -> Who:
-    snapshot = policy.snapshot
+async def _who(db: Engine, snapshot: PolicySnapshot, values: dict[str, str]) -> Who:
     name = values["tenant"]
     if name:
         def lookup(session: Session) -> Who:
@@ -135,7 +229,8 @@ async def _who(db: Engine, policy: PolicyHolder, values: dict[str, str]) -> Who:
         except ApiError:
             raise BadInput(f"unknown tenant {name!r}") from None
         if who.tier not in snapshot.tiers:
-            raise BadInput(f"tenant {name!r} is in tier {who.tier!r}, which the active policy does not define")
+            raise BadInput(f"tenant {name!r} is in tier {who.tier!r}, which policy {snapshot.label} does not "
+                           "define")
         return who
     tier = values["tier"]
     if not tier:
@@ -157,14 +252,19 @@ def _values(form: FormMultiDict) -> tuple[dict[str, str], set[str]]:
 @post("/dry-run", include_in_schema=False, status_code=200)
 async def dry_run_submit(request: HTMXRequest, settings: NamedDependency[Settings], db: NamedDependency[Engine],
                          policy: NamedDependency[PolicyHolder]) -> Template:
-    """Run the dry-run of the form's request and show every decision (400 with the form when it is wrong)."""
-    snapshot = policy.snapshot  # read once: the whole answer comes from one policy version
+    """Run the dry-run of the form's request against the version it names and show every decision (400 with the
+    form when it is wrong)."""
     values, flags = _values(await request.form())
     try:
-        who = await _who(db, policy, values)
-        test_request = _request_of(snapshot, values, flags, who.tier)
+        against = await _against(db, settings, policy, values["version"])
     except BadInput as bad:
         return await _page(db, policy, values, flags, status=400, error=str(bad))
+    snapshot = against.snapshot  # read once: the whole answer comes from one policy version
+    try:
+        who = await _who(db, snapshot, values)
+        test_request = _request_of(snapshot, values, flags, who.tier)
+    except BadInput as bad:
+        return await _page(db, policy, values, flags, status=400, error=str(bad), snapshot=snapshot)
     features = features_of_request(test_request)
     body = body_of_request(test_request)
     if "stream" in flags:
@@ -172,13 +272,14 @@ async def dry_run_submit(request: HTMXRequest, settings: NamedDependency[Setting
     # The gateway's own decisions, with the tenant's limit override and the models' tokenizers.
     run = dry_run(snapshot, who.tier, features, strategy=settings.picker, priority=test_request.priority,
                   key_region=who.region, gateway_region=settings.region, body=body,
-                  tenant=who.tenant or "dry-run", tenant_limits=who.limits, counters=policy.counters,
-                  renderers=policy.renderers)
+                  tenant=who.tenant or "dry-run", tenant_limits=who.limits, counters=against.counters,
+                  renderers=against.renderers)
     prompt_tokens = run.prompt_tokens if run.prompt_tokens is not None else features.prompt_tokens
-    result = {"run": run, "who": who, "policy": snapshot.label, "prompt_tokens": prompt_tokens,
+    result = {"run": run, "who": who, "policy": snapshot.label, "role": against.role,
+              "prompt_tokens": prompt_tokens,
               "max_tokens": features.max_tokens, "estimated_tokens": run.estimated_tokens, "charges": run.charges,
               "stream": "stream" in flags, "cache_rules": bool(snapshot.document.cache)}
-    return await _page(db, policy, values, flags, result=result)
+    return await _page(db, policy, values, flags, result=result, snapshot=snapshot)
 
 
 ROUTES: list[Any] = [dry_run_form, dry_run_submit]

@@ -7,6 +7,12 @@ The panel posts the candidate (with the CSRF token, as every console form does) 
 log of the chosen window and replays it through the serving policy and the candidate in simulated
 time (:func:`switchyard.whatif.replay_report`, what ``switchyard policy replay --from-log`` runs).
 
+The panel can also replay a canary (``replay_as``): a canary of the candidate on a share of the requests
+(hashed by ``replay_by``, as the gateway hashes them; the log knows each request's tenant, key and id), or the
+running canary (its candidate, slice and id, read from the database; the posted candidate is then not
+replayed). The candidate decides the requests of the slice and the serving policy the rest; the panel says how
+many the candidate decided and shows the slice's own figures.
+
 The replay is CPU-bound (up to a few seconds for :data:`MAX_LOG_ENTRIES` entries): it runs in a
 worker process (``anyio.to_process``: the policies travel as their texts, the log as plain entries),
 one replay at a time per gateway process, so it never holds the gateway's interpreter lock while
@@ -41,7 +47,10 @@ from switchyard.decide.policy_tests import compile_checked
 from switchyard.figures import DASH, fixed, percent
 from switchyard.gateway.policy_state import PolicyHolder
 from switchyard.policy import PolicyError, PolicySnapshot, compile_policy
+from switchyard.policy.rollout import SLICE_BY, Rollout, rollout_from_flags
 from switchyard.settings import Settings
+from switchyard.store import canary as canary_store
+from switchyard.store.models import PolicyVersion
 
 if TYPE_CHECKING:
     from sqlmodel import Session
@@ -76,6 +85,27 @@ WINDOWS: dict[str, Window] = {
     "24h": Window(timedelta(hours=24), "last 24 hours"),
 }
 DEFAULT_WINDOW = "1h"
+
+#: The shares of the requests a canary of the candidate can be replayed on (``replay_as``, in percent).
+CANARY_PERCENTS = ("1", "5", "10", "25", "50")
+#: ``replay_as``: every request (the default), a canary of one of :data:`CANARY_PERCENTS`, or the running canary.
+EVERY, RUNNING = "all", "running"
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """The running canary, as the panel offers it: its id, candidate version (and text), slice and step."""
+
+    id: int
+    version: int
+    text: str
+    rollout: Rollout
+    percent: float
+
+    @property
+    def label(self) -> str:
+        return f"v{self.version} on {self.percent:g}% by {self.rollout.by}"
+
 
 #: Why the log's entries could not be replayed (``log_workload``'s ``skipped`` keys).
 SKIP_REASONS = {
@@ -274,6 +304,20 @@ def _source(workload: dict[str, Any], active: dict[str, Any], candidate: dict[st
     }
 
 
+def _canary_view(canary: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The report's ``canary`` as the panel says it: who decided how many, and the slice's own headline."""
+    if canary is None:
+        return None
+    only = canary.get("only") or {}
+    sliced = canary.get("slice") or {}
+    arms = sliced.get("arms") or [{}, {}]
+    return {**canary, "share_text": percent(canary.get("share"), missing=DASH),
+            "scope": "; ".join(f"{k} {', '.join(v)}" for k, v in only.items() if v) or "every request",
+            "headline": [row for row in _headline(arms[0], arms[1]) if row["key"] in HEADLINE]
+            if canary.get("candidate_decided") else [],
+            "changes": sliced.get("changes") or {}}
+
+
 def report_view(report: dict[str, Any]) -> dict[str, Any]:
     """The replay's report (:func:`switchyard.whatif.report.compare_arms`'s data) as the panel's rows."""
     active, candidate = report["arms"][0], report["arms"][1]
@@ -294,6 +338,7 @@ def report_view(report: dict[str, Any]) -> dict[str, Any]:
         "arm_tables": _arm_tables(active, candidate),
         "not_modelled": list(report.get("not_modelled") or []),
         "source": _source(report.get("workload") or {}, active, candidate),
+        "canary": _canary_view(report.get("canary")),
     }
 
 
@@ -307,19 +352,34 @@ class Replayed:
     workload: dict[str, Any]
 
 
-def _replay(active: tuple[str, int | None], candidate: str, entries: list[LogEntry], folder: Path,
-            picker: Strategy) -> Replayed:
-    """Build the workload and replay it through both policies, given as (text, version) and text (blocking:
-    run in a worker process; both were validated by the caller)."""
+@dataclass(frozen=True, slots=True)
+class CanaryOrder:
+    """A canary to replay, as it travels to the worker: its rollout (JSON), step percentage, id and the gateway's
+    region."""
+
+    rollout: str
+    percent: float
+    salt: int
+    region: str | None
+
+
+def _replay(active: tuple[str, int | None], candidate: tuple[str, int | None], entries: list[LogEntry],
+            folder: Path, picker: Strategy, canary: CanaryOrder | None = None) -> Replayed:
+    """Build the workload and replay it through both policies, given as (text, version) (blocking: run in a
+    worker process; both were validated by the caller); with ``canary``, the candidate decides its slice only."""
     # Imported here, in the worker: the gateway must not load the simulator, bench or numpy to start.
-    from switchyard.whatif import replay_report
-    from switchyard.whatif.logged import log_workload
+    from switchyard.whatif import CanarySlice, replay_report
+    from switchyard.whatif.logged import log_who, log_workload
 
     workload = log_workload(entries)
     if not workload.specs:
         return Replayed(None, workload.describe())
-    report = replay_report(compile_policy(active[0], "active", active[1]), compile_policy(candidate, CANDIDATE),
-                           workload, active_dir=folder, candidate_dir=folder, strategy=picker)
+    sliced = None
+    if canary is not None:
+        sliced = CanarySlice(Rollout.model_validate_json(canary.rollout), canary.percent, canary.salt, canary.region)
+    report = replay_report(compile_policy(active[0], "active", active[1]),
+                           compile_policy(candidate[0], CANDIDATE, candidate[1]), workload, active_dir=folder,
+                           candidate_dir=folder, strategy=picker, canary=sliced, who=log_who(entries))
     return Replayed(report, report["workload"])
 
 
@@ -336,9 +396,30 @@ def _window_of(value: Any) -> tuple[str, Window] | None:
     return (key, WINDOWS[key]) if key in WINDOWS else None
 
 
+def _read_running(session: Session) -> Running | None:
+    row = canary_store.running(session)
+    if row is None:
+        return None
+    version = session.get(PolicyVersion, row.version)
+    assert row.id is not None
+    assert version is not None
+    return Running(row.id, row.version, version.yaml_text, canary_store.rollout_of(row), row.percent)
+
+
+def _as_of(form: Any, running: Running | None) -> tuple[str, str] | None:
+    """(``replay_as``, ``replay_by``) of the form, or None when either is not one the panel offers."""
+    as_key = form.get("replay_as") or EVERY
+    by = form.get("replay_by") or "tenant"
+    if as_key not in (EVERY, *CANARY_PERCENTS, *((RUNNING,) if running is not None else ())) or by not in SLICE_BY:
+        return None
+    return as_key, by
+
+
 def _respond(request: HTMXRequest, text: str, context: dict[str, Any]) -> Template:
     context = {"windows": WINDOWS, "window_key": DEFAULT_WINDOW, "window": WINDOWS[DEFAULT_WINDOW],
-               "max_entries": MAX_LOG_ENTRIES, "message": None, "view": None, "unseen": []} | context
+               "max_entries": MAX_LOG_ENTRIES, "message": None, "view": None, "unseen": [],
+               "canary_percents": CANARY_PERCENTS, "slice_by": SLICE_BY, "as_key": EVERY, "by_key": "tenant",
+               "running": None} | context
     if request.htmx:
         return HTMXTemplate(template_name=PANEL, context=context)
     return Template(template_name=PAGE, context=context | {"text": text})
@@ -348,20 +429,33 @@ def _respond(request: HTMXRequest, text: str, context: dict[str, Any]) -> Templa
 async def policy_replay(request: HTMXRequest, settings: NamedDependency[Settings], db: NamedDependency[Engine],
                         policy: NamedDependency[PolicyHolder],
                         replay_limiter: NamedDependency[anyio.CapacityLimiter]) -> Template:
-    """Replay the request log through the serving policy and the posted candidate; the panel (htmx) or a
-    page. Every outcome is a 200 with the panel saying what happened (htmx swaps only 2xx answers).
-    ``replay_limiter`` runs one replay at a time in this process."""
+    """Replay the request log through the serving policy and the posted candidate (or a canary of it, or the
+    running canary); the panel (htmx) or a page. Every outcome is a 200 with the panel saying what happened
+    (htmx swaps only 2xx answers). ``replay_limiter`` runs one replay at a time in this process."""
     active = policy.snapshot  # read once: the whole comparison is against one version
     form = await request.form()
     text = text_of(form)
+    running = await in_db(db, _read_running)
     chosen = _window_of(form.get("replay_window"))
-    if chosen is None:
-        return _respond(request, text, {"message": "Choose one of the offered windows of the request log.",
-                                        "alert": True})
+    as_of = _as_of(form, running)
+    if chosen is None or as_of is None:
+        what = "windows of the request log" if chosen is None else "ways to replay the candidate"
+        return _respond(request, text, {"message": f"Choose one of the offered {what}.", "alert": True,
+                                        "running": running})
     key, window = chosen
-    base = {"window_key": key, "window": window}
+    as_key, by = as_of
+    base = {"window_key": key, "window": window, "as_key": as_key, "by_key": by, "running": running}
+    canary: CanaryOrder | None = None
+    candidate_ref: tuple[str, int | None] = (text, None)
+    if as_key == RUNNING:
+        assert running is not None
+        candidate_ref = (running.text, running.version)
+        canary = CanaryOrder(running.rollout.model_dump_json(), running.percent, running.id, settings.region)
+    elif as_key != EVERY:
+        rollout = rollout_from_flags(percent=float(as_key), by=by)
+        canary = CanaryOrder(rollout.model_dump_json(), float(as_key), 0, settings.region)
     try:
-        candidate = await anyio.to_thread.run_sync(compile_checked, text, CANDIDATE)
+        candidate = await anyio.to_thread.run_sync(compile_checked, candidate_ref[0], CANDIDATE, candidate_ref[1])
     except PolicyError as error:
         count = len(error.issues)
         return _respond(request, text, base | {
@@ -374,8 +468,8 @@ async def policy_replay(request: HTMXRequest, settings: NamedDependency[Settings
     from switchyard.whatif.fleet import FleetError  # loaded by _read_log already
 
     try:
-        replayed = await anyio.to_process.run_sync(_replay, (active.text, active.version), text, entries, folder,
-                                                   settings.picker, limiter=replay_limiter)
+        replayed = await anyio.to_process.run_sync(_replay, (active.text, active.version), candidate_ref, entries,
+                                                   folder, settings.picker, canary, limiter=replay_limiter)
     except FleetError as error:
         return _respond(request, text, base | {
             "alert": True, "message": f"The replay cannot simulate the policies' engines: {error}. "
