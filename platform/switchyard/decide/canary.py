@@ -385,8 +385,10 @@ def verdict(rollout: Rollout, step: int, step_age_s: float, slice_in_step: int,
     """The next move of a canary at ``step`` (an index into :attr:`Rollout.stages`), held for ``step_age_s``,
     whose slice served ``slice_in_step`` requests since the step began, given the window's guard ``results``.
 
-    A breach rolls back whatever the step; a step passes when its hold is over and its slice has had
-    ``min_requests``; passing the last step promotes, unless the canary holds a fixed percent.
+    A breach rolls back whatever the step; a step passes when its hold is over, its slice has had
+    ``min_requests`` and the guards could be tested over the window (``results`` is not empty: a window too short
+    for ``min_requests`` of a slow slice would otherwise let a step pass untested); passing the last step promotes,
+    unless the canary holds a fixed percent.
     """
     stages = rollout.stages
     breaches = [r for r in results if r.breached]
@@ -401,6 +403,9 @@ def verdict(rollout: Rollout, step: int, step_age_s: float, slice_in_step: int,
                        f"({slice_in_step} so far in this step)", step, results=tuple(results))
     if not rollout.automatic:
         return Verdict("hold", "held until promoted or aborted", step, results=tuple(results))
+    if not results:
+        return Verdict("hold", f"waiting for {rollout.min_requests} requests on each side within the "
+                       f"{rollout.window:g} s window: no guard could be tested yet", step)
     if step + 1 < len(stages):
         return Verdict("advance", f"step {step + 1} passed: to {stages[step + 1].percent:g}%", step + 1,
                        results=tuple(results))
