@@ -70,6 +70,19 @@ def subject_of(by: str, tenant: str, key: str, session: str | None, request_id: 
     return f"r:{request_id}"
 
 
+#: The header a session is named by (then the body's ``user``).
+SESSION_HEADER = "x-session-id"
+
+
+def session_of(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
+    """The session a request names: its ``x-session-id`` header (lower-case names), else the body's ``user``."""
+    session = headers.get(SESSION_HEADER)
+    if session is None:
+        user = body.get("user")
+        session = user if isinstance(user, str) else None
+    return session
+
+
 def in_scope(rollout: Rollout, tier: str, region: str | None, model: str | None) -> bool:
     """Whether a request may be taken by the canary at all (its ``only``)."""
     only = rollout.only

@@ -159,11 +159,7 @@ class CanaryFollower:
         model = body.get("model")
         if live is None or not rules.in_scope(live.rollout, tier, region, model if isinstance(model, str) else None):
             return Chosen(active, counters, renderers)
-        session = headers.get("x-session-id")
-        if session is None:
-            user = body.get("user")
-            session = user if isinstance(user, str) else None
-        subject = rules.subject_of(live.rollout.by, tenant, key, session, request_id)
+        subject = rules.subject_of(live.rollout.by, tenant, key, rules.session_of(headers, body), request_id)
         inside = rules.in_slice(live.id, live.percent, subject)
         if live.shadow:
             return Chosen(active, counters, renderers, "shadow" if inside else None)

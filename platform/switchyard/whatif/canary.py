@@ -30,9 +30,6 @@ from switchyard.decide.decision import Caller
 from switchyard.policy.rollout import Rollout
 from switchyard.policy.snapshot import PolicySnapshot
 
-#: The header a session is named by (then the body's ``user``), as the gateway reads it.
-SESSION_HEADER = "x-session-id"
-
 
 @dataclass(frozen=True, slots=True)
 class Who:
@@ -47,15 +44,6 @@ class Who:
     tenant: str | None = None
     key: str | None = None
     request_id: str | None = None
-
-
-def session_of(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
-    """The session a request names: its ``x-session-id`` header (lower-case names), else the body's ``user``."""
-    session = headers.get(SESSION_HEADER)
-    if session is None:
-        user = body.get("user")
-        session = user if isinstance(user, str) else None
-    return session
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +79,7 @@ class CanarySlice:
             return None
         who = who or Who()
         subject = rules.subject_of(self.rollout.by, who.tenant or caller.tenant, who.key or caller.key,
-                                   session_of(headers, body), who.request_id or f"replay-{index}")
+                                   rules.session_of(headers, body), who.request_id or f"replay-{index}")
         return "canary" if rules.in_slice(self.salt, self.percent, subject) else "control"
 
     def describe(self) -> dict[str, Any]:
