@@ -29,6 +29,7 @@ from switchyard.admin.pages import (
     cache,
     dryrun,
     policy,
+    policy_canary,
     policy_edit,
     policy_replay,
     requests,
@@ -106,8 +107,8 @@ async def overview(request: HTMXRequest, settings: NamedDependency[Settings], po
     return Template(template_name="admin/overview.html.j2", context=context)
 
 
-PAGES = [overview, logout, *policy.ROUTES, *policy_edit.ROUTES, *policy_replay.ROUTES, *tenants.ROUTES,
-         *tenant_forms.ROUTES, *usage.ROUTES, *requests.ROUTES,
+PAGES = [overview, logout, *policy.ROUTES, *policy_edit.ROUTES, *policy_canary.ROUTES, *policy_replay.ROUTES,
+         *tenants.ROUTES, *tenant_forms.ROUTES, *usage.ROUTES, *requests.ROUTES,
          *dryrun.ROUTES, *cache.ROUTES, *audit.ROUTES, *batches.ROUTES]
 
 

@@ -31,6 +31,7 @@ from switchyard.policy.diff import diff_documents, plain_data
 from switchyard.policy.load import parse_yaml
 from switchyard.policy.tiers import Limits
 from switchyard.settings import Settings
+from switchyard.store import canary as canary_store
 from switchyard.store import errors as store_errors
 from switchyard.store.models import PolicyVersion, PolicyVersionPublic
 from switchyard.store.policy_versions import active_version, get_version, list_versions
@@ -69,6 +70,18 @@ def active_text(session: Session) -> str:
     if row is None:
         raise store_errors.NotFound("no policy version has been recorded yet")
     return row.yaml_text
+
+
+def running_canary(session: Session) -> dict[str, Any] | None:
+    """The running policy canary in a few words (this page's banner, the editor's note); None when none runs.
+    Its panel is :mod:`switchyard.admin.pages.policy_canary`."""
+    row = canary_store.running(session)
+    if row is None:
+        return None
+    rollout = canary_store.rollout_of(row)
+    return {"id": row.id, "version": row.version, "base": row.base, "percent": row.percent, "step": row.step + 1,
+            "steps": len(rollout.stages), "shadow": rollout.shadow, "by": rollout.by,
+            "automatic": rollout.automatic}
 
 
 # --- what the page shows -------------------------------------------------------------------------
@@ -222,7 +235,7 @@ async def policy_page(request: HTMXRequest, pages: NamedDependency[PolicyPages])
         text = row.yaml_text if row is not None else snapshot.text
         versions = list_versions(session, HISTORY)
         return {"versions": versions, "same_as": same_as_earlier(versions), "tests": run_policy_tests(snapshot),
-                **_forms_context(text, query)}
+                "canary": running_canary(session), **_forms_context(text, query)}
 
     context = base_context(request, pages) | await in_db(pages.db, read)
     document = snapshot.document

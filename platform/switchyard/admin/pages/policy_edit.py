@@ -2,10 +2,11 @@
 
 The YAML editor and the structured edits (a tier's limits, a model's fallback chain, a cache rule)
 produce a *candidate* that is validated as it is typed and reviewed (diff against the active
-version, policy tests) before it is published; nothing here publishes but ``/policy/publish``.
-Publishing and rolling back go through the same code as the admin API
-(:mod:`switchyard.admin.policy_api`), as the console user. With ``policy_source=file`` every write
-is refused (409).
+version, policy tests) before it is published; nothing here publishes but ``/policy/publish`` and
+``/policy/canary/start`` (publish as canary: a slice of traffic tries the candidate first, see
+:mod:`switchyard.admin.pages.policy_canary`). Publishing and rolling back go through the same code
+as the admin API (:mod:`switchyard.admin.policy_api`), as the console user. With
+``policy_source=file`` every write is refused (409).
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from switchyard.admin.pages.policy import (
     base_context,
     file_state,
     refused_page,
+    running_canary,
 )
+from switchyard.admin.pages.policy_canary import CanaryForm, rollout_words
 from switchyard.admin.policy_api import refuse_in_file_mode, write_version
 from switchyard.admin.session import console_origin
 from switchyard.api.errors import ApiError
@@ -41,6 +44,9 @@ from switchyard.policy.diff import PolicyDiff, diff_documents
 from switchyard.policy.edit import set_cache_rule, set_model_fallback, set_tier_limits
 from switchyard.policy.export import MergedText
 from switchyard.policy.tiers import Limits
+from switchyard.store import canary as canary_store
+from switchyard.store import errors as store_errors
+from switchyard.store.db import in_transaction
 from switchyard.store.models import PolicyVersionPublic
 from switchyard.store.policy_versions import active_version, publish, rollback
 
@@ -105,12 +111,15 @@ def text_of(form: FormMultiDict) -> str:
 
 async def _editor(request: HTMXRequest, pages: PolicyPages, text: str, *, heading: str = "Edit the policy",
                   message: str = "", note: str | None = None, refused: str | None = None,
-                  status: int = 200) -> Template:
-    """The editor and review view of a candidate: its text, validation, diff and tests."""
-    check = await in_db(pages.db, lambda session: check_candidate(session, text))
+                  status: int = 200, canary: CanaryForm | None = None, canary_error: str | None = None,
+                  canary_open: bool = False) -> Template:
+    """The editor and review view of a candidate: its text, validation, diff and tests; and the "publish as
+    canary" fields (``canary``: as submitted, else the defaults; open when ``canary_open``)."""
+    check, running = await in_db(pages.db, lambda session: (check_candidate(session, text), running_canary(session)))
     context = base_context(request, pages) | {
         "text": text, "check": check, "heading": heading, "message": message, "note": note, "refused": refused,
-        "file": await file_state(pages),
+        "file": await file_state(pages), "canary_form": canary or CanaryForm(), "canary_error": canary_error,
+        "canary_open": canary_open or canary_error is not None, "canary_running": running,
     }
     return Template(template_name=EDITOR, context=context, status_code=status)
 
@@ -128,7 +137,8 @@ async def policy_validate(request: HTMXRequest, pages: NamedDependency[PolicyPag
     form = await request.form()
     text = text_of(form)
     if not request.htmx:
-        return await _editor(request, pages, text, message=str(form.get("message", "")))
+        return await _editor(request, pages, text, message=str(form.get("message", "")),
+                             canary=CanaryForm.from_form(form))
     check = await in_db(pages.db, lambda session: check_candidate(session, text))
     return HTMXTemplate(template_name=VALIDATION, context=base_context(request, pages) | {"check": check})
 
@@ -274,5 +284,48 @@ async def policy_rollback(request: HTMXRequest, pages: NamedDependency[PolicyPag
     return _done(row, created, "rolled_back")
 
 
+@post("/policy/canary/start", include_in_schema=False, status_code=200, opt={"role": "operator"},
+      dependencies=PAGES_DEPENDENCY)
+async def policy_canary_start(request: HTMXRequest, pages: NamedDependency[PolicyPages],
+                              policy_changed: NamedDependency[PolicyChanged]) -> Response[Any]:
+    """Publish a candidate as a canary, as the console user: stored as a version that is not active, served to
+    the slice the form describes next to the active version (``store.canary.start``). An invalid rollout or
+    candidate, or a canary running already, re-shows the editor saying why; nothing is written then."""
+    form = await request.form()
+    text, message = text_of(form), str(form.get("message", "")).strip()
+    fields = CanaryForm.from_form(form)
+    try:
+        refuse_in_file_mode(pages.settings)
+    except ApiError as error:
+        return refused_page(request, pages, error.status_code, error.message)
+    try:
+        rollout = fields.rollout()
+    except ValueError as error:  # pydantic's ValidationError too
+        return await _editor(request, pages, text, message=message, canary=fields, status=400,
+                             canary_error=f"The rollout is not valid: {rollout_words(error)}.",
+                             refused="Not started: the canary's rollout is not valid (see below); nothing was written.")
+    actor, origin = console_origin(request)
+
+    def start(session: Session) -> int:
+        row = canary_store.start(session, rollout, author=actor, origin=origin, text=text, source="console",
+                                 message=message, document=CANDIDATE)
+        assert row.id is not None
+        return row.id
+
+    try:
+        canary_id = await in_transaction(pages.db, start)
+    except PolicyError as error:
+        count = len(error.issues)
+        return await _editor(request, pages, text, message=message, canary=fields, canary_open=True, status=422,
+                             refused=f"Not started: the candidate has {count} issue{'s' if count != 1 else ''}; "
+                                     "nothing was written.")
+    except store_errors.StoreError as error:
+        conflict = isinstance(error, store_errors.Conflict)  # a canary runs, or this is the active content
+        return await _editor(request, pages, text, message=message, canary=fields, canary_open=True,
+                             status=409 if conflict else 400, refused=f"Not started: {error}. Nothing was written.")
+    await policy_changed()  # this process follows at once; the others hear it on the policy channel
+    return Redirect(path=f"/admin/policy/canary?started={canary_id}", status_code=303)
+
+
 ROUTES: list[Any] = [policy_editor, policy_validate, edit_tier_limits, edit_fallback,
-                     edit_cache_rule, policy_publish, policy_rollback]
+                     edit_cache_rule, policy_publish, policy_rollback, policy_canary_start]
