@@ -68,6 +68,29 @@ def test_policy_schema_is_json_schema_that_checks_the_demo(tmp_path: Path) -> No
         jsonschema.validate(demo, schema)
 
 
+def test_keys_for_many_tenants_in_one_run(tmp_path: Path, database_url: str) -> None:
+    env = {"SWITCHYARD_DATABASE_URL": database_url, "SWITCHYARD_POLICY_FILE": str(ROOT / "policies.yaml")}
+    assert run("db", "upgrade", env=env).returncode == 0
+    assert run("keys", "create", "--tenant", "old-co", "--tier", "pro", env=env).returncode == 0
+    lines = "# tenant tier\nco-1 free\n\nco-2 pro\nold-co pro\n"
+    made = subprocess.run([SWITCHYARD, "keys", "create-many", "--name", "onboarding"], input=lines,
+                          capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+    assert made.returncode == 0, made.stderr
+    secrets = json.loads(made.stdout)
+    assert sorted(secrets) == ["co-1", "co-2", "old-co"] and all(v.startswith("sk-sy-") for v in secrets.values())
+    keys = json.loads(run("keys", "list", "--json", env=env).stdout)
+    assert sorted((k["tenant"], k["tier"]) for k in keys if k["name"] == "onboarding") == [
+        ("co-1", "free"), ("co-2", "pro"), ("old-co", "pro")]
+    for bad, why in [("co-3 gold\n", "unknown tier 'gold'"), ("co-4\n", "line 1: give TENANT TIER"),
+                     ("co-5 free\nco-1 pro\n", "tenant 'co-1' is in tier 'free', not 'pro'")]:
+        refused = subprocess.run([SWITCHYARD, "keys", "create-many"], input=bad, capture_output=True, text=True,
+                                 timeout=60, env={**os.environ, **env})
+        assert refused.returncode == 1 and why in refused.stderr, refused.stderr
+    # Nothing of a refused run was written.
+    names = {t["name"] for t in json.loads(run("tenants", "list", "--json", env=env).stdout)}
+    assert names == {"old-co", "co-1", "co-2"}
+
+
 def test_db_upgrade_and_key_lifecycle(tmp_path: Path, database_url: str) -> None:
     env = {"SWITCHYARD_DATABASE_URL": database_url, "SWITCHYARD_POLICY_FILE": str(ROOT / "policies.yaml")}
     assert "behind head" in run("db", "current", env=env).stdout

@@ -40,18 +40,26 @@ def state_env(data_dir: Path, policy_file: Path) -> dict[str, str]:
             "SWITCHYARD_POLICY_FILE": str(policy_file.resolve())}
 
 
-def run_cli(args: Sequence[str], env: dict[str, str], timeout_s: float = 120.0) -> str:
-    """Run ``switchyard ARGS`` to completion; its stdout.
+def run_cli(args: Sequence[str], env: dict[str, str], timeout_s: float = 120.0, input_text: str | None = None) -> str:
+    """Run ``switchyard ARGS`` to completion (``input_text`` on its stdin); its stdout.
 
     Raises:
         StartError: It failed (with its stderr).
     """
     done = subprocess.run([*switchyard_command(), *args], env={**os.environ, **env}, capture_output=True,
-                          text=True, timeout=timeout_s, check=False)
+                          text=True, timeout=timeout_s, check=False, input=input_text)
     if done.returncode != 0:
         raise StartError(f"switchyard {' '.join(args)} failed (exit {done.returncode}): "
                          f"{(done.stderr or done.stdout).strip()[-2000:]}")
     return done.stdout
+
+
+def create_keys(env: dict[str, str], tenants: Sequence[tuple[str, str]]) -> dict[str, str]:
+    """A new API key for each ``(tenant, tier)``, in one run of ``switchyard keys create-many`` (the database is
+    migrated first): ``{tenant: key}``."""
+    lines = "".join(f"{tenant} {tier}\n" for tenant, tier in tenants)
+    keys: dict[str, str] = json.loads(run_cli(["keys", "create-many", "--name", "bench"], env, input_text=lines))
+    return keys
 
 
 def create_key(env: dict[str, str], tenant: str, tier: str) -> str:

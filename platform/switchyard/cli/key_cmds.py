@@ -65,6 +65,51 @@ def keys_create(tenant: str, tier: str | None, name: str | None, region: str | N
                "it is shown only this once", err=True)
 
 
+@keys.command("create-many")
+@click.option("--name", default=None, help="A label for every key.")
+def keys_create_many(name: str | None) -> None:
+    """Create one key for each TENANT TIER line on stdin (new tenants are created in TIER), in one transaction;
+    prints {"tenant": secret, ...} as JSON once.
+
+    Blank lines and lines starting with # are skipped. An existing tenant must be in the tier its line names.
+    Nothing is written when one line fails.
+    """
+    import sys
+
+    from switchyard.store.keys import create_key
+    from switchyard.store.models import TenantCreate
+    from switchyard.store.tenants import create_tenant, get_tenant
+
+    wanted: list[tuple[str, str]] = []
+    for number, line in enumerate(sys.stdin.read().splitlines(), 1):
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        if len(words) != 2:
+            raise click.ClickException(f"line {number}: give TENANT TIER, got {line.strip()!r}")
+        wanted.append((words[0], words[1]))
+    secrets: dict[str, str] = {}
+    with open_session() as session:
+        checked: set[str] = set()
+        for tenant, tier in wanted:
+            if tenant in secrets:
+                raise click.ClickException(f"tenant {tenant!r} is named twice")
+            try:
+                existing = get_tenant(session, tenant)
+            except StoreError:
+                existing = None
+            if existing is None:
+                if tier not in checked:
+                    check_tier(session, tier)
+                    checked.add(tier)
+                create_tenant(session, TenantCreate(name=tenant, tier=tier))
+            elif tier != existing.tier:
+                raise click.ClickException(f"tenant {tenant!r} is in tier {existing.tier!r}, not {tier!r}")
+            secrets[tenant], _ = create_key(session, tenant, name)
+    click.echo(json.dumps(secrets))
+    click.echo(f"created {len(secrets)} keys; each is shown only this once", err=True)
+
+
 @keys.command("list")
 @click.option("--tenant", default=None, help="Only this tenant's keys.")
 @click.option("--json", "as_json", is_flag=True)

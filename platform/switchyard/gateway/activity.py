@@ -154,8 +154,9 @@ class RequestRecord:
     shed: bool = False
     #: The policy version that decided it.
     policy_version: int | None = None
-    #: Its part in a policy canary (``canary``, ``control``, ``shadow``; None: outside any canary).
+    #: Its part in a policy canary (``canary``, ``control``, ``shadow``; None: outside any canary), and which.
     canary: str | None = None
+    canary_id: int | None = None
     #: Where a shadow candidate decided otherwise: ``{field: [active, candidate]}``.
     shadow: dict[str, list[str | None]] | None = None
     #: What it cost (the usage ledger's spend), once accounted.

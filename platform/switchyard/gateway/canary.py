@@ -186,8 +186,8 @@ class CanaryFollower:
     def observe(self, record: RequestRecord) -> None:
         """Count a finished request of the canary's scope (the activity's ``canary_sink``)."""
         role = record.canary
-        if role is None or self.live is None:
-            return
+        if role is None or self.live is None or record.canary_id != self.live.id:
+            return  # (a request that began under a canary that has ended since is not this one's)
         self._metrics.canary_requests.labels(role).inc()
         if role == "shadow":
             self._shadow_requests += 1
@@ -200,7 +200,7 @@ class CanaryFollower:
     def spent(self, record: RequestRecord, spend: float) -> None:
         """Count what a request of the canary's scope cost (accounted after it finished, for a stream)."""
         role = record.canary
-        if role not in ("canary", "control") or self.live is None or not spend:
+        if role not in ("canary", "control") or self.live is None or record.canary_id != self.live.id or not spend:
             return
         side = self._figures.setdefault(role, {})
         for key in (rules.ALL, record.priority or "-"):

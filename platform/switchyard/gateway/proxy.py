@@ -126,7 +126,8 @@ class Proxy:
         snapshot, counters, renderers = holder.snapshot, holder.counters, holder.renderers
         canary = runtime.canary
         role: str | None = None
-        if canary.live is not None:  # (in the same step: a canary's candidate or the active version decides)
+        if (live := canary.live) is not None:  # (in the same step: a canary's candidate or the active version decides)
+            record.canary_id = live.id
             chosen = canary.choose(snapshot, counters, renderers, tier=identity.tier, tenant=str(identity.tenant_id),
                                    key=str(identity.key_id), region=settings.region, headers=headers, body=body,
                                    request_id=record.request_id)
@@ -355,6 +356,7 @@ class _Run:
             return await serve_hit(runtime, req.kind, req.body, req.cache, req.identity, d, req.lease, req.rid,
                                    record)
         headers = self._headers() if d.cls is not None else {}
+        headers[ROUTE_HEADER] = unserved_route(d)  # a refusal too names the version that decided it
         if d.outcome == "failed":
             assert attempts is not None
             error = final_error(attempts, headers)
@@ -434,6 +436,20 @@ def route_header(d: Decision, attempt: Attempt) -> str:
         parts.append(f"attempt={attempts.count}")
     if attempts.moved_on:
         parts.append("moved_on=" + ", ".join(attempts.moved_on))
+    return "; ".join(parts)
+
+
+def unserved_route(d: Decision) -> str:
+    """The ``x-switchyard-route`` value of an answer no engine gave (a refusal, every try failed): what was decided,
+    under which policy."""
+    parts = []
+    if d.model is not None:
+        parts.append(f"model={d.model.model.name}")
+        if d.model.route:
+            parts += [f"route={d.model.route}", f"rule={d.model.rule}"]
+    if d.cls is not None:
+        parts.append(f"class={d.cls.name}")
+    parts.append(f"policy={d.snapshot.label}")
     return "; ".join(parts)
 
 

@@ -18,7 +18,9 @@ the same gateway told to skip the cache, engine requests saved, entries and byte
 (interactive load at half the pool's capacity with and without a large batch through the Batch API:
 the batch lane's share of the idle capacity, interactive TTFT p50/p99 against the run without it),
 ``soak`` (a steady mixed load with streams, hang-ups, refusals, cache hits and policy rewrites for
-``--duration`` seconds: the gateway's memory over time and its trend, and every unexpected error).
+``--duration`` seconds: the gateway's memory over time and its trend, and every unexpected error), ``canary``
+(policy canaries under steady load: a harmless candidate promoted through its steps, a costly one rolled back by
+the guards; the requests it decided first and the time to its rollback).
 
 Not landed (none at present): scenarios whose feature does not exist yet. They are listed with
 the issue that brings the feature, and every report names them instead of showing a figure.
@@ -34,6 +36,7 @@ from switchyard.bench.scenarios.auto import scenario as auto_scenario
 from switchyard.bench.scenarios.base import BenchOptions, Outcome, Scenario, ScenarioContext
 from switchyard.bench.scenarios.batch import scenario as batch_scenario
 from switchyard.bench.scenarios.cache import scenario as cache_scenario
+from switchyard.bench.scenarios.canary import scenario as canary_scenario
 from switchyard.bench.scenarios.failover import scenario as failover_scenario
 from switchyard.bench.scenarios.headline import scenario as headline_scenario
 from switchyard.bench.scenarios.overload import scenario as overload_scenario
@@ -60,6 +63,8 @@ SCENARIOS: dict[str, Scenario] = {
                  "cost per 1,000 requests vs all-large", auto_scenario.run),
         Scenario("soak", "a steady mixed load (streams, hang-ups, errors, cache hits, policy rewrites) for "
                  "--duration seconds: the gateway's RSS trend and unexpected errors", soak_scenario.run),
+        Scenario("canary", "policy canaries under load: a good candidate promoted through its steps, a bad one "
+                 "rolled back; requests it decided and time to the rollback", canary_scenario.run),
     )
 }
 #: Other names of a scenario: ``--scenario chaos`` runs ``failover`` (its report keeps that name).
