@@ -24,6 +24,7 @@ import httpx
 import openai
 import pytest
 from litestar.testing import TestClient
+from playwright.sync_api import Browser, sync_playwright
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine
 
@@ -450,3 +451,25 @@ def console(admin_client: TestClient[Any]) -> TestClient[Any]:
     add_console_users(admin_client.app.state.runtime.engine)
     assert console_login(admin_client, "admin").status_code == 303
     return admin_client
+
+
+# --- the browser -------------------------------------------------------------------------------
+
+#: The Chromium the console's browser tests drive (Debian's package; Playwright's own download cannot work here).
+CHROMIUM = os.environ.get("SWITCHYARD_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    if CHROMIUM is None:
+        message = "no Chromium (apt-get install -y chromium, or set SWITCHYARD_CHROMIUM)"
+        if os.environ.get("SWITCHYARD_REQUIRE_BROWSER"):
+            pytest.fail(message)
+        pytest.skip(message)
+    with sync_playwright() as p:
+        launched = p.chromium.launch(executable_path=CHROMIUM,
+                                     args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        try:
+            yield launched
+        finally:
+            launched.close()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ import httpx
 import openai
 import pytest
 from axe_playwright_python.sync_playwright import Axe
-from playwright.sync_api import Browser, Page, Route, expect, sync_playwright
+from playwright.sync_api import Browser, Page, Route, expect
 
 from switchyard.store import db
 from switchyard.whatif.logged import read_log
@@ -40,7 +39,6 @@ from tests.integration.conftest import (
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("SWITCHYARD_ARTIFACTS", REPO / "test-artifacts")) / "console"
-CHROMIUM = os.environ.get("SWITCHYARD_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 #: The questions the browser asked (confirmations), and whether the ``page`` fixture's tab accepts them.
 DIALOGS: list[str] = []
 ACCEPT = [True]
@@ -76,22 +74,6 @@ def live(engines: Engines, idp: str, tmp_path_factory: pytest.TempPathFactory) -
         yield gw
     finally:
         assert stop(gw.proc)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    if CHROMIUM is None:
-        message = "no Chromium (apt-get install -y chromium, or set SWITCHYARD_CHROMIUM)"
-        if os.environ.get("SWITCHYARD_REQUIRE_BROWSER"):
-            pytest.fail(message)
-        pytest.skip(message)
-    with sync_playwright() as p:
-        launched = p.chromium.launch(executable_path=CHROMIUM,
-                                     args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
-        try:
-            yield launched
-        finally:
-            launched.close()
 
 
 def log_in(page: Page, role: str = "admin") -> None:

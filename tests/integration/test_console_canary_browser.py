@@ -8,7 +8,6 @@ Chromium. Screenshots go to the test's temporary folder; every page shown is che
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -17,12 +16,12 @@ from pathlib import Path
 import openai
 import pytest
 from axe_playwright_python.sync_playwright import Axe
-from playwright.sync_api import Browser, Dialog, Page, expect, sync_playwright
+from playwright.sync_api import Browser, Dialog, Page, expect
 
 from switchyard.store import canary as canary_store
 from switchyard.store import db
 from tests.integration.conftest import CONSOLE_PASSWORD, CONSOLE_USERS, Engines, Gateway, start_gateway, stop
-from tests.integration.test_console_browser import CHROMIUM, SERIOUS, log_in
+from tests.integration.test_console_browser import SERIOUS, log_in
 
 
 @pytest.fixture(scope="module")
@@ -38,22 +37,6 @@ def live(engines: Engines, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield gw
     finally:
         assert stop(gw.proc)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    if CHROMIUM is None:
-        message = "no Chromium (apt-get install -y chromium, or set SWITCHYARD_CHROMIUM)"
-        if os.environ.get("SWITCHYARD_REQUIRE_BROWSER"):
-            pytest.fail(message)
-        pytest.skip(message)
-    with sync_playwright() as p:
-        launched = p.chromium.launch(executable_path=CHROMIUM,
-                                     args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
-        try:
-            yield launched
-        finally:
-            launched.close()
 
 
 @pytest.fixture

@@ -30,6 +30,7 @@ from switchyard.policy.rollout import Rollout
 from switchyard.settings import Settings
 from switchyard.store import canary as store
 from switchyard.store import errors as store_errors
+from switchyard.store.models import PolicyCanary
 
 _ANY = Schema(type=OpenAPIType.OBJECT, additional_properties=True)
 STATUS = obj({"id": Schema(type=OpenAPIType.INTEGER), "version": Schema(type=OpenAPIType.INTEGER),
@@ -144,23 +145,28 @@ async def canary_start(request: Request[Any, Any, Any], settings: NamedDependenc
         return _rejected(error)
 
 
+async def _end(request: Request[Any, Any, Any], db: Engine, policy_changed: PolicyChanged,
+               end: Callable[..., PolicyCanary], default_reason: str) -> dict[str, Any]:
+    """End the running canary through ``end`` (``store.promote`` or ``store.abort``); its status after."""
+    data = await json_body(request, EndRequest) if await request.body() else EndRequest()
+    origin = origin_of(request)
+
+    def ending(session: Session) -> dict[str, Any]:
+        row = end(session, actor=data.author or "api", origin=origin, reason=data.reason or default_reason)
+        found = store.status(session, row)
+        assert found is not None
+        return found.as_json()
+
+    return await _changed(db, policy_changed, ending)
+
+
 @post("/policy/canary/promote", operation_id="adminPolicyCanaryPromote", status_code=200,
       operation_class=admin_operation(ok("Promoted: its version is active.", STATUS), 400, 404, 413,
                                       body=ABORT_BODY))
 async def canary_promote(request: Request[Any, Any, Any], db: NamedDependency[Engine],
                          policy_changed: NamedDependency[PolicyChanged]) -> dict[str, Any]:
     """Make the running canary's version active now."""
-    data = await json_body(request, EndRequest) if await request.body() else EndRequest()
-    origin = origin_of(request)
-
-    def promote(session: Session) -> dict[str, Any]:
-        row = store.promote(session, actor=data.author or "api", origin=origin,
-                            reason=data.reason or "promoted by hand")
-        found = store.status(session, row)
-        assert found is not None
-        return found.as_json()
-
-    return await _changed(db, policy_changed, promote)
+    return await _end(request, db, policy_changed, store.promote, "promoted by hand")
 
 
 @post("/policy/canary/abort", operation_id="adminPolicyCanaryAbort", status_code=200,
@@ -169,16 +175,7 @@ async def canary_promote(request: Request[Any, Any, Any], db: NamedDependency[En
 async def canary_abort(request: Request[Any, Any, Any], db: NamedDependency[Engine],
                        policy_changed: NamedDependency[PolicyChanged]) -> dict[str, Any]:
     """Stop the running canary: the active version decides every request again."""
-    data = await json_body(request, EndRequest) if await request.body() else EndRequest()
-    origin = origin_of(request)
-
-    def abort(session: Session) -> dict[str, Any]:
-        row = store.abort(session, actor=data.author or "api", origin=origin, reason=data.reason)
-        found = store.status(session, row)
-        assert found is not None
-        return found.as_json()
-
-    return await _changed(db, policy_changed, abort)
+    return await _end(request, db, policy_changed, store.abort, "")
 
 
 ROUTES = [canary_status, canary_start, canary_promote, canary_abort]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -109,6 +110,23 @@ def connection_limit(specs: Sequence[RequestSpec], timeout_s: float) -> int:
                     most, cap)
     return max(16, min(most, cap))
 
+
+
+class LoadStarts:
+    """When each of several open-loop runs began, as ``time.time()``, and an event set when the first did (made on
+    the loop the runs run on)."""
+
+    def __init__(self, at: dict[str, float] | None = None) -> None:
+        self.at = at if at is not None else {}
+        self.began = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+
+    def recorder(self, name: str) -> Callable[[float], None]:
+        """The ``on_start`` of run ``name``."""
+        def started(at: float) -> None:
+            self.at[name] = time.time() - (self._loop.time() - at)
+            self.began.set()
+        return started
 
 async def run_open_loop(workload: Workload | Sequence[RequestSpec], target: Target, *, progress: bool = True,
                         timeout_s: float = 300.0, connect_timeout_s: float = 10.0,

@@ -28,7 +28,7 @@ from typing import Any
 
 import aiohttp
 
-from switchyard.bench.loadgen import run_open_loop
+from switchyard.bench.loadgen import LoadStarts, run_open_loop
 from switchyard.bench.policies import TENANT, TIER, replicas_policy
 from switchyard.bench.procs import free_ports
 from switchyard.bench.report import build_report, write_report
@@ -155,24 +155,16 @@ class Reload:
             raise RuntimeError("the publishes could not be staged: " + "; ".join(self.errors))
 
     async def _drive(self, key: str) -> None:
-        loop = asyncio.get_running_loop()
-        began = asyncio.Event()
-
-        def on_start(name: str) -> Any:
-            def started(at: float) -> None:
-                self.starts[name] = time.time() - (loop.time() - at)
-                began.set()
-            return started
-
+        starts = LoadStarts(self.starts)
         async with aiohttp.ClientSession() as session:
             for replica in self.replicas:
                 await _ready(session, replica)
-            changes = asyncio.create_task(self._changes(session, began))
+            changes = asyncio.create_task(self._changes(session, starts.began))
             try:
                 loads = [run_open_loop(self.workloads[r.name], Target(r.handle.base_url, f"replica {r.name}",
                                                                       default_api_key=key),
                                        progress=self.ctx.options.progress and r.name == "A", timeout_s=30.0,
-                                       on_start=on_start(r.name))
+                                       on_start=starts.recorder(r.name))
                          for r in self.replicas]
                 results = await asyncio.gather(*loads)
             finally:

@@ -14,7 +14,7 @@ from typing import Any
 
 import aiohttp
 
-from switchyard.bench.loadgen import run_open_loop
+from switchyard.bench.loadgen import LoadStarts, run_open_loop
 from switchyard.bench.procs import free_ports
 from switchyard.bench.report import build_report, write_report
 from switchyard.bench.results import Result
@@ -186,22 +186,14 @@ class CanaryRun:
         asyncio.run(self._drive())
 
     async def _drive(self) -> None:
-        loop = asyncio.get_running_loop()
-        began = asyncio.Event()
-
-        def on_start(name: str) -> Any:
-            def started(at: float) -> None:
-                self.starts[name] = time.time() - (loop.time() - at)
-                began.set()
-            return started
-
+        starts = LoadStarts(self.starts)
         loads = [asyncio.create_task(run_open_loop(
             self.workloads[f"replica {name}"],
             Target(gw.base_url, f"replica {name}", api_keys=self.keys), progress=False,
-            timeout_s=REQUEST_TIMEOUT_S, on_result=self.results.append, on_start=on_start(name)))
+            timeout_s=REQUEST_TIMEOUT_S, on_result=self.results.append, on_start=starts.recorder(name)))
             for name, gw in zip("AB", self.gateways, strict=False)]
         try:
-            await began.wait()
+            await starts.began.wait()
             self.load_began = time.time()
             async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {self.token}"}) as session:
                 await asyncio.sleep(self.warmup_s)
