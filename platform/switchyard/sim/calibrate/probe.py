@@ -49,11 +49,14 @@ class Plan:
     busy_batches: list[int]
     busy_probes: int
     busy_prompt: int
+    #: Cold/warm pairs per prefix size, each on a fresh prefix (their medians are kept: one pair is noise on a
+    #: busy machine, where a 688-token prompt was once measured slower warm than cold).
+    prefix_reps: int = 3
 
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """One cold/warm pair: the same cached prefix, a different suffix."""
+    """Cold/warm pairs of one prefix size (medians): the same cached prefix, a different suffix."""
 
     prompt_tokens: int
     cached_tokens: int
@@ -176,25 +179,33 @@ async def measure(client: EngineClient, plan: Plan, prompts: Prompts, block_size
 
     log(f"calibrate: prefix-cache hits at {plan.prefix_blocks} blocks of {block_size}")
     for blocks in plan.prefix_blocks:
-        prefix = prompts.make(blocks * block_size)
-        cold = prefix + prompts.make(plan.prefix_suffix)
-        warm = prefix + prompts.make(plan.prefix_suffix)
-        r_cold = await _complete(client, cold, 1)
-        before = await _cache_hits(client)
-        r_warm = await _complete(client, warm, 1)
-        after = await _cache_hits(client)
-        out.requests += 2
-        if before is not None and after is not None:
-            cached = int(after - before)
-        elif r_warm.cached_tokens is not None:
-            cached = r_warm.cached_tokens
-        else:
-            cached = blocks * block_size
-        cached = max(0, min(cached, len(warm) - 1))
-        # The cold prompt is one more prefill sample; the warm one is kept out of the fit and
-        # checks it: its measured speed-up against the one the fitted model predicts.
-        ttfts.setdefault(len(cold), []).append(r_cold.ttft)
-        out.prefix_hits.append(PrefixHit(len(warm), cached, r_cold.ttft, r_warm.ttft))
+        colds: list[float] = []
+        warms: list[float] = []
+        hits: list[int] = []
+        length = blocks * block_size + plan.prefix_suffix
+        for _ in range(plan.prefix_reps):
+            prefix = prompts.make(blocks * block_size)  # a fresh prefix each time: the cold prompt is cold
+            cold = prefix + prompts.make(plan.prefix_suffix)
+            warm = prefix + prompts.make(plan.prefix_suffix)
+            r_cold = await _complete(client, cold, 1)
+            before = await _cache_hits(client)
+            r_warm = await _complete(client, warm, 1)
+            after = await _cache_hits(client)
+            out.requests += 2
+            if before is not None and after is not None:
+                cached = int(after - before)
+            elif r_warm.cached_tokens is not None:
+                cached = r_warm.cached_tokens
+            else:
+                cached = blocks * block_size
+            hits.append(max(0, min(cached, len(warm) - 1)))
+            colds.append(r_cold.ttft)
+            warms.append(r_warm.ttft)
+        # The cold prompts are more prefill samples; the warm ones are kept out of the fit and
+        # check it: their measured speed-up against the one the fitted model predicts.
+        ttfts.setdefault(length, []).extend(colds)
+        out.prefix_hits.append(PrefixHit(length, round(statistics.median(hits)), statistics.median(colds),
+                                         statistics.median(warms)))
     out.prefill = [PrefillSample(n, 0, statistics.median(v)) for n, v in sorted(ttfts.items())]
     out.raw_prefill = sum(len(v) for v in ttfts.values())
 

@@ -134,6 +134,8 @@ def render_report(result: CalibrationResult) -> str:
             "",
             "### Prefix-cache hits",
             "",
+            f"Medians of {r.plan.prefix_reps} cold/warm pairs per size, each on a fresh prefix.",
+            "",
             "| prompt tokens | cached | cold TTFT | warm TTFT | speed-up | model speed-up |",
             "|---|---|---|---|---|---|",
         ]

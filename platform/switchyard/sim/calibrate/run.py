@@ -125,7 +125,8 @@ def _provenance(opts: CalibrationOptions, started: datetime, facts: EngineFacts,
     n_pre, n_dec = len(m.prefill), len(m.decode)
     fitted = (f"fitted to {n_pre} median TTFTs ({m.raw_prefill} requests on the idle engine, "
               f"max_tokens=1, no cache hits: {len(plan.prefill_lengths)} prompt lengths x "
-              f"{plan.prefill_reps} and {len(m.prefix_hits)} cold prefix-cache prompts) and {n_dec} "
+              f"{plan.prefill_reps} and {len(m.prefix_hits) * plan.prefix_reps} cold prefix-cache prompts) and "
+              f"{n_dec} "
               f"median mean-ITLs ({m.raw_decode} windows: batches "
               f"{sorted({d.batch for d in m.decode})}, prompts of {plan.short_prompt} and "
               f"{plan.long_prompt} tokens, x {plan.decode_reps}); non-negative least squares on "
