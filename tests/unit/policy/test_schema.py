@@ -77,5 +77,6 @@ def test_split_fallback() -> None:
 def test_json_schema_export_names_every_section() -> None:
     schema = PolicyDocument.model_json_schema(by_alias=True)
     assert set(schema["properties"]) == {"schema", "regions", "pools", "models", "routes", "priorities",
-                                         "tiers", "cache", "classifiers", "endpoint_profiles", "resilience", "tests", "rollout"}
+                                         "tiers", "cache", "classifiers", "endpoint_profiles", "resilience", "tests",
+                                         "rollout"}
     json.dumps(schema)  # serialisable
