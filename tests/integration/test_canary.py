@@ -224,3 +224,16 @@ def test_one_canary_at_a_time_and_a_publish_supersedes_it(pair: Pair) -> None:
     assert final["id"] == started["id"] and final["status"] == "aborted"
     assert final["reason"] == f"superseded by the publish of v{body['version']['number']}"
     assert eventually(lambda: served_canary(pair.b) is None, timeout=5)
+
+
+def test_the_api_takes_the_rollout_as_fields_of_the_body_too(pair: Pair) -> None:
+    status, _, body = http_json("POST", pair.a.base_url + "/admin/api/policy/canary",
+                                {"yaml": variant(pair.base_text, 6), "percent": 5, "by": "key", "mode": "shadow",
+                                 "guards": {"error_rate": "+1%", "ttft": "1.5x"}}, AUTH)
+    assert status == 201, body
+    assert (body["mode"], body["by"], body["percent"], body["guards"]) == (
+        "shadow", "key", 5, {"error_rate": 0.01, "ttft_p99": 1.5})
+    status, _, refused = http_json("POST", pair.a.base_url + "/admin/api/policy/canary",
+                                   {"version": body["version"], "percent": 5, "rollout": {"percent": 5}}, AUTH)
+    assert status == 422 and refused["error"]["code"] == "invalid_rollout"
+    assert http_json("POST", pair.a.base_url + "/admin/api/policy/canary/abort", None, AUTH)[0] == 200

@@ -26,7 +26,7 @@ from switchyard.admin.policy_api import MAX_ID, Author, Conflict, _rejected
 from switchyard.api.errors import NotFound
 from switchyard.api.openapi import admin_operation, json_request_body, json_response, obj, ok
 from switchyard.policy import PolicyError
-from switchyard.policy.rollout import Rollout
+from switchyard.policy.rollout import BODY_FIELDS, rollout_from_body
 from switchyard.settings import Settings
 from switchyard.store import canary as store
 from switchyard.store import errors as store_errors
@@ -38,14 +38,32 @@ STATUS = obj({"id": Schema(type=OpenAPIType.INTEGER), "version": Schema(type=Ope
               "percent": Schema(type=OpenAPIType.NUMBER), "figures": _ANY},
              ["id", "version", "status", "percent", "figures"], description="A canary, its figures side by side, "
              "the guardrails tested over its window and its next move.")
+_NUMBER_OR_WORDS = Schema(one_of=[Schema(type=OpenAPIType.NUMBER), Schema(type=OpenAPIType.STRING)])
+#: A rollout's fields, nested under ``rollout`` or at the top of the body.
+_ROLLOUT_FIELDS: dict[str, Schema] = {
+    "by": Schema(type=OpenAPIType.STRING, enum=["tenant", "key", "session", "request"]),
+    "percent": Schema(type=OpenAPIType.NUMBER, description="Without steps: the share held until promoted or "
+                      "aborted."),
+    "steps": Schema(type=OpenAPIType.ARRAY, items=Schema(one_of=[
+        Schema(type=OpenAPIType.OBJECT, additional_properties=True, description="{percent, hold}"),
+        Schema(type=OpenAPIType.STRING, description="PERCENT:HOLD, e.g. 10:2m")])),
+    "only": Schema(type=OpenAPIType.OBJECT, additional_properties=True, description="{tiers, regions, models}"),
+    "guards": Schema(type=OpenAPIType.OBJECT, additional_properties=_NUMBER_OR_WORDS, description="ttft_p99, "
+                     "cost_per_1k: a ratio (1.5 or '1.5x'); error_rate, shed_rate, rate_limited_rate: an increase "
+                     "(0.01 or '+1%')."),
+    "window": _NUMBER_OR_WORDS, "min_requests": Schema(type=OpenAPIType.INTEGER),
+    "alpha": Schema(type=OpenAPIType.NUMBER), "shadow": Schema(type=OpenAPIType.BOOLEAN),
+    "mode": Schema(type=OpenAPIType.STRING, enum=["canary", "shadow"]),
+}
 START_BODY = json_request_body(obj({
     "yaml": Schema(type=OpenAPIType.STRING, description="A new document to roll out (or give version)."),
     "version": Schema(type=OpenAPIType.INTEGER, minimum=1, maximum=MAX_ID, description="A stored version to roll "
                       "out."),
     "rollout": Schema(type=OpenAPIType.OBJECT, additional_properties=True, description="The policy document's "
                       "`rollout:` stanza: by, percent or steps [{percent, hold}], only {tiers, regions, models}, "
-                      "guards, window, min_requests, alpha, shadow."),
-    "message": docs.MESSAGE, "author": docs.AUTHOR}, ["rollout"], extra=False))
+                      "guards, window, min_requests, alpha, shadow (or its fields at the top of the body)."),
+    **_ROLLOUT_FIELDS,
+    "message": docs.MESSAGE, "author": docs.AUTHOR}, extra=False))
 ABORT_BODY = json_request_body(obj({"reason": Schema(type=OpenAPIType.STRING, max_length=1000),
                                     "author": docs.AUTHOR}, extra=False))
 
@@ -60,13 +78,30 @@ def _unprocessable(message: str, code: str, issues: list[tuple[str, str]]) -> Re
 
 
 class StartRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """A canary to start."""
+    """A canary to start: the candidate, and its rollout nested (``rollout``) or as fields of the body."""
 
-    rollout: dict[str, Any]
+    rollout: dict[str, Any] | None = None
     yaml: str | None = None
     version: Annotated[int, msgspec.Meta(ge=1, le=MAX_ID)] | None = None
     message: Annotated[str, msgspec.Meta(max_length=1000)] = ""
     author: Author = None
+    by: str | None = None
+    percent: float | None = None
+    steps: list[Any] | None = None
+    only: dict[str, Any] | None = None
+    guards: dict[str, Any] | None = None
+    window: float | str | None = None
+    min_requests: int | None = None
+    alpha: float | None = None
+    shadow: bool | None = None
+    mode: str | None = None
+
+    def rollout_fields(self) -> dict[str, Any] | None:
+        """The rollout as given (None: given both nested and flat)."""
+        flat = {name: getattr(self, name) for name in BODY_FIELDS if getattr(self, name) is not None}
+        if self.rollout is not None:
+            return None if flat else self.rollout
+        return flat
 
 
 class EndRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -112,10 +147,11 @@ async def canary_start(request: Request[Any, Any, Any], settings: NamedDependenc
     """Start a canary of a new document (``yaml``) or a stored ``version`` next to the active version.
 
     The body: ``{"yaml": "...", "rollout": {"steps": [{"percent": 1, "hold": "1m"}, {"percent": 10,
-    "hold": "2m"}], "guards": {"ttft_p99": 1.5, "error_rate": 0.01}}, "message": "why"}``. 409 while another
-    canary runs; 422 when the rollout is invalid (``invalid_rollout``, what is wrong in the message), when both
-    or neither of yaml and version are given (``invalid_candidate``), or with every issue when the document is
-    invalid (``invalid_policy``).
+    "hold": "2m"}], "guards": {"ttft_p99": 1.5, "error_rate": 0.01}}, "message": "why"}``, or the rollout's
+    fields at the top (``{"version": 7, "percent": 5, "by": "key", "guards": {"error_rate": "+1%"}}``). 409
+    while another canary runs; 422 when the rollout is invalid (``invalid_rollout``, what is wrong in the
+    message), when both or neither of yaml and version are given (``invalid_candidate``), or with every issue
+    when the document is invalid (``invalid_policy``).
     """
     data = await json_body(request, StartRequest)
     if (data.yaml is None) == (data.version is None):
@@ -124,12 +160,18 @@ async def canary_start(request: Request[Any, Any, Any], settings: NamedDependenc
     if data.yaml is not None and settings.policy_source == "file":
         raise Conflict(f"policy_source is file: a new document goes live through {settings.policy_file} (with a "
                        "rollout: stanza); here only a stored version can be rolled out", code="policy_source_is_file")
+    fields = data.rollout_fields()
+    if fields is None:
+        return _unprocessable("give the rollout nested (rollout) or as fields of the body, not both",
+                              "invalid_rollout", [("rollout", "given twice")])
     try:
-        rollout = Rollout.model_validate(data.rollout)
+        rollout = rollout_from_body(fields)
     except ValidationError as exc:
         issues = [(".".join(["rollout", *map(str, e["loc"])]), e["msg"]) for e in exc.errors()]
         return _unprocessable("invalid rollout: " + "; ".join(f"{p}: {m}" for p, m in issues), "invalid_rollout",
                               issues)
+    except ValueError as exc:
+        return _unprocessable(f"invalid rollout: {exc}", "invalid_rollout", [("rollout", str(exc))])
     origin = origin_of(request)
 
     def start(session: Session) -> dict[str, Any]:

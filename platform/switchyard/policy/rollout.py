@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -113,25 +113,34 @@ class Rollout(Strict):
         return bool(self.steps)
 
 
-_GUARD = re.compile(r"^\s*([a-z0-9_]+)\s*(?:=|<=)\s*([+]?)\s*(\d+(?:\.\d+)?)\s*(x|%)?\s*$")
-_STEP = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%?\s*(?::\s*(\S+))?\s*$")
+_GUARD = re.compile(r"^\s*([a-z0-9_]+)\s*(?:<=|=|:|<)\s*([+]?)\s*(\d+(?:\.\d+)?)\s*(x|%)?\s*$")
+_STEP = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%?\s*(?:[:@/]\s*(\S+))?\s*$")
+#: Other names a guard is known by on the command line and in the console.
+GUARD_ALIASES = {"ttft": "ttft_p99", "p99_ttft": "ttft_p99", "ttft_p99_ms": "ttft_p99", "cost": "cost_per_1k",
+                 "cost_per_1000": "cost_per_1k", "errors": "error_rate", "error": "error_rate", "shed": "shed_rate",
+                 "rate_limited": "rate_limited_rate", "limited_rate": "rate_limited_rate", "429": "rate_limited_rate",
+                 "429_rate": "rate_limited_rate"}
 
 
 def parse_guard(text: str) -> tuple[str, float]:
-    """``ttft_p99=1.5x``, ``cost_per_1k=1.25x``, ``error_rate=+1%``, ``shed_rate=+0.02`` as (name, limit).
+    """``ttft_p99=1.5x`` (or ``+50%``), ``cost_per_1k=1.25x``, ``error_rate=+1%`` (or ``0.01``),
+    ``shed_rate=+0.02`` as (name, limit); ``<=`` or ``:`` may stand for ``=``.
 
     Raises:
         ValueError: not a guard, or its limit is written the other kind's way.
     """
     m = _GUARD.match(text)
-    if m is None or m.group(1) not in GUARDS:
+    name = GUARD_ALIASES.get(m.group(1), m.group(1)) if m is not None else None
+    if m is None or name not in GUARDS:
         raise ValueError(f"invalid guard {text!r}: use NAME=LIMIT with NAME one of {', '.join(GUARDS)} "
                          "(ttft_p99=1.5x, error_rate=+1%)")
-    name, plus, number, unit = m.groups()
+    _, plus, number, unit = m.groups()
     value = float(number)
     if name in RATIO_GUARDS:
-        if plus or unit == "%":
-            raise ValueError(f"guard {name} is a ratio: write it like {name}=1.5x")
+        if unit == "%":  # +50% (or 150%) of the rest's
+            return name, 1 + value / 100 if plus else value / 100
+        if plus:
+            raise ValueError(f"guard {name} is a ratio: write it like {name}=1.5x or {name}=+50%")
         return name, value
     if unit == "x":
         raise ValueError(f"guard {name} is an increase of a rate: write it like {name}=+1% or {name}=+0.01")
@@ -139,7 +148,7 @@ def parse_guard(text: str) -> tuple[str, float]:
 
 
 def parse_step(text: str) -> dict[str, float | str]:
-    """``10`` or ``10:2m`` (percent, hold) as a step's fields.
+    """``10`` or ``10:2m`` (percent, hold; ``10%@2m`` too) as a step's fields.
 
     Raises:
         ValueError: not a step.
@@ -157,16 +166,25 @@ def rollout_from_flags(*, percent: float | None = None, by: str = "tenant", step
                        guards: Sequence[str] = (), tiers: Sequence[str] = (), regions: Sequence[str] = (),
                        models: Sequence[str] = (), window: str | float | None = None, min_requests: int | None = None,
                        alpha: float | None = None, shadow: bool = False) -> Rollout:
-    """A rollout from the command line's (and the console form's) words: ``steps`` as ``10:2m``, ``guards`` as
-    ``ttft_p99=1.5x`` (none given: the defaults).
+    """A rollout from the command line's (and the console form's) words: ``steps`` as ``10:2m`` (or several in one,
+    ``1:1m,10:2m``), ``guards`` as ``ttft_p99=1.5x`` (none given: the defaults); ``percent`` with steps is where the
+    canary starts (a step before the first, held as long, unless it is the first).
 
     Raises:
         ValueError: a step or guard is not written right (pydantic's ValidationError, a ValueError, for the rest).
     """
     data: dict[str, Any] = {"by": by, "shadow": shadow,
                             "only": {"tiers": list(tiers), "regions": list(regions), "models": list(models)}}
-    if steps:
-        data["steps"] = [parse_step(s) for s in steps]
+    parsed = [parse_step(part) for text in steps for part in text.split(",") if part.strip()]
+    if parsed and percent is not None:  # where it starts: the first step, or one before the steps
+        first = float(parsed[0]["percent"])
+        if percent > first:
+            raise ValueError(f"--percent {percent:g} is above the first step's {first:g}%: the steps rise from it")
+        if percent < first:
+            parsed.insert(0, {"percent": percent, **({"hold": parsed[0]["hold"]} if "hold" in parsed[0] else {})})
+        percent = None
+    if parsed:
+        data["steps"] = parsed
     if percent is not None:
         data["percent"] = percent
     if shadow and not steps and percent is None:
@@ -180,3 +198,32 @@ def rollout_from_flags(*, percent: float | None = None, by: str = "tenant", step
     if alpha is not None:
         data["alpha"] = alpha
     return Rollout.model_validate(data)
+
+
+#: A rollout's fields as an API body names them (``mode``: ``canary`` or ``shadow``, another way to say shadow).
+BODY_FIELDS = ("by", "percent", "steps", "only", "guards", "window", "min_requests", "alpha", "shadow", "mode")
+
+
+def rollout_from_body(data: Mapping[str, Any]) -> Rollout:
+    """A rollout from an API body's fields (:data:`BODY_FIELDS`): steps as objects or as ``10:2m`` words, guards'
+    limits as numbers or as words (``1.5x``, ``+1%``), ``mode`` for ``shadow``.
+
+    Raises:
+        ValueError: a field is wrong (pydantic's ValidationError for the model's own checks).
+    """
+    fields = {k: v for k, v in data.items() if v is not None}
+    mode = fields.pop("mode", None)
+    if mode is not None:
+        if mode not in ("canary", "shadow"):
+            raise ValueError(f"mode must be canary or shadow, not {mode!r}")
+        if "shadow" in fields and fields["shadow"] != (mode == "shadow"):
+            raise ValueError("mode and shadow say different things")
+        fields["shadow"] = mode == "shadow"
+    steps = fields.get("steps")
+    if isinstance(steps, list):
+        fields["steps"] = [parse_step(s) if isinstance(s, str) else s for s in steps]
+    guards = fields.get("guards")
+    if isinstance(guards, Mapping):
+        fields["guards"] = dict(parse_guard(f"{k}={v}") if isinstance(v, str) else (GUARD_ALIASES.get(k, k), v)
+                                for k, v in guards.items())
+    return Rollout.model_validate(fields)

@@ -64,9 +64,17 @@ def test_rollout_flags_are_parsed_and_checked() -> None:
     assert not rollout_from_flags(percent=5).automatic
     assert parse_step("10") == {"percent": 10.0}
     assert parse_guard("shed_rate=+0.02") == ("shed_rate", 0.02)
-    for bad in ("ttft_p99=+1%", "error_rate=1.5x", "nonsense=1"):
+    assert parse_guard("ttft_p99=+50%") == ("ttft_p99", 1.5)
+    assert parse_guard("ttft<=2") == ("ttft_p99", 2.0)
+    assert parse_guard("429:1%") == ("rate_limited_rate", 0.01)
+    for bad in ("ttft_p99=+1x", "error_rate=1.5x", "nonsense=1"):
         with pytest.raises(ValueError, match="guard"):
             parse_guard(bad)
+    one_flag = rollout_from_flags(steps=["1:1m,10%@2m"], percent=0.5)  # --percent: where it starts
+    assert [(st.percent, st.hold) for st in one_flag.stages] == [(0.5, 60), (1, 60), (10, 120)]
+    assert [st.percent for st in rollout_from_flags(steps=["5", "20"], percent=5).stages] == [5, 20]
+    with pytest.raises(ValueError, match="above the first step"):
+        rollout_from_flags(steps=["5"], percent=10)
     with pytest.raises(ValidationError, match="increase strictly"):
         rollout_from_flags(steps=["10", "5"])
     with pytest.raises(ValidationError, match="steps, or a percent"):
