@@ -283,9 +283,9 @@ def test_a_batch_created_on_a_replica_without_worker_is_run_by_the_others(cluste
     a, b, c = cluster.replicas
     key = a.new_key("batch-co", "pro")
     # Long enough that one worker alone cannot finish before the other's next idle poll (every 1 s): a busy
-    # worker claims again as soon as a line ends, and 96 sixteen-token lines took one worker 1.1 s once, the
-    # other never claiming one.
-    lines = _lines(96, "spread", max_tokens=64)
+    # worker claims again as soon as a line ends, and 96 lines took one worker 1.0-1.1 s (16 or 64 tokens: the
+    # simulated answers end early), the other never claiming one. 320 lines take one worker over 3 s.
+    lines = _lines(320, "spread", max_tokens=64)
     started = time.monotonic()
     client, batch_id = _submit(a, key, lines)
     done = wait_done(client, batch_id, timeout=120)
