@@ -150,9 +150,9 @@ def test_publish_as_canary_starts_a_canary_of_the_candidate_with_the_forms_rollo
 
 @pytest.mark.parametrize(("fields", "says"), [
     ({"canary_steps": "10:1m 5:1m"}, "steps' percentages must increase strictly"),
-    ({"canary_steps": "10:1m", "canary_percent": "5"}, "give steps or a percent, not both"),
+    ({"canary_steps": "10:1m", "canary_percent": "20"}, "the starting percent (20) is above the first step's 10%"),
     ({"canary_steps": "", "canary_percent": ""}, "give steps, or a percent to hold until promoted or aborted"),
-    ({"canary_guards": "ttft_p99=+10%"}, "guard ttft_p99 is a ratio: write it like ttft_p99=1.5x"),
+    ({"canary_guards": "ttft_p99=+2x"}, "guard ttft_p99 is a ratio: write it like ttft_p99=1.5x"),
     ({"canary_guards": "latency=2x"}, "invalid guard 'latency=2x'"),
     ({"canary_steps": "ten"}, "invalid step 'ten'"),
     ({"canary_window": "soon"}, "window: invalid duration 'soon'"),

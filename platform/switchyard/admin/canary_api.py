@@ -23,7 +23,7 @@ from switchyard.admin import openapi_docs as docs
 from switchyard.admin.common import in_db, json_body, origin_of
 from switchyard.admin.dependencies import PolicyChanged
 from switchyard.admin.policy_api import MAX_ID, Author, Conflict, _rejected
-from switchyard.api.errors import NotFound
+from switchyard.api.errors import BadRequest, NotFound
 from switchyard.api.openapi import admin_operation, json_request_body, json_response, obj, ok
 from switchyard.policy import PolicyError
 from switchyard.policy.rollout import BODY_FIELDS, rollout_from_body
@@ -82,7 +82,8 @@ class StartRequest(msgspec.Struct, forbid_unknown_fields=True):
 
     rollout: dict[str, Any] | None = None
     yaml: str | None = None
-    version: Annotated[int, msgspec.Meta(ge=1, le=MAX_ID)] | None = None
+    #: JSON numbers (``5`` or ``5.0``: JSON, and its schema, do not tell them apart), whole.
+    version: Annotated[float, msgspec.Meta(ge=1, le=MAX_ID)] | None = None
     message: Annotated[str, msgspec.Meta(max_length=1000)] = ""
     author: Author = None
     by: str | None = None
@@ -91,7 +92,7 @@ class StartRequest(msgspec.Struct, forbid_unknown_fields=True):
     only: dict[str, Any] | None = None
     guards: dict[str, Any] | None = None
     window: float | str | None = None
-    min_requests: int | None = None
+    min_requests: float | None = None
     alpha: float | None = None
     shadow: bool | None = None
     mode: str | None = None
@@ -99,6 +100,8 @@ class StartRequest(msgspec.Struct, forbid_unknown_fields=True):
     def rollout_fields(self) -> dict[str, Any] | None:
         """The rollout as given (None: given both nested and flat)."""
         flat = {name: getattr(self, name) for name in BODY_FIELDS if getattr(self, name) is not None}
+        if isinstance(flat.get("min_requests"), float) and flat["min_requests"].is_integer():
+            flat["min_requests"] = int(flat["min_requests"])
         if self.rollout is not None:
             return None if flat else self.rollout
         return flat
@@ -154,6 +157,8 @@ async def canary_start(request: Request[Any, Any, Any], settings: NamedDependenc
     when the document is invalid (``invalid_policy``).
     """
     data = await json_body(request, StartRequest)
+    if data.version is not None and not data.version.is_integer():
+        raise BadRequest(f"version must be a whole number, got {data.version}", param="version")
     if (data.yaml is None) == (data.version is None):
         return _unprocessable("give the candidate as yaml or as a stored version, one of them",
                               "invalid_candidate", [("yaml", "give yaml or version, one of them")])
@@ -176,7 +181,8 @@ async def canary_start(request: Request[Any, Any, Any], settings: NamedDependenc
 
     def start(session: Session) -> dict[str, Any]:
         row = store.start(session, rollout, author=data.author or "api", origin=origin, text=data.yaml,
-                          number=data.version, source="api", message=data.message, document="<request>")
+                          number=int(data.version) if data.version is not None else None, source="api",
+                          message=data.message, document="<request>")
         found = store.status(session, row)
         assert found is not None
         return found.as_json()

@@ -179,7 +179,8 @@ def rollout_from_flags(*, percent: float | None = None, by: str = "tenant", step
     if parsed and percent is not None:  # where it starts: the first step, or one before the steps
         first = float(parsed[0]["percent"])
         if percent > first:
-            raise ValueError(f"--percent {percent:g} is above the first step's {first:g}%: the steps rise from it")
+            raise ValueError(f"the starting percent ({percent:g}) is above the first step's {first:g}%: the steps "
+                             "rise from it")
         if percent < first:
             parsed.insert(0, {"percent": percent, **({"hold": parsed[0]["hold"]} if "hold" in parsed[0] else {})})
         percent = None
