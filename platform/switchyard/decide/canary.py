@@ -173,6 +173,10 @@ class Tally:
         elif outcome == "ok" and ttft_ms is not None:
             b = ttft_bucket(ttft_ms)
             self.ttft[b] = self.ttft.get(b, 0) + 1
+        self.charge(spend)
+
+    def charge(self, spend: float) -> None:
+        """Add one request's cost."""
         self.spend += spend
         self.spend_sq += spend * spend
 
@@ -236,14 +240,22 @@ def empty_figures() -> Figures:
     return {"canary": {}, "control": {}}
 
 
+def _tallies(figures: Figures, role: str, cls: str | None) -> tuple[Tally, Tally]:
+    """``role``'s tallies of :data:`ALL` and of ``cls``."""
+    side = figures.setdefault(role, {})
+    return side.setdefault(ALL, Tally()), side.setdefault(cls or "-", Tally())
+
+
 def add_to(figures: Figures, role: str, cls: str | None, outcome: str, ttft_ms: float | None, spend: float) -> None:
     """Count one finished request of ``role`` in its class and in :data:`ALL`."""
-    side = figures.setdefault(role, {})
-    for key in (ALL, cls or "-"):
-        tally = side.get(key)
-        if tally is None:
-            tally = side[key] = Tally()
+    for tally in _tallies(figures, role, cls):
         tally.count(outcome, ttft_ms, spend)
+
+
+def charge_to(figures: Figures, role: str, cls: str | None, spend: float) -> None:
+    """Add what a request of ``role`` cost, once it is known (after it was counted, for a stream)."""
+    for tally in _tallies(figures, role, cls):
+        tally.charge(spend)
 
 
 # --- the tests ------------------------------------------------------------------------------------
@@ -333,7 +345,7 @@ class GuardResult:
                 f"{fmt(self.limit)}; p={self.p_value:.2g}; n={self.n_canary}/{self.n_rest})")
 
 
-def _one(guard: str, cls: str, bound: float, c: Tally, r: Tally) -> tuple[float | None, float | None, float | None,
+def _one(guard: str, bound: float, c: Tally, r: Tally) -> tuple[float | None, float | None, float | None,
                                                                             float, int, int] | None:
     """(canary, rest, limit, p-value, n canary, n rest), or None when this test cannot be made."""
     if guard in INCREASE_GUARDS:
@@ -368,7 +380,7 @@ def evaluate(rollout: Rollout, figures: Figures) -> list[GuardResult]:
         for guard, bound in rollout.guards.items():
             if guard == "ttft_p99" and (sum(c.ttft.values()) < minimum or sum(r.ttft.values()) < minimum):
                 continue
-            made = _one(guard, cls, bound, c, r)
+            made = _one(guard, bound, c, r)
             if made is not None:
                 planned.append((guard, cls, made))
     if not planned:

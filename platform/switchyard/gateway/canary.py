@@ -77,7 +77,6 @@ class Chosen:
     counters: Mapping[str, TokenCounter]
     renderers: Mapping[str, PromptRenderer]
     role: str | None = None
-    shadow: Decision | None = None
 
 
 class CanaryFollower:
@@ -99,15 +98,19 @@ class CanaryFollower:
 
     # --- following ---------------------------------------------------------------------------------
 
-    def _read(self) -> tuple[int, int, float, int, str, str] | None:
+    def _read(self) -> tuple[int, int, float, int, str] | None:
         with session_scope(self._engine_of()) as session:
             row = store.running(session)
             if row is None:
                 return None
             assert row.id is not None
-            version = session.get(PolicyVersion, row.version)
-            assert version is not None
-            return row.id, row.version, row.percent, row.step, row.rollout, version.yaml_text
+            return row.id, row.version, row.percent, row.step, row.rollout
+
+    def _text(self, version: int) -> str:
+        with session_scope(self._engine_of()) as session:
+            found = session.get(PolicyVersion, version)
+            assert found is not None
+            return found.yaml_text
 
     async def check(self) -> bool:
         """Follow the database's running canary (none, another, or a new step); whether anything changed."""
@@ -121,7 +124,7 @@ class CanaryFollower:
             self._reset()
             self._metrics.canary_percent.set(0)
             return True
-        cid, version, percent, step, rollout_json, text = found
+        cid, version, percent, step, rollout_json = found
         if live is not None and live.id == cid:
             if live.percent == percent and live.step == step:
                 return False
@@ -131,7 +134,8 @@ class CanaryFollower:
             log.info("canary %d of v%d at %g%%", cid, version, percent)
             return True
         async with self._lock:
-            try:
+            try:  # (the candidate's text is read once, when the canary is new to this process)
+                text = await anyio.to_thread.run_sync(self._text, version)
                 snapshot = await anyio.to_thread.run_sync(compile_checked, text, f"policy version {version}", version)
                 tokens: ModelTokens = await anyio.to_thread.run_sync(self._load_tokens, snapshot)
             except PolicyError as error:
@@ -202,11 +206,7 @@ class CanaryFollower:
         role = record.canary
         if role not in ("canary", "control") or self.live is None or record.canary_id != self.live.id or not spend:
             return
-        side = self._figures.setdefault(role, {})
-        for key in (rules.ALL, record.priority or "-"):
-            tally = side.setdefault(key, rules.Tally())
-            tally.spend += spend
-            tally.spend_sq += spend * spend
+        rules.charge_to(self._figures, role, record.priority, spend)
 
     def _take(self) -> tuple[int, list[tuple[str, str, dict[str, Any]]]] | None:
         live = self.live

@@ -43,8 +43,6 @@ from switchyard.store.policy_versions import CHANNEL, MAX_AUTHOR, active_version
 
 #: The announcement of a canary change on the policy channel.
 NOTICE = "canary"
-#: Figures older than this many windows are not read back (and are pruned when a canary ends).
-KEEP_WINDOWS = 3
 
 
 def running(session: Session) -> PolicyCanary | None:
@@ -290,7 +288,6 @@ def read_window(session: Session, row: PolicyCanary, now: datetime, window_s: fl
     for at, replica, role, cls, text in found:
         data = json.loads(text)
         out.replicas.add(replica)
-        at = at if at.tzinfo is not None else at.replace(tzinfo=now.tzinfo)
         if role == "shadow":
             if at >= window_start:
                 out.shadowed += int(data.get("requests", 0))
