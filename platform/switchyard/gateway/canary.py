@@ -134,6 +134,8 @@ class CanaryFollower:
             log.info("canary %d of v%d at %g%%", cid, version, percent)
             return True
         async with self._lock:
+            if self.live is not None and self.live.id == cid:
+                return False  # a concurrent check (the poll, a notification) loaded it meanwhile: keep its counts
             try:  # (the candidate's text is read once, when the canary is new to this process)
                 text = await anyio.to_thread.run_sync(self._text, version)
                 snapshot = await anyio.to_thread.run_sync(compile_checked, text, f"policy version {version}", version)
