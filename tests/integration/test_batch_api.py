@@ -152,7 +152,7 @@ def test_bad_requests_are_refused(gw: Gateway) -> None:
     client = sdk(gw, "a")
     good = upload(client, jsonl(line("x")))
     with pytest.raises(openai.BadRequestError) as bad:
-        client.batches.create(input_file_id=good.id, endpoint="/v1/embeddings", completion_window="24h")
+        client.batches.create(input_file_id=good.id, endpoint="/v1/moderations", completion_window="24h")
     assert bad.value.body["param"] == "endpoint"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as bad:
         client.batches.create(input_file_id=good.id, endpoint=EP, completion_window="1h")  # type: ignore[arg-type]

@@ -82,7 +82,7 @@ def csrf_config(settings: Settings) -> CSRFConfig:
     exempt (neither accepts cookies, so a forged cross-site request carries no credentials)."""
     return CSRFConfig(secret=console_secret(settings), cookie_name=CSRF_COOKIE, header_name=CSRF_HEADER,
                       cookie_secure=bool(settings.console_secure_cookies), cookie_httponly=True,
-                      cookie_samesite="strict", exclude=["^/v1/", "^/admin/api/"])
+                      cookie_samesite="strict", exclude=["^/v1/", "^/admin/api/", "^/(de)?tokenize$"])
 
 
 def secure_request(settings: Settings, connection: ASGIConnection[Any, Any, Any, Any]) -> bool:

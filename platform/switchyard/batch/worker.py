@@ -62,7 +62,8 @@ Serve = Callable[[Incoming, Kind], Awaitable[Response[Any]]]
 
 #: Answers worth another try later: timeouts, limits, sheds, engine and gateway failures.
 TRANSIENT = frozenset({408, 429, 500, 502, 503, 504})
-KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion",
+                          "/v1/embeddings": "embedding", "/v1/responses": "responses"}
 #: Longest wait before a line's next try.
 MAX_BACKOFF_S = 300.0
 #: Longest a key's identity is reused (bounds only changes made behind Switchyard's back, by SQL).

@@ -108,7 +108,7 @@ def check_fits(model: Model, kind: str, prompt_tokens: int, exact: bool, max_tok
     Args:
         model: The model the request resolved to (a fallback never serves a request its own model
             refuses as a client error, so this is the model that decides).
-        kind: ``chat`` or ``completion``.
+        kind: ``chat``, ``completion``, ``embedding`` or ``responses``.
         prompt_tokens: Its (longest) prompt's tokens: each of a completion's prompts is a sequence of
             its own.
         exact: Whether ``prompt_tokens`` was counted (a tokenizer, token ids) rather than estimated.
@@ -135,12 +135,12 @@ def check_fits(model: Model, kind: str, prompt_tokens: int, exact: bool, max_tok
             raise DoesNotFit("invalid_value", f"{max_tokens_param}={max_tokens} cannot be greater than "
                              f"max_model_len={window}. Please request fewer output tokens.", max_tokens_param)
     if exact:
-        least = prompt_tokens - CHAT_TEMPLATE_SLACK if kind == "chat" else prompt_tokens
+        least = prompt_tokens - CHAT_TEMPLATE_SLACK if kind in ("chat", "responses") else prompt_tokens
         stated, about = prompt_tokens, ""
     else:
         least = prompt_tokens // ESTIMATE_MARGIN
         stated, about = least, "at least "
-    where = "messages" if kind == "chat" else "prompt"
+    where = "messages" if kind == "chat" else "input" if kind in ("embedding", "responses") else "prompt"
     if least > window:
         count = f"{prompt_tokens}" if exact else f"an estimated {prompt_tokens} (at least {least})"
         raise DoesNotFit("context_length_exceeded", f"This model's maximum context length is {window} tokens. "

@@ -45,9 +45,15 @@ IGNORED_KEYS = frozenset({
 })
 
 #: Body keys encoded on their own (the model is replaced by the resolved one).
-_STRUCTURAL_KEYS = frozenset({"model", "messages", "prompt"})
+_STRUCTURAL_KEYS = frozenset({"model", "messages", "prompt", "input"})
 
-RequestKind = Literal["chat", "completion"]
+#: What a request asks for, by the endpoint it came to: ``/v1/chat/completions``, ``/v1/completions``,
+#: ``/v1/embeddings``, ``/v1/responses``, and ``/tokenize`` or ``/detokenize`` (which compute nothing on a GPU).
+RequestKind = Literal["chat", "completion", "embedding", "responses", "tokenize", "detokenize"]
+#: The kinds a model of kind ``generate`` serves; an embedding model serves ``embedding`` (both: the tokenizer).
+GENERATING_KINDS = frozenset({"chat", "completion", "responses"})
+#: The kinds that only use a model's tokenizer: no limits charged, no queue, never cached.
+TOKENIZER_KINDS = frozenset({"tokenize", "detokenize"})
 
 
 class BadCacheControl(ValueError):
@@ -82,11 +88,14 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def is_deterministic(body: Mapping[str, Any]) -> bool:
-    """Whether the request asks for a reproducible answer: ``temperature`` 0 or an integer ``seed``.
+def is_deterministic(body: Mapping[str, Any], kind: RequestKind = "chat") -> bool:
+    """Whether the request asks for a reproducible answer: ``temperature`` 0 or an integer ``seed``; an
+    embedding always is (nothing is sampled).
 
     A missing temperature is not deterministic: OpenAI's default is 1.
     """
+    if kind == "embedding":
+        return True
     temperature = body.get("temperature")
     seed = body.get("seed")
     return (_is_number(temperature) and temperature == 0) or (isinstance(seed, int) and not isinstance(seed, bool))
@@ -129,6 +138,8 @@ def _document(kind: RequestKind, model: str, body: Mapping[str, Any]) -> dict[st
     doc: dict[str, Any] = {"kind": kind, "model": model, "params": _parameters(body)}
     if kind == "chat":
         doc["messages"] = [_message(m) for m in body.get("messages") or []]
+    elif kind in ("embedding", "responses"):
+        doc["input"] = _normal(body.get("input"))
     else:
         doc["prompt"] = _normal(body.get("prompt"))
     return doc
@@ -185,6 +196,8 @@ def semantic_split(kind: RequestKind, model: str, body: Mapping[str, Any]) -> tu
     None when there is no such text: no user message, or one without text (completions: the
     prompt is not a string), or only whitespace. Non-text parts of that turn stay in the context.
     """
+    if kind == "embedding":
+        return None  # an embedding is of its input as a whole: no turn to match by meaning
     doc = _document(kind, model, body)
     if kind == "completion":
         prompt = body.get("prompt")
@@ -280,12 +293,12 @@ def plan_cache(snapshot: PolicySnapshot, *, kind: RequestKind, model: str, route
     for more than one choice (``n`` > 1) are never cached. None when no rule applies or the client
     allows neither reading nor writing.
     """
-    if not (read or write):
-        return None
+    if not (read or write) or kind not in ("chat", "completion", "embedding"):
+        return None  # (a Responses API answer names a stored response by its id: never served from a cache)
     n = body.get("n")
     if isinstance(n, int | float) and not isinstance(n, bool) and n > 1:
         return None
-    deterministic = is_deterministic(body)
+    deterministic = is_deterministic(body, kind)
     skipped: list[str] = []
     canonical: bytes | None = None
     for index, rule in enumerate(snapshot.document.cache):

@@ -52,7 +52,7 @@ def _content_text(content: Any) -> tuple[str, bool]:
     for part in content:
         if isinstance(part, dict):
             kind = part.get("type")
-            if kind == "text" and isinstance(part.get("text"), str):
+            if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
                 texts.append(part["text"])
             elif kind in ("image_url", "input_image", "image"):
                 image = True
@@ -119,6 +119,109 @@ def completion_features(body: Mapping[str, Any], headers: Mapping[str, str]) -> 
     )
 
 
+def embedding_inputs(value: Any) -> list[str | list[int]]:
+    """An embeddings request's inputs (checked by ``gateway.body``): each a text or token ids."""
+    if isinstance(value, str):
+        return [value]
+    if value and all(isinstance(v, int) for v in value):
+        return [list(value)]
+    return list(value)
+
+
+def embedding_features(body: Mapping[str, Any], headers: Mapping[str, str]) -> RequestFeatures:
+    """Features of a validated ``/v1/embeddings`` body: its inputs' tokens, and no output."""
+    inputs = embedding_inputs(body["input"])
+    counts = [estimate_text_tokens(v) if isinstance(v, str) else len(v) for v in inputs]
+    texts = [v for v in inputs if isinstance(v, str)]
+    return RequestFeatures(
+        model=body["model"],
+        prompt_tokens=sum(counts),
+        last_user_text=(texts[-1] if texts else "")[-MAX_MATCH_CHARS:],
+        max_tokens=0,
+        headers=headers,
+        longest_prompt=max(counts, default=0) if len(counts) > 1 else None,
+        prompt_exact=not texts,
+    )
+
+
+def responses_messages(body: Mapping[str, Any]) -> list[tuple[str, str, bool]]:
+    """A ``/v1/responses`` body's turns as (role, text, has an image): ``instructions`` as a system turn, then
+    ``input`` (a string is one user turn; a list holds messages and other items, whose text counts too)."""
+    turns: list[tuple[str, str, bool]] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        turns.append(("system", instructions, False))
+    value = body.get("input")
+    if isinstance(value, str):
+        turns.append(("user", value, False))
+        return turns
+    for item in value if isinstance(value, list) else ():
+        if not isinstance(item, dict):
+            continue
+        if "content" in item:
+            text, image = _content_text(item.get("content"))
+            role = item.get("role")
+            turns.append((role if isinstance(role, str) else "user", text, image))
+        else:  # a function call, its output, a reasoning item...: its text is in the prompt all the same
+            for key in ("output", "arguments", "text"):
+                if isinstance(item.get(key), str):
+                    turns.append(("tool", item[key], False))
+                    break
+    return turns
+
+
+def responses_features(body: Mapping[str, Any], headers: Mapping[str, str]) -> RequestFeatures:
+    """Features of a validated ``/v1/responses`` body (read as the chat it is rendered into)."""
+    turns = responses_messages(body)
+    last_user = next((text for role, text, _ in reversed(turns) if role == "user"), "")
+    system = next((text for role, text, _ in turns if role in ("system", "developer")), "")
+    fmt = body.get("text")
+    fmt = fmt.get("format") if isinstance(fmt, dict) else None
+    return RequestFeatures(
+        model=body["model"],
+        prompt_tokens=estimate_chat_tokens([text for _, text, _ in turns]),
+        messages=len(turns),
+        last_user_text=last_user[-MAX_MATCH_CHARS:],
+        system_text=system[:MAX_MATCH_CHARS],
+        max_tokens=body.get("max_output_tokens"),
+        has_tools=bool(body.get("tools")),
+        json_mode=isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"),
+        has_images=any(image for _, _, image in turns),
+        headers=headers,
+    )
+
+
+def tokenizer_features(kind: str, body: Mapping[str, Any], headers: Mapping[str, str]) -> RequestFeatures:
+    """Features of a ``/tokenize`` or ``/detokenize`` body: what routing rules read of it; nothing is charged."""
+    if kind == "detokenize":
+        tokens = body.get("tokens")
+        return RequestFeatures(model=body["model"], prompt_tokens=len(tokens) if isinstance(tokens, list) else 0,
+                               max_tokens=0, headers=headers, prompt_exact=True)
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        texts = message_texts(messages)
+        return RequestFeatures(model=body["model"], prompt_tokens=estimate_chat_tokens(texts), max_tokens=0,
+                               messages=len(texts), last_user_text=(texts[-1] if texts else "")[-MAX_MATCH_CHARS:],
+                               headers=headers)
+    prompt = body.get("prompt")
+    text = prompt if isinstance(prompt, str) else ""
+    return RequestFeatures(model=body["model"], prompt_tokens=estimate_text_tokens(text), max_tokens=0,
+                           last_user_text=text[-MAX_MATCH_CHARS:], headers=headers)
+
+
+def request_features(kind: str, body: Mapping[str, Any], headers: Mapping[str, str]) -> RequestFeatures:
+    """Features of a validated body of ``kind`` (see :data:`switchyard.decide.cache.RequestKind`)."""
+    if kind == "chat":
+        return chat_features(body, headers)
+    if kind == "completion":
+        return completion_features(body, headers)
+    if kind == "embedding":
+        return embedding_features(body, headers)
+    if kind == "responses":
+        return responses_features(body, headers)
+    return tokenizer_features(kind, body, headers)
+
+
 def count_prompt(counter: TokenCounter, kind: str, body: Mapping[str, Any]) -> int:
     """The prompt's tokens under the model's own tokenizer (``kind``: ``chat`` or ``completion``)."""
     return count_prompts(counter, kind, body)[0]
@@ -130,6 +233,12 @@ def count_prompts(counter: TokenCounter, kind: str, body: Mapping[str, Any]) -> 
     if kind == "chat":
         tokens = counter.count_chat(message_texts(body["messages"]))
         return tokens, tokens
+    if kind == "responses":
+        tokens = counter.count_chat([text for _, text, _ in responses_messages(body)])
+        return tokens, tokens
+    if kind == "embedding":
+        counts = [counter.count_text(v) if isinstance(v, str) else len(v) for v in embedding_inputs(body["input"])]
+        return sum(counts), max(counts, default=0)
     prompt = body["prompt"]
     if isinstance(prompt, str):
         tokens = counter.count_text(prompt)

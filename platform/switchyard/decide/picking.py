@@ -94,6 +94,7 @@ class PickRequest:
         rotation: A counter for round-robin.
         rng: Breaks ties (None: the first of the tied candidates, for reproducible dry runs).
         now: The executor's clock.
+        adapter: The LoRA adapter the model is (its served name; None: a base model).
     """
 
     memory: ScorerMemory = NO_MEMORY
@@ -105,6 +106,7 @@ class PickRequest:
     rotation: int = 0
     rng: random.Random | None = None
     now: float = 0.0
+    adapter: str | None = None
 
 
 #: What became of a request at the endpoint it was sent to: answered, preempted by flow control (it

@@ -304,6 +304,35 @@ class SessionAffinityScorer(_Weighted):
             request.memory.sessions.record(key, url, request.now)
 
 
+@register(spec.LoraAffinityScorer)
+@dataclass(frozen=True, slots=True)
+class LoraAffinityScorer(_Weighted):
+    """Keeps a LoRA adapter's requests on the replicas that have it loaded (see the spec)."""
+
+    _spec: spec.LoraAffinityScorer
+    name: str = "lora-affinity"
+
+    def score(self, options: Sequence[Option], request: PickRequest) -> list[float]:
+        adapter = request.adapter
+        if adapter is None:
+            return [1.0] * len(options)
+        least = min(o.view.load for o in options)
+        ceiling, margin = self._spec.yield_above_utilisation, self._spec.herd_margin
+        scores = []
+        for option in options:
+            view = option.view
+            busy = view.utilisation >= ceiling or view.load > least + margin
+            if adapter in view.adapters and not busy:
+                scores.append(1.0)
+            elif adapter in view.recent_adapters and not busy:
+                scores.append(0.8)
+            elif len(view.adapters - {adapter}) < view.max_loras:
+                scores.append(0.5)
+            else:
+                scores.append(0.0)
+        return scores
+
+
 # --- pickers ------------------------------------------------------------------------------------
 
 def _best(indexes: Sequence[int], scores: Sequence[float], rng: random.Random | None) -> int:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from switchyard.decide.dryrun import DryRun, dry_run
-from switchyard.decide.features import RequestFeatures
+from switchyard.decide.features import RequestFeatures, request_features
 from switchyard.decide.resolve import unreachable_rules
 from switchyard.decide.tokens import estimate_chat_tokens
 from switchyard.policy.errors import PolicyError, PolicyIssue, issues_at
@@ -37,6 +37,12 @@ def features_of_test(test: PolicyTest) -> RequestFeatures:
 
 def features_of_request(req: PolicyTestRequest) -> RequestFeatures:
     """The features of a request described as a policy test's (also the console's dry-run form)."""
+    headers = {k.lower(): v for k, v in req.headers.items()}
+    if req.kind != "chat":  # read off the body it describes, as the gateway reads one
+        features = request_features(req.kind, body_of_request(req), headers)
+        if req.prompt_tokens is not None:
+            features = replace(features, prompt_tokens=req.prompt_tokens)
+        return replace(features, has_tools=req.tools, json_mode=req.json_mode, has_images=req.images)
     texts = [req.prompt] + ([req.system] if req.system else [])
     texts += [""] * max(0, req.messages - len(texts))
     return RequestFeatures(
@@ -49,7 +55,7 @@ def features_of_request(req: PolicyTestRequest) -> RequestFeatures:
         has_tools=req.tools,
         json_mode=req.json_mode,
         has_images=req.images,
-        headers={k.lower(): v for k, v in req.headers.items()},
+        headers=headers,
     )
 
 
@@ -59,7 +65,9 @@ def body_of_test(test: PolicyTest) -> dict[str, Any]:
 
 
 def body_of_request(req: PolicyTestRequest) -> dict[str, Any]:
-    """A chat request body for a request described as a policy test's."""
+    """The request body (of its ``kind``: a chat by default) for a request described as a policy test's."""
+    if req.kind != "chat":
+        return _body_of_kind(req)
     messages = ([{"role": "system", "content": req.system}] if req.system else [])
     messages += [{"role": "user", "content": ""}] * max(0, req.messages - 1 - len(messages))
     messages.append({"role": "user", "content": req.prompt})
@@ -68,6 +76,30 @@ def body_of_request(req: PolicyTestRequest) -> dict[str, Any]:
         body["temperature"] = req.temperature
     if req.max_tokens is not None:
         body["max_tokens"] = req.max_tokens
+    return body
+
+
+def _body_of_kind(req: PolicyTestRequest) -> dict[str, Any]:
+    """The body of a request of another kind than chat: its ``prompt`` as the text the API takes."""
+    body: dict[str, Any] = {"model": req.model}
+    if req.kind == "embedding":
+        body["input"] = req.prompt or " "
+        return body
+    if req.kind == "detokenize":
+        body["tokens"] = []
+        return body
+    if req.kind == "responses":
+        body["input"] = req.prompt
+        if req.system:
+            body["instructions"] = req.system
+        if req.max_tokens is not None:
+            body["max_output_tokens"] = req.max_tokens
+    else:
+        body["prompt"] = req.prompt
+        if req.max_tokens is not None and req.kind == "completion":
+            body["max_tokens"] = req.max_tokens
+    if req.temperature is not None and req.kind in ("responses", "completion"):
+        body["temperature"] = req.temperature
     return body
 
 
@@ -89,7 +121,7 @@ def run_policy_tests(snapshot: PolicySnapshot) -> list[PolicyTestResult]:
     for index, test in enumerate(snapshot.document.tests):
         wanted = _expected(test.expect)
         run = dry_run(snapshot, test.request.tier, features_of_test(test), priority=test.request.priority,
-                      body=body_of_test(test))
+                      body=body_of_test(test), kind=test.request.kind)
         passed = all(getattr(run, name) == value for name, value in wanted)
         expected = ", ".join(f"{name} {value}" for name, value in wanted)
         got = _got(run, test.expect.priority is not None)

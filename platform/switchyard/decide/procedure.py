@@ -25,7 +25,7 @@ written twice cannot drift (``tests/integration/test_differential.py`` checks it
 from __future__ import annotations
 
 import functools
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -39,7 +39,14 @@ from switchyard.decide.admit import (
     limit_charges,
     limit_refusal,
 )
-from switchyard.decide.cache import BadCacheControl, parse_cache_control, plan_cache
+from switchyard.decide.cache import (
+    GENERATING_KINDS,
+    TOKENIZER_KINDS,
+    BadCacheControl,
+    RequestKind,
+    parse_cache_control,
+    plan_cache,
+)
 from switchyard.decide.classes import BadPriority, classify
 from switchyard.decide.deadlines import first_token_deadline, hedge_blocked, hedge_delay
 from switchyard.decide.decision import (
@@ -75,6 +82,7 @@ from switchyard.decide.regions import place
 from switchyard.decide.resolve import NeedsScore, resolve_model
 from switchyard.decide.resume import StreamSoFar, resume_refusal
 from switchyard.decide.views import Candidate, FleetView
+from switchyard.policy.fleet import Model
 
 #: The procedure as its executors drive it: effects out, answers in, the decision at the end.
 Steps = Generator[Effect, Any, Decision]
@@ -96,12 +104,21 @@ def decide(d: Decision, fleet: FleetView) -> Steps:
                             ask.gateway_region)
     except Refused as refused:
         return d.refuse(refused.refusal)
+    wrong = _wrong_kind(ask.kind, d.model.model)
+    if wrong is not None:
+        return d.refuse(wrong)
     d.trace.append(d.placement.trace)
     try:
         d.cls = classify(snapshot, caller.tier, features.headers.get(PRIORITY_HEADER), ask.body.get("priority"))
     except BadPriority as bad:
         return d.refuse(Refusal(400, "invalid_priority", bad.message, bad.param))
     d.trace.append(d.cls.trace)
+    if ask.kind in TOKENIZER_KINDS:  # only the model's tokenizer: nothing charged, never queued or cached
+        d.prompt_tokens = features.prompt_tokens
+        d.estimate = estimate(d.model.model, 0, 0)
+        d.scheduled = Scheduled(d.model.model)
+        d.trace.append(f"{ask.kind}: uses only the model's tokenizer: no limits charged, no queue")
+        return (yield from _served(d, fleet))
     if (yield from _cached(d)):
         return d
     model = d.model.model
@@ -113,8 +130,7 @@ def decide(d: Decision, fleet: FleetView) -> Steps:
         d.prompt_tokens, exact = features.prompt_tokens, features.prompt_exact
         longest = d.prompt_tokens if features.longest_prompt is None else features.longest_prompt
     try:  # a request the model cannot serve is refused here, before it is charged or sent
-        check_fits(model, ask.kind, longest, exact, features.max_tokens,
-                   "max_completion_tokens" if ask.body.get("max_completion_tokens") else "max_tokens")
+        check_fits(model, ask.kind, longest, exact, features.max_tokens, _max_tokens_param(ask.kind, ask.body))
     except DoesNotFit as unfit:
         return d.refuse(Refusal(400, unfit.code, unfit.message, unfit.param))
     d.estimate = estimate(model, d.prompt_tokens, features.max_tokens, features.choices)
@@ -141,23 +157,56 @@ def decide(d: Decision, fleet: FleetView) -> Steps:
         yield Mark("queue", started)
         if scheduled.note is not None:
             d.trace.append(f"flow control: downgraded {scheduled.note}")
-        tried = yield from _dispatch(d, fleet)
-        if tried is None:
-            attempts = d.attempts
-            assert attempts is not None
-            if attempts.last is not None:
-                d.outcome = "failed"
-                return d
-            why = "; ".join(attempts.failures) or "no endpoint serves it"
-            return d.refuse(Refusal(503, "no_healthy_endpoint",
-                                    f"No healthy endpoint can serve this request right now: {why}",
-                                    retry_after_s=max(1.0, attempts.retry_in or 1.0)))
-        if tried.outcome != "preempted":
-            d.outcome, d.tried = "served", tried
+        yield from _served(d, fleet)
+        if d.outcome != "deciding":
             return d
         d.preemptions += 1
         d.trace.append(f"preempted at {d.choice.url if d.choice else '?'} for an interactive request "
                        f"({d.preemptions}); queued again")
+
+
+def _served(d: Decision, fleet: FleetView) -> Generator[Effect, Any, Decision]:
+    """Dispatch ``d`` along its plan: served, failed, refused (no endpoint in service), or (``d.outcome`` still
+    ``deciding``) preempted for interactive work, to queue again."""
+    tried = yield from _dispatch(d, fleet)
+    if tried is None:
+        attempts = d.attempts
+        assert attempts is not None
+        if attempts.last is not None:
+            d.outcome = "failed"
+            return d
+        why = "; ".join(attempts.failures) or "no endpoint serves it"
+        return d.refuse(Refusal(503, "no_healthy_endpoint",
+                                f"No healthy endpoint can serve this request right now: {why}",
+                                retry_after_s=max(1.0, attempts.retry_in or 1.0)))
+    if tried.outcome != "preempted":
+        d.outcome, d.tried = "served", tried
+    return d
+
+
+#: The API each kind of request belongs to, for errors.
+_API_NAMES = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "responses": "/v1/responses",
+              "embedding": "/v1/embeddings"}
+
+
+def _wrong_kind(kind: RequestKind, model: Model) -> Refusal | None:
+    """A 400 when ``model`` does not serve requests of ``kind`` (an embedding model asked to chat, and the
+    reverse); the tokenizer endpoints serve both kinds of model."""
+    if kind in TOKENIZER_KINDS or (kind == "embedding") == (model.kind == "embedding"):
+        return None
+    assert kind in GENERATING_KINDS or kind == "embedding"
+    if model.kind == "embedding":
+        why = f"an embedding model: it is served at /v1/embeddings, not at {_API_NAMES[kind]}"
+    else:
+        why = "a generating model: /v1/embeddings serves models of kind embedding"
+    return Refusal(400, "model_not_supported", f"The model {model.name!r} is {why}.", "model")
+
+
+def _max_tokens_param(kind: RequestKind, body: Mapping[str, Any]) -> str:
+    """The body field a request's output budget came from (for errors)."""
+    if kind == "responses":
+        return "max_output_tokens"
+    return "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
 
 
 def _needed(features: RequestFeatures) -> int:
@@ -240,7 +289,7 @@ def _dispatch(d: Decision, fleet: FleetView, *, resuming: bool = False) -> Gener
         while attempts.count < attempts.limit:
             now = fleet.now()
             request = PickRequest(fleet.memory, subject, stage.model.name, len(options), placement.home, ceiling,
-                                  fleet.rotation(), fleet.rng, now)
+                                  fleet.rotation(), fleet.rng, now, stage.model.served_name)
             choice = pick_endpoint(profile, options, functools.partial(fleet.endpoint, lane=lane, now=now), request,
                                    attempts.tried)
             if lane == "interactive" and choice is not None:

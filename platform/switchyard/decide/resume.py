@@ -55,6 +55,9 @@ def _positive(body: Mapping[str, Any], name: str) -> bool:
 def resume_refusal(model: Model, kind: RequestKind, body: Mapping[str, Any], so_far: StreamSoFar,
                    resumes: int) -> str | None:
     """Why the stream may not be continued elsewhere (see the module doc), or None when it may."""
+    if kind not in ("chat", "completion"):
+        return "only chat and text completion streams are continued (a Responses API stream's events name its " \
+               "response, which another engine cannot go on with)"
     if not model.resume_streams:
         return f"resume_streams is off for model {model.name}"
     if resumes >= model.max_resumes:

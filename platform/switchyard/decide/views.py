@@ -41,6 +41,10 @@ class EndpointView:
             (:meth:`switchyard.engines.endpoints.EndpointState.utilisation`, :func:`switchyard.decide.flow.batch_view`).
         inflight_tokens: Tokens this gateway has in flight there (prompt + expected output).
         models: The models its engine reports serving (None: not known from a fresh scrape).
+        adapters: The LoRA adapters active there (its engine's running and waiting ones, and this executor's
+            requests in flight there).
+        recent_adapters: The adapters this executor sent there lately (likely still loaded).
+        max_loras: How many adapters its engine runs at once.
     """
 
     healthy: bool = True
@@ -49,6 +53,9 @@ class EndpointView:
     utilisation: float = 0.0
     inflight_tokens: int = 0
     models: frozenset[str] | None = None
+    adapters: frozenset[str] = frozenset()
+    recent_adapters: frozenset[str] = frozenset()
+    max_loras: int = 1
 
 
 class PrefixMemory(Protocol):

@@ -41,12 +41,18 @@ class EngineSignals:
     models: frozenset[str] = frozenset()
     #: The sum of its progress counters (``scrape.PROGRESS``); None when it reports none of them.
     progress: float | None = None
+    #: The LoRA adapters its engine runs or has waiting (``vllm:lora_requests_info``'s latest label set);
+    #: None when it reports none (LoRA off, or an engine that does not say).
+    adapters: frozenset[str] | None = None
+    #: Its ``--max-loras`` as it reports it (``max_lora``), when it does.
+    max_loras: int | None = None
 
 
 class EndpointState:
     """Everything the gateway knows about one engine URL."""
 
-    __slots__ = ("alive_at", "alive_busy", "batch_sent_at", "breaker", "completed_since_scrape",
+    __slots__ = ("adapter_flight", "adapter_used", "adapters_loaded", "alive_at", "alive_busy", "batch_sent_at",
+                 "breaker", "completed_since_scrape",
                  "dispatched_since_scrape", "down_since", "failure", "heard_at", "hung_at", "moved_at", "outstanding",
                  "outstanding_at_scrape", "prefill_s", "prefilling", "probe_streak", "probed_at", "reserved",
                  "reserved_at_scrape", "scrape_error", "scraped_at", "signals", "silent_timeouts", "up", "url",
@@ -95,6 +101,48 @@ class EndpointState:
         self.silent_timeouts = 0
         #: When it was last found hung (-inf: never).
         self.hung_at = -math.inf
+        #: LoRA adapters: this process's requests in flight here per adapter, when it last sent each one here
+        #: (monotonic seconds), and the adapters it loaded here at run time (forgotten when the endpoint goes
+        #: down: a restarted engine has none).
+        self.adapter_flight: dict[str, int] = {}
+        self.adapter_used: dict[str, float] = {}
+        self.adapters_loaded: set[str] = set()
+
+    def adapters(self, now: float, max_age: float) -> frozenset[str]:
+        """The LoRA adapters active here: the engine's running and waiting ones at the last fresh scrape, and
+        those this process has in flight here now."""
+        signals = self.signals
+        flying = frozenset(name for name, count in self.adapter_flight.items() if count > 0)
+        if signals is None or signals.adapters is None or now - self.scraped_at > max_age:
+            return flying
+        return signals.adapters | flying
+
+    def recent_adapters(self, now: float, within: float) -> frozenset[str]:
+        """The adapters this process sent here within the last ``within`` seconds (likely still in its
+        engine's adapter cache)."""
+        return frozenset(name for name, at in self.adapter_used.items() if now - at <= within)
+
+    def max_loras(self, declared: int | None) -> int:
+        """How many adapters its engine runs at once: the pool's ``max_loras``, else what the engine reports,
+        else vLLM's default (1)."""
+        if declared is not None:
+            return declared
+        signals = self.signals
+        return signals.max_loras if signals is not None and signals.max_loras else 1
+
+    def adapter_sent(self, name: str, now: float) -> None:
+        """A request for adapter ``name`` was sent here."""
+        self.adapter_flight[name] = self.adapter_flight.get(name, 0) + 1
+        self.adapter_used[name] = now
+
+    def adapter_done(self, name: str, now: float) -> None:
+        """A request for adapter ``name`` here ended."""
+        left = self.adapter_flight.get(name, 0) - 1
+        if left > 0:
+            self.adapter_flight[name] = left
+        else:
+            self.adapter_flight.pop(name, None)
+        self.adapter_used[name] = now
 
     def load(self, now: float, max_age: float, preempting: bool = False) -> float:
         """Requests the engine is estimated to hold (running + waiting), from every gateway.
@@ -334,6 +382,7 @@ class EndpointRegistry:
         state = self.state(url)
         state.probe_streak = min(state.probe_streak, 0)
         state.failure = reason
+        state.adapters_loaded.clear()  # (it may come back as a fresh engine, without them)
         if not state.up:
             return False
         state.up = False
@@ -359,6 +408,7 @@ class EndpointRegistry:
         state.probe_streak = min(state.probe_streak, 0) - 1
         state.failure = reason
         if state.up and -state.probe_streak >= health.unhealthy_after:
+            state.adapters_loaded.clear()
             state.up = False
             state.down_since = state.probed_at
             return False

@@ -40,11 +40,13 @@ TRIAL_MAX_BYTES = 1024 * 1024
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """An endpoint that serves generation: where trial requests go, and what they ask for."""
+    """An endpoint whose breakers trial requests test: where they go, and what they ask for (a one-token
+    completion; an embedding of one word for a pool of ``task: embed``)."""
 
     url: str
     pool: str
     served_model: str
+    task: str = "generate"
 
 
 class HealthProber:
@@ -114,10 +116,14 @@ class HealthProber:
 
     async def _trial(self, target: Target, trial: Trial) -> None:
         resilience = self.registry.resilience
-        payload = msgspec.json.encode({"model": target.served_model, "prompt": "Hi", "max_tokens": 1})
+        if target.task == "embed":
+            path, payload = "/v1/embeddings", msgspec.json.encode({"model": target.served_model, "input": "Hi"})
+        else:
+            path = "/v1/completions"
+            payload = msgspec.json.encode({"model": target.served_model, "prompt": "Hi", "max_tokens": 1})
         reason: str | None = None
         try:
-            async with self.session.post(target.url + "/v1/completions", data=payload, headers=_JSON,
+            async with self.session.post(target.url + path, data=payload, headers=_JSON,
                                          allow_redirects=False,
                                          timeout=aiohttp.ClientTimeout(total=resilience.first_token_timeout)) as r:
                 if r.status >= 500 or r.status in (404, 408) or 300 <= r.status < 400:

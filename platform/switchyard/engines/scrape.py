@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Iterable
 
@@ -36,6 +37,9 @@ _WANTED = (RUNNING, WAITING, *KV_USAGE, PREFIX_QUERIES, PREFIX_HITS, *PROGRESS)
 #: The served model's name is read from the running series' ``model_name`` label.
 _RUNNING_LABELS = RUNNING + "{"
 _MODEL_LABEL = 'model_name="'
+#: LoRA adapters: one series per label set seen, set to the time it was last current: the latest is the largest.
+LORA_INFO = "vllm:lora_requests_info{"
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 class MetricsFormatError(ValueError):
@@ -74,8 +78,18 @@ def parse_engine_metrics(text: str) -> EngineSignals:
     sums: dict[str, float] = {}
     kv: list[float] = []
     models: set[str] = set()
+    lora: tuple[float, str] | None = None
     for line in text.splitlines():
         if not line.startswith("vllm:"):
+            continue
+        if line.startswith(LORA_INFO):
+            labels, _, stamp = line[len(LORA_INFO):].rpartition("}")
+            try:
+                at = float(stamp.split()[0])
+            except (ValueError, IndexError):
+                continue
+            if lora is None or at > lora[0]:
+                lora = (at, labels)
             continue
         if line.startswith(_RUNNING_LABELS):
             start = line.find(_MODEL_LABEL)
@@ -95,6 +109,7 @@ def parse_engine_metrics(text: str) -> EngineSignals:
     if RUNNING not in sums and WAITING not in sums:
         raise MetricsFormatError(f"no {RUNNING} or {WAITING} series")
     counters = [sums[name] for name in PROGRESS if name in sums]
+    adapters, max_loras = _lora_info(lora[1]) if lora is not None else (None, None)
     return EngineSignals(
         running=sums.get(RUNNING, 0.0),
         waiting=sums.get(WAITING, 0.0),
@@ -105,7 +120,21 @@ def parse_engine_metrics(text: str) -> EngineSignals:
         prefix_hits=sums.get(PREFIX_HITS, 0.0),
         models=frozenset(models),
         progress=sum(counters) if counters else None,
+        adapters=adapters,
+        max_loras=max_loras,
     )
+
+
+def _lora_info(labels: str) -> tuple[frozenset[str], int | None]:
+    """The adapters running or waiting (names) and ``max_lora`` of a ``vllm:lora_requests_info`` label set."""
+    values: dict[str, str] = dict(_LABEL.findall(labels))
+    names = {n for key in ("running_lora_adapters", "waiting_lora_adapters")
+             for n in values.get(key, "").split(",") if n}
+    try:
+        most = int(values["max_lora"]) if "max_lora" in values else None
+    except ValueError:
+        most = None
+    return frozenset(names), most
 
 
 class MetricsScraper:

@@ -24,6 +24,15 @@ from typing import Any, Literal
 import msgspec
 
 StreamKind = Literal["chat", "completion"]
+
+
+def stream_kind(kind: str) -> StreamKind:
+    """``kind`` as a kind of stream that can be spliced and replayed (chat or completion), or a ValueError."""
+    if kind == "chat":
+        return "chat"
+    if kind == "completion":
+        return "completion"
+    raise ValueError(f"{kind} streams are neither spliced nor replayed")
 #: Bytes of events kept as they are before they are folded into what they say.
 KEEP_BYTES = 1 << 20
 _DONE = b"[DONE]"

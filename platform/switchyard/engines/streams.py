@@ -43,7 +43,7 @@ async def first_chunk(response: aiohttp.ClientResponse) -> bytes:
         raise UpstreamFailure(f"{response.url} broke off before its first byte: {exc}", timeout=False) from None
     if not chunk:
         raise UpstreamFailure(f"{response.url} ended its stream before the first byte", timeout=False)
-    if chunk.startswith((b'data: {"error"', b'data: {"object":"error"', b'data: {"object": "error"')):
+    if chunk.startswith(_ERROR_STARTS):
         raise UpstreamFailure(f"{response.url} sent an error event first: "
                               f"{chunk[6:400].decode('utf-8', 'replace').strip()}", timeout=False)
     start = chunk.lstrip(b"\r\n")
@@ -78,14 +78,25 @@ class StreamUsage:
     token per event), which is also all there is when the client leaves mid-stream.
     """
 
-    __slots__ = ("_tail", "text_events")
+    __slots__ = ("_tail", "events", "text_events")
 
     #: How much of the stream's end is kept to find the usage event in.
     TAIL = 16_384
 
     def __init__(self) -> None:
         self.text_events = 0
+        #: Events seen (counted only where the dialect numbers them: the Responses API's ``sequence_number``).
+        self.events = 0
         self._tail = b""
+
+    def done_in(self, whole: bytes) -> bool:
+        """Whether ``whole`` (the latest whole events) ends the stream: ``data: [DONE]``."""
+        return whole.rstrip().endswith(_DONE)
+
+    def break_event(self, why: str, kind: str) -> bytes:
+        """The error event that ends a stream whose engine broke it off and that was not continued."""
+        code = "upstream_invalid_response" if kind == "invalid" else "upstream_stream_broken"
+        return sse_error_event(f"The engine {why}; the answer is incomplete.", "upstream_error", code)
 
     def feed(self, chunk: bytes) -> None:
         """Account for one chunk of the stream."""
@@ -108,6 +119,54 @@ class StreamUsage:
         return None
 
 
+class ResponsesUsage(StreamUsage):
+    """A Responses API stream (``/v1/responses``): named events (``event: response.output_text.delta``), no
+    ``[DONE]``: it ends with ``response.completed`` (or ``response.incomplete``, ``response.failed``), whose
+    ``response`` carries the ``usage`` (``input_tokens``, ``output_tokens``)."""
+
+    __slots__ = ()
+
+    #: The events that end a Responses API stream.
+    ENDS = (b"event: response.completed", b"event: response.incomplete", b"event: response.failed")
+
+    def feed(self, chunk: bytes) -> None:
+        """Account for one chunk of the stream."""
+        self.text_events += chunk.count(b"event: response.output_text.delta")
+        self.events += chunk.count(b"event: ")
+        self._tail = (self._tail + chunk)[-self.TAIL:]
+
+    def done_in(self, whole: bytes) -> bool:
+        """Whether ``whole`` holds the stream's last event."""
+        last = whole.rstrip().rpartition(b"\n\n")[2].lstrip(b"\r\n")
+        return last.startswith(self.ENDS)
+
+    def usage(self) -> dict[str, Any] | None:
+        """The ``usage`` of the response the stream's last event carries, if it went by."""
+        for event in reversed(self._tail.split(b"\n\n")):
+            if b'"usage":{' not in event:
+                continue
+            _, found, data = event.partition(b"data: ")
+            if not found:
+                continue
+            try:
+                decoded = msgspec.json.decode(data)
+            except msgspec.DecodeError:
+                continue
+            response = decoded.get("response") if isinstance(decoded, dict) else None
+            usage = response.get("usage") if isinstance(response, dict) else None
+            if isinstance(usage, dict):
+                return usage
+        return None
+
+    def break_event(self, why: str, kind: str) -> bytes:
+        """An ``error`` event in the Responses API's shape, numbered after the last event passed on."""
+        code = "upstream_invalid_response" if kind == "invalid" else "upstream_stream_broken"
+        payload = msgspec.json.encode({"type": "error", "code": code,
+                                       "message": f"The engine {why}; the answer is incomplete.", "param": None,
+                                       "sequence_number": self.events})
+        return b"event: error\ndata: " + payload + b"\n\n"
+
+
 class _EventTooLarge(Exception):
     """An event of a stream grew past the relay's limit."""
 
@@ -127,13 +186,15 @@ class _ErrorEvent(Exception):
         self.event = event
 
 
-#: What an error event's data starts with, in vLLM's shapes (the first chunk is checked by :func:`first_chunk`).
-_ERROR_STARTS = (b'data: {"error"', b'data: {"object":"error"', b'data: {"object": "error"')
+#: What an error event starts with, in vLLM's shapes (the first chunk is checked by :func:`first_chunk`); the
+#: Responses API's is a named event.
+_ERROR_STARTS = (b'data: {"error"', b'data: {"object":"error"', b'data: {"object": "error"', b"event: error\n")
 
 
 def _error_event(whole: bytes) -> bytes | None:
-    """The first error event among whole events, if one is (cheap when none is: three substring searches)."""
-    if b'{"error"' not in whole and b'"object":"error"' not in whole and b'"object": "error"' not in whole:
+    """The first error event among whole events, if one is (cheap when none is: four substring searches)."""
+    if (b'{"error"' not in whole and b'"object":"error"' not in whole and b'"object": "error"' not in whole
+            and b"event: error\n" not in whole):
         return None
     for event in whole.split(b"\n\n"):
         if event.lstrip(b"\r\n").startswith(_ERROR_STARTS):
@@ -278,7 +339,7 @@ class StreamRelay:
             del pending[:cut]
         if not whole:
             return whole
-        self._done = whole.rstrip().endswith(_DONE)
+        self._done = leg.usage.done_in(whole)
         error = _error_event(whole)
         if error is not None:
             before, _, _ = whole.partition(error.rstrip(b"\n"))
@@ -363,7 +424,7 @@ class StreamRelay:
                         self.transcript.feed(resumed)
                     yield resumed
                     return
-                yield event or _break_event(why, kind)
+                yield event or self._leg.usage.break_event(why, kind)
                 return
         finally:
             self.finish()
@@ -400,11 +461,3 @@ class _ErrorAfter(Exception):
         super().__init__()
         self.out = out
         self.error = _ErrorEvent(event)
-
-
-def _break_event(why: str, kind: str) -> bytes:
-    """The error event that ends a stream whose engine broke it off and that was not continued."""
-    if kind == "invalid":
-        return sse_error_event(f"The engine {why}; the answer is incomplete.", "upstream_error",
-                               "upstream_invalid_response")
-    return sse_error_event(f"The engine {why}; the answer is incomplete.", "upstream_error", "upstream_stream_broken")

@@ -213,7 +213,12 @@ class _UsageOnly(msgspec.Struct):
 
 def usage_counts(usage: Mapping[str, Any], prompt: int, completion: int) -> tuple[int, int, int]:
     """Prompt, completion and cached prompt tokens of an engine's ``usage`` object (the given
-    prompt and completion where it lacks them)."""
+    prompt and completion where it lacks them; an embedding's has no completion tokens; the Responses
+    API's says ``input_tokens`` and ``output_tokens``)."""
+    if "input_tokens" in usage:  # the Responses API's names
+        details = usage.get("input_tokens_details")
+        return (_count(usage.get("input_tokens"), prompt), _count(usage.get("output_tokens"), completion),
+                _count(details.get("cached_tokens"), 0) if isinstance(details, dict) else 0)
     details = usage.get("prompt_tokens_details")
     return (_count(usage.get("prompt_tokens"), prompt), _count(usage.get("completion_tokens"), completion),
             _count(details.get("cached_tokens"), 0) if isinstance(details, dict) else 0)

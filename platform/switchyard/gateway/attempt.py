@@ -24,14 +24,16 @@ from litestar import Response
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
-from switchyard.api.errors import ApiError, GatewayTimeout
+from switchyard.api.errors import ApiError, BadGateway, GatewayTimeout
+from switchyard.decide.cache import TOKENIZER_KINDS
 from switchyard.decide.decision import Attempt, Tried
 from switchyard.engines.breakers import Trial
-from switchyard.engines.splice import Transcript
-from switchyard.engines.streams import Leg, LegEnd, StreamRelay, first_chunk
+from switchyard.engines.splice import Transcript, stream_kind
+from switchyard.engines.streams import Leg, LegEnd, ResponsesUsage, StreamRelay, StreamUsage, first_chunk
 from switchyard.engines.upstream import UpstreamFailure, post, read_answer, read_engine_error, usage_counts
 from switchyard.gateway.accounting import account
 from switchyard.gateway.activity import RequestRecord
+from switchyard.gateway.adapters import AdapterLoadFailed
 from switchyard.gateway.attempts import BUSY_STATUS, RETRYABLE_STATUS, engine_error, failure_error, record_tries
 from switchyard.gateway.flow import Yielder
 from switchyard.gateway.request import LegUsage, PendingRequest, RequestIds
@@ -41,7 +43,8 @@ from switchyard.gateway.watchdog import Watched
 if TYPE_CHECKING:
     from switchyard.gateway.runtime import GatewayRuntime
 
-_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "embedding": "/v1/embeddings",
+          "responses": "/v1/responses", "tokenize": "/tokenize", "detokenize": "/detokenize"}
 
 
 class Try:
@@ -62,6 +65,8 @@ class Try:
         self.url = attempt.choice.url
         self.pool = attempt.choice.pool.name
         self.model = attempt.stage.model.name
+        #: The LoRA adapter it sends to (the model's served adapter name; None: a base model).
+        self.adapter = attempt.stage.model.served_name
         #: What became of it, for its span: ok, a status, a failure's kind, cancelled or preempted.
         self.outcome = "ok"
         self.released = False
@@ -152,6 +157,8 @@ class Try:
             runtime.flow.dispatched(req.ticket)
             req.ticket = None
         runtime.metrics.in_flight.labels(self.pool).inc()
+        if self.adapter is not None:
+            endpoints.state(url).adapter_sent(self.adapter, time.monotonic())
         self.watched = Watched(url, req.stream, time.monotonic(), self.deadline_s)
         runtime.watchdog.add(self.watched)
         record = self.record
@@ -180,7 +187,7 @@ class Try:
         # would collide inside the engine.
         upstream_headers = {"Content-Type": "application/json", "X-Request-Id": self.ids.new()}
         req.trace.inject(self.span, upstream_headers)
-        payload = req.payload_for(self.choice.pool)
+        payload = req.payload_for(self.choice.pool, self.stage.model)
         deadline = self.deadline_s
         data: bytes = b""
         usage: dict[str, Any] | None = None
@@ -189,6 +196,12 @@ class Try:
             # own: the watchdog ends it when its engine shows no progress by the deadline, or is hung.
             async with asyncio.timeout(deadline if req.stream else None) as timer:
                 watched.timer = timer
+                model, pool = self.stage.model, self.choice.pool
+                if runtime.adapters.needed(pool, model) and not runtime.adapters.loaded(url, model):
+                    refused = await self._load_adapter()
+                    if refused is not None:
+                        watched.timer = None
+                        return refused
                 response = await post(runtime.http, url + _PATHS[req.kind], payload, upstream_headers,
                                       runtime.http_fresh)
                 if response.status >= 300:
@@ -230,8 +243,26 @@ class Try:
             return Tried("ok")
         return await self._whole(data, usage)
 
+    async def _load_adapter(self) -> Tried | None:
+        """Load the model's adapter at the endpoint first (runtime loading); a failed try when it would not."""
+        runtime, model, req = self.runtime, self.stage.model, self.req
+        try:
+            loaded = await runtime.adapters.ensure(runtime.http, self.url, self.choice.pool, model)
+        except AdapterLoadFailed as failed:
+            return self.failed("adapter_load", str(failed), BadGateway(
+                f"Upstream failure in pool {self.pool}: {failed}", headers=dict(self.headers)))
+        if loaded.outcome == "already":
+            req.decision.trace.append(f"adapter: {self.adapter} was loaded at {self.url} already")
+        else:
+            waited = " (another request's load)" if loaded.outcome == "shared" else ""
+            req.decision.trace.append(f"adapter: loaded {self.adapter} at {self.url} in "
+                                      f"{loaded.seconds * 1000:.0f} ms{waited}")
+        return None
+
     def _engine_refused(self, err: Any) -> Tried:
         """The engine answered non-2xx: worth trying elsewhere, or the client's own error (final)."""
+        if err.status == 404 and self.adapter is not None:  # it does not have the adapter (restarted?): load again
+            self.runtime.adapters.forget(self.url, self.stage.model)
         error = engine_error(err, self.choice, dict(self.headers))
         if err.status in RETRYABLE_STATUS:
             return self.failed(str(err.status), f"{err.status} {err.message[:200]}", error,
@@ -278,15 +309,17 @@ class Try:
         runtime, req = self.runtime, self.req
         storing = runtime.cache.wants(req.cache, self.model) and req.cache is not None
         capture = 8 * req.cache.plan.rule.max_entry_bytes if storing and req.cache is not None else 0
-        leg = Leg(response, first, self._leg_ended)
+        usage = ResponsesUsage() if req.kind == "responses" else StreamUsage()
+        leg = Leg(response, first, self._leg_ended, usage=usage)
         # What the client receives is kept (to continue from, should the engine break off) only where the model
         # resumes its streams; the others' breaks are still handed to the resume, which says why not.
         model = self.stage.model
-        keep = req.resume is not None and model.resume_streams and model.max_resumes > 0
+        keep = (req.resume is not None and model.resume_streams and model.max_resumes > 0
+                and req.kind in ("chat", "completion"))
         relay = StreamRelay(leg, lambda completed: self._stream_ended(relay, completed),
                             strip_usage=req.force_usage, capture_limit=capture,
                             max_event_bytes=runtime.settings.upstream_max_event_bytes, resume=req.resume,
-                            transcript=Transcript(req.kind) if keep else None)
+                            transcript=Transcript(stream_kind(req.kind)) if keep else None)
         self.watch(relay, leg)
         return Stream(relay.chunks(), media_type="text/event-stream",
                       headers={**self.headers, "Cache-Control": "no-cache"}, background=BackgroundTask(relay.afinish))
@@ -323,7 +356,7 @@ class Try:
         runtime, req, record = self.runtime, self.req, self.record
         if completed and relay.resumed == 0 and req.cache is not None and runtime.cache.wants(req.cache, self.model):
             captured = relay.captured
-            runtime.cache.store_stream(req.cache, req.kind, str(req.identity.tenant_id),
+            runtime.cache.store_stream(req.cache, stream_kind(req.kind), str(req.identity.tenant_id),
                                        bytes(captured) if captured is not None else None)
         if relay.broken and not completed:
             record.broken = True
@@ -351,10 +384,11 @@ class Try:
         self.done(200)
         if req.cache is not None and runtime.cache.wants(req.cache, self.model):
             runtime.cache.store_answer(req.cache, str(req.identity.tenant_id), data)
-        prompt, completion, cached = req.decision.prompt_tokens, 0, 0
-        if usage is not None:
-            prompt, completion, cached = usage_counts(usage, prompt, completion)
-        await account(runtime, req, [LegUsage(self.stage.model, prompt, completion, cached)], record)
+        if req.kind not in TOKENIZER_KINDS:  # (the tokenizer endpoints use no GPU: nothing to charge or count)
+            prompt, completion, cached = req.decision.prompt_tokens, 0, 0
+            if usage is not None:
+                prompt, completion, cached = usage_counts(usage, prompt, completion)
+            await account(runtime, req, [LegUsage(self.stage.model, prompt, completion, cached)], record)
         return Tried("ok", answer=Response(content=data, status_code=200, media_type="application/json",
                                            headers=dict(self.headers)))
 
@@ -383,6 +417,8 @@ class Try:
         runtime.flow.finished_yielding(self.yielder)
         runtime.flow.released(self.pool, None if preempted else time.perf_counter() - self.sent_at)
         runtime.metrics.in_flight.labels(self.pool).dec()
+        if self.adapter is not None:
+            runtime.endpoints.state(self.url).adapter_done(self.adapter, time.monotonic())
 
     def done(self, status: int) -> None:
         """The engine's answer ended with ``status``: the request is finished."""

@@ -74,9 +74,12 @@ def _too_deep(limit: int) -> BadRequest:
 
 
 def _positive_int(body: dict[str, Any], key: str) -> None:
+    """``body[key]``, when given, is a positive integer (a whole JSON number such as ``5.0`` is taken as ``5``)."""
     value = body.get(key)
     if value is None:
         return
+    if isinstance(value, float) and value.is_integer() and value >= 1:
+        body[key] = value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise BadRequest(f"'{key}' must be a positive integer, got {value!r}.", param=key)
 
@@ -143,3 +146,102 @@ def check_completion(body: dict[str, Any]) -> None:
     )
     if not ok:
         raise BadRequest("'prompt' must be a string, an array of strings, or token ids.", param="prompt")
+
+
+#: Most inputs one embeddings request may carry (OpenAI's limit).
+MAX_EMBEDDING_INPUTS = 2048
+_ENCODING_FORMATS = ("float", "base64")
+
+
+def check_embedding(body: dict[str, Any]) -> None:
+    """Check a ``/v1/embeddings`` body in place: ``input`` a string, strings, token ids or lists of token ids."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("You must provide a model parameter (a non-empty string).", param="model")
+    value = body.get("input")
+    ok = isinstance(value, str) or (
+        isinstance(value, list) and value and (
+            all(isinstance(v, str) for v in value)
+            or all(_token_id(v) for v in value)
+            or all(isinstance(v, list) and v and all(_token_id(t) for t in v) for v in value)
+        )
+    )
+    if not ok:
+        raise BadRequest("'input' must be a string, a non-empty array of strings, an array of token ids, or an "
+                         "array of arrays of token ids.", param="input")
+    if isinstance(value, list) and len(value) > MAX_EMBEDDING_INPUTS and not all(_token_id(v) for v in value):
+        raise BadRequest(f"'input' has {len(value)} inputs; at most {MAX_EMBEDDING_INPUTS} are allowed.",
+                         param="input", code="invalid_value")
+    if value == "" or (isinstance(value, list) and any(isinstance(v, str) and not v for v in value)):
+        raise BadRequest("'input' must not hold an empty string.", param="input")
+    fmt = body.get("encoding_format")
+    if fmt is not None and fmt not in _ENCODING_FORMATS:
+        raise BadRequest(f"'encoding_format' must be one of {list(_ENCODING_FORMATS)}, got {fmt!r}.",
+                         param="encoding_format")
+    _positive_int(body, "dimensions")
+    if body.get("stream"):
+        raise BadRequest("Embeddings are not streamed: leave out 'stream'.", param="stream")
+
+
+def _token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_responses(body: dict[str, Any], max_messages: int = MAX_MESSAGES) -> None:
+    """Check a ``/v1/responses`` body in place: ``input`` a string or an array of input items."""
+    _common(body)
+    _positive_int(body, "max_output_tokens")
+    value = body.get("input")
+    if isinstance(value, list):
+        if not value:
+            raise BadRequest("'input' must be a string or a non-empty array of input items.", param="input")
+        if len(value) > max_messages:
+            raise BadRequest(f"'input' has {len(value)} items; at most {max_messages} are allowed.",
+                             param="input", code="too_many_messages")
+        for i, item in enumerate(value):
+            if not isinstance(item, dict):
+                raise BadRequest(f"input[{i}] must be an object (a message or another input item).",
+                                 param=f"input[{i}]")
+            content = item.get("content")
+            if content is not None and not isinstance(content, str | list):
+                raise BadRequest(f"input[{i}].content must be a string or an array of parts.",
+                                 param=f"input[{i}].content")
+    elif not isinstance(value, str):
+        raise BadRequest("'input' must be a string or a non-empty array of input items.", param="input")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise BadRequest("'instructions' must be a string.", param="instructions")
+    if body.get("background"):
+        raise BadRequest("'background' responses are not offered through the gateway: it keeps no responses "
+                         "(send the request without it).", param="background", code="unsupported_parameter")
+
+
+def check_tokenizer(kind: str, body: dict[str, Any], max_messages: int = MAX_MESSAGES) -> None:
+    """Check a ``/tokenize`` (``prompt`` or chat ``messages``) or ``/detokenize`` (``tokens``) body in place."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("You must provide a model parameter (a non-empty string).", param="model")
+    if kind == "detokenize":
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(_token_id(t) for t in tokens):
+            raise BadRequest("'tokens' must be an array of token ids.", param="tokens")
+        return
+    if "messages" in body:
+        check_chat(body, max_messages)
+        return
+    if not isinstance(body.get("prompt"), str):
+        raise BadRequest("Give 'prompt' (a string) or 'messages' (a chat) to tokenize.", param="prompt")
+
+
+def check_body(kind: str, body: dict[str, Any], max_messages: int = MAX_MESSAGES) -> None:
+    """Check a body of ``kind`` (see :data:`switchyard.decide.cache.RequestKind`) in place."""
+    if kind == "chat":
+        check_chat(body, max_messages)
+    elif kind == "completion":
+        check_completion(body)
+    elif kind == "embedding":
+        check_embedding(body)
+    elif kind == "responses":
+        check_responses(body, max_messages)
+    else:
+        check_tokenizer(kind, body, max_messages)

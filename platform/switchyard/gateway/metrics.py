@@ -141,6 +141,13 @@ class GatewayMetrics:
             "switchyard_streams_broken", "Streams whose engine broke them off after their first byte (connection "
             "lost, an error event, a stall), by pool; whether they were resumed is switchyard_stream_resumes.",
             ["pool"], registry=self.registry)
+        self.adapter_loads = Counter(
+            "switchyard_adapter_loads", "LoRA adapters the gateway loaded on an engine before sending it a request "
+            "(pools with runtime_lora_loading), by pool, model and outcome: loaded, already (the engine had it) or "
+            "failed.", ["pool", "model", "outcome"], registry=self.registry)
+        self.adapter_load_seconds = Histogram(
+            "switchyard_adapter_load_seconds", "How long loading a LoRA adapter on an engine took "
+            "(POST /v1/load_lora_adapter), by pool.", ["pool"], buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.stream_resumes = Counter(
             "switchyard_stream_resumes", "Broken streams by what became of them: resumed (continued on another "
             "endpoint), closed (the answer was complete: the gateway ended it), refused (not safe to continue, or "

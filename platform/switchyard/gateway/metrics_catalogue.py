@@ -51,8 +51,10 @@ LABEL_VALUES: dict[str, str] = {
 METRIC_LABEL_VALUES: dict[tuple[str, str], str] = {
     ("switchyard_upstream_attempts_total", "outcome"):
         "`ok`, `connect_error`, `timeout`, `broken`, `first_token_timeout`, `hung`, `body_error`, `body_timeout`, "
-        "`invalid_response`, or the engine's HTTP status code.",
+        "`invalid_response`, `adapter_load` (the engine would not load a LoRA adapter), or the engine's HTTP status "
+        "code.",
     ("switchyard_stream_resumes_total", "outcome"): "`resumed`, `closed`, `refused` or `failed`.",
+    ("switchyard_adapter_loads_total", "outcome"): "`loaded`, `already` (the engine had it) or `failed`.",
     ("switchyard_hedges_total", "outcome"): "`won`, `lost`, `failed` or `not_sent`.",
     ("switchyard_classifier_total", "outcome"): "`yes`, `no`, `error` or `timeout`.",
     ("switchyard_requests_total", "outcome"):

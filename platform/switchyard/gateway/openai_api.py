@@ -7,7 +7,15 @@ from typing import Any
 import msgspec
 from litestar import Request, Response, get, post
 
-from switchyard.gateway.openapi_docs import CHAT_OPERATION, COMPLETION_OPERATION, MODELS_OPERATION
+from switchyard.gateway.openapi_docs import (
+    CHAT_OPERATION,
+    COMPLETION_OPERATION,
+    DETOKENIZE_OPERATION,
+    EMBEDDING_OPERATION,
+    MODELS_OPERATION,
+    RESPONSES_OPERATION,
+    TOKENIZE_OPERATION,
+)
 from switchyard.gateway.proxy import Proxy
 from switchyard.gateway.runtime import GatewayRuntime
 
@@ -34,6 +42,30 @@ async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
     return await _proxy(request).handle(request, "completion")
 
 
+@post("/v1/embeddings", operation_id="createEmbedding", status_code=200, operation_class=EMBEDDING_OPERATION)
+async def embeddings(request: Request[Any, Any, Any]) -> Response[Any]:
+    """Create embeddings with a model of kind embedding."""
+    return await _proxy(request).handle(request, "embedding")
+
+
+@post("/v1/responses", operation_id="createResponse", status_code=200, operation_class=RESPONSES_OPERATION)
+async def responses(request: Request[Any, Any, Any]) -> Response[Any]:
+    """Create a response (the Responses API; streaming with ``stream: true``)."""
+    return await _proxy(request).handle(request, "responses")
+
+
+@post("/tokenize", operation_id="tokenize", status_code=200, operation_class=TOKENIZE_OPERATION)
+async def tokenize(request: Request[Any, Any, Any]) -> Response[Any]:
+    """A prompt's (or a chat's) token ids, from an engine of the model."""
+    return await _proxy(request).handle(request, "tokenize")
+
+
+@post("/detokenize", operation_id="detokenize", status_code=200, operation_class=DETOKENIZE_OPERATION)
+async def detokenize(request: Request[Any, Any, Any]) -> Response[Any]:
+    """The text of token ids, from an engine of the model."""
+    return await _proxy(request).handle(request, "detokenize")
+
+
 @get("/v1/models", operation_id="listModels", operation_class=MODELS_OPERATION)
 async def list_models(request: Request[Any, Any, Any]) -> Response[bytes]:
     """The models and routes the caller's tier may use."""
@@ -56,4 +88,4 @@ async def list_models(request: Request[Any, Any, Any]) -> Response[bytes]:
     return Response(msgspec.json.encode({"object": "list", "data": data}), media_type="application/json")
 
 
-ROUTES = [chat_completions, completions, list_models]
+ROUTES = [chat_completions, completions, embeddings, responses, tokenize, detokenize, list_models]

@@ -124,3 +124,96 @@ MODELS_OPERATION = documented(security=API_KEY, responses={
     **v1_errors(401, 500, 503),
 })
 
+
+# --- /v1/embeddings, /v1/responses, /tokenize, /detokenize ----------------------------------------
+
+_MODEL = _COMMON["model"]
+_TOKEN_ID = Schema(type=OpenAPIType.INTEGER, minimum=0)
+
+EMBEDDING_REQUEST = obj({
+    "model": Schema(type=OpenAPIType.STRING, min_length=1,
+                    description="An embedding model (kind: embedding) the key's tier may use."),
+    "input": Schema(one_of=[
+        Schema(type=OpenAPIType.STRING, min_length=1),
+        array(Schema(type=OpenAPIType.STRING, min_length=1), min_items=1),
+        array(_TOKEN_ID, min_items=1),
+        array(array(_TOKEN_ID, min_items=1), min_items=1),
+    ], description="Text, texts, token ids, or lists of token ids."),
+    "encoding_format": Schema(type=OpenAPIType.STRING, enum=["float", "base64"]),
+    "dimensions": _POSITIVE,
+    "user": STRING,
+    "priority": _COMMON["priority"],
+}, ["model", "input"], description=_EXTRA_FIELDS)
+
+EMBEDDING_LIST = obj({
+    "object": Schema(type=OpenAPIType.STRING, const="list"),
+    "data": array(obj({"object": Schema(type=OpenAPIType.STRING, const="embedding"), "index": INTEGER,
+                       "embedding": Schema(one_of=[array(Schema(type=OpenAPIType.NUMBER)), STRING])},
+                      ["object", "index", "embedding"])),
+    "model": STRING,
+    "usage": obj({"prompt_tokens": INTEGER, "total_tokens": INTEGER}),
+}, ["object", "data", "model"], description="The engine's answer, relayed (or the response cache's).")
+
+EMBEDDING_OPERATION = documented(
+    body=json_request_body(EMBEDDING_REQUEST), headers=REQUEST_HEADERS, security=API_KEY,
+    responses={200: json_response("The embeddings.", EMBEDDING_LIST,
+                                  {"x-request-id": header("The request's id."),
+                                   ROUTE_HEADER: header("What served the request: model, pool, endpoint, ...")}),
+               **GENERATION_ERRORS})
+
+RESPONSES_REQUEST = obj({
+    "model": _MODEL,
+    "input": Schema(one_of=[STRING, array(Schema(type=OpenAPIType.OBJECT, additional_properties=True),
+                                          min_items=1)],
+                    description="Text, or input items (messages with a role and content, and other items)."),
+    "instructions": STRING,
+    "max_output_tokens": _POSITIVE,
+    "stream": BOOLEAN,
+    "store": BOOLEAN,
+    "previous_response_id": STRING,
+    "priority": _COMMON["priority"],
+}, ["model", "input"], description=_EXTRA_FIELDS + " The gateway keeps no responses (see the README).")
+
+_RESPONSE = obj({"id": STRING, "object": Schema(type=OpenAPIType.STRING, const="response"), "created_at": INTEGER,
+                 "model": STRING, "status": STRING, "output": Schema(type=OpenAPIType.ARRAY),
+                 "usage": obj({"input_tokens": INTEGER, "output_tokens": INTEGER, "total_tokens": INTEGER},
+                              nullable_=True)},
+                ["id", "object", "model", "output"], description="The engine's answer, relayed.")
+_RESPONSE_EVENT = obj({"event": STRING, "data": Schema(
+    type=OpenAPIType.STRING, content_media_type="application/json",
+    content_schema=obj({"type": STRING, "sequence_number": INTEGER}, ["type"]))}, ["event", "data"])
+
+RESPONSES_OPERATION = documented(
+    body=json_request_body(RESPONSES_REQUEST), headers=REQUEST_HEADERS, security=API_KEY,
+    responses={200: OpenAPIResponse(
+        description="The response (stream: true, a text/event-stream of named events ending with "
+                    "response.completed).",
+        content={"application/json": OpenAPIMediaType(schema=_RESPONSE),
+                 "text/event-stream": OpenAPIMediaType(schema=_RESPONSE_EVENT)},
+        headers={"x-request-id": header("The request's id."),
+                 ROUTE_HEADER: header("What served the request: model, pool, endpoint, policy, ...")}),
+        **GENERATION_ERRORS})
+
+TOKENIZE_REQUEST = obj({
+    "model": _MODEL,
+    "prompt": STRING,
+    "messages": array(obj({"role": Schema(type=OpenAPIType.STRING, enum=_ROLES),
+                           "content": Schema(type=[OpenAPIType.STRING, OpenAPIType.ARRAY, OpenAPIType.NULL])},
+                          ["role"]), min_items=1),
+    "add_special_tokens": BOOLEAN,
+}, ["model"], description="Give prompt (a text) or messages (a chat, rendered with the model's template). "
+                          + _EXTRA_FIELDS)
+TOKENIZE_REQUEST.any_of = [Schema(required=["prompt"]), Schema(required=["messages"])]
+TOKENIZE_OPERATION = documented(
+    body=json_request_body(TOKENIZE_REQUEST), headers=REQUEST_HEADERS, security=API_KEY,
+    responses={200: json_response("The prompt's tokens, from an engine of the model.", obj(
+        {"count": INTEGER, "max_model_len": INTEGER, "tokens": array(INTEGER)}, ["count", "tokens"])),
+        **v1_errors(400, 401, 403, 404, 413, 500, 502, 503, 504)})
+
+DETOKENIZE_REQUEST = obj({"model": _MODEL, "tokens": array(_TOKEN_ID)}, ["model", "tokens"],
+                         description=_EXTRA_FIELDS)
+DETOKENIZE_OPERATION = documented(
+    body=json_request_body(DETOKENIZE_REQUEST), headers=REQUEST_HEADERS, security=API_KEY,
+    responses={200: json_response("The tokens' text, from an engine of the model.", obj({"prompt": STRING},
+                                                                                         ["prompt"])),
+               **v1_errors(400, 401, 403, 404, 413, 500, 502, 503, 504)})

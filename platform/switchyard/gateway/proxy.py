@@ -1,4 +1,5 @@
-"""The request path of ``/v1/chat/completions`` and ``/v1/completions``: the live executor of the decisions.
+"""The request path of ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/responses``,
+``/tokenize`` and ``/detokenize``: the live executor of the decisions.
 
 authenticate → parse → run the decision procedure (:func:`switchyard.decide.procedure.decide`), answering
 its effects live: classifier scores from the embeddings pools, the response cache, the limit store,
@@ -27,7 +28,7 @@ from switchyard.api.headers import (
     ROUTE_HEADER,
 )
 from switchyard.decide.admit import LimitAnswer, Reserve
-from switchyard.decide.cache import is_deterministic, request_digest
+from switchyard.decide.cache import GENERATING_KINDS, is_deterministic, request_digest
 from switchyard.decide.decision import (
     Ask,
     Attempt,
@@ -43,13 +44,13 @@ from switchyard.decide.decision import (
     Score,
     Tried,
 )
-from switchyard.decide.features import RequestFeatures, chat_features, completion_features
+from switchyard.decide.features import request_features
 from switchyard.decide.flow import Queue, Waited
 from switchyard.decide.procedure import decide
 from switchyard.gateway.activity import CACHE_POOL, RequestRecord
 from switchyard.gateway.attempt import Try
 from switchyard.gateway.attempts import final_error, record_tries, refusal_error
-from switchyard.gateway.body import check_chat, check_completion, decode_json_object
+from switchyard.gateway.body import check_body, decode_json_object
 from switchyard.gateway.cache_hits import serve_hit
 from switchyard.gateway.hedge import race
 from switchyard.gateway.request import Incoming, Kind, PendingRequest, RequestIds
@@ -67,11 +68,11 @@ class Proxy:
         self.ids = RequestIds()
 
     async def handle(self, request: Request[Any, Any, Any], kind: Kind) -> Response[Any]:
-        """Serve one chat or completion request from a client."""
+        """Serve one request of ``kind`` from a client."""
         return await self.serve(await Incoming.from_http(request), kind)
 
     async def serve(self, incoming: Incoming, kind: Kind) -> Response[Any]:
-        """Serve one chat or completion request, and keep its record (:mod:`switchyard.gateway.activity`).
+        """Serve one request of ``kind``, and keep its record (:mod:`switchyard.gateway.activity`).
 
         Clients come through :meth:`handle`; the batch worker calls this with the line's identity.
         """
@@ -110,17 +111,13 @@ class Proxy:
         settings = runtime.settings
         body = decode_json_object(incoming.raw, settings.max_json_depth)
         asked = body.get("model")
-        record.model, record.stream = asked if isinstance(asked, str) else None, bool(body.get("stream"))
-        features: RequestFeatures
-        if kind == "chat":
-            check_chat(body, settings.max_messages)
-            features = chat_features(body, headers)
-        else:
-            check_completion(body)
-            features = completion_features(body, headers)
+        record.model, record.stream = (asked if isinstance(asked, str) else None,
+                                       kind in GENERATING_KINDS and bool(body.get("stream")))
+        check_body(kind, body, settings.max_messages)
+        features = request_features(kind, body, headers)
         record.prompt_tokens, record.max_tokens = features.prompt_tokens, features.max_tokens
         if runtime.activity.sink is not None:  # the request log keeps what a replay of it needs
-            record.digest, record.deterministic = request_digest(kind, body), is_deterministic(body)
+            record.digest, record.deterministic = request_digest(kind, body), is_deterministic(body, kind)
         holder = runtime.policy
         # Read once, in one step of the event loop: this request keeps a matching set to the end.
         snapshot, counters, renderers = holder.snapshot, holder.counters, holder.renderers
@@ -164,7 +161,7 @@ class _Run:
 
     async def execute(self) -> Response[Any]:
         """Drive the procedure to its end and answer: the engine's response, the cache's, or the refusal."""
-        if self.req.stream:
+        if self.req.stream and self.req.kind in ("chat", "completion"):  # (a Responses API stream is not resumed)
             self.req.resume = Resumer(self.runtime, self, self.req, self.record)
         try:
             await self.drive(decide(self.d, self.runtime.view))

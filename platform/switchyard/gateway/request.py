@@ -8,11 +8,12 @@ import re
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from litestar import Request
 
+from switchyard.decide.cache import RequestKind
 from switchyard.decide.decision import Decision
 from switchyard.gateway.admission import NO_LEASE, Lease
 from switchyard.gateway.tracing import OFF, RequestTrace
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from switchyard.gateway.response_cache import Lookup
     from switchyard.policy.fleet import Model
 
-Kind = Literal["chat", "completion"]
+Kind = RequestKind
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
@@ -137,29 +138,32 @@ class PendingRequest:
         est = self.decision.estimate
         return est.tokens if est is not None else 0
 
-    def payload_for(self, pool: Pool) -> bytes:
-        """The body for ``pool``: its served model name, and a ``priority`` only where it is honoured.
+    def payload_for(self, pool: Pool, model: Model) -> bytes:
+        """The body for ``pool`` serving ``model``: the name it serves the model under (the pool's model, or an
+        adapter's name), and a ``priority`` only where it is honoured.
 
-        (A ``priority`` given as a class name is always replaced or removed: engines want a number.) A resumed
-        stream's tries send its :attr:`continuation` instead, with the usage chunk always asked for.
+        (A ``priority`` given as a class name is always replaced or removed: engines want a number; the
+        tokenizer endpoints never get one.) A resumed stream's tries send its :attr:`continuation` instead, with
+        the usage chunk always asked for.
         """
+        served = model.served_name or pool.served_model
+        cls = self.decision.cls
+        prioritised = pool.priority_scheduling and cls is not None and self.kind not in ("tokenize", "detokenize")
         if self.continuation is not None:
-            cls = self.decision.cls
-            body = dict(self.continuation, model=pool.served_model)
+            body = dict(self.continuation, model=served)
             body.pop("priority", None)
-            if pool.priority_scheduling and cls is not None:
+            if prioritised and cls is not None:
                 body["priority"] = cls.engine_priority
             return msgspec.json.encode(body)
-        key = (pool.served_model, pool.priority_scheduling)
+        key = (served, prioritised)
         payload = self._payloads.get(key)
         if payload is None:
             body = self.body
-            cls = self.decision.cls
-            wanted = cls.engine_priority if pool.priority_scheduling and cls is not None else None
-            if body["model"] == pool.served_model and body.get("priority") == wanted and not self.force_usage:
+            wanted = cls.engine_priority if prioritised and cls is not None else None
+            if body["model"] == served and body.get("priority") == wanted and not self.force_usage:
                 payload = self.raw
             else:
-                body = dict(body, model=pool.served_model)
+                body = dict(body, model=served)
                 if wanted is None:
                     body.pop("priority", None)
                 else:

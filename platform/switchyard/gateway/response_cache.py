@@ -27,6 +27,7 @@ import msgspec
 from litestar import Response
 
 from switchyard.decide.cache import CachePlan
+from switchyard.engines.splice import stream_kind
 from switchyard.gateway.cache_assemble import assemble
 from switchyard.gateway.cache_replay import for_client, replay
 from switchyard.gateway.classifiers import ClassifierError, ClassifierRunner
@@ -71,6 +72,8 @@ class Lookup:
 class _Answer(msgspec.Struct):
     choices: list[dict[str, Any]] = []
     usage: dict[str, Any] | None = None
+    object: str | None = None
+    data: list[Any] = []
 
 
 def _complete(answer: bytes) -> tuple[int, int] | None:
@@ -79,6 +82,9 @@ def _complete(answer: bytes) -> tuple[int, int] | None:
         data = msgspec.json.decode(answer, type=_Answer)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
+    if data.object == "list" and data.data and data.usage is not None:  # an embeddings answer: no output tokens
+        prompt = data.usage.get("prompt_tokens")
+        return (prompt, 0) if isinstance(prompt, int) else None
     if not data.choices or data.usage is None or any(c.get("finish_reason") not in COMPLETE for c in data.choices):
         return None
     prompt, completion = data.usage.get("prompt_tokens"), data.usage.get("completion_tokens")
@@ -184,14 +190,14 @@ class CacheRunner:
             return
         counts.labels(plan.label, plan.mode, "stored" if stored else "too_large").inc()
 
-    def hit_response(self, kind: Literal["chat", "completion"], body: dict[str, Any], found: Lookup,
+    def hit_response(self, kind: str, body: dict[str, Any], found: Lookup,
                      headers: dict[str, str]) -> Response[bytes]:
         """The answer to a hit: the cached answer, or its SSE replay for a streaming client."""
         assert found.entry is not None
         if body.get("stream"):
             options = body.get("stream_options")
             usage = isinstance(options, dict) and options.get("include_usage") is True
-            return Response(replay(kind, found.entry.body, include_usage=usage), status_code=200,
+            return Response(replay(stream_kind(kind), found.entry.body, include_usage=usage), status_code=200,
                             media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
         return Response(for_client(found.entry.body), status_code=200, media_type="application/json", headers=headers)
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from switchyard.decide.decision import Decision, Tried
 from switchyard.decide.procedure import Steps, resume
 from switchyard.decide.resume import StreamSoFar, left_to_generate
-from switchyard.engines.splice import SoFar, Splice, closing_events
+from switchyard.engines.splice import SoFar, Splice, closing_events, stream_kind
 from switchyard.engines.streams import Break, Leg, Resumed
 from switchyard.gateway.activity import RequestRecord
 from switchyard.gateway.request import PendingRequest
@@ -123,7 +123,7 @@ class Resumer:
             d.trace.append(f"stream: the engine {broke.why} after the answer's "
                            f"{'end' if so_far.finished else 'output budget'}; the gateway ended the stream")
             metrics.stream_resumes.labels(model, "closed").inc()
-            return closing_events(req.kind, so_far.head, None if so_far.finished else "length",
+            return closing_events(stream_kind(req.kind), so_far.head, None if so_far.finished else "length",
                                   self.usage() if keep_usage else None)
         req.continuation = continuation_body(req.kind, req.body, so_far.text, so_far.tokens, left)
         req.continued_tokens = so_far.tokens
@@ -137,7 +137,7 @@ class Resumer:
             return None
         leg, continuing = tried.answer
         assert isinstance(leg, Leg)
-        leg.splice = Splice(req.kind, so_far.head, self.usage, keep_usage)
+        leg.splice = Splice(stream_kind(req.kind), so_far.head, self.usage, keep_usage)
         continuing.watch(broke.relay, leg)
         self.record.trace.append(f"stream: resumed at {continuing.url} after {so_far.tokens} tokens "
                                  f"({'continue_final_message' if req.kind == 'chat' else 'prompt + text so far'}"

@@ -25,6 +25,7 @@ from switchyard.engines.latency import PoolLatencies
 from switchyard.engines.scrape import MetricsScraper
 from switchyard.engines.upstream import UpstreamTimeouts, create_client_session
 from switchyard.gateway.activity import Activity, RequestRecord, outcome_of
+from switchyard.gateway.adapters import AdapterLoader
 from switchyard.gateway.admission import Admitter
 from switchyard.gateway.auth import KeyAuthenticator
 from switchyard.gateway.canary import CanaryFollower
@@ -77,6 +78,7 @@ class GatewayRuntime:
         self.latencies = PoolLatencies()
         #: The tries in flight, watched for deadlines, stalls and hung engines.
         self.watchdog = Watchdog(self.endpoints, self._hung, self._hang_settings, self.engine_urls)
+        self.adapters = AdapterLoader(self.endpoints, self.metrics)
         # Shared across replicas through Redis when it is configured, else this process's own.
         self.cache = CacheRunner(create_response_cache(settings.redis_url, f"{settings.redis_key_prefix}cache:"),
                                  lambda: self.classifiers, self.metrics, self.spawn)
@@ -214,9 +216,9 @@ class GatewayRuntime:
         return [url for pool in snapshot.pools.values() for url in pool.endpoints]
 
     def trial_targets(self) -> list[Target]:
-        """The endpoints of the active policy's generation pools (where breaker trials may go)."""
-        return [Target(url, pool.name, pool.served_model) for pool in self.policy.snapshot.pools.values()
-                if pool.task == "generate" for url in pool.endpoints]
+        """The endpoints of the active policy's pools (where breaker trials may go)."""
+        return [Target(url, pool.name, pool.served_model, pool.task) for pool in self.policy.snapshot.pools.values()
+                for url in pool.endpoints]
 
     def mark_down(self, url: str, reason: str) -> None:
         """Take ``url`` out of service after a refused connection (until its probes succeed)."""

@@ -19,7 +19,8 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 #: Spans and their attributes use these names (``switchyard.*`` for ours).
-SPAN_NAMES = ("chat", "completion", "admit", "queue", "pick", "upstream")
+SPAN_NAMES = ("chat", "completion", "embedding", "responses", "tokenize", "detokenize", "admit", "queue", "pick",
+              "upstream")
 
 
 class RequestTrace:

@@ -23,6 +23,10 @@ from switchyard.policy.tiers import Lane
 from switchyard.state.memory import Memory
 from switchyard.state.queues import PoolQueues, ServiceTime
 
+#: How long an adapter this process sent to an endpoint counts as likely still loaded there (vLLM keeps the
+#: adapters it ran last in its GPU and CPU caches until others push them out).
+RECENT_ADAPTER_S = 60.0
+
 
 class LiveView:
     """This process's view of its fleet (see the module doc)."""
@@ -55,8 +59,15 @@ class LiveView:
         u = state.utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs, preempting)
         if not preempting:
             u = batch_view(u, state.prefilling, state.batch_prefilling(now))
-        return EndpointView(healthy, state.load(now, age, preempting), state.queued(now, age), u, state.reserved,
+        view = EndpointView(healthy, state.load(now, age, preempting), state.queued(now, age), u, state.reserved,
                             state.served_models(now, age))
+        if state.adapter_used or (state.signals is not None and state.signals.adapters is not None):
+            view.adapters = state.adapters(now, age)
+            view.recent_adapters = state.recent_adapters(now, RECENT_ADAPTER_S)
+            view.max_loras = state.max_loras(pool.max_loras)
+        elif pool.max_loras is not None:
+            view.max_loras = pool.max_loras
+        return view
 
     def pool_utilisation(self, pool: Pool, lane: Lane, now: float) -> float:
         if lane == "interactive":

@@ -153,8 +153,17 @@ class Pool(Strict):
         "work leaves free, so that an interactive request arriving finds one without preempting batch work.",
     )
     task: Literal["generate", "embed"] = Field(
-        default="generate", description="`embed`: the replicas serve an embedding model (`/v1/embeddings`), "
-        "for embedding classifiers; models cannot use such a pool.")
+        default="generate", description="`embed`: the replicas serve an embedding model (`/v1/embeddings`): "
+        "for embedding classifiers, semantic caches and the models of `kind: embedding` that clients call.")
+    max_loras: PositiveInt | None = Field(
+        default=None, description="vLLM's --max-loras of the replicas: the most LoRA adapters one replica runs "
+        "at once (default: vLLM's, 1). The picker keeps an adapter's requests on replicas that have it loaded "
+        "and counts a replica whose slots are all taken by other adapters as a poor choice for a new one.")
+    runtime_lora_loading: bool = Field(
+        default=False, description="The replicas run with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True: before an "
+        "adapter model's first request to a replica, the gateway loads the adapter there "
+        "(`POST /v1/load_lora_adapter` with the model's `adapter_path`). Otherwise the replicas serve the adapters "
+        "given at start-up (`--lora-modules`).")
     kv_events: KvEvents | None = Field(
         default=None, description="Where the replicas publish their KV-cache events (`--kv-events-config`): "
         "the `kv-cache-precise` scorer routes on what they report.")
@@ -188,7 +197,9 @@ class Price(Strict):
     """Prices per million tokens, in the operator's currency (USD in the demo)."""
 
     input_per_mtok: NonNegativeFloat
-    output_per_mtok: NonNegativeFloat
+    output_per_mtok: NonNegativeFloat = Field(
+        default=0.0, description="Required for generating models; an embedding model's answers have no output "
+        "tokens.")
     cached_input_per_mtok: NonNegativeFloat | None = None
     batch_input_per_mtok: NonNegativeFloat | None = Field(
         default=None, description="A batch job's input rate (default: half of input_per_mtok, as OpenAI's Batch API).")
@@ -261,7 +272,22 @@ class Model(Strict):
     """What clients put in ``model``: a concrete model served by one or more pools."""
 
     name: ModelName
-    pools: list[Name] = Field(min_length=1)
+    kind: Literal["generate", "embedding"] = Field(
+        default="generate", description="`embedding`: an embedding model, served at `/v1/embeddings` by pools of "
+        "`task: embed` (priced per input token: give `price.input_per_mtok`). `generate` (the default): chat and "
+        "text completions, the Responses API, by pools of `task: generate`.")
+    pools: list[Name] = Field(default_factory=list, description="The pools that serve it (an adapter's default: "
+                              "its `adapter_of` pool).")
+    adapter_of: Name | None = Field(
+        default=None, description="A LoRA adapter served on this pool's base model: requests go to the pool's "
+        "replicas, named by `adapter` (the name vLLM serves the adapter under).")
+    adapter: str | None = Field(
+        default=None, min_length=1, max_length=256, description="With `adapter_of`: the adapter's name as vLLM "
+        "serves it (`--lora-modules NAME=PATH`, or `lora_name` when loaded at run time; default: the model's name).")
+    adapter_path: str | None = Field(
+        default=None, min_length=1, max_length=4096, description="With `adapter_of`: where the replicas find the "
+        "adapter (`lora_path`), for pools with `runtime_lora_loading`: the gateway loads it on a replica before "
+        "the first request it sends there. A path on the engines' machines, never fetched by the gateway.")
     context_window: PositiveInt
     max_output_tokens: PositiveInt | None = Field(
         default=None, description="Largest max_tokens a request may ask for (default: the context window)."
@@ -319,8 +345,35 @@ class Model(Strict):
                 return rule
         return None
 
+    @property
+    def served_name(self) -> str | None:
+        """The name the engines serve this model under when it is not the pool's ``served_model`` (an adapter's)."""
+        if self.adapter_of is None:
+            return None
+        return self.adapter or self.name
+
+    @model_validator(mode="before")
+    @classmethod
+    def _adapter_pool(cls, data: object) -> object:
+        """An adapter's pools default to its base pool."""
+        if isinstance(data, dict) and isinstance(data.get("adapter_of"), str) and not data.get("pools"):
+            return {**data, "pools": [data["adapter_of"]]}
+        return data
+
     @model_validator(mode="after")
     def _consistent(self) -> Model:
+        if self.adapter_of is not None:
+            if self.pools != [self.adapter_of]:
+                raise ValueError(f"an adapter is served by its base pool only: leave out pools, or give "
+                                 f"[{self.adapter_of}]")
+            if self.kind == "embedding":
+                raise ValueError("an embedding model cannot be a LoRA adapter (adapter_of)")
+        elif self.adapter is not None or self.adapter_path is not None:
+            raise ValueError("adapter and adapter_path need adapter_of (the base pool)")
+        if not self.pools:
+            raise ValueError("a model needs pools (or adapter_of)")
+        if self.kind == "generate" and "output_per_mtok" not in self.price.model_fields_set:
+            raise ValueError("price.output_per_mtok is required (only embedding models may leave it out)")
         if len(set(self.pools)) != len(self.pools):
             raise ValueError("a pool is listed twice")
         if self.max_output_tokens is not None and self.max_output_tokens > self.context_window:

@@ -17,6 +17,10 @@ class PolicyTestRequest(Strict):
 
     model: ModelName
     tier: Name
+    kind: Literal["chat", "completion", "embedding", "responses", "tokenize", "detokenize"] = Field(
+        default="chat", description="The API the request is sent to: chat (`/v1/chat/completions`), completion "
+        "(`/v1/completions`), embedding (`/v1/embeddings`), responses (`/v1/responses`), tokenize or detokenize "
+        "(`/tokenize`, `/detokenize`). `prompt` is its text (the input, for embeddings and responses).")
     prompt: str = ""
     prompt_tokens: PositiveInt | None = Field(
         default=None, description="The prompt's length in tokens, when the text does not matter (overrides "

@@ -68,13 +68,22 @@ def _models(doc: PolicyDocument) -> Iterator[Finding]:
         for j, pool in enumerate(model.pools):
             if pool not in pools:
                 yield ("models", i, "pools", j), _unknown("pool", pool, set(pools))
-            elif pools[pool].task == "embed":
-                yield ("models", i, "pools", j), f"pool {pool!r} serves embeddings (task: embed), not {model.name!r}"
+            elif model.kind == "generate" and pools[pool].task == "embed":
+                yield ("models", i, "pools", j), (f"pool {pool!r} serves embeddings (task: embed), not the generating "
+                                                  f"model {model.name!r} (give the model kind: embedding)")
+            elif model.kind == "embedding" and pools[pool].task != "embed":
+                yield ("models", i, "pools", j), (f"pool {pool!r} serves a generating model: the embedding model "
+                                                  f"{model.name!r} needs pools of task: embed")
+        if model.adapter_of is not None and model.adapter_of not in pools:
+            yield ("models", i, "adapter_of"), _unknown("pool", model.adapter_of, set(pools))
         for j, target in enumerate(model.fallback):
             name, region = split_fallback(target)
             loc: Loc = ("models", i, "fallback", j)
             if name not in models:
                 yield loc, _unknown("model", name, set(models))
+                continue
+            if models[name].kind != model.kind:
+                yield loc, f"model {name!r} is of kind {models[name].kind}, {model.name!r} of kind {model.kind}"
                 continue
             if region is None and name == model.name:
                 yield loc, "a model cannot fall back to itself (name another region: model@region)"
@@ -93,6 +102,8 @@ def _models(doc: PolicyDocument) -> Iterator[Finding]:
                 yield (*at, "downgrade_to"), _unknown("model", target, set(models))
             elif target == model.name:
                 yield (*at, "downgrade_to"), "a model cannot downgrade to itself"
+            elif models[target].kind != model.kind:
+                yield (*at, "downgrade_to"), f"model {target!r} is of kind {models[target].kind}, not {model.kind}"
             for j, cls in enumerate(rule.classes or []):
                 if cls not in doc.priorities:
                     yield (*at, "classes", j), _unknown("priority class", cls, set(doc.priorities))
@@ -128,6 +139,7 @@ def _cycle_from(start: str, edges: dict[str, list[str]]) -> list[str] | None:
 def _routes(doc: PolicyDocument) -> Iterator[Finding]:
     yield from _duplicates([r.name for r in doc.routes], "routes", "route")
     models = {m.name for m in doc.models}
+    kinds = {m.name: m.kind for m in doc.models}
     routes = {r.name for r in doc.routes}
     tiers = {t.name for t in doc.tiers}
 
@@ -144,6 +156,9 @@ def _routes(doc: PolicyDocument) -> Iterator[Finding]:
         for j, rule in enumerate(route.rules):
             if rule.model not in models:
                 yield ("routes", i, "rules", j, "model"), target(rule.model)
+            elif route.default in models and kinds[rule.model] != kinds[route.default]:
+                yield ("routes", i, "rules", j, "model"), (f"model {rule.model!r} is of kind {kinds[rule.model]}, "
+                                                           f"the route's default of kind {kinds[route.default]}")
             for k, tier in enumerate(rule.when.tier or []):
                 if tier not in tiers:
                     yield ("routes", i, "rules", j, "when", "tier", k), _unknown("tier", tier, tiers)

@@ -123,8 +123,22 @@ class SessionAffinityScorer(_Scorer):
     yield_above_utilisation: float = Field(default=1.0, gt=0, le=2)
 
 
+class LoraAffinityScorer(_Scorer):
+    """For a model that is a LoRA adapter (``adapter_of``): 1 where the adapter is active (its engine reports it
+    running or waiting in ``vllm:lora_requests_info``, or this gateway has it in flight there), 0.8 where this
+    gateway sent it within the last minute (likely still loaded), 0.5 where the engine has a free adapter slot
+    (fewer active adapters than its ``max_loras``), 0 where it would have to wait for a slot. An endpoint that is
+    busy (at ``yield_above_utilisation`` or more than ``herd_margin`` requests above the least loaded candidate)
+    is scored as if the adapter were not there, so one hot adapter spreads over more replicas. Every endpoint
+    scores 1 for a base model's request."""
+
+    type: Literal["lora-affinity"]
+    yield_above_utilisation: float = Field(default=1.0, gt=0, le=2)
+    herd_margin: float = Field(default=8.0, ge=0)
+
+
 ScorerSpec = Annotated[LoadScorer | QueueDepthScorer | KvCacheScorer | InflightTokensScorer
-                       | PrefixAffinityScorer | KvCachePreciseScorer | SessionAffinityScorer,
+                       | PrefixAffinityScorer | KvCachePreciseScorer | SessionAffinityScorer | LoraAffinityScorer,
                        Field(discriminator="type")]
 
 
@@ -190,6 +204,7 @@ DEFAULT_PROFILE = EndpointProfile(scorers=[
     PrefixAffinityScorer(type="prefix-affinity", weight=0.6),
     LoadScorer(type="load", weight=0.4),
     SessionAffinityScorer(type="session-affinity", weight=0.5),
+    LoraAffinityScorer(type="lora-affinity", weight=1.0),
 ])
 #: Baselines that ``switchyard bench`` measures the profile against (``SWITCHYARD_PICKER``).
 BASELINE_PROFILES: dict[str, EndpointProfile] = {

@@ -38,7 +38,7 @@ class ClaimedRequest:
         batch_id: Its batch.
         tenant_id: The batch's tenant.
         key_id: The API key that created the batch (the line runs as that key).
-        endpoint: ``/v1/chat/completions`` or ``/v1/completions``.
+        endpoint: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings`` or ``/v1/responses``.
         custom_id: The line's ``custom_id``.
         body: The request body, as in the input file.
         attempts: Tries so far, this one included (1 on the first).

@@ -30,7 +30,7 @@ from switchyard.store.errors import Conflict, InvalidParam, NotFound
 from switchyard.store.models import Batch, BatchRequest, Tenant
 
 #: The endpoints a batch's lines can call.
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 #: Completion windows (OpenAI accepts only ``24h``).
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
 

@@ -99,7 +99,12 @@ def fill_output(entries: Sequence[LogEntry]) -> int:
 
 
 def _kind(value: str) -> Literal["chat", "completion"]:
+    """The kind an entry is replayed as (a Responses API request is a chat rendered from its input)."""
     return "completion" if value == "completion" else "chat"
+
+
+#: The kinds of logged requests the replay can simulate (the engines it simulates generate).
+REPLAYED_KINDS = frozenset({"chat", "completion", "responses"})
 
 
 def _recipe(entry: LogEntry, index: int, kind: Literal["chat", "completion"], model: str, seed: int,
@@ -124,9 +129,11 @@ def _recipe(entry: LogEntry, index: int, kind: Literal["chat", "completion"], mo
 def _usable(ordered: Sequence[LogEntry], default_model: str | None) -> tuple[list[LogEntry], dict[str, int]]:
     """The entries that can be replayed (in the given order), and how many could not, by reason."""
     usable: list[LogEntry] = []
-    skipped: dict[str, int] = {"no_tier": 0, "no_prompt_count": 0, "no_model": 0}
+    skipped: dict[str, int] = {"no_tier": 0, "no_prompt_count": 0, "no_model": 0, "not_generation": 0}
     for entry in ordered:
-        if not entry.tier:
+        if entry.kind not in REPLAYED_KINDS:
+            skipped["not_generation"] += 1
+        elif not entry.tier:
             skipped["no_tier"] += 1
         elif not entry.prompt_tokens:
             skipped["no_prompt_count"] += 1

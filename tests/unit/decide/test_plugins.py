@@ -293,3 +293,43 @@ def test_a_model_naming_an_unknown_profile_is_rejected() -> None:
     doc["models"][0]["endpoint_profile"] = "sprad"
     with pytest.raises(PolicyError, match="unknown endpoint profile 'sprad'; did you mean 'spread'"):
         compile_policy(to_yaml(doc))
+
+
+# --- LoRA adapters --------------------------------------------------------------------------------
+
+LORA = spec.LoraAffinityScorer(type="lora-affinity")
+
+
+def test_lora_affinity_prefers_where_the_adapter_is_loaded_then_a_free_slot() -> None:
+    adapter = req(adapter="support")
+    views = options(EndpointView(adapters=frozenset({"support"}), max_loras=1),
+                    EndpointView(adapters=frozenset({"legal"}), max_loras=1),
+                    EndpointView(adapters=frozenset(), max_loras=1))
+    assert run_scorer(LORA, views, adapter) == [1.0, 0.0, 0.5]
+    # Lately sent there (likely still in the engine's adapter cache), and a second slot free.
+    views = options(EndpointView(recent_adapters=frozenset({"support"}), max_loras=1),
+                    EndpointView(adapters=frozenset({"legal"}), max_loras=2),
+                    EndpointView(adapters=frozenset({"legal", "other"}), max_loras=2))
+    assert run_scorer(LORA, views, adapter) == [0.8, 0.5, 0.0]
+    # A base model's request is indifferent to adapters.
+    assert run_scorer(LORA, views) == [1.0, 1.0, 1.0]
+
+
+def test_lora_affinity_yields_at_a_busy_replica_so_a_hot_adapter_spreads() -> None:
+    adapter = req(adapter="support")
+    busy = options(EndpointView(adapters=frozenset({"support"}), load=20, max_loras=2),
+                   EndpointView(load=0, max_loras=2), EndpointView(load=0, max_loras=2, utilisation=0.5))
+    assert run_scorer(LORA, busy, adapter) == [0.5, 0.5, 0.5]  # (its own slot is still free for it)
+    full = options(EndpointView(adapters=frozenset({"support"}), utilisation=1.0, max_loras=1),
+                   EndpointView(max_loras=1), EndpointView(max_loras=1))
+    assert run_scorer(LORA, full, adapter) == [0.5, 0.5, 0.5]
+
+
+def test_the_default_profile_keeps_an_adapter_where_it_is_loaded_against_a_little_load() -> None:
+    adapter = req(adapter="support")
+    views = {"http://us1": EndpointView(load=2, adapters=frozenset({"support"})),
+             "http://us2": EndpointView(load=0, adapters=frozenset({"legal"})),
+             "http://eu1": EndpointView(load=1, adapters=frozenset({"legal"}))}
+    assert pick(views, adapter) == "http://us1"
+    least = EndpointProfile.model_validate(BASELINE_PROFILES["least-loaded"].model_dump())
+    assert pick(views, adapter, least) == "http://us2"  # the baseline the bench compares against

@@ -104,3 +104,22 @@ def test_load_estimate_combines_scrape_and_own_dispatches() -> None:
     assert registry.outstanding(url) == 0
     assert registry.mark_down(url, "refused", now=200) is True
     assert not state.healthy(200) and not state.healthy(10_000)  # out until probes bring it back
+
+
+def test_lora_adapters_are_read_from_the_latest_lora_requests_info_series() -> None:
+    # vLLM keeps one series per label set it has seen, each set to the time it was last current.
+    text = (
+        'vllm:num_requests_running{engine="0",model_name="base"} 2.0\n'
+        'vllm:num_requests_waiting{engine="0",model_name="base"} 1.0\n'
+        '# HELP vllm:lora_requests_info Running stats on lora requests.\n'
+        '# TYPE vllm:lora_requests_info gauge\n'
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="a",waiting_lora_adapters=""} 1.7645e+09\n'
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="b,c",waiting_lora_adapters="d"} 1.7646e+09\n'
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7644e+09\n'
+    )
+    signals = parse_engine_metrics(text)
+    assert signals.adapters == frozenset({"b", "c", "d"}) and signals.max_loras == 2
+    idle = parse_engine_metrics(text.replace("1.7644e+09", "1.7647e+09"))
+    assert idle.adapters == frozenset() and idle.max_loras == 2
+    plain = parse_engine_metrics('vllm:num_requests_running{model_name="base"} 0.0\n')
+    assert plain.adapters is None and plain.max_loras is None

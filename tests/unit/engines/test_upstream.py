@@ -10,7 +10,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from switchyard.engines.streams import Leg, StreamRelay, first_chunk
+from switchyard.engines.streams import Leg, ResponsesUsage, StreamRelay, first_chunk
 from switchyard.engines.upstream import (
     UpstreamFailure,
     UpstreamTimeouts,
@@ -18,6 +18,7 @@ from switchyard.engines.upstream import (
     post,
     read_body,
     read_engine_error,
+    usage_counts,
 )
 
 BODY = b'{"ok": true}'
@@ -270,3 +271,47 @@ async def test_the_events_before_one_past_the_limit_go_out_even_in_the_same_chun
     events = out.split(b"\n\n")[:-1]
     assert events[:2] == [EVENT[:-2]] * 2 and b"upstream_invalid_response" in events[2] and len(events) == 3
     assert relay.broken and outcomes == [False]
+
+
+def _responses_event(kind: str, sequence: int, **fields: object) -> bytes:
+    return (f"event: {kind}\ndata: ".encode() + msgspec.json.encode({"type": kind, "sequence_number": sequence,
+                                                                      **fields}) + b"\n\n")
+
+
+RESPONSES_EVENTS = [
+    _responses_event("response.created", 0, response={"id": "resp_1", "status": "in_progress", "usage": None}),
+    _responses_event("response.output_text.delta", 1, delta="Hel"),
+    _responses_event("response.output_text.delta", 2, delta="lo"),
+    _responses_event("response.completed", 3, response={"id": "resp_1", "status": "completed", "usage": {
+        "input_tokens": 12, "output_tokens": 2, "total_tokens": 14, "input_tokens_details": {"cached_tokens": 8}}}),
+]
+
+
+async def _relay_responses(upstream: Upstream, *pieces: bytes) -> tuple[bytes, list[bool], Leg]:
+    response = await upstream.post(*pieces)
+    outcomes: list[bool] = []
+    leg = Leg(response, await first_chunk(response), lambda _end: None, usage=ResponsesUsage())
+    relay = StreamRelay(leg, outcomes.append)
+    out = b"".join([chunk async for chunk in relay.chunks()])
+    return out, outcomes, leg
+
+
+async def test_a_responses_stream_ends_at_its_last_named_event_with_its_usage(upstream: Upstream) -> None:
+    out, outcomes, leg = await _relay_responses(upstream, *chunked("text/event-stream", *RESPONSES_EVENTS))
+    assert out == b"".join(RESPONSES_EVENTS) and outcomes == [True]  # no [DONE] in this API
+    assert leg.usage.usage() == {"input_tokens": 12, "output_tokens": 2, "total_tokens": 14,
+                                 "input_tokens_details": {"cached_tokens": 8}}
+    assert usage_counts(leg.usage.usage() or {}, 0, 0) == (12, 2, 8)
+    assert leg.usage.text_events == 2
+
+
+async def test_a_responses_stream_cut_short_ends_with_an_error_event_of_its_own_shape(upstream: Upstream) -> None:
+    out, outcomes, _ = await _relay_responses(upstream, *chunked("text/event-stream", *RESPONSES_EVENTS[:3]))
+    last = out.split(b"\n\n")[-2]
+    assert last.startswith(b"event: error\ndata: ") and outcomes == [False]
+    error = msgspec.json.decode(last.split(b"data: ", 1)[1])
+    assert error["type"] == "error" and error["code"] == "upstream_stream_broken" and error["sequence_number"] == 3
+    # An engine's own error event ends it too (and is passed on as it came).
+    failed = _responses_event("error", 2, code="server_error", message="engine failed", param=None)
+    out, outcomes, _ = await _relay_responses(upstream, *chunked("text/event-stream", *RESPONSES_EVENTS[:2], failed))
+    assert out.endswith(failed) and outcomes == [False]

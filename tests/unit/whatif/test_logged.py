@@ -66,11 +66,12 @@ def test_requests_that_never_ran_generate_their_budget_or_the_median() -> None:
 
 
 def test_entries_that_cannot_be_replayed_are_counted_not_guessed() -> None:
-    entries = [entry(0, tier=None), entry(1, prompt_tokens=None), entry(2, model=None), entry(3)]
+    entries = [entry(0, tier=None), entry(1, prompt_tokens=None), entry(2, model=None), entry(3),
+               entry(4, kind="embedding"), entry(5, kind="tokenize"), entry(6, kind="responses")]
     wl = log_workload(entries)
-    assert len(wl.specs) == 1
-    assert wl.describe()["skipped"] == {"no_tier": 1, "no_prompt_count": 1, "no_model": 1}
-    assert len(log_workload(entries, default_model="auto").specs) == 2
+    assert len(wl.specs) == 2  # (a Responses API request is replayed as the chat it is rendered into)
+    assert wl.describe()["skipped"] == {"no_tier": 1, "no_prompt_count": 1, "no_model": 1, "not_generation": 2}
+    assert len(log_workload(entries, default_model="auto").specs) == 3
     assert log_workload([]).specs == ()
     with pytest.raises(WorkloadError, match="rate_multiplier"):
         log_workload(entries, rate_multiplier=0)

@@ -54,8 +54,11 @@ TEMPLATE = "admin/dryrun.html.j2"
 #: The form's fields and their values when the page opens.
 DEFAULTS: dict[str, str] = {
     "tenant": "", "tier": "", "model": "", "prompt": "", "system": "", "messages": "1", "max_tokens": "",
-    "temperature": "", "priority": "", "priority_header": "", "region_header": "", "version": "",
+    "temperature": "", "priority": "", "priority_header": "", "region_header": "", "version": "", "kind": "chat",
 }
+#: The APIs a request can be sent to, as the form offers them: (kind, label).
+KINDS = (("chat", "/v1/chat/completions"), ("completion", "/v1/completions"), ("embedding", "/v1/embeddings"),
+         ("responses", "/v1/responses"), ("tokenize", "/tokenize"), ("detokenize", "/detokenize"))
 #: The form's checkboxes.
 FLAGS = ("stream", "tools", "json_mode", "images")
 #: Stored versions the form offers (the newest), besides the serving one and the running canary's candidate.
@@ -159,6 +162,7 @@ def _choices(snapshot: PolicySnapshot, tenants: list[TenantPublic]) -> dict[str,
         "routes": list(snapshot.routes),
         "classes": list(snapshot.priorities),
         "regions": list(snapshot.document.regions),
+        "kinds": KINDS,
     }
 
 
@@ -199,11 +203,14 @@ def _request_of(snapshot: PolicySnapshot, values: dict[str, str], flags: set[str
         raise BadInput("choose a model")
     if model not in snapshot.models and model not in snapshot.routes:
         raise BadInput(f"unknown model {model!r}: policy {snapshot.label} has no model or route of that name")
+    kind = values["kind"] or "chat"
+    if kind not in dict(KINDS):
+        raise BadInput(f"unknown API {kind!r}: choose one of {', '.join(k for k, _ in KINDS)}")
     headers = {header: values[field] for header, field in ((PRIORITY_HEADER, "priority_header"),
                                                             (REGION_HEADER, "region_header")) if values[field]}
     try:
         return PolicyTestRequest(
-            model=model, tier=tier, prompt=values["prompt"], system=values["system"] or None,
+            model=model, tier=tier, kind=kind, prompt=values["prompt"], system=values["system"] or None,
             messages=_number(values, "messages", "Messages", int) or 1,
             max_tokens=_number(values, "max_tokens", "Max tokens", int),
             temperature=_number(values, "temperature", "Temperature", float),
@@ -273,7 +280,7 @@ async def dry_run_submit(request: HTMXRequest, settings: NamedDependency[Setting
     run = dry_run(snapshot, who.tier, features, strategy=settings.picker, priority=test_request.priority,
                   key_region=who.region, gateway_region=settings.region, body=body,
                   tenant=who.tenant or "dry-run", tenant_limits=who.limits, counters=against.counters,
-                  renderers=against.renderers)
+                  renderers=against.renderers, kind=test_request.kind)
     prompt_tokens = run.prompt_tokens if run.prompt_tokens is not None else features.prompt_tokens
     result = {"run": run, "who": who, "policy": snapshot.label, "role": against.role,
               "prompt_tokens": prompt_tokens,

@@ -112,6 +112,7 @@ SKIP_REASONS = {
     "no_tier": "no tier (the API key was refused)",
     "no_prompt_count": "no prompt count (refused before the body was read)",
     "no_model": "no model named",
+    "not_generation": "an embedding or a tokenizer call (the replay simulates generation only)",
 }
 #: Workload keys the "where the requests came from" list shows; the rest go under "more".
 SHOWN_WORKLOAD_KEYS = {"source", "entries", "skipped", "refused_in_log", "first", "last", "requests", "duration_s"}

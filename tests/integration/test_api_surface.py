@@ -1,0 +1,265 @@
+"""The rest of what vLLM serves, under the same policy: embeddings, the Responses API, the tokenizer endpoints and
+LoRA adapters, through a real gateway and real simulated engines (the official SDK as the client).
+
+Engines (one ``switchyard sim`` process with a fault control server): ``chat-a``/``chat-b`` serve the generating
+model ``small`` (pool ``chat-us``); ``emb-a``/``emb-b`` the embedding model ``embed`` (pool ``embed-us``, ``task:
+embed``); ``lora-a``/``lora-b`` the base model of pool ``lora-us``, whose adapters ``support`` and ``legal`` are
+loaded at run time by the gateway (``runtime_lora_loading``, one adapter at a time per replica). Tier ``pro`` may
+use everything; ``free`` only ``small``; ``tight`` the embedding model with a small token budget.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.conftest import (
+    FAULTS_CLEAR,
+    FaultFleet,
+    Gateway,
+    client,
+    fault_fleet,
+    gateway_counter,
+    http_json,
+    route,
+    stop,
+)
+
+NAMES = ("chat-a", "chat-b", "emb-a", "emb-b", "lora-a", "lora-b")
+EMBEDDING_DIM = 384  # the simulator's
+
+
+def _policy(ports: dict[str, int]) -> str:
+    def urls(*names: str) -> str:
+        return "[" + ", ".join(f"http://127.0.0.1:{ports[n]}" for n in names) + "]"
+
+    return f"""\
+schema: 1
+regions: [us-east]
+pools:
+  - {{name: chat-us, region: us-east, served_model: sim-chat, endpoints: {urls("chat-a", "chat-b")},
+      kv_cache_tokens: 100000}}
+  - {{name: embed-us, region: us-east, served_model: sim-embed, endpoints: {urls("emb-a", "emb-b")},
+      kv_cache_tokens: 100000, task: embed}}
+  - {{name: lora-us, region: us-east, served_model: sim-base, endpoints: {urls("lora-a", "lora-b")},
+      kv_cache_tokens: 100000, max_loras: 1, runtime_lora_loading: true}}
+models:
+  - {{name: small, pools: [chat-us], context_window: 4096, tokenizer: switchyard-sim,
+      price: {{input_per_mtok: 1, output_per_mtok: 2}}}}
+  - {{name: embed, kind: embedding, pools: [embed-us], context_window: 512, price: {{input_per_mtok: 0.5}}}}
+  - {{name: support, adapter_of: lora-us, adapter: support-v1, adapter_path: /adapters/support-v1,
+      context_window: 4096, price: {{input_per_mtok: 1, output_per_mtok: 2}}}}
+  - {{name: legal, adapter_of: lora-us, adapter_path: /adapters/legal, context_window: 4096,
+      price: {{input_per_mtok: 1, output_per_mtok: 2}}}}
+priorities:
+  standard: {{max_queue_ms: 5000}}
+tiers:
+  - {{name: pro, priority: standard, models: ["*"]}}
+  - {{name: free, priority: standard, models: [small]}}
+  - {{name: tight, priority: standard, models: [embed], limits: {{tokens_per_minute: 300}}}}
+cache:
+  - {{name: embeddings, match: {{models: [embed]}}, ttl: 10m}}
+resilience:
+  health: {{probe_interval: 60}}
+  breakers:
+    endpoint: {{consecutive_failures: 1000, min_requests: 100000, open_for: 60}}
+    pool: {{consecutive_failures: 1000, min_requests: 100000}}
+tests:
+  - {{name: embeddings go to the embedding pool, request: {{model: embed, tier: pro, kind: embedding, prompt: hi}},
+      expect: {{pool: embed-us}}}}
+  - {{name: the free tier cannot tokenize for the embedding model,
+      request: {{model: embed, tier: free, kind: tokenize, prompt: hi}}, expect: {{status: 403}}}}
+"""
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultFleet]:
+    yield from fault_fleet(tmp_path_factory.mktemp("api-surface"), NAMES, lambda ports: {"policies": _policy(ports)},
+                           "policies")
+
+
+@pytest.fixture(scope="module")
+def gw(fleet: FaultFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    gateway = fleet.gateway(tmp_path_factory.mktemp("api-surface-gw"), "policies", {},
+                            {"pro": ("acme", "pro"), "free": ("cheap", "free"), "tight": ("small-co", "tight")})
+    try:
+        yield gateway
+    finally:
+        assert stop(gateway.proc), "the gateway must stop cleanly on SIGTERM"
+
+
+@pytest.fixture(autouse=True)
+def _clear(fleet: FaultFleet) -> None:
+    fleet.fault(**FAULTS_CLEAR)
+
+
+def _post(gw: Gateway, path: str, body: dict[str, Any], key: str = "pro") -> httpx.Response:
+    return httpx.post(gw.base_url + path, json=body, headers={"Authorization": f"Bearer {gw.keys[key]}"}, timeout=30)
+
+
+def _request_log(gw: Gateway, request_id: str) -> dict[str, Any]:
+    """The request's row of the activity API (the Requests page's source)."""
+    def found() -> dict[str, Any] | None:
+        status, _, body = http_json("GET", f"{gw.base_url}/admin/api/requests/{request_id}",
+                                    headers={"Authorization": f"Bearer {gw.env['SWITCHYARD_ADMIN_TOKEN']}"})
+        return body if status == 200 else None
+
+    deadline = time.monotonic() + 10
+    while (row := found()) is None:
+        assert time.monotonic() < deadline, f"request {request_id} never reached the request log"
+        time.sleep(0.1)
+    return row
+
+
+# --- embeddings ----------------------------------------------------------------------------------------
+
+def test_embeddings_through_the_sdk_in_every_input_and_format(gw: Gateway) -> None:
+    sdk = client(gw, "pro")
+    raw = sdk.embeddings.with_raw_response.create(model="embed", input=["refund my order", "the weather today"])
+    answer = raw.parse()
+    assert [d.index for d in answer.data] == [0, 1]
+    assert all(len(d.embedding) == EMBEDDING_DIM for d in answer.data)
+    assert answer.usage.prompt_tokens > 0 and answer.usage.total_tokens == answer.usage.prompt_tokens
+    where = route(raw)
+    assert where["model"] == "embed" and where["pool"] == "embed-us" and where["policy"] == "v1"
+    assert raw.headers["x-switchyard-class"].startswith("class standard")
+
+    # One string, a shortened vector (re-normalised), token ids and lists of token ids, base64.
+    one = sdk.embeddings.create(model="embed", input="refund my order", dimensions=16)
+    assert len(one.data[0].embedding) == 16
+    assert abs(sum(v * v for v in one.data[0].embedding) - 1.0) < 1e-6
+    ids = sdk.embeddings.create(model="embed", input=[101, 102, 103])
+    assert len(ids.data) == 1 and ids.usage.prompt_tokens == 3
+    lists = sdk.embeddings.create(model="embed", input=[[101, 102], [103]])
+    assert len(lists.data) == 2 and lists.usage.prompt_tokens == 3
+    packed = httpx.post(gw.base_url + "/v1/embeddings", json={"model": "embed", "input": "refund my order",
+                                                              "encoding_format": "base64"},
+                        headers={"Authorization": f"Bearer {gw.keys['pro']}"}, timeout=30).json()
+    vector = struct.unpack(f"<{EMBEDDING_DIM}f", base64.b64decode(packed["data"][0]["embedding"]))
+    full = sdk.embeddings.create(model="embed", input="refund my order", encoding_format="float")
+    assert vector == pytest.approx(full.data[0].embedding, abs=1e-6)
+
+
+def test_embeddings_are_served_from_the_exact_cache_and_charged_in_input_tokens(gw: Gateway) -> None:
+    sdk = client(gw, "pro")
+    spent = gateway_counter(gw, "switchyard_spend_total", model="embed")
+    text = f"cached embedding {time.monotonic_ns()}"
+    first = sdk.embeddings.with_raw_response.create(model="embed", input=text)
+    assert first.headers["x-switchyard-cache"].startswith("miss")
+    second = sdk.embeddings.with_raw_response.create(model="embed", input=text)
+    assert second.headers["x-switchyard-cache"].startswith("hit")
+    assert second.parse().data[0].embedding == first.parse().data[0].embedding
+    assert "cache=embeddings" in second.headers["x-switchyard-route"]
+    row = _request_log(gw, first.headers["x-request-id"])
+    assert row["kind"] == "embedding" and row["resolved_model"] == "embed" and row["status"] == 200
+    assert row["prompt_tokens"] == first.parse().usage.prompt_tokens and row["completion_tokens"] == 0
+    # Priced per input token (0.5 per million); the hit is free (the rule's hit_charge is 0).
+    assert gateway_counter(gw, "switchyard_spend_total", model="embed") - spent == pytest.approx(
+        row["prompt_tokens"] * 0.5 / 1e6)
+
+
+def test_the_wrong_kind_of_model_is_a_clear_400(gw: Gateway) -> None:
+    sdk = client(gw, "pro")
+    with pytest.raises(openai.BadRequestError) as wrong:
+        sdk.embeddings.create(model="small", input="hi")
+    assert wrong.value.code == "model_not_supported" and "kind embedding" in wrong.value.message
+    with pytest.raises(openai.BadRequestError) as wrong:
+        sdk.chat.completions.create(model="embed", messages=[{"role": "user", "content": "hi"}])
+    assert wrong.value.code == "model_not_supported" and "/v1/embeddings" in wrong.value.message
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk.embeddings.create(model="embed", input=[])
+    assert bad.value.body["param"] == "input"  # type: ignore[index]
+
+
+def test_tiers_and_token_limits_apply_to_embeddings(gw: Gateway) -> None:
+    with pytest.raises(openai.PermissionDeniedError):
+        client(gw, "free").embeddings.create(model="embed", input="hi")
+    tight = client(gw, "tight")
+    # 300 input tokens a minute: a 200-token input fits once, not twice (no output is reserved for embeddings).
+    text = " ".join(["word"] * 199)
+    first = tight.embeddings.with_raw_response.create(model="embed", input=text, extra_headers={
+        "x-switchyard-cache-control": "no-store"})
+    assert first.parse().usage.prompt_tokens == 200
+    with pytest.raises(openai.RateLimitError) as limited:
+        tight.embeddings.create(model="embed", input=text + " again", extra_headers={
+            "x-switchyard-cache-control": "no-store"})
+    assert "tokens_per_minute" in limited.value.message
+
+
+def test_an_embedding_engine_failure_falls_back_to_the_other_replica(gw: Gateway, fleet: FaultFleet) -> None:
+    fleet.down("emb-a", error_rate=1.0)
+    sdk = client(gw, "pro")
+    for i in range(4):
+        raw = sdk.embeddings.with_raw_response.create(model="embed", input=f"fallback {i} {time.monotonic_ns()}")
+        assert raw.status_code == 200
+        assert route(raw)["endpoint"] == fleet.url("emb-b")
+
+
+def test_a_batch_of_embedding_lines(gw: Gateway) -> None:
+    sdk = client(gw, "pro")
+    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+              "body": {"model": "embed", "input": f"batch line {i}"}} for i in range(3)]
+    uploaded = sdk.files.create(file=("e.jsonl", "\n".join(json.dumps(x) for x in lines).encode(),
+                                      "application/jsonl"), purpose="batch")
+    batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+    deadline = time.monotonic() + 60
+    while (batch := sdk.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.3)
+    assert batch.status == "completed" and batch.request_counts is not None
+    assert batch.request_counts.completed == 3
+    assert batch.output_file_id is not None
+    out = [json.loads(x) for x in sdk.files.content(batch.output_file_id).content.splitlines()]
+    assert sorted(o["custom_id"] for o in out) == ["e0", "e1", "e2"]
+    assert all(len(o["response"]["body"]["data"][0]["embedding"]) == EMBEDDING_DIM for o in out)
+
+
+# --- the tokenizer endpoints ----------------------------------------------------------------------------
+
+def test_tokenize_and_detokenize_under_the_keys_model_permissions(gw: Gateway) -> None:
+    tokens = _post(gw, "/tokenize", {"model": "small", "prompt": "hello world"})
+    assert tokens.status_code == 200, tokens.text
+    body = tokens.json()
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 4096
+    assert route_of(tokens)["pool"] == "chat-us"
+    text = _post(gw, "/detokenize", {"model": "small", "tokens": body["tokens"]})
+    assert text.status_code == 200 and "hello world" in text.json()["prompt"]
+    chat = _post(gw, "/tokenize", {"model": "small", "messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 200 and chat.json()["count"] > 3  # the chat template's tokens too
+    assert _post(gw, "/tokenize", {"model": "embed", "prompt": "hi"}).json()["max_model_len"] == 512
+    refused = _post(gw, "/tokenize", {"model": "embed", "prompt": "hi"}, key="free")
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "model_not_allowed"
+    assert _post(gw, "/tokenize", {"model": "nope", "prompt": "hi"}).status_code == 404
+    assert _post(gw, "/tokenize", {"model": "small"}).json()["error"]["param"] == "prompt"
+    unauthenticated = httpx.post(gw.base_url + "/tokenize", json={"model": "small", "prompt": "hi"}, timeout=10)
+    assert unauthenticated.status_code == 401
+    # Nothing is charged or counted as usage: the tokenizer endpoints use no GPU.
+    row = _request_log(gw, tokens.headers["x-request-id"])
+    assert row["kind"] == "tokenize" and row["pool"] == "chat-us" and row["status"] == 200
+    assert any("tokenize: uses only the model's tokenizer" in line for line in row["trace"])
+
+
+def route_of(response: httpx.Response) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in response.headers["x-switchyard-route"].split("; "))
+
+
+# --- the OpenAPI document and the models list -------------------------------------------------------------
+
+def test_the_new_endpoints_are_in_the_openapi_document_and_the_models_list(gw: Gateway) -> None:
+    status, _, document = http_json("GET", gw.base_url + "/openapi/openapi.json")
+    assert status == 200
+    for path in ("/v1/embeddings", "/v1/responses", "/tokenize", "/detokenize"):
+        assert "post" in document["paths"][path], path
+    listed = {m.id for m in client(gw, "pro").models.list()}
+    assert {"small", "embed", "support", "legal"} <= listed
+    assert {m.id for m in client(gw, "free").models.list()} == {"small"}
+    assert gateway_counter(gw, "switchyard_requests_total") > 0
