@@ -185,11 +185,24 @@ def engines_for_policy(snapshot: PolicySnapshot, regions: tuple[str, ...] = (), 
                    "inproc:// name plus _dpN. As in vLLM, an endpoint with * or :: and any ipc:// one is "
                    "bound; tcp://HOST:PORT is connected to (the subscriber binds it). Machine-local: "
                    "ipc:///tmp/kv (subscribers connect), replay tcp://127.0.0.1:PORT.")
+@click.option("--enable-lora", is_flag=True, help="Serve LoRA adapters (vLLM's --enable-lora): a request whose "
+              "model names a registered adapter runs on the base model with it.")
+@click.option("--max-loras", type=int, default=None, help="With --enable-lora: most distinct adapters in one batch "
+              "(and GPU adapter slots; vLLM's default 1).")
+@click.option("--max-cpu-loras", type=int, default=None, help="With --enable-lora: adapters kept in the CPU cache "
+              "(default: --max-loras).")
+@click.option("--lora-modules", "lora_modules", multiple=True, metavar="NAME=PATH",
+              help="An adapter registered at start-up, as NAME=PATH or vLLM's JSON form; repeat for each.")
+@click.option("--allow-runtime-lora", is_flag=True, default=None,
+              help="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default: as vLLM, when "
+                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING is 1 or true).")
 @click.pass_context
 def sim(ctx: click.Context, policy_path: Path | None, regions: tuple[str, ...], pools: tuple[str, ...],
         served_model: str | None, port: int | None, host: str, profile: str, kv_cache_tokens: int | None,
         max_model_len: int | None, max_num_seqs: int | None, time_scale: float, seed: int,
-        control_port: int | None, control_host: str, kv_events_config: str | None) -> None:
+        control_port: int | None, control_host: str, kv_events_config: str | None, enable_lora: bool,
+        max_loras: int | None, max_cpu_loras: int | None, lora_modules: tuple[str, ...],
+        allow_runtime_lora: bool | None) -> None:
     """Run simulated vLLM engines: one (--model, --port) or all of a policy's (--policy).
 
     With --control-port, a control server sets the faults of any of them by region, pool or port
@@ -205,9 +218,13 @@ def sim(ctx: click.Context, policy_path: Path | None, regions: tuple[str, ...], 
     if control_port is not None and not 0 <= control_port <= 65535:
         raise click.BadParameter(f"{control_port} is not a valid TCP port", param_hint="--control-port")
 
+    lora_flags = enable_lora or max_loras is not None or max_cpu_loras is not None or lora_modules
     if policy_path is not None:
         if served_model or port:
             raise click.UsageError("give either --policy or --model/--port, not both")
+        if lora_flags or allow_runtime_lora:
+            raise click.UsageError("with --policy the pools say how LoRA is served (max_loras, "
+                                   "runtime_lora_loading, models' adapter_of); the LoRA flags are for one engine")
         try:
             snapshot = compile_policy(read_policy_file(policy_path), str(policy_path))
         except PolicyError as error:
@@ -217,9 +234,17 @@ def sim(ctx: click.Context, policy_path: Path | None, regions: tuple[str, ...], 
     else:
         if not served_model or not port:
             raise click.UsageError("give --model and --port (or --policy FILE)")
+        from switchyard.sim.lora import parse_lora_modules
+
+        try:
+            modules = parse_lora_modules(lora_modules)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--lora-modules") from None
         configs = [EngineConfig(served_model=served_model, port=port, host=host, profile=profile,
                                 kv_cache_tokens=kv_cache_tokens, max_model_len=max_model_len,
-                                max_num_seqs=max_num_seqs, time_scale=time_scale, seed=seed)]
+                                max_num_seqs=max_num_seqs, time_scale=time_scale, seed=seed,
+                                enable_lora=enable_lora, max_loras=max_loras, max_cpu_loras=max_cpu_loras,
+                                lora_modules=modules, allow_runtime_lora=allow_runtime_lora)]
     if kv_events_config is not None:
         configs = _with_kv_events(configs, kv_events_config)
     control = ControlAddress(control_host, control_port) if control_port is not None else None

@@ -2,10 +2,14 @@
 
 Routes: ``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``POST /v1/embeddings``, ``GET /version``, ``GET|POST /ping``,
-``GET /load``, ``POST /tokenize`` (as vLLM's OpenAI server), ``POST /reset_prefix_cache`` (one of vLLM's
-development endpoints, served only with ``VLLM_SERVER_DEV_MODE=1`` there, always here), and ``GET/POST /sim/faults``,
-``GET /sim/state`` (simulator only; fault modes and rates are described in ``faults.py``). Unknown paths and
-methods get FastAPI's ``{"detail": …}`` answers, as from vLLM. The app's lifespan starts and stops the engine loop.
+``GET /load``, ``POST /tokenize``, ``POST /detokenize``, ``POST /v1/responses`` (``GET /v1/responses/{id}`` and
+``POST /v1/responses/{id}/cancel`` find nothing: no response is stored) (as vLLM's OpenAI server; with runtime
+LoRA updating also
+``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``, see ``lora_routes.py``),
+``POST /reset_prefix_cache`` (one of vLLM's development endpoints, served only with ``VLLM_SERVER_DEV_MODE=1``
+there, always here), and ``GET/POST /sim/faults``, ``GET /sim/state`` (simulator only; fault modes and rates
+are described in ``faults.py``). Unknown paths and methods get FastAPI's ``{"detail": …}`` answers, as from
+vLLM. The app's lifespan starts and stops the engine loop.
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ from switchyard.sim.config import EngineConfig, ResolvedConfig, resolve
 from switchyard.sim.embeddings import handle_embeddings
 from switchyard.sim.faults import FaultError
 from switchyard.sim.generate import handle_generation, send_json
+from switchyard.sim.lora_routes import adapter_cards, lora_route_handlers
 from switchyard.sim.metrics import EngineMetrics
 from switchyard.sim.protocol import ApiError
+from switchyard.sim.responses_api import cancel_response, handle_responses, retrieve_response
 from switchyard.sim.runtime import EngineRuntime
-from switchyard.sim.utility import load, ping, tokenize_endpoint, version
+from switchyard.sim.utility import detokenize_endpoint, load, ping, tokenize_endpoint, version
 
 _UNAVAILABLE = {mode: ApiError(503, f"Engine is unavailable (sim fault mode '{mode}').").body()
                 for mode in ("unavailable", "down")}
@@ -53,7 +59,7 @@ def _scope_engine(scope: Scope) -> EngineRuntime:
 
 @get("/v1/models", operation_id="listModels", sync_to_thread=False)
 def list_models(state: State) -> dict[str, Any]:
-    """vLLM's model list, with ``max_model_len``."""
+    """vLLM's model list, with ``max_model_len``; then the LoRA adapters registered."""
     cfg = _engine(state).config
     created = int(time.time())
     card = {
@@ -66,7 +72,7 @@ def list_models(state: State) -> dict[str, Any]:
             "allow_fine_tuning": False, "organization": "*", "group": None,
             "is_blocking": False}],
     }
-    return {"object": "list", "data": [card]}
+    return {"object": "list", "data": [card, *adapter_cards(_engine(state), created)]}
 
 
 async def send_empty_ok(scope: Scope, send: Send) -> None:
@@ -107,6 +113,12 @@ async def chat_completions(scope: Scope, receive: Receive, send: Send) -> None:
 async def embeddings(scope: Scope, receive: Receive, send: Send) -> None:
     """``POST /v1/embeddings`` (outside the engine's scheduler; see ``switchyard.sim.embeddings``)."""
     await handle_embeddings(_scope_engine(scope), scope, receive, send)  # type: ignore[arg-type]
+
+
+@asgi("/v1/responses", copy_scope=False)
+async def responses(scope: Scope, receive: Receive, send: Send) -> None:
+    """``POST /v1/responses`` (OpenAI's Responses API as vLLM serves it; see ``switchyard.sim.responses_api``)."""
+    await handle_responses(_scope_engine(scope), scope, receive, send)  # type: ignore[arg-type]
 
 
 @post("/reset_prefix_cache", operation_id="resetPrefixCache", status_code=200, sync_to_thread=False)
@@ -186,8 +198,9 @@ def build_app(config: ResolvedConfig) -> Litestar:
 
     return Litestar(
         route_handlers=[list_models, health, metrics, completions, chat_completions, embeddings,
+                        responses, retrieve_response, cancel_response, detokenize_endpoint,
                         version, ping, load, tokenize_endpoint, reset_prefix_cache, get_faults, set_faults,
-                        get_state],
+                        get_state, *lora_route_handlers(config)],
         state=State({"engine": engine, "metrics": EngineMetrics(engine)}),
         lifespan=[lifespan],
         middleware=[_unavailable_guard],

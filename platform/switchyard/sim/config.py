@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from switchyard.kvcache.config import KVEventsConfig, parse
 from switchyard.kvcache.publisher import config_for
+from switchyard.sim.lora import LoraModule, LoraSettings, lora_settings, runtime_updating_from_env
 from switchyard.sim.profiles import EngineProfile, get_profile
 
 
@@ -30,6 +31,12 @@ class EngineConfig:
         pool: Pool label (the policy pool's name), for targeting faults; None if unlabelled.
         kv_events: vLLM's ``--kv-events-config`` for this engine (its own endpoints); None
             publishes nothing.
+        enable_lora: vLLM's ``--enable-lora``: requests may name an adapter as their ``model``.
+        max_loras: ``--max-loras``: most distinct adapters in one batch (None: vLLM's 1).
+        max_cpu_loras: ``--max-cpu-loras``: adapters kept in the CPU cache (None: ``max_loras``).
+        lora_modules: ``--lora-modules``: adapters registered at start-up.
+        allow_runtime_lora: Serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
+            (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``); None reads that variable, as vLLM does.
     """
 
     served_model: str
@@ -44,6 +51,11 @@ class EngineConfig:
     region: str | None = None
     pool: str | None = None
     kv_events: KVEventsConfig | None = None
+    enable_lora: bool = False
+    max_loras: int | None = None
+    max_cpu_loras: int | None = None
+    lora_modules: tuple[LoraModule, ...] = ()
+    allow_runtime_lora: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,10 @@ class ResolvedConfig:
     region: str | None = None
     pool: str | None = None
     kv_events: KVEventsConfig | None = None
+    #: The LoRA settings, None without ``enable_lora``.
+    lora: LoraSettings | None = None
+    #: Whether the load/unload endpoints are served.
+    allow_runtime_lora: bool = False
 
     @property
     def url(self) -> str:
@@ -78,6 +94,9 @@ class ResolvedConfig:
         if events is not None and events.publishing:
             replay = f", replay {events.replay_endpoint}" if events.replay_endpoint else ""
             labels += f", kv events {events.endpoint}{replay}"
+        if self.lora is not None:
+            runtime = ", runtime loading" if self.allow_runtime_lora else ""
+            labels += f", lora {len(self.lora.modules)} adapters (max_loras {self.lora.max_loras}{runtime})"
         return (f"sim: {self.served_model} on http://{self.host}:{self.port} "
                 f"(profile {self.profile.name}, kv {self.kv_cache_tokens} tokens, "
                 f"max_model_len {self.max_model_len}{labels})")
@@ -118,12 +137,42 @@ def resolve(config: EngineConfig) -> ResolvedConfig:
     seqs = config.max_num_seqs if config.max_num_seqs is not None else profile.max_num_seqs
     if seqs < 1:
         raise ValueError(f"sim: max_num_seqs must be at least 1, got {seqs}")
+    lora: LoraSettings | None = None
+    if config.enable_lora:
+        lora = lora_settings(max_loras=config.max_loras, max_cpu_loras=config.max_cpu_loras,
+                             modules=config.lora_modules, served_model=config.served_model)
+    elif config.lora_modules:
+        raise ValueError("sim: --lora-modules needs --enable-lora")
+    runtime = runtime_updating_from_env() if config.allow_runtime_lora is None else config.allow_runtime_lora
     return ResolvedConfig(
         served_model=config.served_model, host=config.host, port=config.port, profile=profile,
         max_model_len=max_len, kv_cache_tokens=kv, max_num_seqs=seqs,
         max_num_batched_tokens=profile.max_num_batched_tokens,
         time_scale=config.time_scale, seed=config.seed, region=config.region, pool=config.pool,
-        kv_events=events)
+        kv_events=events, lora=lora, allow_runtime_lora=runtime)
+
+
+def with_pool_adapters(config: EngineConfig, adapters: Sequence[tuple[str, str | None]], *,
+                       max_loras: int | None = None, runtime_loading: bool = False) -> EngineConfig:
+    """A policy pool's engine with LoRA as the pool asks (``switchyard sim --policy``).
+
+    The engines enable LoRA when the pool serves adapters or sets ``max_loras``. With runtime loading they
+    start with no adapter and serve the load/unload endpoints (the gateway loads what it sends); without,
+    they start with the pool's adapters registered, as ``--lora-modules``. Without either, ``config`` is
+    returned as is.
+
+    Args:
+        config: The pool endpoint's engine.
+        adapters: (served name, path) of each model that is an adapter of the pool; a path left out is
+            the name (vLLM reads a path that is no directory as a Hugging Face repository id).
+        max_loras: The pool's ``max_loras`` (None: vLLM's default).
+        runtime_loading: The pool's ``runtime_lora_loading``.
+    """
+    if not adapters and max_loras is None:
+        return config
+    modules = () if runtime_loading else tuple(LoraModule(name, path or name) for name, path in adapters)
+    return dataclasses.replace(config, enable_lora=True, max_loras=max_loras, lora_modules=modules,
+                               allow_runtime_lora=runtime_loading)
 
 
 def with_kv_events(configs: Sequence[EngineConfig], kv_events_config: str) -> list[EngineConfig]:

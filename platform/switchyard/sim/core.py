@@ -18,6 +18,14 @@ Scheduling follows vLLM v1 with chunked prefill and ``--scheduling-policy priori
    blocks for its first chunk are free and fewer than ``max_num_seqs`` are running. The
    first one that does not fit stops admission (no overtaking), as in vLLM.
 
+With LoRA enabled (``lora``), step 2 also keeps a batch to ``max_loras`` distinct adapters, as vLLM's
+scheduler does: the adapters of the running requests scheduled in step 1 count, then each admitted
+request adds its own. A waiting request whose adapter is not among them once there are ``max_loras`` is
+*skipped* — set aside for this step (vLLM's ``deferred_waiting``, the ``deferred`` waiting reason) while
+the requests after it may still be admitted; the skipped go back to the queue in their order at the end
+of the step. Base-model requests are never skipped. Every adapter of a step's batch is then made
+resident in the engine's GPU slots (loading or copying it costs time in that step: ``lora.py``).
+
 KV-cache events (``enable_kv_events``): the block pool records evictions and resets, and
 ``register_full_blocks`` one ``BlockStored`` per request and step for the blocks that became
 full; at the end of each step that recorded any, they go to the sink as one batch, as vLLM's
@@ -31,12 +39,13 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from switchyard.kvcache.wire import MEDIUM_GPU, BlockStored, Event
 from switchyard.sim.fastpath import run_decodes
 from switchyard.sim.kv import HASH_MASK, BlockPool
+from switchyard.sim.lora import LoraCosts, LoraEngine, LoraSettings
 from switchyard.sim.profiles import EngineProfile
 from switchyard.sim.request import SimRequest, Status
 from switchyard.sim.stats import EngineStats
@@ -76,6 +85,23 @@ def _victim_key(req: SimRequest) -> tuple[int, float, int]:
     return (req.priority, req.arrival, req.seq)
 
 
+_Entry = tuple[int, float, int, SimRequest]
+
+
+def _heap_order(heap: list[_Entry]) -> Iterator[SimRequest]:
+    """The requests of a heap in pop order, without popping (O(k log k) for the first k)."""
+    if not heap:
+        return
+    frontier = [(heap[0], 0)]
+    size = len(heap)
+    while frontier:
+        entry, i = heapq.heappop(frontier)
+        yield entry[3]
+        for child in (2 * i + 1, 2 * i + 2):
+            if child < size:
+                heapq.heappush(frontier, (heap[child], child))
+
+
 class EngineCore:
     """Scheduler, KV cache and clock of one simulated engine.
 
@@ -87,11 +113,12 @@ class EngineCore:
         max_model_len: Context window (for the token-count histograms).
         frontend_overhead_s: Simulated delay between a request's arrival at the server and
             its arrival at the scheduler; None for the profile's.
+        lora: LoRA settings (``--enable-lora``); None serves the base model only.
     """
 
     def __init__(self, profile: EngineProfile, *, kv_cache_tokens: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
-                 frontend_overhead_s: float | None = None) -> None:
+                 frontend_overhead_s: float | None = None, lora: LoraSettings | None = None) -> None:
         self.profile = profile
         self.block_size = profile.block_size
         self.kv = BlockPool(kv_cache_tokens // profile.block_size)
@@ -111,6 +138,11 @@ class EngineCore:
         self.busy_seconds = 0.0
         #: Receives each step's KV-cache events (None: events are not recorded).
         self.kv_sink: Callable[[list[Event]], object] | None = None
+        #: The adapters' engine side (None without ``--enable-lora``).
+        self.lora: LoraEngine | None = None
+        if lora is not None:
+            self.lora = LoraEngine(lora, LoraCosts(profile.lora_load_s, profile.lora_activate_s,
+                                                   profile.lora_step_overhead_s))
 
     def enable_kv_events(self, sink: Callable[[list[Event]], object]) -> None:
         """Record KV-cache events from now on and hand each step's list to ``sink``."""
@@ -190,6 +222,8 @@ class EngineCore:
         else:
             return False
         self._release(req)
+        if self.lora is not None:
+            self.lora.untrack(req, req.first_token_at is not None)
         req.status = Status.FINISHED
         req.finish_reason = "abort"
         req.finished_at = self.now
@@ -210,6 +244,9 @@ class EngineCore:
         pending = self._pending
         if pending and not self.running and not self._waiting:
             self.now = max(self.now, pending[0].queued_at + self.profile.idle_wakeup_s)
+        lora = self.lora
+        if lora is not None and lora.busy_until > self.now:
+            self.now = lora.busy_until  # an adapter load that began while idle holds the engine
         start = self.now
         while pending and pending[0].queued_at <= start:
             req = pending.popleft()
@@ -238,7 +275,10 @@ class EngineCore:
                 budget -= n
 
         if not preempted:
-            budget = self._admit_waiting(start, budget, scheduled)
+            if lora is None:
+                budget = self._admit_waiting(start, budget, scheduled)
+            else:
+                budget = self._admit_waiting_lora(start, budget, scheduled, lora)
 
         return self._execute(start, scheduled, preempted)
 
@@ -262,36 +302,81 @@ class EngineCore:
             return False
         return self._admission(self._waiting[0][3], budget) is not None
 
+    def lora_skips(self, budget: int, lora: LoraEngine) -> list[SimRequest] | None:
+        """With LoRA, when every running request is scheduled next step: None if that step would admit a
+        waiting request with ``budget`` tokens left, else the waiting requests it would skip for the
+        adapter limit (those ahead of the first one it tries and cannot fit)."""
+        skipped: list[SimRequest] = []
+        if not self._waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
+            return skipped
+        loras = {r.lora.int_id for r in self.running if r.lora is not None}
+        for req in _heap_order(self._waiting):
+            adapter = req.lora
+            if adapter is not None and len(loras) >= lora.max_loras and adapter.int_id not in loras:
+                skipped.append(req)
+                continue
+            return None if self._admission(req, budget) is not None else skipped
+        return skipped
+
     @property
     def next_pending_at(self) -> float:
         """When the next request still in the API server reaches the scheduler (inf if none)."""
         return self._pending[0].queued_at if self._pending else float("inf")
 
     def _admit_waiting(self, start: float, budget: int, scheduled: dict[SimRequest, int]) -> int:
-        bs = self.block_size
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self._waiting[0][3]
             admission = self._admission(req, budget)
             if admission is None:
                 break
-            hits, n, need = admission
-            computed = len(hits) * bs
             heapq.heappop(self._waiting)
-            self.kv.touch(hits)
-            req.blocks = hits + self.kv.allocate(need)
-            req.num_computed = computed
-            req.num_registered = len(hits)
-            req.status = Status.RUNNING
-            self.running.append(req)
-            if req.scheduled_at is None:
-                req.scheduled_at = start
-                req.num_cached_tokens = computed
-                self.stats.prefix_queries += req.num_tokens
-                self.stats.prefix_hits += computed
-                self.stats.queue.observe(max(0.0, start - req.queued_at))
-            scheduled[req] = n
-            budget -= n
+            budget = self._admit(req, admission, start, scheduled, budget)
         return budget
+
+    def _admit_waiting_lora(self, start: float, budget: int, scheduled: dict[SimRequest, int],
+                            lora: LoraEngine) -> int:
+        """``_admit_waiting`` with vLLM's ``max_loras`` rule (see the module docstring)."""
+        waiting = self._waiting
+        loras = {r.lora.int_id for r in scheduled if r.lora is not None}
+        skipped: list[_Entry] = []
+        while waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = waiting[0][3]
+            adapter = req.lora
+            if adapter is not None and len(loras) >= lora.max_loras and adapter.int_id not in loras:
+                skipped.append(heapq.heappop(waiting))
+                lora.deferred[req] = None
+                continue
+            admission = self._admission(req, budget)
+            if admission is None:
+                break
+            heapq.heappop(waiting)
+            lora.deferred.pop(req, None)
+            budget = self._admit(req, admission, start, scheduled, budget)
+            if adapter is not None:
+                loras.add(adapter.int_id)
+        for entry in skipped:
+            heapq.heappush(waiting, entry)
+        return budget
+
+    def _admit(self, req: SimRequest, admission: tuple[list[int], int, int], start: float,
+               scheduled: dict[SimRequest, int], budget: int) -> int:
+        """Start (or resume) the waiting request ``req``, already off the queue; the budget left."""
+        hits, n, need = admission
+        computed = len(hits) * self.block_size
+        self.kv.touch(hits)
+        req.blocks = hits + self.kv.allocate(need)
+        req.num_computed = computed
+        req.num_registered = len(hits)
+        req.status = Status.RUNNING
+        self.running.append(req)
+        if req.scheduled_at is None:
+            req.scheduled_at = start
+            req.num_cached_tokens = computed
+            self.stats.prefix_queries += req.num_tokens
+            self.stats.prefix_hits += computed
+            self.stats.queue.observe(max(0.0, start - req.queued_at))
+        scheduled[req] = n
+        return budget - n
 
     def _execute(self, start: float, scheduled: dict[SimRequest, int],
                  preempted: list[SimRequest]) -> StepResult:
@@ -308,6 +393,9 @@ class EngineCore:
             duration = self.profile.step_seconds(tokens, len(scheduled), kv_read, pairs)
         else:
             duration = self.profile.step_overhead_s  # nothing fit: let time pass, no spin
+        lora = self.lora
+        if lora is not None:
+            duration += lora.prepare([r.lora for r in scheduled if r.lora is not None])
         duration *= self.slow_factor
         end = start + duration
         self.now = end
@@ -331,6 +419,8 @@ class EngineCore:
                 stats.prompt_tokens += len(req.prompt)
                 stats.prompt_tokens_cached += req.num_cached_tokens
                 first_prompts += len(req.prompt) - req.num_cached_tokens
+                if lora is not None:
+                    lora.track(req)
             else:
                 gap = end - req.last_token_at
                 itl[gap] = itl.get(gap, 0) + 1
@@ -349,6 +439,8 @@ class EngineCore:
             stats.itl.observe(gap, count)
         if result.finished:
             self.drop_finished()
+        if lora is not None:
+            lora.record(end)
         if self.kv.events:
             self.flush_kv_events()
         return result
@@ -423,13 +515,20 @@ class EngineCore:
             events = kv.events
             if events is not None:
                 salt = req.cache_salt
+                adapter = req.lora
+                extra_keys: list[tuple[str, ...] | None]
+                if adapter is None:
+                    extra_keys = [(salt,) if salt and i == 0 else None for i in range(done, full)]
+                else:  # vLLM's event keys: the adapter's name in every block, then the salt in the first
+                    name = adapter.name
+                    extra_keys = [(name, salt) if salt and i == 0 else (name,) for i in range(done, full)]
                 events.append(BlockStored(
                     block_hashes=[h & HASH_MASK for h in hashes[done:full]],
                     parent_block_hash=hashes[done - 1] & HASH_MASK if done else None,
-                    token_ids=req.tokens(done * bs, full * bs), block_size=bs, lora_id=None,
-                    medium=MEDIUM_GPU, lora_name=None,
-                    extra_keys=[(salt,) if salt and i == 0 else None for i in range(done, full)],
-                    group_idx=0))
+                    token_ids=req.tokens(done * bs, full * bs), block_size=bs,
+                    lora_id=None if adapter is None else adapter.int_id, medium=MEDIUM_GPU,
+                    lora_name=None if adapter is None else adapter.name,
+                    extra_keys=extra_keys, group_idx=0))
 
     def _preempt(self, req: SimRequest) -> None:
         self.running.remove(req)
@@ -447,6 +546,8 @@ class EngineCore:
     def finish(self, req: SimRequest, end: float) -> None:
         """Complete ``req`` at time ``end``: free its blocks, record its metrics."""
         self._release(req)
+        if self.lora is not None:
+            self.lora.untrack(req, True)
         req.status = Status.FINISHED
         reason = req.final_reason
         req.finish_reason = reason

@@ -7,7 +7,10 @@ step's wall-clock budget. ``run_decodes`` recognises such a run and applies K st
 step durations are computed per step (they grow as contexts grow), then every request gets
 its K tokens and blocks in one pass. It refuses (returns 0) whenever a step could do anything
 else, so ``EngineCore.advance`` falls back to ``step()``; the outcome — clock, tokens, KV
-blocks, metrics — is identical to stepping one at a time (a unit test checks this).
+blocks, metrics — is identical to stepping one at a time (a unit test checks this). With LoRA, a run
+keeps its batch and so its adapters: each step adds their per-adapter cost, a step that would load or copy
+an adapter (or wait for a runtime load) is left to ``step()``, and the waiting requests every step of the
+run would skip for the adapter limit are marked deferred, as those steps would.
 """
 
 from __future__ import annotations
@@ -46,8 +49,20 @@ def run_decodes(core: EngineCore, until: float, max_steps: int,
     if remaining is None:
         return 0  # someone is still prefilling
     # Admission only gets harder while decodes grow, so a blocked queue head stays blocked.
-    if core.head_admissible(core.max_num_batched_tokens - batch):
-        return 0
+    lora = core.lora
+    extra = 0.0
+    skipped: list[SimRequest] | None = None
+    if lora is None:
+        if core.head_admissible(core.max_num_batched_tokens - batch):
+            return 0
+    else:
+        # With adapters the batch and so the skipped waiting requests stay the same for the whole run,
+        # and so does the first one tried; a step that loads or copies an adapter is not a plain decode.
+        skipped = core.lora_skips(core.max_num_batched_tokens - batch, lora)
+        overhead = lora.decode_overhead(running)
+        if skipped is None or overhead is None:
+            return 0
+        extra = overhead
 
     profile, factor = core.profile, core.slow_factor
     context = sum(r.num_computed for r in running)
@@ -60,7 +75,7 @@ def run_decodes(core: EngineCore, until: float, max_steps: int,
         if ends and (t >= until or t >= next_arrival):
             break
         kv_read = context + batch * (len(ends) + 1)
-        d = profile.step_seconds(batch, batch, kv_read, kv_read) * factor
+        d = (profile.step_seconds(batch, batch, kv_read, kv_read) + extra) * factor
         durations.append(d)
         t = t + d
         ends.append(t)
@@ -80,6 +95,8 @@ def run_decodes(core: EngineCore, until: float, max_steps: int,
             return 0
         ends, durations = ends[:k], durations[:k]
 
+    if lora is not None and skipped:
+        lora.deferred.update(dict.fromkeys(skipped))
     _apply(core, k, ends, durations, emitted)
     return k
 
@@ -107,6 +124,11 @@ def _apply(core: EngineCore, k: int, ends: list[float], durations: list[float],
     end = ends[-1]
     core.now = end
 
+    lora = core.lora
+    if lora is not None:
+        lora.touch(running)
+        if k > 1:
+            lora.record(ends[-2])  # the run's last step may finish requests: it records after them
     kv, bs = core.kv, core.block_size
     finished: list[SimRequest] = []
     if kv.events is not None:
@@ -127,6 +149,8 @@ def _apply(core: EngineCore, k: int, ends: list[float], durations: list[float],
         core.finish(r, end)
     if finished:
         core.drop_finished()
+    if lora is not None:
+        lora.record(end)
 
 
 def _blocks_step_by_step(core: EngineCore, k: int) -> None:

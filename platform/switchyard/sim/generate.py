@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 from switchyard.sim.faults import GARBAGE_MODES
 from switchyard.sim.garbage import send_garbage
+from switchyard.sim.lora import LoraAdapter
 from switchyard.sim.protocol import (
     ApiError,
     GenerationSpec,
@@ -139,9 +140,14 @@ async def handle_generation(engine: EngineRuntime, chat: bool, scope: Scope, rec
         return
     cfg = engine.config
     try:
-        spec = parse_generation(decode_body(accepted.body), chat=chat, served_model=cfg.served_model,
+        body = decode_body(accepted.body)
+        # A ``model`` naming a LoRA adapter runs on the base model with it, and answers under its name.
+        adapter = engine.adapter(body.get("model"))
+        spec = parse_generation(body, chat=chat, served_model=cfg.served_model if adapter is None else adapter.name,
                                 vocab_size=cfg.profile.vocab_size, max_model_len=cfg.max_model_len)
     except ApiError as exc:
+        if exc.status == 404:
+            engine.unknown_model()
         await send_json(send, exc.status, exc.body())
         return
 
@@ -158,7 +164,8 @@ async def handle_generation(engine: EngineRuntime, chat: bool, scope: Scope, rec
         traceparent = headers.get(b"traceparent")
         if traceparent is not None:
             engine.trace_contexts.append({"request_id": request_id, "traceparent": traceparent.decode("latin-1")})
-        shaper = ResponseShaper(chat=chat, model=cfg.served_model, request_id=request_id,
+        shaper = ResponseShaper(chat=chat, model=cfg.served_model if adapter is None else adapter.name,
+                                request_id=request_id,
                                 choices=len(spec.prompts) * spec.n, fingerprint=engine.fingerprint,
                                 include_usage=spec.include_usage, role=spec.role)
         if engine.faults.mode in GARBAGE_MODES:
@@ -166,7 +173,7 @@ async def handle_generation(engine: EngineRuntime, chat: bool, scope: Scope, rec
             return
         waker = Waker()
         # Choice p * n + j is the j-th sample of prompt p, as vLLM numbers them.
-        channels = [_submit(engine, spec, shaper.id, p * spec.n + j, j, prompt, waker, requests)
+        channels = [_submit(engine, spec, shaper.id, p * spec.n + j, j, prompt, waker, requests, adapter)
                     for p, prompt in enumerate(spec.prompts) for j in range(spec.n)]
         abort_after = engine.faults.abort_after_tokens if accepted.abort else None
         if spec.stream:
@@ -184,7 +191,7 @@ async def handle_generation(engine: EngineRuntime, chat: bool, scope: Scope, rec
 
 
 def _submit(engine: EngineRuntime, spec: GenerationSpec, base_id: str, index: int, sample: int,
-            prompt: list[int], waker: Waker, requests: list[SimRequest]) -> Channel:
+            prompt: list[int], waker: Waker, requests: list[SimRequest], adapter: LoraAdapter | None = None) -> Channel:
     cfg = engine.config
     n, reason, seed = plan_output(spec, prompt, cfg.max_model_len, cfg.seed, sample)
     start = 1 if spec.continues else 0  # a continued message goes on mid-sentence
@@ -198,7 +205,7 @@ def _submit(engine: EngineRuntime, spec: GenerationSpec, base_id: str, index: in
                      budget=room if spec.max_tokens is None else min(spec.max_tokens, room),
                      n_param=spec.n if sample == 0 else 0,
                      stop_reason=stop[1] if stop else None, text_len=stop[2] if stop else None,
-                     text_start=start)
+                     text_start=start, lora=adapter)
     channel = Channel(req, waker)
     requests.append(req)
     engine.submit(req, channel)

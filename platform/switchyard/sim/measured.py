@@ -23,6 +23,8 @@ Files are JSON (``.json``) or YAML (``.yaml``/``.yml``), with the same fields::
     step_time: {step_s, per_seq_s, per_token_s, per_attn_pair_s, weights_s, per_kv_token_s}
     frontend_overhead_s: seconds between a request reaching the server and the scheduler
     idle_wakeup_s: extra seconds before an idle engine's first step (optional, default 0)
+    lora: {load_s, activate_s, step_s}: LoRA adapter costs (optional; default: a rank-16 adapter of
+          an 8B model on one H100, see ``lora.py``)
     provenance: free-form mapping (sources of each coefficient, fit quality, engine, date)
 """
 
@@ -36,6 +38,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import msgspec
+
+from switchyard.sim.lora import DEFAULT_LORA_COSTS
 
 #: The ``format`` value this version reads and writes.
 PROFILE_FORMAT = "switchyard.sim.profile/1"
@@ -106,6 +110,9 @@ class MeasuredProfile:
         max_num_batched_tokens: Per-step token budget (chunked prefill).
         block_size: Tokens per KV block.
         provenance: Where every number came from (free-form, kept as read).
+        lora_load_s: Reading a LoRA adapter not in the CPU cache into a GPU slot.
+        lora_activate_s: Copying a CPU-cached adapter into a GPU slot.
+        lora_step_overhead_s: Added to a step per distinct adapter in its batch.
     """
 
     name: str
@@ -121,6 +128,9 @@ class MeasuredProfile:
     block_size: int
     idle_wakeup_s: float = 0.0
     provenance: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    lora_load_s: float = DEFAULT_LORA_COSTS.load_s
+    lora_activate_s: float = DEFAULT_LORA_COSTS.activate_s
+    lora_step_overhead_s: float = DEFAULT_LORA_COSTS.step_s
 
     @property
     def step_overhead_s(self) -> float:
@@ -157,6 +167,12 @@ class _StepTime(msgspec.Struct, forbid_unknown_fields=True):
     per_kv_token_s: Seconds
 
 
+class _LoraCosts(msgspec.Struct, forbid_unknown_fields=True):
+    load_s: Seconds = DEFAULT_LORA_COSTS.load_s
+    activate_s: Seconds = DEFAULT_LORA_COSTS.activate_s
+    step_s: Seconds = DEFAULT_LORA_COSTS.step_s
+
+
 class _ProfileDoc(msgspec.Struct, forbid_unknown_fields=True):
     format: str
     name: Annotated[str, msgspec.Meta(min_length=1)]
@@ -166,12 +182,13 @@ class _ProfileDoc(msgspec.Struct, forbid_unknown_fields=True):
     step_time: _StepTime
     frontend_overhead_s: Seconds
     idle_wakeup_s: Seconds = 0.0
+    lora: _LoraCosts | None = None
     provenance: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 def profile_to_dict(profile: MeasuredProfile) -> dict[str, Any]:
-    """The file representation of a profile (plain JSON types, in file order)."""
-    return {
+    """The file representation of a profile (plain JSON types, in file order; ``lora`` only when set)."""
+    doc: dict[str, Any] = {
         "format": PROFILE_FORMAT,
         "name": profile.name,
         "model": profile.model,
@@ -187,8 +204,14 @@ def profile_to_dict(profile: MeasuredProfile) -> dict[str, Any]:
         "step_time": profile.step_time.as_dict(),
         "frontend_overhead_s": profile.frontend_overhead_s,
         "idle_wakeup_s": profile.idle_wakeup_s,
-        "provenance": dict(profile.provenance),
     }
+    lora = {"load_s": profile.lora_load_s, "activate_s": profile.lora_activate_s,
+            "step_s": profile.lora_step_overhead_s}
+    if lora != {"load_s": DEFAULT_LORA_COSTS.load_s, "activate_s": DEFAULT_LORA_COSTS.activate_s,
+                "step_s": DEFAULT_LORA_COSTS.step_s}:
+        doc["lora"] = lora
+    doc["provenance"] = dict(profile.provenance)
+    return doc
 
 
 def profile_from_dict(data: object, source: str = "<profile>") -> MeasuredProfile:
@@ -219,6 +242,10 @@ def profile_from_dict(data: object, source: str = "<profile>") -> MeasuredProfil
     for name in ("frontend_overhead_s", "idle_wakeup_s"):
         if not math.isfinite(getattr(doc, name)):
             raise ProfileFileError(f"sim: profile {source}: {name} must be a finite number")
+    lora = doc.lora or _LoraCosts()
+    for name, value in msgspec.structs.asdict(lora).items():
+        if not math.isfinite(value):
+            raise ProfileFileError(f"sim: profile {source}: lora.{name} must be a finite number")
     lim = doc.limits
     if lim.kv_cache_tokens < lim.block_size:
         raise ProfileFileError(f"sim: profile {source}: limits.kv_cache_tokens "
@@ -236,7 +263,8 @@ def profile_from_dict(data: object, source: str = "<profile>") -> MeasuredProfil
         frontend_overhead_s=doc.frontend_overhead_s, vocab_size=lim.vocab_size,
         kv_cache_tokens=lim.kv_cache_tokens, max_model_len=lim.max_model_len,
         max_num_seqs=lim.max_num_seqs, max_num_batched_tokens=lim.max_num_batched_tokens,
-        block_size=lim.block_size, idle_wakeup_s=doc.idle_wakeup_s, provenance=doc.provenance)
+        block_size=lim.block_size, idle_wakeup_s=doc.idle_wakeup_s, provenance=doc.provenance,
+        lora_load_s=lora.load_s, lora_activate_s=lora.activate_s, lora_step_overhead_s=lora.step_s)
 
 
 def load_profile_file(path: str | Path) -> MeasuredProfile:

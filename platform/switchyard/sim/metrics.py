@@ -110,8 +110,9 @@ class EngineCollector(Collector):
             "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling "
             "capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked "
             "status). Sum of all reasons equals vllm:num_requests_waiting.", labels=[*_LABELS, "reason"])
-        by_reason.add_metric([*labels, "capacity"], float(core.num_waiting))
-        by_reason.add_metric([*labels, "deferred"], 0.0)
+        deferred = 0 if core.lora is None else len(core.lora.deferred)
+        by_reason.add_metric([*labels, "capacity"], float(core.num_waiting - deferred))
+        by_reason.add_metric([*labels, "deferred"], float(deferred))
         yield by_reason
         sleep = GaugeMetricFamily(
             "vllm:engine_sleep_state",
@@ -164,6 +165,8 @@ class EngineCollector(Collector):
             {(reason,): 0.0 for reason in _ADMISSION_REASONS}, ("reason",), labels=["model_name"])
         for attr, name, doc in _HISTOGRAMS:
             yield self._histogram(name, doc, getattr(stats, attr))
+        if core.lora is not None:
+            yield self._lora_requests_info()
         yield self._cache_config_info()
 
     def _gauge(self, name: str, doc: str, value: float) -> Metric:
@@ -176,6 +179,25 @@ class EngineCollector(Collector):
         family.add_metric(self.labels, buckets=hist.cumulative(), sum_value=hist.sum)
         family.samples.append(Sample(f"{name}_created", dict(zip(_LABELS, self.labels, strict=True)),
                                      self.created))
+        return family
+
+    def _lora_requests_info(self) -> Metric:
+        """``vllm:lora_requests_info``, as vLLM 0.32's Prometheus logger keeps it.
+
+        vLLM sets this gauge to the current Unix time after every engine step, labelled with ``max_lora`` and
+        the comma-separated names of the adapters that have requests in flight (in the order the API server
+        first saw their output). It fills both ``running_lora_adapters`` and ``waiting_lora_adapters`` from
+        one per-adapter table, so the two lists always name the same adapters. A label set once written stays
+        in the exposition with the time it was last set, so there is one sample per list of adapters the
+        engine ever ran (an empty list included). No ``model_name``/``engine`` labels.
+        """
+        lora = self.engine.core.lora
+        assert lora is not None
+        family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                   labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        max_lora = str(lora.max_loras)
+        for names, t in lora.info.items():
+            family.add_metric([max_lora, names, names], self.engine.sim_to_epoch(t))
         return family
 
     def _cache_config_info(self) -> Metric:

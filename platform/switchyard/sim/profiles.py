@@ -25,6 +25,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Protocol
 
+from switchyard.sim.lora import DEFAULT_LORA_COSTS, LoraCosts, adapter_bytes, lora_costs
 from switchyard.sim.measured import (
     PROFILE_SUFFIXES,
     StepTimeModel,
@@ -66,6 +67,14 @@ def attention_flops_per_pair(layers: int, heads: int, head_dim: int) -> int:
     return 2 * 2 * heads * head_dim * layers
 
 
+def rank16_lora_costs(*, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+                      gpus: int, hbm_bandwidth: float, bandwidth_efficiency: float) -> LoraCosts:
+    """The costs of a rank-16 adapter on every linear layer of the model (see ``lora.lora_costs``)."""
+    size = adapter_bytes(hidden=hidden, intermediate=intermediate, layers=layers, q_dim=heads * head_dim,
+                         kv_dim=kv_heads * head_dim)
+    return lora_costs(size, gpus=gpus, hbm_bytes_s=hbm_bandwidth * bandwidth_efficiency)
+
+
 def derived_kv_cache_tokens(gpus: int, weight_bytes: int, kv_per_token: int) -> int:
     """KV capacity vLLM would report: usable memory minus weights and reserve, in whole blocks."""
     usable = gpus * (H100_MEMORY_BYTES * VLLM_GPU_MEMORY_UTILIZATION - RESERVED_BYTES_PER_GPU)
@@ -101,6 +110,9 @@ class HardwareProfile:
         max_num_seqs: Default maximum running sequences.
         max_num_batched_tokens: Per-step token budget (chunked prefill).
         block_size: Tokens per KV block.
+        lora_load_s: Reading a LoRA adapter that is not in the CPU cache into a GPU slot (``lora.py``).
+        lora_activate_s: Copying a CPU-cached adapter into a GPU slot.
+        lora_step_overhead_s: Added to a step per distinct adapter in its batch.
     """
 
     name: str
@@ -125,6 +137,9 @@ class HardwareProfile:
     max_num_batched_tokens: int = VLLM_H100_MAX_NUM_BATCHED_TOKENS
     block_size: int = VLLM_BLOCK_SIZE
     idle_wakeup_s: float = 0.0
+    lora_load_s: float = DEFAULT_LORA_COSTS.load_s
+    lora_activate_s: float = DEFAULT_LORA_COSTS.activate_s
+    lora_step_overhead_s: float = DEFAULT_LORA_COSTS.step_s
 
     def step_seconds(self, num_tokens: int, num_seqs: int, kv_read_tokens: int,
                      attn_pairs: int) -> float:
@@ -187,6 +202,12 @@ class EngineProfile(Protocol):
     def max_num_batched_tokens(self) -> int: ...
     @property
     def block_size(self) -> int: ...
+    @property
+    def lora_load_s(self) -> float: ...
+    @property
+    def lora_activate_s(self) -> float: ...
+    @property
+    def lora_step_overhead_s(self) -> float: ...
 
     def step_seconds(self, num_tokens: int, num_seqs: int, kv_read_tokens: int,
                      attn_pairs: int) -> float:
@@ -197,10 +218,13 @@ def _llama31_8b() -> HardwareProfile:
     # meta-llama/Llama-3.1-8B-Instruct config.json: hidden_size 4096, num_hidden_layers 32,
     # num_attention_heads 32, num_key_value_heads 8, head_dim 128, vocab_size 128256,
     # max_position_embeddings 131072; 8,030,261,248 parameters (model card: 8.03B).
+    # intermediate_size 14336 (the rank-16 LoRA adapter size below needs it).
     params = 8_030_261_248
     embedding = 128_256 * 4096  # the input embedding is a lookup, not a matmul
     weights = params * BF16_BYTES  # 16.06 GB; vLLM logs "Model loading took 14.99 GiB"
     kv = kv_bytes_per_token(layers=32, kv_heads=8, head_dim=128)  # 131,072 B = 128 KiB
+    lora = rank16_lora_costs(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
+                             head_dim=128, gpus=1, hbm_bandwidth=H100_SXM_HBM_BANDWIDTH, bandwidth_efficiency=0.80)
     return HardwareProfile(
         name="h100-8b",
         model="meta-llama/Llama-3.1-8B-Instruct",
@@ -225,6 +249,9 @@ def _llama31_8b() -> HardwareProfile:
         # vLLM would default to 131072 (max_position_embeddings); deployments of the small
         # model usually pass --max-model-len 8192, which is what this profile models.
         max_model_len=8192,
+        lora_load_s=lora.load_s,
+        lora_activate_s=lora.activate_s,
+        lora_step_overhead_s=lora.step_s,
     )
 
 
@@ -232,11 +259,14 @@ def _qwen25_32b() -> HardwareProfile:
     # Qwen/Qwen2.5-32B-Instruct config.json: hidden_size 5120, num_hidden_layers 64,
     # num_attention_heads 40, num_key_value_heads 8, head_dim 128, vocab_size 152064,
     # max_position_embeddings 32768; 32,763,876,352 parameters (model card: 32.5B).
+    # intermediate_size 27648.
     # 65.5 GB of BF16 weights do not leave room for a KV cache on one 80GB GPU: TP=2.
     params = 32_763_876_352
     embedding = 152_064 * 5120
     weights = params * BF16_BYTES
     kv = kv_bytes_per_token(layers=64, kv_heads=8, head_dim=128)  # 262,144 B = 256 KiB
+    lora = rank16_lora_costs(hidden=5120, intermediate=27648, layers=64, heads=40, kv_heads=8,
+                             head_dim=128, gpus=2, hbm_bandwidth=2 * H100_SXM_HBM_BANDWIDTH, bandwidth_efficiency=0.77)
     return HardwareProfile(
         name="h100-32b",
         model="Qwen/Qwen2.5-32B-Instruct",
@@ -257,6 +287,9 @@ def _qwen25_32b() -> HardwareProfile:
         vocab_size=152_064,
         kv_cache_tokens=derived_kv_cache_tokens(2, weights, kv),  # ~300k tokens
         max_model_len=16384,
+        lora_load_s=lora.load_s,
+        lora_activate_s=lora.activate_s,
+        lora_step_overhead_s=lora.step_s,
     )
 
 
@@ -264,10 +297,13 @@ def _llama31_70b() -> HardwareProfile:
     # meta-llama/Llama-3.1-70B-Instruct config.json: hidden_size 8192, num_hidden_layers 80,
     # num_attention_heads 64, num_key_value_heads 8, head_dim 128, vocab_size 128256,
     # max_position_embeddings 131072; 70,553,706,496 parameters (model card: 70.6B).
+    # intermediate_size 28672.
     params = 70_553_706_496
     embedding = 128_256 * 8192
     weights = params * BF16_BYTES  # 141.1 GB, 35.3 GB per GPU at TP=4
     kv = kv_bytes_per_token(layers=80, kv_heads=8, head_dim=128)  # 327,680 B = 320 KiB
+    lora = rank16_lora_costs(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8,
+                             head_dim=128, gpus=4, hbm_bandwidth=4 * H100_SXM_HBM_BANDWIDTH, bandwidth_efficiency=0.75)
     return HardwareProfile(
         name="h100-70b",
         model="meta-llama/Llama-3.1-70B-Instruct",
@@ -290,6 +326,9 @@ def _llama31_70b() -> HardwareProfile:
         vocab_size=128_256,
         kv_cache_tokens=derived_kv_cache_tokens(4, weights, kv),  # ~450k tokens
         max_model_len=32768,
+        lora_load_s=lora.load_s,
+        lora_activate_s=lora.activate_s,
+        lora_step_overhead_s=lora.step_s,
     )
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from switchyard.sim.kv import ROOT_HASH, chain_hashes
+from switchyard.sim.lora import LoraAdapter
 from switchyard.simtext.tokens import filler_ids
 
 
@@ -45,6 +46,7 @@ class SimRequest:
             string), or None for all of it.
         text_start: Where in the seed's filler text the output starts: 0 opens a sentence, 1
             continues one (a chat's ``continue_final_message``).
+        lora: The LoRA adapter it runs with (its ``model`` named one), None for the base model.
     """
 
     request_id: str
@@ -60,6 +62,7 @@ class SimRequest:
     stop_reason: str | None = None
     text_len: int | None = None
     text_start: int = 0
+    lora: LoraAdapter | None = None
     seq: int = 0
     status: Status = Status.WAITING
     output: list[int] = field(default_factory=list)
@@ -106,4 +109,9 @@ class SimRequest:
         return hashes[:count]
 
     def _root(self) -> int:
+        # vLLM puts the adapter's name and path in every block's extra keys (the salt in the first one's):
+        # chained from a root that holds them, no block of one adapter's prefix matches another's.
+        lora = self.lora
+        if lora is not None:
+            return hash((ROOT_HASH, self.cache_salt, "lora", lora.name, lora.path))
         return ROOT_HASH if self.cache_salt is None else hash((ROOT_HASH, self.cache_salt))

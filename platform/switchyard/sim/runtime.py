@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 from collections import deque
 from typing import Any, Protocol
 
@@ -31,6 +32,7 @@ from switchyard.kvcache.publisher import Publisher, open_publisher
 from switchyard.sim.config import ResolvedConfig
 from switchyard.sim.core import EngineCore
 from switchyard.sim.faults import FaultState
+from switchyard.sim.lora import LoraAdapter, LoraRegistry, LoraRequestError
 from switchyard.sim.request import SimRequest, Status
 from switchyard.sim.responses import system_fingerprint
 
@@ -121,7 +123,14 @@ class EngineRuntime:
             config.profile, kv_cache_tokens=config.kv_cache_tokens,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len)
+            max_model_len=config.max_model_len, lora=config.lora)
+        #: The adapters requests may name (None without ``--enable-lora`` or runtime updating).
+        self.loras: LoraRegistry | None = None
+        if config.lora is not None or config.allow_runtime_lora:
+            self.loras = LoraRegistry(config.served_model, config.lora.modules if config.lora else ())
+            if self.core.lora is not None:
+                for adapter in self.loras.adapters.values():
+                    self.core.lora.preload(adapter)
         self.faults = FaultState(config.seed)
         #: The W3C ``traceparent`` of the last requests that sent one, with their ``x-request-id``
         #: (vLLM continues such a trace in its own spans when it exports any).
@@ -229,6 +238,14 @@ class EngineRuntime:
 
     # --- clock -------------------------------------------------------------------------------
 
+    def sim_to_epoch(self, t: float) -> float:
+        """The Unix time of simulated time ``t`` (never later than now: a step computed ahead of the wall
+        clock is reported as happening now)."""
+        now = time.time()
+        if self._loop is None:
+            return now
+        return now - max(0.0, self.wall_to_sim() - t) / self.scale
+
     def _loop_or_fail(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
             raise RuntimeError("the engine is not started")
@@ -259,6 +276,56 @@ class EngineRuntime:
         self._live.add(req)
         self.core.add_request(req)
         self._wake.set()
+
+    def adapter(self, model: object) -> LoraAdapter | None:
+        """The adapter a request's ``model`` names, None for the base model or a name not registered."""
+        return None if self.loras is None else self.loras.get(model)
+
+    def unknown_model(self) -> None:
+        """A request named a model that is neither the base model nor an adapter (answered 404): with
+        runtime updating vLLM first tries its LoRA resolvers, which spends an adapter id."""
+        if self.loras is not None and self.config.allow_runtime_lora:
+            self.loras.spend_id()
+
+    def load_adapter(self, name: str, path: str, load_inplace: bool = False) -> float:
+        """``POST /v1/load_lora_adapter``: register the adapter and have the engine load it.
+
+        Returns:
+            Simulated time the engine has it loaded (when vLLM answers).
+
+        Raises:
+            LoraRequestError: vLLM's refusal (a 400; a 500 when LoRA is not enabled).
+        """
+        registry = self.loras
+        lora = self.core.lora
+        if registry is None:  # not served then: the routes exist only with runtime updating
+            raise LoraRequestError(404, "Not Found", "NotFoundError")
+        registry.check_load(name, path, load_inplace=load_inplace)
+        if lora is None:  # runtime updating without --enable-lora: the worker's add_lora fails
+            if registry.get(name) is None:
+                registry.spend_id()
+            raise LoraRequestError(500, "Call to add_lora method failed: LoRA is not enabled. Use --enable-lora "
+                                   "to enable LoRA.", "InternalServerError")
+        adapter = registry.load(name, path, load_inplace=load_inplace)
+        done = lora.add_lora(adapter, self.clock(), self.core.has_work(), reload=load_inplace)
+        self._wake.set()
+        return done
+
+    def unload_adapter(self, name: str) -> None:
+        """``POST /v1/unload_lora_adapter``: forget the name (the engine keeps the weights cached).
+
+        Raises:
+            LoraRequestError: vLLM's 400 (no name) or 404 (not loaded).
+        """
+        if self.loras is None:
+            raise LoraRequestError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        self.loras.unload(name)
+
+    async def sleep_until(self, t: float) -> None:
+        """Wait until the anchored simulated clock reaches ``t``."""
+        delay = (t - self.wall_to_sim()) / self.scale
+        if delay > 0:
+            await asyncio.sleep(delay)
 
     def abort(self, req: SimRequest) -> None:
         """Abort a request (frees its KV blocks) and wake its handler."""
@@ -358,7 +425,20 @@ class EngineRuntime:
             "listening": self.listening,
             "trace_contexts": list(self.trace_contexts),
             "kv_events": self._kv_events_state(),
+            "lora": self._lora_state(),
         }
+
+    def _lora_state(self) -> dict[str, Any] | None:
+        registry, lora = self.loras, self.core.lora
+        if registry is None and lora is None:
+            return None
+        state: dict[str, Any] = {"enabled": lora is not None, "runtime_updating": self.config.allow_runtime_lora}
+        if registry is not None:
+            state["registered"] = [{"name": a.name, "id": a.int_id, "path": a.path}
+                                   for a in registry.adapters.values()]
+        if lora is not None:
+            state.update(lora.snapshot())
+        return state
 
     def _kv_events_state(self) -> dict[str, Any] | None:
         pub = self.kv_publisher

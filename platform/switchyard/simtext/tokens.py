@@ -37,6 +37,7 @@ SPECIAL_TOKENS: dict[str, int] = {
     "<|python_tag|>": 128_010,
 }
 
+_SPECIAL_NAMES = {i: name for name, i in SPECIAL_TOKENS.items()}
 _SPECIAL = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TOKENS) + ")")
 _PIECE = re.compile(
     r" ?[^\W\d_]+"  # a word with its leading space
@@ -51,6 +52,8 @@ _SYMBOL_CHUNK = 3
 _SPACE_CHUNK = 8
 _CACHE_LIMIT = 200_000
 _cache: dict[str, tuple[int, ...]] = {}
+#: Text of each id the tokenizer has produced in this process (``token_text``), cleared with ``_cache``.
+_text_of: dict[int, str] = {}
 
 
 def _chunk_id(chunk: str) -> int:
@@ -71,7 +74,9 @@ def _piece_ids(piece: str) -> tuple[int, ...]:
     # The leading space rides with the first chunk, as in byte-level BPE.
     first = lead + size
     chunks = [piece[:first], *(piece[i:i + size] for i in range(first, len(piece), size))]
-    return tuple(_chunk_id(c) for c in chunks)
+    ids = tuple(_chunk_id(c) for c in chunks)
+    _text_of.update(zip(ids, chunks, strict=True))
+    return ids
 
 
 def tokenize(text: str) -> list[int]:
@@ -94,12 +99,20 @@ def tokenize(text: str) -> list[int]:
         for piece in _PIECE.findall(part):
             got = cache.get(piece)
             if got is None:
-                got = _piece_ids(piece)
                 if len(cache) >= _CACHE_LIMIT:
                     cache.clear()
+                    _text_of.clear()
+                got = _piece_ids(piece)
                 cache[piece] = got
             ids.extend(got)
     return ids
+
+
+def token_text(token_id: int) -> str | None:
+    """Text of a token id: a special token's name, a generated word, or the text of a chunk this process has
+    tokenized (ids are hashes: others cannot be turned back into text); None for any other id."""
+    known = _SPECIAL_NAMES.get(token_id) or VOCAB_TEXT.get(token_id)
+    return known if known is not None else _text_of.get(token_id)
 
 
 def count_tokens(text: str) -> int:

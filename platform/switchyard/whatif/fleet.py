@@ -14,7 +14,7 @@ from pathlib import Path
 from switchyard.decide.views import Candidate, EndpointView
 from switchyard.policy.fleet import Pool
 from switchyard.policy.snapshot import PolicySnapshot
-from switchyard.sim.config import EngineConfig, ResolvedConfig, resolve
+from switchyard.sim.config import EngineConfig, ResolvedConfig, resolve, with_pool_adapters
 from switchyard.sim.core import EngineCore
 from switchyard.sim.profiles import looks_like_profile_path
 from switchyard.sim.request import SimRequest
@@ -35,11 +35,14 @@ def pool_context(snapshot: PolicySnapshot, pool: Pool) -> int | None:
 
 def pool_engine_config(snapshot: PolicySnapshot, pool: Pool, *, port: int = 0, host: str = "127.0.0.1",
                        time_scale: float = 1.0, seed: int = 0, base_dir: Path | None = None) -> EngineConfig:
-    """The simulated engine of one endpoint of ``pool``."""
-    return EngineConfig(served_model=pool.served_model, port=port, host=host,
-                        profile=pool_profile(pool, base_dir), kv_cache_tokens=pool.kv_cache_tokens,
-                        max_model_len=pool_context(snapshot, pool), max_num_seqs=pool.max_num_seqs,
-                        time_scale=time_scale, seed=seed, region=pool.region, pool=pool.name)
+    """The simulated engine of one endpoint of ``pool`` (with LoRA when the pool serves adapters)."""
+    config = EngineConfig(served_model=pool.served_model, port=port, host=host,
+                          profile=pool_profile(pool, base_dir), kv_cache_tokens=pool.kv_cache_tokens,
+                          max_model_len=pool_context(snapshot, pool), max_num_seqs=pool.max_num_seqs,
+                          time_scale=time_scale, seed=seed, region=pool.region, pool=pool.name)
+    adapters = [(m.served_name, m.adapter_path) for m in snapshot.models.values()
+                if m.adapter_of == pool.name and m.served_name is not None]
+    return with_pool_adapters(config, adapters, max_loras=pool.max_loras, runtime_loading=pool.runtime_lora_loading)
 
 
 class FleetError(ValueError):
