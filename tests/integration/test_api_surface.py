@@ -15,7 +15,6 @@ import json
 import struct
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -69,7 +68,7 @@ tiers:
 cache:
   - {{name: embeddings, match: {{models: [embed]}}, ttl: 10m}}
 resilience:
-  health: {{probe_interval: 60}}
+  health: {{probe_interval: 1}}
   breakers:
     endpoint: {{consecutive_failures: 1000, min_requests: 100000, open_for: 60}}
     pool: {{consecutive_failures: 1000, min_requests: 100000}}
@@ -221,6 +220,132 @@ def test_a_batch_of_embedding_lines(gw: Gateway) -> None:
     out = [json.loads(x) for x in sdk.files.content(batch.output_file_id).content.splitlines()]
     assert sorted(o["custom_id"] for o in out) == ["e0", "e1", "e2"]
     assert all(len(o["response"]["body"]["data"][0]["embedding"]) == EMBEDDING_DIM for o in out)
+
+
+# --- the Responses API ----------------------------------------------------------------------------------
+
+def test_a_response_through_the_sdk_is_decided_and_accounted_like_a_chat(gw: Gateway) -> None:
+    sdk = client(gw, "pro")
+    raw = sdk.responses.with_raw_response.create(model="small", instructions="Be brief.", input="Say hello",
+                                                 max_output_tokens=12)
+    answer = raw.parse()
+    assert answer.object == "response" and answer.status in ("completed", "incomplete") and answer.output_text
+    assert answer.usage is not None and answer.usage.output_tokens <= 12
+    where = route(raw)
+    assert where["model"] == "small" and where["pool"] == "chat-us"
+    row = _request_log(gw, raw.headers["x-request-id"])
+    assert row["kind"] == "responses" and row["status"] == 200
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (answer.usage.input_tokens, answer.usage.output_tokens)
+    assert row["max_tokens"] == 12
+    # The free tier may not call what it is not allowed, whatever the API.
+    with pytest.raises(openai.PermissionDeniedError):
+        client(gw, "free").responses.create(model="support", input="hi")
+
+
+def test_a_streamed_response_passes_the_engines_events_on_and_counts_its_usage(gw: Gateway) -> None:
+    sdk = client(gw, "pro")
+    with sdk.responses.with_streaming_response.create(model="small", input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "tell me a story"}]}],
+            max_output_tokens=8, stream=True) as raw:
+        request_id = raw.headers["x-request-id"]
+        assert raw.headers["content-type"].startswith("text/event-stream")
+        events = list(raw.parse())
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
+    assert types.count("response.output_text.delta") == 8
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response  # type: ignore[union-attr]
+    row = _request_log(gw, request_id)
+    assert row["kind"] == "responses" and row["stream"] is True and row["ttft_ms"] is not None
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (final.usage.input_tokens, final.usage.output_tokens)
+
+
+def test_a_response_moves_on_before_its_first_byte_and_a_broken_stream_ends_with_an_error_event(
+        gw: Gateway, fleet: FaultFleet) -> None:
+    sdk = client(gw, "pro")
+    fleet.down("chat-a", error_rate=1.0)
+    for _ in range(3):
+        raw = sdk.responses.with_raw_response.create(model="small", input="hi", max_output_tokens=4)
+        assert route(raw)["endpoint"] == fleet.url("chat-b")
+    fleet.fault(**FAULTS_CLEAR)
+    fleet.down("chat-a", abort_rate=1.0, abort_after_tokens=2)
+    fleet.down("chat-b", abort_rate=1.0, abort_after_tokens=2)
+    with httpx.stream("POST", gw.base_url + "/v1/responses", json={
+            "model": "small", "input": "tell me a story", "max_output_tokens": 20, "stream": True},
+            headers={"Authorization": f"Bearer {gw.keys['pro']}"}, timeout=30) as response:
+        assert response.status_code == 200
+        body = b"".join(response.iter_bytes())
+    events = [e for e in body.split(b"\n\n") if e]
+    assert events[-1].startswith(b"event: error\ndata: ")
+    error = json.loads(events[-1].split(b"data: ", 1)[1])
+    assert error["type"] == "error" and error["code"] == "upstream_stream_broken"
+    assert error["sequence_number"] == len(events) - 1  # numbered after the last event passed on
+    assert gateway_counter(gw, "switchyard_streams_broken_total", pool="chat-us") >= 1
+
+
+# --- LoRA adapters ---------------------------------------------------------------------------------------
+
+def _registered(fleet: FaultFleet, name: str) -> set[str]:
+    lora = fleet.state(name)["lora"]
+    return {a["name"] for a in lora.get("registered", [])}
+
+
+def test_adapters_are_loaded_where_they_are_sent_and_kept_there(gw: Gateway, fleet: FaultFleet) -> None:
+    sdk = client(gw, "pro")
+    loads = gateway_counter(gw, "switchyard_adapter_loads_total", pool="lora-us", model="support", outcome="loaded")
+    first = sdk.chat.completions.with_raw_response.create(
+        model="support", messages=[{"role": "user", "content": "help with my account"}], max_tokens=4)
+    answer, where = first.parse(), route(first)
+    assert where["model"] == "support" and where["pool"] == "lora-us"
+    assert answer.model == "support-v1"  # the engine answered as the adapter, under the name it serves it by
+    home = next(name for name in ("lora-a", "lora-b") if fleet.url(name) == where["endpoint"])
+    other = "lora-b" if home == "lora-a" else "lora-a"
+    assert "support-v1" in _registered(fleet, home) and "support-v1" not in _registered(fleet, other)
+    trace = _request_log(gw, first.headers["x-request-id"])["trace"]
+    assert any(line.startswith(f"adapter: loaded support-v1 at {where['endpoint']} in ") for line in trace)
+    assert gateway_counter(gw, "switchyard_adapter_loads_total", pool="lora-us", model="support",
+                           outcome="loaded") == loads + 1
+    # Its next requests stay where it is loaded (no second load); the other adapter takes the free replica.
+    for _ in range(3):
+        again = sdk.chat.completions.with_raw_response.create(
+            model="support", messages=[{"role": "user", "content": "and again"}], max_tokens=4)
+        assert route(again)["endpoint"] == where["endpoint"]
+    legal = sdk.chat.completions.with_raw_response.create(
+        model="legal", messages=[{"role": "user", "content": "a contract question"}], max_tokens=4)
+    assert route(legal)["endpoint"] == fleet.url(other)
+    assert "legal" in _registered(fleet, other)
+    assert gateway_counter(gw, "switchyard_adapter_loads_total", pool="lora-us", model="support",
+                           outcome="loaded") == loads + 1
+    # The engine reports the adapter it runs: a long stream keeps it in vllm:lora_requests_info meanwhile.
+    stream = sdk.chat.completions.create(model="support", messages=[{"role": "user", "content": "a long story"}],
+                                         max_tokens=200, stream=True)
+    next(iter(stream))
+    with httpx.Client(timeout=5) as http:
+        metrics = http.get(where["endpoint"] + "/metrics").text
+    assert 'running_lora_adapters="support-v1"' in metrics
+    stream.close()
+
+
+def test_an_adapter_an_engine_lost_is_loaded_again(gw: Gateway, fleet: FaultFleet) -> None:
+    sdk = client(gw, "pro")
+    first = sdk.chat.completions.with_raw_response.create(
+        model="legal", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    url = route(first)["endpoint"]
+    lost = next(n for n in ("lora-a", "lora-b") if fleet.url(n) == url)
+    kept = "lora-b" if lost == "lora-a" else "lora-a"
+    # The engine forgets it behind the gateway's back (as a restarted engine would): its 404 moves the request on.
+    status, _, _ = http_json("POST", url + "/v1/unload_lora_adapter", {"lora_name": "legal"})
+    assert status == 200 and "legal" not in _registered(fleet, lost)
+    moved = sdk.chat.completions.with_raw_response.create(
+        model="legal", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert route(moved)["endpoint"] == fleet.url(kept) and f"{url} 404" in route(moved)["moved_on"]
+    # The gateway forgot it had it there: sent there again, it loads it first.
+    fleet.down(kept, mode="down")
+    back = sdk.chat.completions.with_raw_response.create(
+        model="legal", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert route(back)["endpoint"] == url and "legal" in _registered(fleet, lost)
+    trace = _request_log(gw, back.headers["x-request-id"])["trace"]
+    assert any(line.startswith(f"adapter: loaded legal at {url}") for line in trace)
 
 
 # --- the tokenizer endpoints ----------------------------------------------------------------------------

@@ -27,7 +27,7 @@ def test_policy_validate_accepts_the_demo_policy() -> None:
     result = run("policy", "validate", str(ROOT / "policies.yaml"))
     assert result.returncode == 0, result.stdout + result.stderr
     tests = len(compile_policy((ROOT / "policies.yaml").read_text()).document.tests)
-    assert f"valid (2 regions, 6 pools, 3 models, 1 routes, 3 tiers; {tests} policy tests passed)" in result.stdout
+    assert f"valid (2 regions, 7 pools, 4 models, 1 routes, 3 tiers; {tests} policy tests passed)" in result.stdout
 
 
 def test_policy_validate_prints_one_line_per_error(tmp_path: Path) -> None:

@@ -66,7 +66,8 @@ def direct(client: TestClient[Any], tier: str, key_region: str | None = None, st
     if stream:
         body["stream"] = True
     return dry_run(runtime.policy.snapshot, tier, features_of_request(req), strategy=runtime.settings.picker,
-                   priority=req.priority, key_region=key_region, gateway_region=runtime.settings.region, body=body)
+                   priority=req.priority, key_region=key_region, gateway_region=runtime.settings.region, body=body,
+                   kind=req.kind)
 
 
 def put(client: TestClient[Any], key: str, tenant: str | None, model: str) -> None:
@@ -133,6 +134,30 @@ def test_a_dry_run_shows_what_the_evaluator_decides_at_every_stage(console: Test
     # the form keeps what was asked
     form = element(answer.text, "dry-run-form")
     assert 'value="50"' in form and '<option value="auto" selected>' in form and "checked" in form
+
+
+def test_a_dry_run_sends_the_request_to_the_api_chosen(console: TestClient[Any]) -> None:
+    form = element(console.get("/admin/dry-run").text, "dry-run-form")
+    assert '<label for="dry-run-kind"' in form
+    for kind in ("chat", "completion", "embedding", "responses", "tokenize", "detokenize"):
+        assert f'<option value="{kind}"' in form, kind
+    # The Responses API: the input read as the chat it is rendered into (the route's rule sees its text).
+    answer = submit(console, tier="pro", model="auto", prompt="please prove this", kind="responses",
+                    max_tokens="64")
+    assert answer.status_code == 200, answer.text
+    expected = direct(console, "pro", model="auto", prompt="please prove this", kind="responses", max_tokens=64)
+    assert element(answer.text, "dry-run-decided-model") == expected.model
+    assert trace_of(answer.text)[0] == expected.trace[0]
+    # A generating model at /v1/embeddings: the 400 the gateway would answer, with why.
+    refused = submit(console, tier="pro", model="small", prompt="hi", kind="embedding")
+    assert refused.status_code == 200 and "model_not_supported" in refused.text
+    assert any("kind embedding" in line for line in trace_of(refused.text))
+    # The tokenizer endpoints: nothing charged.
+    tokenize = submit(console, tier="free", model="small", prompt="hi", kind="tokenize")
+    assert any("tokenize: uses only the model's tokenizer" in line for line in trace_of(tokenize.text))
+    assert '<option value="tokenize" selected>' in element(tokenize.text, "dry-run-form")
+    bad = submit(console, tier="pro", model="small", prompt="hi", kind="moderations")
+    assert bad.status_code == 400 and "unknown API" in alert_of(bad.text)
 
 
 def test_a_refused_request_is_a_dry_run_answer_not_a_form_error(console: TestClient[Any]) -> None:

@@ -123,7 +123,7 @@ def embedding_inputs(value: Any) -> list[str | list[int]]:
     """An embeddings request's inputs (checked by ``gateway.body``): each a text or token ids."""
     if isinstance(value, str):
         return [value]
-    if value and all(isinstance(v, int) for v in value):
+    if value and all(isinstance(v, int | float) for v in value):
         return [list(value)]
     return list(value)
 

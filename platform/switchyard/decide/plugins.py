@@ -326,8 +326,10 @@ class LoraAffinityScorer(_Weighted):
                 scores.append(1.0)
             elif adapter in view.recent_adapters and not busy:
                 scores.append(0.8)
+            elif len((view.adapters | view.recent_adapters) - {adapter}) < view.max_loras:
+                scores.append(0.5)  # a slot free of active and lately used adapters
             elif len(view.adapters - {adapter}) < view.max_loras:
-                scores.append(0.5)
+                scores.append(0.3)  # a slot free now, which a lately used adapter is likely loaded in
             else:
                 scores.append(0.0)
         return scores

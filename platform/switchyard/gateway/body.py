@@ -184,6 +184,9 @@ def check_embedding(body: dict[str, Any]) -> None:
 
 
 def _token_id(value: Any) -> bool:
+    """A token id: a non-negative integer (a whole JSON number such as ``7.0`` too, as the engines take it)."""
+    if isinstance(value, float):
+        return value.is_integer() and value >= 0
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 

@@ -126,8 +126,9 @@ class SessionAffinityScorer(_Scorer):
 class LoraAffinityScorer(_Scorer):
     """For a model that is a LoRA adapter (``adapter_of``): 1 where the adapter is active (its engine reports it
     running or waiting in ``vllm:lora_requests_info``, or this gateway has it in flight there), 0.8 where this
-    gateway sent it within the last minute (likely still loaded), 0.5 where the engine has a free adapter slot
-    (fewer active adapters than its ``max_loras``), 0 where it would have to wait for a slot. An endpoint that is
+    gateway sent it within the last minute (likely still loaded), 0.5 where the engine has an adapter slot free of
+    active and lately used adapters (fewer of them than its ``max_loras``), 0.3 where a slot is free only of active
+    ones (the adapter would push a lately used one out), 0 where it would have to wait for a slot. An endpoint that is
     busy (at ``yield_above_utilisation`` or more than ``herd_margin`` requests above the least loaded candidate)
     is scored as if the adapter were not there, so one hot adapter spreads over more replicas. Every endpoint
     scores 1 for a base model's request."""

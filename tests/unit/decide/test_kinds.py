@@ -170,3 +170,14 @@ def test_kinds_and_adapters_are_checked_across_the_document(change: Any, message
     change(doc)
     with pytest.raises(PolicyError, match=message):
         compile_policy(to_yaml(doc))
+
+
+def test_token_ids_given_as_whole_floats_are_token_ids() -> None:
+    body = {"model": "embed", "input": [[1.0, 2.0], [3.0]]}
+    check_body("embedding", body)
+    assert request_features("embedding", body, {}).prompt_tokens == 3
+    flat = {"model": "embed", "input": [5.0, 6.0, 7.0]}
+    check_body("embedding", flat)
+    assert request_features("embedding", flat, {}).prompt_tokens == 3
+    with pytest.raises(BadRequest):
+        check_body("embedding", {"model": "embed", "input": [1.5]})

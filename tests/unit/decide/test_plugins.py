@@ -311,6 +311,10 @@ def test_lora_affinity_prefers_where_the_adapter_is_loaded_then_a_free_slot() ->
                     EndpointView(adapters=frozenset({"legal"}), max_loras=2),
                     EndpointView(adapters=frozenset({"legal", "other"}), max_loras=2))
     assert run_scorer(LORA, views, adapter) == [0.8, 0.5, 0.0]
+    # A slot free now but holding a lately used adapter scores less than one free of both.
+    views = options(EndpointView(recent_adapters=frozenset({"legal"}), max_loras=1),
+                    EndpointView(max_loras=1), EndpointView(adapters=frozenset({"legal"}), max_loras=1))
+    assert run_scorer(LORA, views, adapter) == [0.3, 0.5, 0.0]
     # A base model's request is indifferent to adapters.
     assert run_scorer(LORA, views) == [1.0, 1.0, 1.0]
 
