@@ -161,6 +161,9 @@ def test_embeddings_are_served_from_the_exact_cache_and_charged_in_input_tokens(
     row = _request_log(gw, first.headers["x-request-id"])
     assert row["kind"] == "embedding" and row["resolved_model"] == "embed" and row["status"] == 200
     assert row["prompt_tokens"] == first.parse().usage.prompt_tokens and row["completion_tokens"] == 0
+    # The console's Requests page says what kind of request each was.
+    page = gw.console("viewer").get("/admin/requests").text
+    assert f'id="req-{first.headers["x-request-id"]}"' in page and '<span class="badge kind">embedding</span>' in page
     # Priced per input token (0.5 per million); the hit is free (the rule's hit_charge is 0).
     assert gateway_counter(gw, "switchyard_spend_total", model="embed") - spent == pytest.approx(
         row["prompt_tokens"] * 0.5 / 1e6)
@@ -346,6 +349,28 @@ def test_an_adapter_an_engine_lost_is_loaded_again(gw: Gateway, fleet: FaultFlee
     assert route(back)["endpoint"] == url and "legal" in _registered(fleet, lost)
     trace = _request_log(gw, back.headers["x-request-id"])["trace"]
     assert any(line.startswith(f"adapter: loaded legal at {url}") for line in trace)
+
+
+# --- n > 1 ----------------------------------------------------------------------------------------------
+
+def test_several_choices_are_generated_counted_and_reserved(gw: Gateway) -> None:
+    sdk = client(gw, "pro")
+    raw = sdk.chat.completions.with_raw_response.create(
+        model="small", messages=[{"role": "user", "content": "name a colour"}], n=3, max_tokens=5)
+    chat = raw.parse()
+    assert sorted(c.index for c in chat.choices) == [0, 1, 2] and chat.usage is not None
+    assert chat.usage.completion_tokens == 15  # (the simulator generates max_tokens: no end of its own here)
+    row = _request_log(gw, raw.headers["x-request-id"])
+    assert row["completion_tokens"] == 15
+    stream = sdk.chat.completions.create(model="small", messages=[{"role": "user", "content": "hi"}], n=2,
+                                         max_tokens=4, stream=True, stream_options={"include_usage": True})
+    seen, usage = set(), None
+    for chunk in stream:
+        seen |= {c.index for c in chunk.choices}
+        usage = chunk.usage or usage
+    assert seen == {0, 1} and usage is not None and usage.completion_tokens == 8
+    text = sdk.completions.create(model="small", prompt="once upon a time", n=2, max_tokens=3)
+    assert len(text.choices) == 2 and text.usage is not None and text.usage.completion_tokens == 6
 
 
 # --- the tokenizer endpoints ----------------------------------------------------------------------------

@@ -80,7 +80,10 @@ def endpoint_row(registry: EndpointRegistry, caches: EngineCaches, pool: Pool, u
             "kv_usage": signals.kv_usage if signals else None,
             "prefix_cache_queries": signals.prefix_queries if signals else None,
             "prefix_cache_hits": signals.prefix_hits if signals else None,
+            "lora_adapters": sorted(signals.adapters) if signals and signals.adapters is not None else None,
+            "max_loras": signals.max_loras if signals else None,
         },
+        "adapters_loaded": sorted(state.adapters_loaded),
         "kv_events": kv_events_row(caches, pool, url, now),
     }
 

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible routes under ``/v1``: thin handlers over :class:`Proxy`."""
+"""The OpenAI-compatible routes under ``/v1`` (and vLLM's ``/tokenize``, ``/detokenize``): thin handlers over
+:class:`Proxy`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""What the OpenAPI document (``/openapi``) says of the gateway's own ``/v1`` routes: chat completions,
-completions and models.
+"""What the OpenAPI document (``/openapi``) says of the gateway's own OpenAI-compatible routes: chat completions,
+completions, embeddings, responses, models, and vLLM's ``/tokenize`` and ``/detokenize``.
 
 Their handlers take the raw body and check only what the gateway relies on (DESIGN.md), so Litestar sees
 neither the request bodies nor the answers: the operation classes here declare them, built from the

@@ -181,3 +181,9 @@ def test_token_ids_given_as_whole_floats_are_token_ids() -> None:
     assert request_features("embedding", flat, {}).prompt_tokens == 3
     with pytest.raises(BadRequest):
         check_body("embedding", {"model": "embed", "input": [1.5]})
+
+
+def test_several_choices_reserve_output_for_each() -> None:
+    one = run("chat", {"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
+    three = run("chat", {"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "n": 3})
+    assert three.estimated_tokens - three.prompt_tokens == 3 * (one.estimated_tokens - one.prompt_tokens) == 15

@@ -87,7 +87,7 @@ async def test_an_engine_that_will_not_load_it_fails_the_load_with_its_reason(en
     adapters = loader()
     engine.status, engine.text = 500, "Call to add_lora method failed: LoRA is not enabled."
     async with aiohttp.ClientSession() as http:
-        with pytest.raises(AdapterLoadFailed, match="refused to load adapter support-v1 \\(500\\).*not enabled"):
+        with pytest.raises(AdapterLoadFailed, match=r"refused to load adapter support-v1 \(500\).*not enabled"):
             await adapters.ensure(http, engine.url, POOL, ADAPTER)
         assert not adapters.loaded(engine.url, ADAPTER) and loads(adapters.metrics, "failed") == 1
         with pytest.raises(AdapterLoadFailed, match="cannot connect"):
