@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 #: ``overload``, ``failover`` and ``cache`` have quick runs of their own (``test_bench_overload``,
 #: ``failover_run``, ``cache_run`` below): with them, this one would not fit the per-test time limit.
 #: ``chaos`` is ``failover``'s other name; ``soak`` and ``headline`` have their own (``test_bench_soak``,
-#: ``test_bench_headline``), and so has ``canary`` (``test_bench_canary``).
-SEPARATE = ("overload", "failover", "chaos", "cache", "batch", "soak", "headline", "canary")
+#: ``test_bench_headline``), and so have ``canary`` and ``adapters`` (``test_bench_canary``, ``test_bench_adapters``).
+SEPARATE = ("overload", "failover", "chaos", "cache", "batch", "soak", "headline", "canary", "adapters")
 LANDED = [name for name, s in SCENARIOS.items() if s.landed and name not in SEPARATE]
 NOT_LANDED = [name for name, s in SCENARIOS.items() if not s.landed]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -34,8 +34,8 @@ def _interrupt(_signum: int, _frame: FrameType | None) -> None:
 @click.argument("names", nargs=-1, metavar="[SCENARIO]...")
 @click.option("--scenario", "scenarios", multiple=True, metavar="NAME",
               help="A scenario to run (repeatable; the same as naming it as an argument): overhead, prefix, failover "
-                   "(alias chaos), overload, reload, auto, cache, batch, soak, canary [default: overhead prefix "
-                   "failover auto].")
+                   "(alias chaos), overload, reload, auto, cache, batch, soak, canary, adapters [default: overhead "
+                   "prefix failover auto].")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Report folder [default: ./reports/bench-YYYYmmdd-HHMMSS].")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds every workload and simulated engine.")

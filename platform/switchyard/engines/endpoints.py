@@ -46,6 +46,9 @@ class EngineSignals:
     adapters: frozenset[str] | None = None
     #: Its ``--max-loras`` as it reports it (``max_lora``), when it does.
     max_loras: int | None = None
+    #: Of ``waiting``, requests deferred by a transient constraint rather than for capacity (a LoRA adapter
+    #: waiting for a free adapter slot: ``vllm:num_requests_waiting_by_reason{reason="deferred"}``).
+    deferred: float = 0.0
 
 
 class EndpointState:
@@ -180,6 +183,9 @@ class EndpointState:
                      1 + b / max(n, 1) if b > 0 )   the engine has a queue: saturated
             b = w + d - c  (when w > 0 at the scrape; each finished request lets a waiting one in)
 
+        ``w`` leaves out the requests the engine defers for a free LoRA adapter slot: they wait for their
+        adapter, not for capacity (the ``lora-affinity`` scorer weighs adapter slots).
+
         Without a fresh scrape only the own terms count. Reservations count the whole output
         budget, so ``R / C`` reaches 1 before the engine's KV cache is really full: the gateway
         queues a little early rather than letting the engine preempt.
@@ -199,8 +205,9 @@ class EndpointState:
         if signals is None or now - self.scraped_at > max_age:
             return u
         u = max(u, signals.kv_usage + (self.reserved - self.reserved_at_scrape - r_y) / capacity)
-        if signals.waiting > 0:
-            backlog = signals.waiting + self.dispatched_since_scrape - self.completed_since_scrape - gone
+        waiting = signals.waiting - signals.deferred  # (requests deferred for an adapter slot wait for no capacity)
+        if waiting > 0:
+            backlog = waiting + self.dispatched_since_scrape - self.completed_since_scrape - gone
             if backlog > 0:
                 u = max(u, 1.0 + backlog / max(signals.running, 1.0))
         return u

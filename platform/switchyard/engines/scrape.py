@@ -37,6 +37,9 @@ _WANTED = (RUNNING, WAITING, *KV_USAGE, PREFIX_QUERIES, PREFIX_HITS, *PROGRESS)
 #: The served model's name is read from the running series' ``model_name`` label.
 _RUNNING_LABELS = RUNNING + "{"
 _MODEL_LABEL = 'model_name="'
+#: Waiting requests deferred for a LoRA adapter slot (vLLM's other reason is ``capacity``).
+DEFERRED = "vllm:num_requests_waiting_by_reason{"
+_DEFERRED_LABEL = 'reason="deferred"'
 #: LoRA adapters: one series per label set seen, set to the time it was last current: the latest is the largest.
 LORA_INFO = "vllm:lora_requests_info{"
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
@@ -79,8 +82,17 @@ def parse_engine_metrics(text: str) -> EngineSignals:
     kv: list[float] = []
     models: set[str] = set()
     lora: tuple[float, str] | None = None
+    deferred = 0.0
     for line in text.splitlines():
         if not line.startswith("vllm:"):
+            continue
+        if line.startswith(DEFERRED):
+            if _DEFERRED_LABEL in line:
+                try:
+                    value = float(line.rpartition("}")[2].split()[0])
+                except (ValueError, IndexError):
+                    continue
+                deferred += value if math.isfinite(value) else 0.0
             continue
         if line.startswith(LORA_INFO):
             labels, _, stamp = line[len(LORA_INFO):].rpartition("}")
@@ -122,6 +134,7 @@ def parse_engine_metrics(text: str) -> EngineSignals:
         progress=sum(counters) if counters else None,
         adapters=adapters,
         max_loras=max_loras,
+        deferred=min(deferred, sums.get(WAITING, 0.0)),
     )
 
 

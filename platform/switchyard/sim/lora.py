@@ -383,7 +383,8 @@ class LoraEngine:
     def preload(self, adapter: LoraAdapter) -> None:
         """Make an adapter resident at start-up (vLLM loads each ``--lora-modules`` entry before it serves):
         counted as a load, but not in ``load_seconds``, the time loads took from serving."""
-        self.load_seconds -= self._make_resident(adapter)
+        spent = self._make_resident(adapter)
+        self.load_seconds -= spent
 
     def add_lora(self, adapter: LoraAdapter, at: float, engine_busy: bool, reload: bool = False) -> float:
         """The engine's ``add_lora`` call of a runtime load: the adapter is read and takes a GPU slot.

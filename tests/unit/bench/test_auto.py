@@ -81,7 +81,7 @@ def test_unnamed_rules_compare_to_and_what_a_rule_shows_of_a_classifier() -> Non
 def test_the_scenario_policy_moves_only_the_endpoints() -> None:
     document = shipped_policy().read_text()
     count = endpoint_count(document)
-    assert count == 7
+    assert count == 8  # (seven generating replicas and the embedding one)
     ports = list(range(20001, 20001 + count))
     moved = with_endpoints(document, ports)
     before, after = _load_safe(document), _load_safe(moved)

@@ -123,3 +123,25 @@ def test_lora_adapters_are_read_from_the_latest_lora_requests_info_series() -> N
     assert idle.adapters == frozenset() and idle.max_loras == 2
     plain = parse_engine_metrics('vllm:num_requests_running{model_name="base"} 0.0\n')
     assert plain.adapters is None and plain.max_loras is None
+
+
+def test_requests_deferred_for_an_adapter_slot_are_no_queue_for_capacity() -> None:
+    text = (
+        'vllm:num_requests_running{engine="0",model_name="base"} 4.0\n'
+        'vllm:num_requests_waiting{engine="0",model_name="base"} 3.0\n'
+        'vllm:num_requests_waiting_by_reason{engine="0",model_name="base",reason="capacity"} 0.0\n'
+        'vllm:num_requests_waiting_by_reason{engine="0",model_name="base",reason="deferred"} 3.0\n'
+    )
+    signals = parse_engine_metrics(text)
+    assert (signals.waiting, signals.deferred) == (3.0, 3.0)
+    registry = EndpointRegistry()
+    registry.record_scrape("http://a", signals, now=10.0)
+    state = registry.state("http://a")
+    # Deferred requests wait for their adapter, not for room: the engine is not saturated by them.
+    assert state.utilisation(10.0, 3.0, 100_000, None) < 1.0
+    assert state.load(10.0, 3.0) == 7.0  # (they are still requests at the engine)
+    queued = parse_engine_metrics(text.replace('reason="capacity"} 0.0', 'reason="capacity"} 2.0')
+                                  .replace('waiting{engine="0",model_name="base"} 3.0',
+                                           'waiting{engine="0",model_name="base"} 5.0'))
+    registry.record_scrape("http://b", queued, now=10.0)
+    assert registry.state("http://b").utilisation(10.0, 3.0, 100_000, None) == 1.0 + 2.0 / 4.0

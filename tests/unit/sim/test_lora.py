@@ -20,6 +20,7 @@ from switchyard.sim.lora import (
     DEFAULT_LORA_COSTS,
     LLAMA_8B_ADAPTER_BYTES,
     LoraAdapter,
+    LoraEngine,
     LoraModule,
     LoraRegistry,
     LoraRequestError,
@@ -477,3 +478,10 @@ async def test_no_lora_no_lora_metrics() -> None:
         state = (await c.get("/sim/state")).json()
         assert state["lora"] is None
         assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == ["m"]
+
+
+def test_adapters_loaded_at_start_cost_no_serving_time() -> None:
+    engine = LoraEngine(LoraSettings(2, 4, ()), DEFAULT_LORA_COSTS)
+    for i in range(3):
+        engine.preload(LoraAdapter(f"a{i}", i + 1, f"/a{i}", "base"))
+    assert engine.loads == 3 and engine.load_seconds == 0.0

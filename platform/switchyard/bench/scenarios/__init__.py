@@ -20,7 +20,9 @@ the batch lane's share of the idle capacity, interactive TTFT p50/p99 against th
 ``soak`` (a steady mixed load with streams, hang-ups, refusals, cache hits and policy rewrites for
 ``--duration`` seconds: the gateway's memory over time and its trend, and every unexpected error), ``canary``
 (policy canaries under steady load: a harmless candidate promoted through its steps, a costly one rolled back by
-the guards; the requests it decided first and the time to its rollback).
+the guards; the requests it decided first and the time to its rollback), ``adapters`` (LoRA adapter-aware picking
+against least-loaded on one pool serving many adapters: the engines' adapter loads per 1,000 requests, requests
+deferred for an adapter slot, TTFT).
 
 Not landed (none at present): scenarios whose feature does not exist yet. They are listed with
 the issue that brings the feature, and every report names them instead of showing a figure.
@@ -32,6 +34,7 @@ Must not touch: the gateway's or the simulator's internals. Scenarios start real
 from __future__ import annotations
 
 from switchyard.bench.scenarios import overhead, prefix, reload
+from switchyard.bench.scenarios.adapters import scenario as adapters_scenario
 from switchyard.bench.scenarios.auto import scenario as auto_scenario
 from switchyard.bench.scenarios.base import BenchOptions, Outcome, Scenario, ScenarioContext
 from switchyard.bench.scenarios.batch import scenario as batch_scenario
@@ -65,6 +68,8 @@ SCENARIOS: dict[str, Scenario] = {
                  "--duration seconds: the gateway's RSS trend and unexpected errors", soak_scenario.run),
         Scenario("canary", "policy canaries under load: a good candidate promoted through its steps, a bad one "
                  "rolled back; requests it decided and time to the rollback", canary_scenario.run),
+        Scenario("adapters", "LoRA adapter-aware picking vs least-loaded on one pool serving many adapters: adapter "
+                 "loads per 1,000 requests, requests deferred for a slot, TTFT", adapters_scenario.run),
     )
 }
 #: Other names of a scenario: ``--scenario chaos`` runs ``failover`` (its report keeps that name).
