@@ -29,7 +29,7 @@ import sys
 import time
 import uuid
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -38,6 +38,7 @@ import msgspec
 
 from switchyard.sim.generate import ClientWatch, read_post, send_cut, send_json
 from switchyard.sim.profiles import EngineProfile
+from switchyard.sim.protocol import check_context
 from switchyard.sim.runtime import EngineRuntime
 from switchyard.sim.validation import ApiError, Fields, bad, decode_body, invalid, lax_int
 from switchyard.simtext.tokens import SPECIAL_TOKENS, tokenize
@@ -175,23 +176,26 @@ def _check_input_types(value: object) -> None:
         lax_int(t, f"body.input.{i}")
 
 
-def _render(value: str | list[Any]) -> tuple[list[str | None], list[list[int]]]:
+def _render(value: str | list[Any]) -> tuple[list[str | None], list[list[int]], bool]:
+    """Each input's text (None for token ids), its token ids, and whether they came from text."""
     if isinstance(value, str):
-        return [value], [[_BOS, *tokenize(value)]]
+        return [value], [[_BOS, *tokenize(value)]], True
     if not value:
-        raise bad("The input must not be empty: give a string, strings or token ids.", "input")
+        raise bad("You must pass at least one prompt", None)
     if all(isinstance(v, str) for v in value):
-        return list(value), [[_BOS, *tokenize(v)] for v in value]
+        return list(value), [[_BOS, *tokenize(v)] for v in value], True
     if all(isinstance(v, list) for v in value):
-        if any(not v for v in value):
-            raise bad("The prompt cannot be empty.", "input")
-        return [None] * len(value), [[lax_int(t, "body.input") for t in v] for v in value]
-    return [None], [[lax_int(t, "body.input") for t in value]]
+        return [None] * len(value), [[lax_int(t, "body.input") for t in v] for v in value], False
+    return [None], [[lax_int(t, "body.input") for t in value]], False
 
 
 def parse_embeddings(body: dict[str, Any], *, served_model: str, vocab_size: int,
-                     max_model_len: int) -> EmbeddingsSpec:
+                     max_model_len: int, adapters: Collection[str] = ()) -> EmbeddingsSpec:
     """Validate an embeddings request body (unknown fields are ignored, as vLLM does).
+
+    The checks come in vLLM's order: the body's types, the model (the base model or one of ``adapters``),
+    at least one prompt, every prompt's length (the renderer), ``dimensions`` (``PoolingParams.verify``),
+    then each prompt in turn: not empty, every id in the vocabulary (the engine's input processor).
 
     Raises:
         ApiError: 400 for a malformed request, 404 for an unknown model.
@@ -207,16 +211,18 @@ def parse_embeddings(body: dict[str, Any], *, served_model: str, vocab_size: int
                       {"expected": "'float' or 'base64'"})
     dimensions = f.get_int("dimensions")
     f.get_str("user")
-    if model is not None and model != served_model:
-        raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {served_model}.", "model")
-    if dimensions is not None and not 1 <= dimensions <= EMBEDDING_DIM:
-        raise bad(f"dimensions must be within [1, {EMBEDDING_DIM}], got {dimensions}.", "dimensions", dimensions)
-    texts, prompts = _render(body["input"])
-    for prompt in prompts:
-        if len(prompt) > max_model_len:
-            raise bad(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                      f"{len(prompt)} tokens in the input for embedding generation. Please reduce the length of "
-                      "the input.", None)
+    if model is not None and model != served_model and model not in adapters:
+        # The pooling server's own 404 (``_maybe_get_adapters``): no aliases, no param.
+        raise ApiError(404, f"The model `{model}` does not exist.")
+    texts, prompts, from_text = _render(body["input"])
+    for prompt in prompts:  # the renderer's length check, every prompt before the engine sees one
+        check_context(len(prompt), max_model_len, from_text)
+    if dimensions is not None and not 1 <= dimensions <= EMBEDDING_DIM:  # PoolingParams.verify
+        raise bad(f"Model {served_model!r} only supports dimensions in range [1, {EMBEDDING_DIM}], "
+                  f"got {dimensions}.", None)
+    for prompt in prompts:  # the engine's input checks, prompt by prompt
+        if not prompt:
+            raise bad("The decoder prompt cannot be empty", None)
         for t in prompt:
             if not 0 <= t < vocab_size:
                 raise bad(f"Token id {t} is out of vocabulary", None)
@@ -244,7 +250,7 @@ def embeddings_body(spec: EmbeddingsSpec, model: str, request_id: str | None = N
         "id": "embd-" + (request_id or uuid.uuid4().hex), "object": "list", "created": int(time.time()),
         "model": model, "data": data,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
-                  "prompt_tokens_details": None},
+                  "prompt_tokens_details": None, "completion_tokens_details": None},
     })
 
 
@@ -280,10 +286,16 @@ async def handle_embeddings(engine: EngineRuntime, scope: Scope, receive: Receiv
     if accepted is None:
         return
     cfg = engine.config
+    adapter = None
     try:
-        spec = parse_embeddings(decode_body(accepted.body), served_model=cfg.served_model,
-                                vocab_size=cfg.profile.vocab_size, max_model_len=cfg.max_model_len)
+        request = decode_body(accepted.body)
+        # A ``model`` naming a LoRA adapter is served too, and answered under its name.
+        adapter = engine.adapter(request.get("model"))
+        spec = parse_embeddings(request, served_model=cfg.served_model, vocab_size=cfg.profile.vocab_size,
+                                max_model_len=cfg.max_model_len, adapters=() if adapter is None else (adapter.name,))
     except ApiError as exc:
+        if exc.status == 404:
+            engine.unknown_model()
         await send_json(send, exc.status, exc.body())
         return
     watch = ClientWatch(receive, lambda: None)
@@ -292,7 +304,7 @@ async def handle_embeddings(engine: EngineRuntime, scope: Scope, receive: Receiv
             return
         headers = dict(scope.get("headers") or [])
         request_id = headers.get(b"x-request-id", b"").decode("latin-1") or None
-        body = embeddings_body(spec, cfg.served_model, request_id)
+        body = embeddings_body(spec, cfg.served_model if adapter is None else adapter.name, request_id)
         await (send_cut(send, body) if accepted.abort else send_json(send, 200, body))
     finally:
         watch.close()

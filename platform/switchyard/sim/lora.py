@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -178,8 +179,9 @@ def lora_settings(*, max_loras: int | None, max_cpu_loras: int | None,
     """Check and complete the LoRA flags as vLLM does at start-up.
 
     Raises:
-        ValueError: ``max_loras`` below 1, ``max_cpu_loras`` below ``max_loras``, or an adapter whose
-            name is taken (by the served model or by an earlier module).
+        ValueError: ``max_loras`` below 1, ``max_cpu_loras`` below ``max_loras``, an adapter whose name is
+            taken (by the served model or by an earlier module), or one vLLM would fail to load from a path
+            on this machine (``check_adapter_path``; vLLM refuses to start then, with the load's message).
     """
     loras = DEFAULT_MAX_LORAS if max_loras is None else max_loras
     if loras < 1:
@@ -197,6 +199,10 @@ def lora_settings(*, max_loras: int | None, max_cpu_loras: int | None,
                              "base model.")
         if module.name in seen:
             raise ValueError(f"sim: --lora-modules: The lora adapter '{module.name}' has already been loaded.")
+        try:  # vLLM loads each one before it serves, and stops at the first it cannot
+            check_adapter_path(module.name, module.path)
+        except LoraRequestError as exc:
+            raise ValueError(f"sim: --lora-modules: {sanitize_message(exc.message)}") from None
         seen.add(module.name)
     return LoraSettings(loras, cpu, tuple(modules))
 
@@ -229,6 +235,70 @@ class LoraRequestError(Exception):
         self.status = status
         self.message = message
         self.err_type = err_type
+
+
+#: What vLLM's ``sanitize_message`` replaces with "<path>" in an error message: absolute paths under the
+#: usual roots, and any path ending in a file name with an extension.
+_SYSTEM_PATH = re.compile(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+")
+_FILE_PATH = re.compile(r"(?:/[\w\-]+)+/[\w\-]+\.\w+")
+#: The files vLLM reads an adapter's weights from, in its order (``LoRAModel.from_local_checkpoint``).
+_TENSOR_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
+
+
+def sanitize_message(message: str) -> str:
+    """vLLM's ``sanitize_message`` (``entrypoints/serve/exception_handling/utils.py``), whose file paths
+    every error response hides."""
+    return _FILE_PATH.sub("<path>", _SYSTEM_PATH.sub("<path>", message)).strip()
+
+
+def _worker_failed(error: object) -> LoraRequestError:
+    """The 500 of an ``add_lora`` that failed in the worker for another reason than a missing adapter."""
+    return LoraRequestError(500, f"Call to add_lora method failed: Worker failed with error '{error}', please "
+                            "check the stack trace above for the root cause", "InternalServerError")
+
+
+def _simulated_path(path: str) -> bool:
+    """Whether ``path`` names an adapter the simulator makes up instead of reading it from this machine:
+    nothing is there, and no directory of this machine would hold it either (its parent directory does not
+    exist, or is the root: ``/adapters/support-v1``, ``/a``), or it is a relative name, which vLLM takes for
+    a Hugging Face repository id."""
+    if os.path.exists(path):
+        return False
+    if not os.path.isabs(path):
+        return True
+    parent = os.path.dirname(os.path.normpath(path))
+    return not os.path.isdir(parent) or os.path.dirname(parent) == parent
+
+
+def check_adapter_path(name: str, path: str) -> None:
+    """What vLLM's worker finds when it loads adapter ``name`` from ``path`` (``_load_adapter``), for a path
+    on this machine.
+
+    A path the simulator cannot check is a simulated adapter and is accepted (``_simulated_path``: policies
+    and tests name made-up directories such as ``/adapters/support-v1``). A path that exists here, or that
+    would be in a directory that does, is read as vLLM reads it: ``adapter_config.json`` must be a JSON file
+    in that directory, and one of the weight files must be next to it; the weights themselves are not read.
+
+    Raises:
+        LoraRequestError: vLLM's 404 "No adapter found" (the path or its ``adapter_config.json`` does not
+            exist), or its 500 for anything else the worker fails on (the path is a file, the config no
+            JSON, no weights), with vLLM's wording, file paths not yet hidden.
+    """
+    local = os.path.expanduser(path) if path.startswith("~") else path
+    if not os.path.isabs(local) and os.path.exists(local):
+        local = os.path.abspath(local)
+    if _simulated_path(local):
+        return
+    try:
+        with open(os.path.join(local, "adapter_config.json")) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise LoraRequestError(404, f"Loading lora {name} failed: No adapter found for {path}",
+                               "NotFoundError") from None
+    except (OSError, ValueError) as exc:  # a file, not a directory; a config that is a directory, or no JSON
+        raise _worker_failed(exc) from None
+    if isinstance(config, dict) and not any(os.path.isfile(os.path.join(local, f)) for f in _TENSOR_FILES):
+        raise _worker_failed(f"{local} doesn't contain tensors")
 
 
 class LoraRegistry:

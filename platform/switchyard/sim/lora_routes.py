@@ -5,10 +5,12 @@ The two routes exist only with runtime updating (``VLLM_ALLOW_RUNTIME_LORA_UPDAT
 paths are unknown (FastAPI's 404). They answer as vLLM's FastAPI handlers do: FastAPI's JSON parsing
 first, then vLLM's ``validate_json_request`` (an ``application/json`` content type), then the pydantic
 body (``lora_name``, ``lora_path``, ``load_inplace``, ``is_3d_lora_weight``; ``lora_name``,
-``lora_int_id``), then the registry's checks (``lora.py``). Success is a 200 whose body is vLLM's
-sentence as plain text, with no content type; a load answers once the engine has the adapter loaded
-(its load time, in simulated time). Error messages pass through vLLM's ``sanitize_message``, which hides
-file paths.
+``lora_int_id``), then the registry's checks (``lora.py``), then the engine's: a ``lora_path`` on this
+machine must hold an adapter (vLLM's 404 "No adapter found for <path>" otherwise), while a made-up path in
+no existing directory (``/adapters/support-v1``) loads a simulated adapter (``lora.check_adapter_path``).
+Success is a 200 whose body is vLLM's sentence as plain text, with no content type; a load answers once
+the engine has the adapter loaded (its load time, in simulated time). Error messages pass through vLLM's
+``sanitize_message``, which hides file paths.
 
 Must not touch: the engine's state (``EngineRuntime`` does the work).
 """
@@ -16,7 +18,6 @@ Must not touch: the engine's state (``EngineRuntime`` does the work).
 from __future__ import annotations
 
 import email.message
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +27,7 @@ from litestar.types import Receive, Scope, Send
 
 from switchyard.sim.config import ResolvedConfig
 from switchyard.sim.generate import send_json
-from switchyard.sim.lora import LoraRequestError
+from switchyard.sim.lora import LoraRequestError, sanitize_message
 from switchyard.sim.runtime import EngineRuntime
 from switchyard.sim.validation import ApiError, decode_body, input_repr
 
@@ -34,10 +35,6 @@ _METHOD_NOT_ALLOWED = b'{"detail":"Method Not Allowed"}'
 _UNSUPPORTED = "Unsupported Media Type: Only 'application/json' is allowed"
 _TRUE = {"1", "on", "t", "true", "y", "yes"}
 _FALSE = {"0", "off", "f", "false", "n", "no"}
-# What vLLM's sanitize_message replaces with "<path>": absolute paths under the usual roots, and any
-# path ending in a file name with an extension.
-_SYSTEM_PATH = re.compile(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+")
-_FILE_PATH = re.compile(r"(?:/[\w\-]+)+/[\w\-]+\.\w+")
 
 
 def adapter_cards(engine: EngineRuntime, created: int) -> list[dict[str, Any]]:
@@ -57,12 +54,8 @@ def adapter_cards(engine: EngineRuntime, created: int) -> list[dict[str, Any]]:
     } for a in registry.adapters.values()]
 
 
-def _sanitize(message: str) -> str:
-    return _FILE_PATH.sub("<path>", _SYSTEM_PATH.sub("<path>", message)).strip()
-
-
 def _error(status: int, message: str, err_type: str, param: str | None = None) -> ApiError:
-    return ApiError(status, _sanitize(message), param, err_type)
+    return ApiError(status, sanitize_message(message), param, err_type)
 
 
 def _validation(errors: list[dict[str, Any]] | list[str]) -> ApiError:
@@ -71,7 +64,7 @@ def _validation(errors: list[dict[str, Any]] | list[str]) -> ApiError:
     lines = "\n".join(f"  {e}" if isinstance(e, str) else f"  {e!r}" for e in errors)
     first = errors[0]
     param = first["loc"] if isinstance(first, dict) else None
-    return ApiError(400, _sanitize(f"{count} validation {'error' if count == 1 else 'errors'}:\n{lines}"), param,
+    return ApiError(400, sanitize_message(f"{count} validation {'error' if count == 1 else 'errors'}:\n{lines}"), param,
                     "Bad Request")
 
 

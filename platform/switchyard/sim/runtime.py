@@ -32,7 +32,7 @@ from switchyard.kvcache.publisher import Publisher, open_publisher
 from switchyard.sim.config import ResolvedConfig
 from switchyard.sim.core import EngineCore
 from switchyard.sim.faults import FaultState
-from switchyard.sim.lora import LoraAdapter, LoraRegistry, LoraRequestError
+from switchyard.sim.lora import LoraAdapter, LoraRegistry, LoraRequestError, check_adapter_path
 from switchyard.sim.request import SimRequest, Status
 from switchyard.sim.responses import system_fingerprint
 
@@ -290,11 +290,18 @@ class EngineRuntime:
     def load_adapter(self, name: str, path: str, load_inplace: bool = False) -> float:
         """``POST /v1/load_lora_adapter``: register the adapter and have the engine load it.
 
+        ``path`` is read only when it is on this machine (``lora.check_adapter_path``): a path that does not
+        exist here and is in no directory that does (``/adapters/support-v1``, a Hugging Face id) is a
+        simulated adapter and loads; one that exists, or would be in a directory that exists, must hold an
+        adapter, else vLLM's 404 "No adapter found for <path>" (its 500 for a file or a broken config), and
+        nothing is registered (an id is spent, as in vLLM).
+
         Returns:
             Simulated time the engine has it loaded (when vLLM answers).
 
         Raises:
-            LoraRequestError: vLLM's refusal (a 400; a 500 when LoRA is not enabled).
+            LoraRequestError: vLLM's refusal (a 400; a 404 or 500 when the engine cannot load it; a 500
+                when LoRA is not enabled).
         """
         registry = self.loras
         lora = self.core.lora
@@ -306,6 +313,12 @@ class EngineRuntime:
                 registry.spend_id()
             raise LoraRequestError(500, "Call to add_lora method failed: LoRA is not enabled. Use --enable-lora "
                                    "to enable LoRA.", "InternalServerError")
+        try:
+            check_adapter_path(name, path)
+        except LoraRequestError:
+            if registry.get(name) is None:
+                registry.spend_id()
+            raise
         adapter = registry.load(name, path, load_inplace=load_inplace)
         done = lora.add_lora(adapter, self.clock(), self.core.has_work(), reload=load_inplace)
         self._wake.set()

@@ -10,6 +10,7 @@ tokenizer does not know does). ``/load`` reports the requests in flight (vLLM re
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import msgspec
@@ -55,8 +56,23 @@ def load(state: State) -> dict[str, int]:
     return {"server_load": _engine(state).in_flight}
 
 
-def token_ids(body: dict[str, Any], served_model: str) -> list[int]:
-    """The token ids a ``/tokenize`` body asks for (a ``prompt`` or chat ``messages``).
+def _check_model(model: str | None, served_model: str, adapters: Collection[str]) -> None:
+    """vLLM's ``_check_model``: the base model's name, a registered adapter's, or none at all.
+
+    Raises:
+        ApiError: The 404 naming the base model's aliases (not the adapters).
+    """
+    if model is not None and model != served_model and model not in adapters:
+        raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {served_model}.", "model")
+
+
+def _adapter_names(engine: EngineRuntime) -> Collection[str]:
+    return () if engine.loras is None else engine.loras.adapters.keys()
+
+
+def token_ids(body: dict[str, Any], served_model: str, adapters: Collection[str] = ()) -> list[int]:
+    """The token ids a ``/tokenize`` body asks for (a ``prompt`` or chat ``messages``); ``model`` may
+    name the base model or one of ``adapters`` (the registered LoRA adapters: they tokenize alike).
 
     Raises:
         ApiError: A malformed body or an unknown model.
@@ -76,9 +92,7 @@ def token_ids(body: dict[str, Any], served_model: str) -> list[int]:
                            "body.prompt", "Bad Request")
         prompt = strict_str(body["prompt"], "body.prompt")
         special = f.get_bool("add_special_tokens", True)
-    model = f.get_str("model")
-    if model is not None and model != served_model:
-        raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {served_model}.", "model")
+    _check_model(f.get_str("model"), served_model, adapters)
     if "messages" not in body:
         return [_BOS, *tokenize(prompt)] if special else tokenize(prompt)
     try:
@@ -92,8 +106,10 @@ async def tokenize_endpoint(request: Request[Any, Any, Any], state: State) -> Re
     """``{count, max_model_len, tokens, token_strs}`` of a prompt or a chat."""
     engine = _engine(state)
     try:
-        ids = token_ids(decode_body(await request.body()), engine.config.served_model)
+        ids = token_ids(decode_body(await request.body()), engine.config.served_model, _adapter_names(engine))
     except ApiError as exc:
+        if exc.status == 404:
+            engine.unknown_model()
         return Response(exc.body(), status_code=exc.status, media_type="application/json")
     return Response({"count": len(ids), "max_model_len": engine.config.max_model_len, "tokens": ids,
                      "token_strs": None})
@@ -148,8 +164,9 @@ def _token_error(value: object, loc: str) -> dict[str, Any] | None:
     return None
 
 
-def detokenize_ids(body: dict[str, Any], served_model: str) -> str:
-    """The text of a ``/detokenize`` body's ``tokens``.
+def detokenize_ids(body: dict[str, Any], served_model: str, adapters: Collection[str] = ()) -> str:
+    """The text of a ``/detokenize`` body's ``tokens``; ``model`` may name the base model or one of
+    ``adapters``.
 
     Raises:
         ApiError: A malformed body or an unknown model.
@@ -166,8 +183,7 @@ def detokenize_ids(body: dict[str, Any], served_model: str) -> str:
         lines = "".join(f"\n  {e!r}" for e in errors[:10])
         more = f"\n  ...and {len(errors) - 10} more {label}" if len(errors) > 10 else ""
         raise ApiError(400, f"{len(errors)} validation {label}:{lines}{more}", errors[0]["loc"], "Bad Request")
-    if model is not None and model != served_model:
-        raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {served_model}.", "model")
+    _check_model(model, served_model, adapters)
     return "".join(token_text(lax_int(t, "")) or "" for t in tokens)
 
 
@@ -177,7 +193,9 @@ async def detokenize_endpoint(request: Request[Any, Any, Any], state: State) -> 
     engine = _engine(state)
     try:
         body = json_body(request.headers.get("content-type", ""), await request.body())
-        text = detokenize_ids(body, engine.config.served_model)
+        text = detokenize_ids(body, engine.config.served_model, _adapter_names(engine))
     except ApiError as exc:
+        if exc.status == 404:
+            engine.unknown_model()
         return Response(exc.body(), status_code=exc.status, media_type="application/json")
     return Response({"prompt": text})

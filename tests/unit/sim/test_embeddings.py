@@ -56,8 +56,10 @@ async def test_response_has_vllms_shape(client: Client) -> None:
         assert len(d["embedding"]) == EMBEDDING_DIM
         assert math.isclose(math.sqrt(sum(v * v for v in d["embedding"])), 1.0, rel_tol=1e-5)
     tokens = sum(1 + len(tokenize(t)) for t in texts)  # each text with its BOS token, as generation counts
-    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
-                             "prompt_tokens_details": None}
+    # vLLM's UsageInfo, key for key (the details null, completion_tokens 0).
+    assert list(body["usage"].items()) == [("prompt_tokens", tokens), ("total_tokens", tokens),
+                                           ("completion_tokens", 0), ("prompt_tokens_details", None),
+                                           ("completion_tokens_details", None)]
 
 
 async def test_every_input_form_is_accepted(client: Client) -> None:
@@ -126,21 +128,22 @@ async def test_dimensions_keep_the_leading_entries_renormalised(client: Client) 
 
 
 @pytest.mark.parametrize(("body", "status", "param"), [
-    ({"model": "other", "input": "x"}, 404, "model"),
+    ({"model": "other", "input": "x"}, 404, None),
     ({"model": "embed"}, 400, "body.input"),
     ({"input": 5}, 400, "body.input"),
     ({"input": [1, "a"]}, 400, "body.input.1"),
     ({"input": [[1], ["a"]]}, 400, "body.input.1.0"),
     ({"input": [1.5]}, 400, "body.input.0"),
-    ({"input": []}, 400, "input"),
-    ({"input": [[1], []]}, 400, "input"),
+    ({"input": []}, 400, None),
+    ({"input": [[1], []]}, 400, None),
     ({"input": "x", "encoding_format": "hex"}, 400, "body.encoding_format"),
-    ({"input": "x", "dimensions": 0}, 400, "dimensions"),
-    ({"input": "x", "dimensions": EMBEDDING_DIM + 1}, 400, "dimensions"),
+    ({"input": "x", "dimensions": 0}, 400, None),
+    ({"input": "x", "dimensions": EMBEDDING_DIM + 1}, 400, None),
     ({"input": "x", "dimensions": "many"}, 400, "body.dimensions"),
     ({"input": "x", "user": 3}, 400, "body.user"),
     ({"input": [10**9]}, 400, None),
-    ({"input": "word " * 100}, 400, None),
+    ({"input": "word " * 100}, 400, "input_tokens"),
+    ({"input": list(range(10, 80))}, 400, "input_tokens"),
 ])
 async def test_client_mistakes_get_vllms_errors(client: Client, body: dict[str, Any], status: int,
                                                 param: str | None) -> None:
@@ -152,13 +155,57 @@ async def test_client_mistakes_get_vllms_errors(client: Client, body: dict[str, 
 
 
 async def test_refusals_name_the_problem(client: Client) -> None:
-    resp = await client.post("/v1/embeddings", json={"model": "other", "input": "x"})
-    assert resp.json()["error"]["message"] == "The model `other` does not exist. Valid aliases: embed."
-    resp = await client.post("/v1/embeddings", json={"input": "word " * 100})
-    tokens = 1 + len(tokenize("word " * 100))
-    assert resp.json()["error"]["message"] == (
-        f"This model's maximum context length is 64 tokens. However, you requested {tokens} tokens in the input "
-        "for embedding generation. Please reduce the length of the input.")
+    """vLLM's pooling server's own words (``/tmp/vllm-facts.md`` section 2; the generation server's 404
+    names the served models and the param, this one neither)."""
+
+    async def error(body: dict[str, Any]) -> dict[str, Any]:
+        resp = await client.post("/v1/embeddings", json=body)
+        assert resp.status_code in (400, 404), resp.text
+        out: dict[str, Any] = resp.json()["error"]
+        return out
+
+    assert await error({"model": "other", "input": "x"}) == {
+        "message": "The model `other` does not exist.", "type": "NotFoundError", "param": None, "code": 404}
+    assert await error({"input": []}) == {
+        "message": "You must pass at least one prompt", "type": "BadRequestError", "param": None, "code": 400}
+    assert await error({"input": [[]]}) == {
+        "message": "The decoder prompt cannot be empty", "type": "BadRequestError", "param": None, "code": 400}
+    assert await error({"input": "x", "dimensions": EMBEDDING_DIM + 1}) == {
+        "message": f"Model 'embed' only supports dimensions in range [1, {EMBEDDING_DIM}], got {EMBEDDING_DIM + 1}.",
+        "type": "BadRequestError", "param": None, "code": 400}
+    assert (await error({"input": "x", "dimensions": 0}))["message"] == (
+        f"Model 'embed' only supports dimensions in range [1, {EMBEDDING_DIM}], got 0.")
+    # Token ids are counted exactly; a text is tokenized one token past the window ("at least").
+    assert await error({"input": list(range(10, 80))}) == {
+        "message": "This model's maximum context length is 64 tokens. However, your prompt contains 70 input "
+                   "tokens, which exceeds this limit even without any output tokens. Please reduce the length of "
+                   "the input prompt. (parameter=input_tokens, value=70)",
+        "type": "BadRequestError", "param": "input_tokens", "code": 400}
+    assert (await error({"input": "word " * 100}))["message"] == (
+        "This model's maximum context length is 64 tokens. However, your prompt contains at least 65 input "
+        "tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input "
+        "prompt. (parameter=input_tokens, value=65)")
+    assert (await error({"input": [5, 200_000]}))["message"] == "Token id 200000 is out of vocabulary"
+
+
+async def test_refusals_come_in_vllms_order(client: Client) -> None:
+    """The model, then at least one prompt, every prompt's length, ``dimensions``, then prompt by prompt:
+    empty, out of vocabulary."""
+
+    async def message(body: dict[str, Any]) -> str:
+        resp = await client.post("/v1/embeddings", json=body)
+        assert resp.status_code in (400, 404), resp.text
+        return str(resp.json()["error"]["message"])
+
+    assert (await message({"model": "other", "input": [], "dimensions": 0})).startswith("The model `other`")
+    assert await message({"input": [], "dimensions": 0}) == "You must pass at least one prompt"
+    assert (await message({"input": [[], list(range(10, 80))], "dimensions": 0})).startswith(
+        "This model's maximum context length")
+    assert (await message({"input": [[]], "dimensions": 0})).startswith("Model 'embed' only supports dimensions")
+    assert await message({"input": [[5, 200_000], []]}) == "Token id 200000 is out of vocabulary"
+    assert await message({"input": [[], [5, 200_000]]}) == "The decoder prompt cannot be empty"
+
+
     for raw in (b"", b"{", b"[]"):
         assert (await client.post("/v1/embeddings", content=raw)).status_code == 400
     resp = await client.get("/v1/embeddings")

@@ -25,8 +25,10 @@ from switchyard.sim.lora import (
     LoraRegistry,
     LoraRequestError,
     LoraSettings,
+    check_adapter_path,
     parse_lora_modules,
     runtime_updating_from_env,
+    sanitize_message,
 )
 from switchyard.sim.measured import load_profile_file, profile_from_dict, profile_to_dict
 from switchyard.sim.profiles import PROFILES
@@ -485,3 +487,126 @@ def test_adapters_loaded_at_start_cost_no_serving_time() -> None:
     for i in range(3):
         engine.preload(LoraAdapter(f"a{i}", i + 1, f"/a{i}", "base"))
     assert engine.loads == 3 and engine.load_seconds == 0.0
+
+
+async def test_tokenize_detokenize_and_embeddings_accept_adapter_names(
+        client: AsyncTestClient) -> None:  # type: ignore[type-arg]
+    """vLLM answers ``/tokenize``, ``/detokenize`` and ``/v1/embeddings`` for a registered adapter as for the
+    base model (an adapter tokenizes alike); an unknown name is a 404 (the pooling server's own, for
+    embeddings) and, with runtime updating, spends an adapter id (vLLM asks its LoRA resolvers)."""
+    base = (await client.post("/tokenize", json={"model": "m", "prompt": "hi there"})).json()
+    adapter = await client.post("/tokenize", json={"model": "sql", "prompt": "hi there"})
+    assert adapter.status_code == 200 and adapter.json() == base
+    text = await client.post("/detokenize", json={"model": "sql", "tokens": base["tokens"]})
+    assert (text.status_code, text.json()) == (200, {"prompt": "<|begin_of_text|>hi there"})
+    embedded = await client.post("/v1/embeddings", json={"model": "sql", "input": "hi there"})
+    assert embedded.status_code == 200 and embedded.json()["model"] == "sql"
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5]})):
+        unknown = await client.post(path, json={**body, "model": "nope"})
+        assert (unknown.status_code, unknown.json()["error"]) == (404, {
+            "message": "The model `nope` does not exist. Valid aliases: m.", "type": "NotFoundError",
+            "param": "model", "code": 404})
+    unknown = await client.post("/v1/embeddings", json={"model": "nope", "input": "hi"})
+    assert (unknown.status_code, unknown.json()["error"]) == (404, {
+        "message": "The model `nope` does not exist.", "type": "NotFoundError", "param": None, "code": 404})
+    loaded = await client.post("/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": "/lora/chat"})
+    assert loaded.status_code == 200
+    state = (await client.get("/sim/state")).json()["lora"]
+    assert state["registered"][1] == {"name": "chat", "id": 5, "path": "/lora/chat"}  # 2-4: the three 404s
+
+
+def _adapter_dir(root: Any, name: str = "adapter") -> Any:
+    """A directory vLLM would load: a PEFT config and a weights file (whose content is not read)."""
+    path = root / name
+    path.mkdir()
+    (path / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8, "lora_alpha": 16}')
+    (path / "adapter_model.safetensors").write_bytes(b"")
+    return path
+
+
+def test_adapter_paths_on_this_machine_are_read_as_vllm_reads_them(tmp_path: Any) -> None:
+    """A path that exists here, or would be in a directory that does, must hold an adapter; a made-up path
+    in a directory this machine does not have, directly under the root, or a relative (Hugging Face) name
+    is a simulated adapter."""
+    for made_up in ("/adapters/support-v1", "/lora/sql", "/a", "hub/y", "support-v1"):
+        check_adapter_path("x", made_up)
+    check_adapter_path("x", str(_adapter_dir(tmp_path)))
+
+    def refused(path: Any) -> tuple[int, str, str]:
+        with pytest.raises(LoraRequestError) as info:
+            check_adapter_path("bad", str(path))
+        return info.value.status, info.value.err_type, info.value.message
+
+    def worker(error: str) -> tuple[int, str, str]:
+        return (500, "InternalServerError", f"Call to add_lora method failed: Worker failed with error '{error}', "
+                                            "please check the stack trace above for the root cause")
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for missing in (empty, tmp_path / "nowhere"):
+        assert refused(missing) == (404, "NotFoundError", f"Loading lora bad failed: No adapter found for {missing}")
+    file = tmp_path / "weights.bin"
+    file.write_bytes(b"x")
+    assert refused(file) == worker(f"[Errno 20] Not a directory: '{file}/adapter_config.json'")
+    config_dir = tmp_path / "config-dir"
+    (config_dir / "adapter_config.json").mkdir(parents=True)
+    assert refused(config_dir) == worker(f"[Errno 21] Is a directory: '{config_dir}/adapter_config.json'")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text("{oops")
+    assert refused(broken) == worker("Expecting property name enclosed in double quotes: line 1 column 2 (char 1)")
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    (no_weights / "adapter_config.json").write_text('{"r": 8}')
+    assert refused(no_weights) == worker(f"{no_weights} doesn't contain tensors")
+    (no_weights / "adapter_model.bin").write_bytes(b"")
+    check_adapter_path("ok", str(no_weights))
+
+
+async def test_loading_a_path_without_an_adapter_registers_nothing(client: AsyncTestClient,  # type: ignore[type-arg]
+                                                                   tmp_path: Any) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    file = tmp_path / "notes.txt"
+    file.write_text("not an adapter")
+    for path, status, message in (
+        (empty, 404, f"Loading lora bad failed: No adapter found for {empty}"),
+        (tmp_path / "nowhere", 404, f"Loading lora bad failed: No adapter found for {tmp_path / 'nowhere'}"),
+        (file, 500, f"Call to add_lora method failed: Worker failed with error '[Errno 20] Not a directory: "
+                    f"'{file}/adapter_config.json'', please check the stack trace above for the root cause"),
+    ):
+        resp = await client.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(path)})
+        assert resp.headers["content-type"] == "application/json"
+        assert (resp.status_code, resp.json()) == (status, {"error": {
+            "message": sanitize_message(message), "type": "NotFoundError" if status == 404 else "InternalServerError",
+            "param": None, "code": status}})
+    # In place over a registered adapter: refused the same way, and the old registration stays.
+    resp = await client.post("/v1/load_lora_adapter",
+                             json={"lora_name": "sql", "lora_path": str(empty), "load_inplace": True})
+    assert resp.status_code == 404
+    state = (await client.get("/sim/state")).json()["lora"]
+    assert state["registered"] == [{"name": "sql", "id": 1, "path": "/lora/sql"}]
+    assert state["cpu"] == ["sql"] and state["loads"] == 1
+    assert [c["id"] for c in (await client.get("/v1/models")).json()["data"]] == ["m", "sql"]
+    real = _adapter_dir(tmp_path, "real")
+    loaded = await client.post("/v1/load_lora_adapter", json={"lora_name": "real", "lora_path": str(real)})
+    assert loaded.status_code == 200
+    # Each failed load of a new name spent an id, as in vLLM.
+    assert (await client.get("/sim/state")).json()["lora"]["registered"][1] == {
+        "name": "real", "id": 5, "path": str(real)}
+
+
+def test_start_up_refuses_lora_modules_without_an_adapter(tmp_path: Any) -> None:
+    """vLLM loads every ``--lora-modules`` entry before it serves and stops at the first it cannot load,
+    with the load's (sanitized) message; made-up paths stay simulated adapters."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    modules = (LoraModule("a", "/adapters/a"), LoraModule("b", str(empty)))
+    expected = sanitize_message(f"Loading lora b failed: No adapter found for {empty}")
+    with pytest.raises(ValueError, match="No adapter found") as info:
+        resolve(EngineConfig(served_model="m", port=1, enable_lora=True, lora_modules=modules))
+    assert str(info.value) == f"sim: --lora-modules: {expected}"
+    real = _adapter_dir(tmp_path)
+    cfg = resolve(EngineConfig(served_model="m", port=1, enable_lora=True,
+                               lora_modules=(LoraModule("a", "/adapters/a"), LoraModule("b", str(real)))))
+    assert cfg.lora is not None and [m.name for m in cfg.lora.modules] == ["a", "b"]
