@@ -8,8 +8,14 @@ against a real engine or fails loudly, it never skips.
   ``deploy/vllm-cpu/setup-env.sh``.
 - ``ensure_tiny_model(env)`` makes the tiny random-weight Llama once per version of
   ``deploy/vllm-cpu/make_tiny_model.py``, under ``~/.cache/switchyard/tiny-llama-<hash>``.
+- ``ensure_tiny_lora(name)`` makes one of its LoRA adapters (``LORA_SEEDS``) the same way, under
+  ``~/.cache/switchyard/<name>-<hash>``; the script's ``--lora`` mode needs only the standard
+  library, so the simulator's tests make them without the vLLM environment.
 - ``VllmServer`` runs one OpenAI-compatible vLLM server in its own session (so stopping it
   also stops its engine-core child) and logs to a file whose tail every failure quotes.
+- ``FeatureServers`` are the tier's two servers of the issue #32 features (LoRA adapters with
+  runtime loading, and an embedding model), started together and shared by every conftest
+  that asks for them (``shared_feature_servers``).
 """
 
 from __future__ import annotations
@@ -22,17 +28,20 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 import pytest
 
 from switchyard.kvcache.config import KVEventsConfig
+from tests.helpers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy" / "vllm-cpu"
@@ -100,10 +109,37 @@ def ensure_env() -> Path:
     return env
 
 
+def _script_digest() -> str:
+    return hashlib.sha256(MODEL_SCRIPT.read_bytes()).hexdigest()[:12]
+
+
 def tiny_model_dir() -> Path:
     """Cache directory of the tiny model the current ``make_tiny_model.py`` makes."""
-    digest = hashlib.sha256(MODEL_SCRIPT.read_bytes()).hexdigest()[:12]
-    return CACHE_DIR / f"tiny-llama-{digest}"
+    return CACHE_DIR / f"tiny-llama-{_script_digest()}"
+
+
+def _build_cached(target: Path, lock: str, command: Sequence[str], env: Mapping[str, str]) -> Path:
+    """``command`` + a scratch directory, run once under the cache lock ``lock``, then renamed to ``target``.
+
+    The scratch directory lies beside the cache entry and is renamed into place only when the command
+    succeeded, so an interrupted build never leaves a half-written entry behind.
+    """
+    if target.is_dir():
+        return target
+    with _cache_lock(lock):
+        if target.is_dir():  # another session made it while we waited
+            return target
+        scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=CACHE_DIR))
+        try:
+            result = subprocess.run([*command, str(scratch)], capture_output=True, text=True, timeout=600,
+                                    check=False, env={**os.environ, **env})
+            if result.returncode != 0:
+                pytest.fail(f"{' '.join(command)} failed with exit code {result.returncode}:\n"
+                            f"{_tail(result.stdout + result.stderr)}", pytrace=False)
+            scratch.rename(target)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return target
 
 
 def ensure_tiny_model(env: Path) -> Path:
@@ -118,24 +154,37 @@ def ensure_tiny_model(env: Path) -> Path:
     Returns:
         The model directory (config, safetensors weights, tokenizer, chat template).
     """
-    target = tiny_model_dir()
-    if target.is_dir():
-        return target
-    with _cache_lock("tiny-llama"):
-        if target.is_dir():  # another session made it while we waited
-            return target
-        scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=CACHE_DIR))
-        try:
-            result = subprocess.run([str(env / "bin" / "python"), str(MODEL_SCRIPT), str(scratch)],
-                                    capture_output=True, text=True, timeout=600, check=False,
-                                    env={**os.environ, **SERVER_ENV})
-            if result.returncode != 0:
-                pytest.fail(f"{MODEL_SCRIPT} failed with exit code {result.returncode}:\n"
-                            f"{_tail(result.stdout + result.stderr)}", pytrace=False)
-            scratch.rename(target)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-    return target
+    return _build_cached(tiny_model_dir(), "tiny-llama", [str(env / "bin" / "python"), str(MODEL_SCRIPT)],
+                         SERVER_ENV)
+
+
+#: The tiny model's LoRA adapters the tiers make: served name -> seed of its weights. Their outputs
+#: differ from the base model's and from each other's.
+LORA_SEEDS = {"tiny-lora-a": 1, "tiny-lora-b": 2}
+
+
+def tiny_lora_dir(name: str) -> Path:
+    """Cache directory of the adapter ``name`` (a key of ``LORA_SEEDS``) the current script makes."""
+    if name not in LORA_SEEDS:
+        raise KeyError(f"no tiny LoRA adapter {name!r} (known: {sorted(LORA_SEEDS)})")
+    return CACHE_DIR / f"{name}-{_script_digest()}"
+
+
+def ensure_tiny_lora(name: str) -> Path:
+    """The LoRA adapter ``name`` (PEFT's format: ``adapter_config.json``, ``adapter_model.safetensors``),
+    made the first time this script version runs. The script's ``--lora`` mode needs only the standard
+    library: it runs with this interpreter, no vLLM environment needed.
+
+    Returns:
+        The adapter directory, for ``--lora-modules NAME=DIR`` or ``/v1/load_lora_adapter``.
+    """
+    return _build_cached(tiny_lora_dir(name), "tiny-lora",
+                         [sys.executable, str(MODEL_SCRIPT), "--lora", str(LORA_SEEDS[name])], {})
+
+
+def ensure_tiny_loras() -> dict[str, Path]:
+    """Every adapter of ``LORA_SEEDS``, by name."""
+    return {name: ensure_tiny_lora(name) for name in LORA_SEEDS}
 
 
 _LIVE: set[VllmServer] = set()
@@ -319,3 +368,112 @@ class VllmServer:
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
         return f"VllmServer({self.name}, {self.url}, {state})"
+
+
+# --- the servers of the issue #32 features: LoRA adapters and embeddings ---------------------------
+
+#: Base model of the LoRA server, the adapter it serves from the start (``--lora-modules``), and the
+#: adapter tests load at run time (``/v1/load_lora_adapter``; unload it when done).
+LORA_BASE = "tiny-llama"
+LORA_STATIC = "tiny-lora-a"
+LORA_RUNTIME = "tiny-lora-b"
+#: Adapters in one batch (``--max-loras``) and kept in memory (``--max-cpu-loras``).
+MAX_LORAS = 1
+MAX_CPU_LORAS = 2
+#: The environment that enables ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
+RUNTIME_LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+#: Served name and vector size of the embedding server: the tiny Llama run as a pooling model
+#: (last-token pooling, normalised), declared Matryoshka so that ``dimensions`` is honoured.
+EMBED_MODEL = "tiny-embed"
+EMBED_DIM = 128
+EMBED_ARGS = ("--runner", "pooling", "--convert", "embed", "--hf-overrides", '{"is_matryoshka": true}')
+
+
+def lora_args(adapters: Mapping[str, Path], max_loras: int = MAX_LORAS,
+              max_cpu_loras: int = MAX_CPU_LORAS) -> list[str]:
+    """The command-line arguments that serve ``adapters`` (name -> directory) beside the base model."""
+    args = ["--enable-lora", "--max-loras", str(max_loras), "--max-cpu-loras", str(max_cpu_loras),
+            "--max-lora-rank", "8"]
+    if adapters:
+        args += ["--lora-modules", *(f"{name}={path}" for name, path in adapters.items())]
+    return args
+
+
+@dataclass
+class FeatureServers:
+    """Two more real vLLM servers, for the issue #32 features.
+
+    Attributes:
+        lora: ``tiny-llama`` with LoRA enabled (``--max-loras 1 --max-cpu-loras 2``), serving
+            ``tiny-lora-a`` from the start, runtime loading allowed (``tiny-lora-b`` is for that),
+            prompt-token details on; otherwise configured like the tier's ``vllm_servers``.
+        embed: ``tiny-embed``, the tiny Llama as an embedding model (``/v1/embeddings``, 128
+            dimensions, Matryoshka ``dimensions`` honoured; no generation endpoints).
+        adapters: Every adapter's directory, by name (``LORA_SEEDS``).
+    """
+
+    lora: VllmServer
+    embed: VllmServer
+    adapters: dict[str, Path]
+
+    def ensure_running(self) -> None:
+        """Restart (on the same port) a server a test killed or stopped, and wait for it. A restarted
+        LoRA server has only its ``--lora-modules`` adapter again."""
+        dead = [s for s in (self.lora, self.embed) if not s.running]
+        for server in dead:
+            server.restart()
+        for server in dead:
+            server.wait_ready()
+
+
+def start_feature_servers(env: Path, model: Path, log_dir: Path) -> FeatureServers:
+    """Start both feature servers in parallel (pinned to cores 0 and 1) and wait until they are ready."""
+    adapters = ensure_tiny_loras()
+    servers = FeatureServers(VllmServer(env, model, log_dir, "vllm-lora"),
+                             VllmServer(env, model, log_dir, "vllm-embed"), adapters)
+    second_core = "1" if (os.cpu_count() or 1) > 1 else "0"
+    try:
+        servers.lora.start(free_port(), LORA_BASE, max_num_seqs=8, max_model_len=512,
+                           extra_args=["--enable-prompt-tokens-details",
+                                       *lora_args({LORA_STATIC: adapters[LORA_STATIC]})],
+                           cpus="0", env=RUNTIME_LORA_ENV)
+        servers.embed.start(free_port(), EMBED_MODEL, max_num_seqs=8, max_model_len=512,
+                            extra_args=EMBED_ARGS, cpus=second_core)
+        servers.lora.wait_ready()
+        servers.embed.wait_ready()
+    except BaseException:
+        servers.lora.stop()
+        servers.embed.stop()
+        raise
+    return servers
+
+
+_feature_servers: FeatureServers | None = None
+_feature_users = 0
+
+
+@contextlib.contextmanager
+def shared_feature_servers(env: Path, model: Path, log_dir: Callable[[], Path]) -> Iterator[FeatureServers]:
+    """The process's one set of feature servers, started by the first user and stopped by the last.
+
+    Session fixtures of different conftests (``tests/vllm/``, ``tests/conformance/``) are different
+    fixtures to pytest, each set up once; through this they share one pair of servers.
+
+    Args:
+        env: The vLLM environment.
+        model: The tiny model.
+        log_dir: Makes the servers' log directory (called only when they are started).
+    """
+    global _feature_servers, _feature_users
+    if _feature_servers is None:
+        _feature_servers = start_feature_servers(env, model, log_dir())
+    servers = _feature_servers
+    _feature_users += 1
+    try:
+        yield servers
+    finally:
+        _feature_users -= 1
+        if _feature_users == 0:
+            _feature_servers = None
+            servers.lora.stop()
+            servers.embed.stop()

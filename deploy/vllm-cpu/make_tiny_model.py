@@ -1,8 +1,9 @@
 """Make a tiny Llama that a real vLLM server can load and serve on the CPU, in a few seconds.
 
     ENV/bin/python deploy/vllm-cpu/make_tiny_model.py OUT_DIR
+    python deploy/vllm-cpu/make_tiny_model.py --lora SEED OUT_DIR
 
-Run it with the vLLM environment's python (``setup-env.sh`` builds it): it needs torch,
+Run the first with the vLLM environment's python (``setup-env.sh`` builds it): it needs torch,
 transformers and tokenizers. Nothing is downloaded: the tokenizer is a byte-level BPE trained
 here on generated English-ish text, and the weights are random (fixed seeds), so the same
 script always writes the same model. Its output is noise; send ``ignore_eos: true`` for exact
@@ -11,18 +12,27 @@ output lengths.
 The shape is the smallest the CPU backend serves: a head dimension of 32 (hidden size 128,
 4 heads) is the least its attention kernels accept. The chat template is Llama 3's, with the
 same special tokens the simulator's template uses, so chat prompts are built the same way.
+
+``--lora SEED OUT_DIR`` writes a LoRA adapter of that model in PEFT's on-disk format,
+``adapter_config.json`` and ``adapter_model.safetensors`` (rank 8 on every layer's ``q_proj`` and
+``v_proj``), with the standard library alone: any python runs it, no peft, torch or safetensors
+package needed. Its weights are random too (A and B both non-zero, drawn from SEED), large enough
+that the adapter's output differs from the base model's, and two seeds give two adapters whose
+outputs differ. vLLM serves it with ``--enable-lora --lora-modules NAME=OUT_DIR``.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import struct
 import sys
+from array import array
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 SEED = 1234
 VOCAB_SIZE = 1536
@@ -80,6 +90,9 @@ def corpus(lines: int = 4000) -> list[str]:
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level BPE (any text encodes) that puts ``<|begin_of_text|>`` first, as Llama 3."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -96,6 +109,9 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 
 def make_model(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
     """A two-layer Llama with random weights (fixed seed)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(SEED)
     config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
@@ -112,9 +128,74 @@ def _ensure_chat_template_in_config(out: Path) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+LORA_RANK = 8
+LORA_ALPHA = 16
+LORA_TARGETS = ("q_proj", "v_proj")
+
+
+def lora_tensors(seed: int) -> dict[str, tuple[list[int], list[float]]]:
+    """The adapter's weights as (shape, row-major values), named as PEFT saves them, from ``seed`` alone.
+
+    PEFT's own initialisation leaves B at zero (an adapter that changes nothing); here both factors
+    are random, so that ``B @ A * alpha / r`` is of the order of the base model's weights.
+    """
+    rng = random.Random(seed)
+    hidden = MODEL_SHAPE["hidden_size"]
+    head_dim = hidden // MODEL_SHAPE["num_attention_heads"]
+    out_dims = {"q_proj": hidden, "v_proj": MODEL_SHAPE["num_key_value_heads"] * head_dim}
+    tensors: dict[str, tuple[list[int], list[float]]] = {}
+    for layer in range(MODEL_SHAPE["num_hidden_layers"]):
+        for module in LORA_TARGETS:
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            a = [rng.gauss(0.0, hidden ** -0.5) for _ in range(LORA_RANK * hidden)]
+            b = [rng.gauss(0.0, 0.5) for _ in range(out_dims[module] * LORA_RANK)]
+            tensors[f"{prefix}.lora_A.weight"] = ([LORA_RANK, hidden], a)
+            tensors[f"{prefix}.lora_B.weight"] = ([out_dims[module], LORA_RANK], b)
+    return tensors
+
+
+def safetensors_bytes(tensors: dict[str, tuple[list[int], list[float]]]) -> bytes:
+    """float32 tensors in the safetensors format: an 8-byte little-endian header length, the JSON
+    header (names, dtypes, shapes, byte ranges; padded with spaces to 8 bytes), the raw data."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    chunks: list[bytes] = []
+    offset = 0
+    for name in sorted(tensors):
+        shape, values = tensors[name]
+        data = array("f", values)
+        if sys.byteorder == "big":
+            data.byteswap()
+        raw = data.tobytes()
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + len(raw)]}
+        chunks.append(raw)
+        offset += len(raw)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    return struct.pack("<Q", len(head)) + head + b"".join(chunks)
+
+
+def write_lora(out: Path, seed: int) -> None:
+    """A LoRA adapter of the tiny model in PEFT's on-disk format."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = {
+        "base_model_name_or_path": "tiny-llama", "peft_type": "LORA", "task_type": "CAUSAL_LM",
+        "r": LORA_RANK, "lora_alpha": LORA_ALPHA, "lora_dropout": 0.0,
+        "target_modules": list(LORA_TARGETS), "bias": "none", "fan_in_fan_out": False,
+        "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
+        "use_rslora": False, "use_dora": False, "revision": None,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (out / "adapter_model.safetensors").write_bytes(safetensors_bytes(lora_tensors(seed)))
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print(f"usage: {argv[0]} OUT_DIR", file=sys.stderr)
+    if len(argv) == 4 and argv[1] == "--lora" and argv[2].isdigit():
+        write_lora(Path(argv[3]), int(argv[2]))
+        print(f"tiny LoRA adapter (seed {argv[2]}, rank {LORA_RANK} on {', '.join(LORA_TARGETS)}) "
+              f"written to {argv[3]}")
+        return 0
+    if len(argv) != 2 or argv[1].startswith("-"):
+        print(f"usage: {argv[0]} OUT_DIR\n       {argv[0]} --lora SEED OUT_DIR", file=sys.stderr)
         return 2
     out = Path(argv[1])
     out.mkdir(parents=True, exist_ok=True)

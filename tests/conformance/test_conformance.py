@@ -75,9 +75,10 @@ EXCEPTIONS: dict[str, str] = {
                 "VLLM_SERVER_DEV_MODE=1 (the vLLM tier's servers set it).",
     "kv_step_order": "Within one engine step the sim publishes evictions before stores (vLLM interleaves them "
                      "request by request), and drops batches when its publishing queue is full where vLLM blocks.",
-    "endpoints": "Only the OpenAI completions and chat API, /v1/models, /health, /ping, /version, /load, "
-                 "/tokenize and /metrics are simulated; /detokenize, /v1/responses, /v1/messages, "
-                 "/invocations and the render and generate endpoints are not.",
+    "endpoints": "The OpenAI completions, chat, embeddings and Responses API, /v1/models, /health, /ping, /version, "
+                 "/load, /tokenize, /detokenize, /metrics and the LoRA load and unload endpoints are simulated; "
+                 "/v1/messages, /invocations, the render and generate endpoints and the Responses API's store "
+                 "(VLLM_ENABLE_RESPONSES_API_STORE) are not.",
 }
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
@@ -799,8 +800,9 @@ def test_the_gateway_reads_the_same_signals(target: Target, sim: Target) -> None
         return {k: type(v).__name__ for k, v in dataclasses.asdict(signals).items()}
 
     assert compare(target, sim, observe, "gateway signals") == {
-        **dict.fromkeys(("running", "waiting", "kv_usage", "prefix_queries", "prefix_hits", "progress"), "float"),
-        "models": "frozenset"}
+        **dict.fromkeys(("running", "waiting", "kv_usage", "prefix_queries", "prefix_hits", "progress", "deferred"),
+                        "float"),
+        "models": "frozenset", "adapters": "NoneType", "max_loras": "NoneType"}  # (LoRA is off on these servers)
 
 
 def test_counters_move_with_a_request(target: Target, sim: Target) -> None:
