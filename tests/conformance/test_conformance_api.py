@@ -548,16 +548,23 @@ def test_lora_requests_info(lora_target: Target, lora_sim: Target) -> None:
 
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
+        during = None
         try:
             body = {"model": adapter, "prompt": "hello there", "max_tokens": 300, **EXACT}
-            with httpx.stream("POST", f"{t.api}/completions", json={**body, "stream": True}, timeout=120) as resp:
-                assert resp.status_code == 200
-                for _ in resp.iter_lines():
-                    pass
+            # A scrape may miss a whole request on a starved machine: up to three requests, until one is seen.
+            for _ in range(3):
+                with httpx.stream("POST", f"{t.api}/completions", json={**body, "stream": True},
+                                  timeout=120) as resp:
+                    assert resp.status_code == 200
+                    for _ in resp.iter_lines():
+                        pass
+                time.sleep(0.2)
+                during = next((p for p in polls if p["running_lora_adapters"]), None)
+                if during is not None:
+                    break
         finally:
             done.set()
             poller.join(timeout=30)
-        during = next((p for p in polls if p["running_lora_adapters"]), None)
         time.sleep(0.5)
         after = lora_series(t)
         assert all(abs(value - time.time()) < 600 for _, value in after)
@@ -586,7 +593,8 @@ def test_load_and_unload_an_adapter(lora_target: Target, lora_sim: Target) -> No
         try:
             loaded = post_json(load, {"lora_name": name, "lora_path": path})
             twice = post_json(load, {"lora_name": name, "lora_path": path})
-            listed = [(m["id"], m["root"], m["parent"]) for m in models(t)]
+            # (The base model's root is its directory, which the simulator does not have: it names the model.)
+            listed = [(m["id"], m["root"] if m["parent"] else "<base>", m["parent"]) for m in models(t)]
             served = post_json(f"{t.api}/chat/completions", chat)
             assert served.status_code == 200 and served.json()["model"] == name, served.text
         finally:
@@ -604,7 +612,7 @@ def test_load_and_unload_an_adapter(lora_target: Target, lora_sim: Target) -> No
     seen = compare_on(lora_target, lora_sim, observe, "runtime adapters")
     (static, static_path), = lora_target.adapters
     assert seen == {
-        "listed": [(lora_target.model, seen["listed"][0][1], None), (static, static_path, lora_target.model),
+        "listed": [(lora_target.model, "<base>", None), (static, static_path, lora_target.model),
                    (name, path, lora_target.model)],
         "loaded": (200, None, f"Success: LoRA adapter '{name}' added successfully."),
         "twice": (400, "application/json", {"error": {
