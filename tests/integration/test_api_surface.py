@@ -263,6 +263,24 @@ def test_a_streamed_response_passes_the_engines_events_on_and_counts_its_usage(g
     assert (row["prompt_tokens"], row["completion_tokens"]) == (final.usage.input_tokens, final.usage.output_tokens)
 
 
+def test_a_follow_up_to_a_response_no_engine_kept_is_the_clients_404(gw: Gateway) -> None:
+    # The simulated engines keep no responses (as vLLM without VLLM_ENABLE_RESPONSES_API_STORE): every replica
+    # is asked (one may have kept it), none counts it as a fault, and the client gets the engines' 404.
+    token = {"Authorization": f"Bearer {gw.env['SWITCHYARD_ADMIN_TOKEN']}"}
+
+    def failures() -> int:
+        _, _, rows = http_json("GET", gw.base_url + "/admin/api/endpoints", headers=token)
+        return sum(r["breaker"]["consecutive_failures"] for r in rows["endpoints"] if r["pool"] == "chat-us")
+
+    before = failures()
+    with pytest.raises(openai.NotFoundError) as missing:
+        client(gw, "pro").responses.create(model="small", input="and then?", previous_response_id="resp_gone")
+    assert missing.value.code == "response_not_found" and missing.value.param == "previous_response_id"
+    assert "Response with id 'resp_gone' not found" in missing.value.message
+    assert missing.value.response.headers["x-switchyard-attempts"] == "2"
+    assert failures() == before
+
+
 def test_a_response_moves_on_before_its_first_byte_and_a_broken_stream_ends_with_an_error_event(
         gw: Gateway, fleet: FaultFleet) -> None:
     sdk = client(gw, "pro")

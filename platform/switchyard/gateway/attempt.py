@@ -34,7 +34,14 @@ from switchyard.engines.upstream import UpstreamFailure, post, read_answer, read
 from switchyard.gateway.accounting import account
 from switchyard.gateway.activity import RequestRecord
 from switchyard.gateway.adapters import AdapterLoadFailed
-from switchyard.gateway.attempts import BUSY_STATUS, RETRYABLE_STATUS, engine_error, failure_error, record_tries
+from switchyard.gateway.attempts import (
+    BUSY_STATUS,
+    RETRYABLE_STATUS,
+    engine_error,
+    failure_error,
+    record_tries,
+    stored_response_missing,
+)
 from switchyard.gateway.flow import Yielder
 from switchyard.gateway.request import LegUsage, PendingRequest, RequestIds
 from switchyard.gateway.tracing import end
@@ -261,12 +268,13 @@ class Try:
 
     def _engine_refused(self, err: Any) -> Tried:
         """The engine answered non-2xx: worth trying elsewhere, or the client's own error (final)."""
-        if err.status == 404 and self.adapter is not None:  # it does not have the adapter (restarted?): load again
+        missing = stored_response_missing(err)
+        if err.status == 404 and self.adapter is not None and not missing:  # no adapter (restarted?): load again
             self.runtime.adapters.forget(self.url, self.stage.model)
         error = engine_error(err, self.choice, dict(self.headers))
         if err.status in RETRYABLE_STATUS:
             return self.failed(str(err.status), f"{err.status} {err.message[:200]}", error,
-                               engine_fault=err.status not in BUSY_STATUS)
+                               engine_fault=err.status not in BUSY_STATUS and not missing)
         assert self.trial is not None
         self.trial.neutral()
         self.runtime.metrics.attempts.labels(self.pool, str(err.status)).inc()

@@ -48,8 +48,9 @@ def engine_error(err: EngineError, choice: EndpointChoice, headers: dict[str, st
 
     The engine's 400s are the client's mistakes (context too long, bad parameter) and pass
     through; a 404 means the policy names a model the engine does not serve (a configuration
-    error, so 502); 429/503 mean the engine is overloaded. A redirect is never followed (the gateway
-    connects only to the policy's endpoints): the engine is misbehaving, so 502.
+    error, so 502), unless it says a stored response is missing (the client's 404); 429/503 mean
+    the engine is overloaded. A redirect is never followed (the gateway connects only to the
+    policy's endpoints): the engine is misbehaving, so 502.
     """
     where = f"pool {choice.pool.name} ({choice.url})"
     code = str(err.code) if isinstance(err.code, str) else None
@@ -60,6 +61,8 @@ def engine_error(err: EngineError, choice: EndpointChoice, headers: dict[str, st
         return BadRequest(err.message, code=code or "invalid_request", param=err.param, headers=headers)
     if err.status == 413:
         return PayloadTooLarge(err.message, headers=headers)
+    if stored_response_missing(err):  # a Responses API follow-up whose earlier response this engine does not keep
+        return NotFound(err.message, code="response_not_found", param="previous_response_id", headers=headers)
     if err.status == 404:
         return BadGateway(f"The engine of {where} does not serve '{choice.pool.served_model}': {err.message}",
                           code="upstream_model_missing", headers=headers)
@@ -67,6 +70,13 @@ def engine_error(err: EngineError, choice: EndpointChoice, headers: dict[str, st
         return Overloaded(f"The engine of {where} is overloaded ({err.status}): {err.message}",
                           headers={**headers, "Retry-After": err.retry_after or "1"})
     return BadGateway(f"The engine of {where} answered {err.status}: {err.message}", headers=headers)
+
+
+def stored_response_missing(err: EngineError) -> bool:
+    """Whether the engine's 404 says it does not have a stored response (vLLM's ``param: response_id``: a
+    ``previous_response_id`` from another replica, or from a server that stores none). Another replica may have it:
+    worth trying elsewhere, but no fault of the engine's; when none has it, the client gets the 404."""
+    return err.status == 404 and err.param == "response_id"
 
 
 def failure_error(failure: UpstreamFailure, pool: str, headers: dict[str, str]) -> ApiError:
