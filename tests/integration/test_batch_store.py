@@ -142,7 +142,7 @@ def test_a_bad_input_file_makes_a_failed_batch_that_names_each_bad_line(engine: 
 def test_batch_parameters_are_checked(engine: Engine) -> None:
     acme = tenant(engine, "acme")
     f = tx(engine, lambda s: create_file(s, acme[0], "in.jsonl", jsonl(line("a"))))
-    for kwargs, param in (({"endpoint": "/v1/embeddings"}, "endpoint"), ({"completion_window": "1h"},
+    for kwargs, param in (({"endpoint": "/v1/moderations"}, "endpoint"), ({"completion_window": "1h"},
                           "completion_window"), ({"metadata": {"k": "v" * 513}}, "metadata"),
                           ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata")):
         args: dict[str, Any] = {"endpoint": EP, **kwargs}
