@@ -7,6 +7,11 @@ try it (hedging a late first token where the class says so), and the next one al
 fail. A stream its engine breaks off after its first byte goes on from there (:func:`resume`): the same
 plan, from the stage that served it.
 
+Every kind of request (:data:`~switchyard.decide.cache.RequestKind`: chat, completion, embedding, responses,
+tokenize, detokenize) runs this one procedure; a model serves only its own kind (an embedding model
+embeddings), and the tokenizer endpoints go from the class straight to the plan (nothing to cache, charge or
+queue).
+
 The order lives here and only here. The procedure is a generator: what it cannot compute it asks
 for as an *effect* (a classifier score, the response cache's answer, the limit store's answer, a
 place in a queue, the retry budget, a try at an endpoint) and it receives the answer; what it
