@@ -30,7 +30,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, Any
+
+import msgspec
 
 #: Seconds a process gets to stop after SIGTERM before it is killed.
 STOP_GRACE_S = 10.0
@@ -291,6 +293,18 @@ def http_get(url: str, timeout_s: float = 5.0) -> bytes:
     with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - loopback only
         body: bytes = response.read()
         return body
+
+
+def engine_states(ports: Sequence[int]) -> list[dict[str, Any]]:
+    """Every simulated engine's ``/sim/state`` now, on ``127.0.0.1`` (an empty one for an engine that does not
+    answer)."""
+    states = []
+    for port in ports:
+        try:
+            states.append(msgspec.json.decode(http_get(f"http://127.0.0.1:{port}/sim/state")))
+        except (OSError, msgspec.DecodeError):
+            states.append({})
+    return states
 
 
 def http_post_json(url: str, body: bytes, headers: dict[str, str] | None = None,

@@ -128,7 +128,7 @@ async def scrape_sums(session: aiohttp.ClientSession, urls: Sequence[str], names
     return sums, answered
 
 
-class _Sampler(ABC):
+class Sampler(ABC):
     """Runs :meth:`_run` from :meth:`start` (the run's start on the loop's clock) until :meth:`stop`."""
 
     def __init__(self, bin_s: float) -> None:
@@ -161,7 +161,7 @@ class _Sampler(ABC):
             index += 1
 
 
-class MetricsSampler(_Sampler):
+class MetricsSampler(Sampler):
     """Samples series from ``/metrics`` URLs into bins of ``bin_s`` (one value per bin).
 
     Call :meth:`start` with the run's start (``loop.time()``), :meth:`stop` when it ends;
@@ -183,7 +183,7 @@ class MetricsSampler(_Sampler):
                     self.series[name].append(sums[name])
 
 
-class EngineStateSampler(_Sampler):
+class EngineStateSampler(Sampler):
     """Samples simulated engines' ``/sim/state`` once per bin of ``bin_s``: how busy they were and how far
     behind their own clock they ran.
 
@@ -212,7 +212,7 @@ class EngineStateSampler(_Sampler):
         last: dict[str, tuple[float, float]] = {}  # url -> (loop time, busy_s) of its last answer
         async with aiohttp.ClientSession() as session:
             async for _ in self._bins(at):
-                states = await asyncio.gather(*(_sim_state(session, url, self.bin_s) for url in self.urls))
+                states = await asyncio.gather(*(sim_state(session, url, self.bin_s) for url in self.urls))
                 now = loop.time()
                 busy = elapsed = 0.0
                 running, lags, answered = 0.0, [], 0
@@ -235,7 +235,8 @@ class EngineStateSampler(_Sampler):
                 self.lag_s.append(max(lags) if lags else None)
 
 
-async def _sim_state(session: aiohttp.ClientSession, url: str, timeout_s: float) -> dict[str, Any] | None:
+async def sim_state(session: aiohttp.ClientSession, url: str, timeout_s: float) -> dict[str, Any] | None:
+    """A simulated engine's ``/sim/state`` (None when it does not answer within ``timeout_s``, or not with 200)."""
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
             if response.status != 200:

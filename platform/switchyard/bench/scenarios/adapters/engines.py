@@ -6,15 +6,13 @@ the wall clock."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import msgspec
 
-from switchyard.bench.procs import http_get
+from switchyard.bench.sampler import Sampler, sim_state
 
 #: Seconds between two samples of the engines' state while an arm runs.
 SAMPLE_S = 1.0
@@ -67,19 +65,7 @@ def load_cost_s(states: Sequence[Mapping[str, Any]]) -> float | None:
     return None
 
 
-def engine_states(ports: Sequence[int]) -> list[dict[str, Any]]:
-    """Every engine's ``/sim/state`` now (an empty one for an engine that does not answer)."""
-    states = []
-    for port in ports:
-        try:
-            states.append(msgspec.json.decode(http_get(f"http://127.0.0.1:{port}/sim/state")))
-        except (OSError, msgspec.DecodeError):
-            states.append({})
-    return states
-
-
-@dataclass
-class StateSampler:
+class StateSampler(Sampler):
     """Samples engines' ``/sim/state`` every ``every_s`` from :meth:`start` until :meth:`stop`, summing over them.
 
     Attributes:
@@ -88,32 +74,18 @@ class StateSampler:
             behind its wall clock (``lag_s``, simulated seconds).
     """
 
-    urls: list[str]
-    every_s: float = SAMPLE_S
-    series: dict[str, list[float]] = field(default_factory=lambda: {
-        "deferred": [], "waiting": [], "running": [], "loads": [], "lag_s": []})
-    _task: asyncio.Task[None] | None = None
-
-    def start(self, at: float) -> None:
-        """Begin sampling; samples are taken at ``at + (i + 0.5) * every_s`` on the running loop's clock."""
-        self._task = asyncio.get_running_loop().create_task(self._run(at))
-
-    async def stop(self) -> None:
-        """Stop sampling."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+    def __init__(self, urls: Sequence[str], every_s: float = SAMPLE_S) -> None:
+        super().__init__(every_s)
+        self.urls = list(urls)
+        self.series: dict[str, list[float]] = {"deferred": [], "waiting": [], "running": [], "loads": [],
+                                               "lag_s": []}
 
     async def _run(self, at: float) -> None:
-        loop = asyncio.get_running_loop()
-        index = 0
+        timeout_s = max(self.bin_s, 1.0)
         async with aiohttp.ClientSession() as session:
-            while True:
-                await asyncio.sleep(max(0.0, at + (index + 0.5) * self.every_s - loop.time()))
-                index += 1
-                states = [s for s in await asyncio.gather(*(self._one(session, u) for u in self.urls)) if s]
+            async for _ in self._bins(at):
+                states = [s for s in await asyncio.gather(*(sim_state(session, u, timeout_s) for u in self.urls))
+                          if s]
                 if not states:
                     continue
                 lora = [s.get("lora") or {} for s in states]
@@ -122,13 +94,3 @@ class StateSampler:
                 self.series["running"].append(float(sum(int(s.get("running", 0)) for s in states)))
                 self.series["loads"].append(float(sum(int(x.get("loads", 0)) for x in lora)))
                 self.series["lag_s"].append(max(float(s.get("lag_s", 0.0)) for s in states))
-
-    async def _one(self, session: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
-        try:
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=max(self.every_s, 1.0))) as answer:
-                if answer.status != 200:
-                    return None
-                state: dict[str, Any] = await answer.json()
-                return state
-        except (TimeoutError, aiohttp.ClientError, ValueError):
-            return None

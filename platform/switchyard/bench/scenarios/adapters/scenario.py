@@ -10,13 +10,12 @@ from dataclasses import dataclass, field
 
 from switchyard.bench.loadgen import run_open_loop
 from switchyard.bench.policies import TENANT, TIER
-from switchyard.bench.procs import cpu_seconds, free_ports
+from switchyard.bench.procs import cpu_seconds, engine_states, free_ports
 from switchyard.bench.report import build_report, write_report
 from switchyard.bench.results import Result
 from switchyard.bench.scenarios.adapters.engines import (
     LoraCounters,
     StateSampler,
-    engine_states,
     load_cost_s,
     lora_counters,
 )

@@ -28,11 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from switchyard.bench.loadgen import run_open_loop
 from switchyard.bench.policies import TENANT, TIER, replicas_policy
-from switchyard.bench.procs import StartError, cpu_seconds, http_get
+from switchyard.bench.procs import StartError, cpu_seconds, engine_states, http_get
 from switchyard.bench.results import Result
 from switchyard.bench.sampler import MetricsSampler, sum_series
 from switchyard.bench.scenarios.base import ScenarioContext
@@ -132,16 +130,6 @@ def port_block(count: int, tries: int = 200) -> int:
     raise StartError(f"no {count} consecutive free ports")
 
 
-def _engine_state(ports: Sequence[int]) -> list[dict[str, Any]]:
-    states = []
-    for port in ports:
-        try:
-            states.append(msgspec.json.decode(http_get(f"http://127.0.0.1:{port}/sim/state")))
-        except (OSError, msgspec.DecodeError):
-            states.append({})
-    return states
-
-
 def _counters(ports: Sequence[int]) -> tuple[float, float]:
     hits = queries = 0.0
     for port in ports:
@@ -192,7 +180,7 @@ def run_arm(ctx: ScenarioContext, name: str, workload: Workload, *, label: str, 
     arm = ArmRun(name)
     if precise and not _wait_live(gateway.base_url, ADMIN_TOKEN):
         ctx.say(f"prefix: {label}: precise: the gateway did not follow every engine's events live before the replay")
-    before = _engine_state(ports)
+    before = engine_states(ports)
     events0 = _event_counters(gateway.base_url, ADMIN_TOKEN) if precise else None
     sampler = MetricsSampler([f"http://127.0.0.1:{p}/metrics" for p in ports], SERIES)
     cpu0, sims0 = cpu_seconds(gateway.proc.pid), cpu_seconds(sims.pid)
@@ -223,7 +211,7 @@ def run_arm(ctx: ScenarioContext, name: str, workload: Workload, *, label: str, 
     if events0 is not None and events1 is not None:
         arm.events, arm.event_batches, arm.event_seconds = (b - a for a, b in zip(events0, events1, strict=True))
     arm.hits, arm.queries = _counters(ports)
-    after = _engine_state(ports)
+    after = engine_states(ports)
     busy = [a.get("busy_s", 0.0) - b.get("busy_s", 0.0) for a, b in zip(after, before, strict=True)]
     arm.busy = sum(busy) / (len(ports) * arm.elapsed_s * time_scale) if arm.elapsed_s > 0 else None
     arm.lag_s = max((a.get("lag_s") or 0.0 for a in after), default=None)
