@@ -29,12 +29,10 @@ from switchyard.sim.config import ResolvedConfig
 from switchyard.sim.generate import send_json
 from switchyard.sim.lora import LoraRequestError, sanitize_message
 from switchyard.sim.runtime import EngineRuntime
-from switchyard.sim.validation import ApiError, decode_body, input_repr
+from switchyard.sim.validation import ApiError, decode_body, input_repr, read_bool
 
 _METHOD_NOT_ALLOWED = b'{"detail":"Method Not Allowed"}'
 _UNSUPPORTED = "Unsupported Media Type: Only 'application/json' is allowed"
-_TRUE = {"1", "on", "t", "true", "y", "yes"}
-_FALSE = {"0", "off", "f", "false", "n", "no"}
 
 
 def adapter_cards(engine: EngineRuntime, created: int) -> list[dict[str, Any]]:
@@ -86,18 +84,10 @@ def _string(body: dict[str, Any], key: str, errors: list[dict[str, Any]]) -> str
 def _boolean(body: dict[str, Any], key: str, errors: list[dict[str, Any]]) -> bool:
     if key not in body:
         return False
-    value = body[key]
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int | float) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-        return value.strip().lower() in _TRUE
-    if isinstance(value, int | float | str):
-        errors.append(_field_error("bool_parsing", f"body.{key}",
-                                   "Input should be a valid boolean, unable to interpret input", value))
-    else:
-        errors.append(_field_error("bool_type", f"body.{key}", "Input should be a valid boolean", value))
+    read = read_bool(body[key])
+    if isinstance(read, bool):
+        return read
+    errors.append(_field_error(read[0], f"body.{key}", read[1], body[key]))
     return False
 
 

@@ -138,8 +138,9 @@ def lax_float(value: object, loc: str) -> float:
     raise invalid("float_type", loc, "Input should be a valid number", value)
 
 
-def lax_bool(value: object, loc: str) -> bool:
-    """A boolean as pydantic's lax mode reads one (0/1, "yes"/"no", …)."""
+def read_bool(value: object) -> bool | tuple[str, str]:
+    """A boolean as pydantic's lax mode reads one (0/1, "yes"/"no", …), or what is wrong with it: pydantic's
+    error (type, message)."""
     if isinstance(value, bool):
         return value
     if isinstance(value, int | float) and value in (0, 1):
@@ -147,9 +148,16 @@ def lax_bool(value: object, loc: str) -> bool:
     if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
         return value.strip().lower() in _TRUE
     if isinstance(value, int | float | str):
-        raise invalid("bool_parsing", loc, "Input should be a valid boolean, unable to interpret input",
-                      value)
-    raise invalid("bool_type", loc, "Input should be a valid boolean", value)
+        return "bool_parsing", "Input should be a valid boolean, unable to interpret input"
+    return "bool_type", "Input should be a valid boolean"
+
+
+def lax_bool(value: object, loc: str) -> bool:
+    """A boolean as pydantic's lax mode reads one (0/1, "yes"/"no", …)."""
+    read = read_bool(value)
+    if isinstance(read, bool):
+        return read
+    raise invalid(read[0], loc, read[1], value)
 
 
 def strict_str(value: object, loc: str) -> str:
