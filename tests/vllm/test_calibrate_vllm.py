@@ -45,6 +45,11 @@ def _within_band(report_path: Path) -> bool:
                for name in ("TTFT p50", "mean TPOT"))
 
 
+def _found_all_slots(profile_path: Path) -> bool:
+    """Whether the calibration measured the server's 8 sequence slots (a starved run may see fewer)."""
+    return profile_path.exists() and load_profile_file(profile_path).max_num_seqs == 8
+
+
 def test_calibrate_the_cpu_server_and_compare(vllm_servers: Any, tmp_path: Path) -> None:
     vllm_servers.ensure_running()
     server = vllm_servers.a
@@ -52,10 +57,11 @@ def test_calibrate_the_cpu_server_and_compare(vllm_servers: Any, tmp_path: Path)
     command = [str(SWITCHYARD), "sim", "calibrate", "--url", server.url, "--out", str(out),
                "--report", str(report_path), "--quick"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
-    if result.returncode == 0 and not _within_band(report_path):
+    if result.returncode == 0 and not (_within_band(report_path) and _found_all_slots(out)):
         # On two shared cores the real server's API process is now and then starved for seconds (a CI run
         # once measured its replay TTFT p50 at 332 ms against 9.7 ms simulated, and 86 of 86 passed on the
-        # rerun): calibrate once more; two such runs in a row fail below.
+        # rerun; another found 4 of the 8 sequence slots, twice in one probe, when the streams of a batch stalled
+        # alike): calibrate once more; two such runs in a row fail below.
         result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, f"{result.stderr}\n--- server log ---\n{server.log_tail()}"
 
