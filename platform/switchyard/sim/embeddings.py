@@ -304,7 +304,7 @@ async def handle_embeddings(engine: EngineRuntime, scope: Scope, receive: Receiv
             return
         headers = dict(scope.get("headers") or [])
         request_id = headers.get(b"x-request-id", b"").decode("latin-1") or None
-        body = embeddings_body(spec, cfg.served_model if adapter is None else adapter.name, request_id)
+        body = embeddings_body(spec, engine.served_name(adapter), request_id)
         await (send_cut(send, body) if accepted.abort else send_json(send, 200, body))
     finally:
         watch.close()

@@ -143,7 +143,7 @@ async def handle_generation(engine: EngineRuntime, chat: bool, scope: Scope, rec
         body = decode_body(accepted.body)
         # A ``model`` naming a LoRA adapter runs on the base model with it, and answers under its name.
         adapter = engine.adapter(body.get("model"))
-        spec = parse_generation(body, chat=chat, served_model=cfg.served_model if adapter is None else adapter.name,
+        spec = parse_generation(body, chat=chat, served_model=engine.served_name(adapter),
                                 vocab_size=cfg.profile.vocab_size, max_model_len=cfg.max_model_len)
     except ApiError as exc:
         if exc.status == 404:
@@ -161,10 +161,8 @@ async def handle_generation(engine: EngineRuntime, chat: bool, scope: Scope, rec
     try:
         headers = dict(scope.get("headers") or [])
         request_id = headers.get(b"x-request-id", b"").decode("latin-1") or None
-        traceparent = headers.get(b"traceparent")
-        if traceparent is not None:
-            engine.trace_contexts.append({"request_id": request_id, "traceparent": traceparent.decode("latin-1")})
-        shaper = ResponseShaper(chat=chat, model=cfg.served_model if adapter is None else adapter.name,
+        engine.note_trace(headers, request_id)
+        shaper = ResponseShaper(chat=chat, model=engine.served_name(adapter),
                                 request_id=request_id,
                                 choices=len(spec.prompts) * spec.n, fingerprint=engine.fingerprint,
                                 include_usage=spec.include_usage, role=spec.role)

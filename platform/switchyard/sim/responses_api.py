@@ -189,14 +189,14 @@ async def handle_responses(engine: EngineRuntime, scope: Scope, receive: Receive
         body = json_body(content_type, accepted.body)
         # As for chat: a ``model`` naming a LoRA adapter runs on the base model with it, under its name.
         adapter = engine.adapter(body.get("model"))
-        req = parse_responses(body, served_model=cfg.served_model if adapter is None else adapter.name,
+        req = parse_responses(body, served_model=engine.served_name(adapter),
                               max_model_len=cfg.max_model_len)
     except ApiError as exc:
         if exc.status == 404 and exc.param == "model":
             engine.unknown_model()
         await send_json(send, exc.status, exc.body())
         return
-    model = cfg.served_model if adapter is None else adapter.name
+    model = engine.served_name(adapter)
 
     requests: list[SimRequest] = []
 
@@ -206,10 +206,7 @@ async def handle_responses(engine: EngineRuntime, scope: Scope, receive: Receive
 
     watch = ClientWatch(receive, abort_all)
     try:
-        traceparent = dict(scope.get("headers") or []).get(b"traceparent")
-        if traceparent is not None:
-            engine.trace_contexts.append({"request_id": req.response_id,
-                                          "traceparent": traceparent.decode("latin-1")})
+        engine.note_trace(dict(scope.get("headers") or []), req.response_id)
         spec = req.spec
         if engine.faults.mode in GARBAGE_MODES:
             shaper = ResponseShaper(chat=True, model=model, request_id=req.response_id, choices=1,

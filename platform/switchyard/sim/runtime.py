@@ -281,6 +281,16 @@ class EngineRuntime:
         """The adapter a request's ``model`` names, None for the base model or a name not registered."""
         return None if self.loras is None else self.loras.get(model)
 
+    def served_name(self, adapter: LoraAdapter | None) -> str:
+        """The name a request is answered under: its adapter's, else the served model's."""
+        return self.config.served_model if adapter is None else adapter.name
+
+    def note_trace(self, headers: dict[bytes, bytes], request_id: str | None) -> None:
+        """Keep a request's ``traceparent`` (for ``/sim/state``), when it carries one."""
+        traceparent = headers.get(b"traceparent")
+        if traceparent is not None:
+            self.trace_contexts.append({"request_id": request_id, "traceparent": traceparent.decode("latin-1")})
+
     def unknown_model(self) -> None:
         """A request named a model that is neither the base model nor an adapter (answered 404): with
         runtime updating vLLM first tries its LoRA resolvers, which spends an adapter id."""
