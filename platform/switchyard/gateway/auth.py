@@ -15,11 +15,13 @@ transaction (``store/key_changes.py`` has the protocol):
   listening process acknowledged (at most 2 s, then it logs a warning and says so). While its
   listening connection is down a process trusts no cached answer: every request is looked up, so a
   process that cannot hear a revocation cannot miss one either.
-- *SQLite*: before answering from the cache a process reads the database's key-change marker
-  (``PRAGMA user_version``, bumped in the change's transaction; about 5 µs, through a connection of
-  its own with a 20 ms busy timeout, a busy database meaning a lookup instead). Every process on the
-  file (``serve --workers N``, a CLI change while a gateway runs) therefore sees a change at its next
-  request; a change through a gateway process also drops that process's entries at once.
+- *SQLite*: before answering from the cache a process checks the database's key-change marker
+  (``PRAGMA user_version``, bumped in the change's transaction, and a stamp file beside the database
+  moved right after its commit: the process compares the stamp in its memory map, and reads the
+  marker, through a connection of its own with a 20 ms busy timeout, when the stamp moved or every
+  quarter second; a busy database means a lookup instead). Every process on the file (``serve
+  --workers N``, a CLI change while a gateway runs) therefore sees a change at its next request; a
+  change through a gateway process also drops that process's entries at once.
 
 So ``key_cache_ttl_s`` only bounds a change made behind Switchyard's back (SQL by hand) and a
 PostgreSQL listener that died without its connection breaking (it is probed every few seconds). A
