@@ -30,7 +30,15 @@ from switchyard.decide.decision import Attempt, Tried
 from switchyard.engines.breakers import Trial
 from switchyard.engines.splice import Transcript, stream_kind
 from switchyard.engines.streams import Leg, LegEnd, ResponsesUsage, StreamRelay, StreamUsage, first_chunk
-from switchyard.engines.upstream import UpstreamFailure, post, read_answer, read_engine_error, usage_counts
+from switchyard.engines.upstream import (
+    USER_AGENT,
+    UpstreamFailure,
+    engine_url,
+    post,
+    read_answer,
+    read_engine_error,
+    usage_counts,
+)
 from switchyard.gateway.accounting import account
 from switchyard.gateway.activity import RequestRecord
 from switchyard.gateway.adapters import AdapterLoadFailed
@@ -192,7 +200,8 @@ class Try:
         assert trial is not None
         # The engine gets an id of our own: clients may reuse theirs, and two in-flight requests with one id
         # would collide inside the engine.
-        upstream_headers = {"Content-Type": "application/json", "X-Request-Id": self.ids.new()}
+        upstream_headers = {"Content-Type": "application/json", "User-Agent": USER_AGENT,
+                            "X-Request-Id": self.ids.new()}
         req.trace.inject(self.span, upstream_headers)
         payload = req.payload_for(self.choice.pool, self.stage.model)
         deadline = self.deadline_s
@@ -209,7 +218,7 @@ class Try:
                     if refused is not None:
                         watched.timer = None
                         return refused
-                response = await post(runtime.http, url + _PATHS[req.kind], payload, upstream_headers,
+                response = await post(runtime.http, engine_url(url, _PATHS[req.kind]), payload, upstream_headers,
                                       runtime.http_fresh)
                 if response.status >= 300:
                     watched.timer = None
