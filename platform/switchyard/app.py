@@ -11,7 +11,6 @@ them each piece they use by itself (:mod:`switchyard.admin.dependencies`).
 
 from __future__ import annotations
 
-from litestar import Litestar
 from litestar.exceptions import HTTPException
 from litestar.plugins.jinja import JinjaTemplateEngine
 from litestar.static_files import create_static_files_router
@@ -28,6 +27,7 @@ from switchyard.api.openapi import openapi_config
 from switchyard.batch import api as batch_api
 from switchyard.batch.worker import worker_lifespan
 from switchyard.gateway import openai_api, ops
+from switchyard.gateway.fast_routes import FastRoutes, GatewayApp
 from switchyard.gateway.proxy import Proxy
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.resources import static_dir, templates_dir
@@ -44,13 +44,14 @@ def admin_dependencies(runtime: GatewayRuntime) -> AdminDependencies:
         change_keys=runtime.change_keys, policy_changed=runtime.policy_changed)
 
 
-def create_app(settings: Settings) -> Litestar:
+def create_app(settings: Settings) -> GatewayApp:
     """The app for ``settings``: gateway, Batch API, console and admin API; nothing is opened until its
-    lifespan starts."""
+    lifespan starts. The hot path's POST routes are answered ahead of Litestar's layers
+    (:mod:`switchyard.gateway.fast_routes`), through the same :class:`Proxy`."""
     runtime = GatewayRuntime(settings)
     proxy = Proxy(runtime)
     admin = admin_dependencies(runtime)
-    app = Litestar(
+    app = GatewayApp(
         route_handlers=[
             *openai_api.ROUTES,
             *batch_api.ROUTES,
@@ -77,4 +78,5 @@ def create_app(settings: Settings) -> Litestar:
     )
     app.state.runtime = runtime
     app.state.proxy = proxy
+    app.serve_fast(FastRoutes(proxy, settings.max_body_bytes))
     return app

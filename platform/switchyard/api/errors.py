@@ -150,23 +150,33 @@ _HTTP_TYPES = {
 }
 
 
-def http_exception_handler(request: Request[Any, Any, Any], exc: HTTPException) -> Response[bytes]:
-    """Answer the framework's own HTTP errors (unknown path, wrong method, body too large)."""
-    status = exc.status_code
+def http_error(status: int, detail: str, method: str, path: str,
+               headers: Mapping[str, str] | None = None) -> tuple[bytes, dict[str, str]]:
+    """The body and headers answering an HTTP error of the server itself (an unknown path, a wrong method, a body
+    too large or a bad ``content-length``) with OpenAI's error object."""
     type_, code = _HTTP_TYPES.get(status, ("invalid_request_error" if status < 500 else "internal_error",
                                            None))
-    message = exc.detail
+    message = detail
     if status == 404:
-        message = f"Unknown path: {request.method} {request.url.path}"
+        message = f"Unknown path: {method} {path}"
     elif status == 405:
-        message = f"Method {request.method} is not allowed on {request.url.path}"
+        message = f"Method {method} is not allowed on {path}"
     elif status == 413:
         message = "Request body too large."
-    headers = {k: v for k, v in (exc.headers or {}).items() if k.lower() == "allow"}
-    return _response(status, error_body(message, type_, code), headers)
+    return error_body(message, type_, code), {k: v for k, v in (headers or {}).items() if k.lower() == "allow"}
+
+
+def http_exception_handler(request: Request[Any, Any, Any], exc: HTTPException) -> Response[bytes]:
+    """Answer the framework's own HTTP errors (unknown path, wrong method, body too large)."""
+    body, headers = http_error(exc.status_code, exc.detail, request.method, request.url.path, exc.headers)
+    return _response(exc.status_code, body, headers)
+
+
+#: The body of a 500 (a bug: nothing of it is told).
+INTERNAL_ERROR_BODY = error_body("Internal error in the gateway.", "internal_error", "internal_error")
 
 
 def internal_error_handler(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
     """A bug: log it with its traceback, answer 500 without leaking internals."""
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return _response(500, error_body("Internal error in the gateway.", "internal_error", "internal_error"))
+    return _response(500, INTERNAL_ERROR_BODY)
