@@ -171,7 +171,7 @@ class Try:
         if req.ticket is not None:  # it counts itself at its endpoint now: the pool that granted it may grant again
             runtime.flow.dispatched(req.ticket)
             req.ticket = None
-        runtime.metrics.in_flight.labels(self.pool).inc()
+        runtime.metrics.in_flight_by(self.pool).inc()
         if self.adapter is not None:
             endpoints.state(url).adapter_sent(self.adapter, time.monotonic())
         self.watched = Watched(url, req.stream, time.monotonic(), self.deadline_s)
@@ -253,7 +253,7 @@ class Try:
                 runtime.mark_down(url, str(failure))
             return self.failed(failure.kind, str(failure), failure_error(failure, self.pool, dict(self.headers)))
         runtime.endpoints.state(url).heard(time.monotonic())
-        runtime.metrics.attempts.labels(self.pool, "ok").inc()
+        runtime.metrics.attempts_by(self.pool, "ok").inc()
         if req.stream:
             self.ready = (response, first)
             return Tried("ok")
@@ -286,7 +286,7 @@ class Try:
                                engine_fault=err.status not in BUSY_STATUS and not missing)
         assert self.trial is not None
         self.trial.neutral()
-        self.runtime.metrics.attempts.labels(self.pool, str(err.status)).inc()
+        self.runtime.metrics.attempts_by(self.pool, str(err.status)).inc()
         if self.resuming:  # the continuation was refused: the stream it was for ends, and the request with it
             self.outcome = str(err.status)
             self.release()
@@ -319,7 +319,7 @@ class Try:
         if self.resuming:
             return
         record.ttft_s = time.perf_counter() - req.started
-        runtime.metrics.first_byte.labels(self.model, self.pool).observe(record.ttft_s)
+        runtime.metrics.first_byte_by(self.model, self.pool).observe(record.ttft_s)
 
     def _stream(self, response: Any, first: bytes) -> Stream:
         """Pass a stream on from its first chunk (its end settles it: :meth:`_stream_ended`)."""
@@ -384,7 +384,7 @@ class Try:
         """The request this try served is finished with ``status`` (where its last try served it)."""
         runtime, req, record = self.runtime, self.req, self.record
         model, pool = record.served_model or self.model, record.pool or self.pool
-        runtime.metrics.duration.labels(model, pool).observe(time.perf_counter() - req.started)
+        runtime.metrics.duration_by(model, pool).observe(time.perf_counter() - req.started)
         attempts = req.decision.attempts
         assert attempts is not None
         record.resumes, record.hedges = req.decision.resumes, req.decision.hedges
@@ -397,7 +397,7 @@ class Try:
         assert self.trial is not None
         self.trial.succeeded(time.monotonic())
         record.ttft_s = time.perf_counter() - req.started
-        runtime.metrics.first_byte.labels(self.model, self.pool).observe(record.ttft_s)
+        runtime.metrics.first_byte_by(self.model, self.pool).observe(record.ttft_s)
         self.done(200)
         if req.cache is not None and runtime.cache.wants(req.cache, self.model):
             runtime.cache.store_answer(req.cache, str(req.identity.tenant_id), data)
@@ -433,7 +433,7 @@ class Try:
         runtime.endpoints.release(self.url, self.req.cost, self.yielder is not None)
         runtime.flow.finished_yielding(self.yielder)
         runtime.flow.released(self.pool, None if preempted else time.perf_counter() - self.sent_at)
-        runtime.metrics.in_flight.labels(self.pool).dec()
+        runtime.metrics.in_flight_by(self.pool).dec()
         if self.adapter is not None:
             runtime.endpoints.state(self.url).adapter_done(self.adapter, time.monotonic())
 
@@ -453,7 +453,7 @@ class Try:
             self.trial.failed(time.monotonic(), reason)
         else:
             self.trial.neutral()
-        self.runtime.metrics.attempts.labels(self.pool, kind).inc()
+        self.runtime.metrics.attempts_by(self.pool, kind).inc()
         return Tried("failed", kind, reason, error)
 
     def _preempted(self) -> bool:

@@ -6,13 +6,36 @@ keys never appear in labels.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+M = TypeVar("M", Counter, Gauge, Histogram)
 
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 1.5, 2.5, 5, 10, 30, 60, 300, 600)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 #: Event-loop lag: how late a timer fired (the gateway's own added latency is in this range).
 LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 _CLASSIFIER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class Children(Generic[M]):
+    """A labelled metric's children by their label values, each bound once: ``children(*values)`` is
+    ``metric.labels(*values)`` without prometheus_client's checks, conversions and lock on every call (the hot path
+    counts seven of them a request). Label values are bounded by the policy, as the metric's own children are."""
+
+    __slots__ = ("_labels", "_made")
+
+    def __init__(self, metric: M) -> None:
+        self._labels: Callable[..., M] = metric.labels
+        self._made: dict[tuple[str, ...], M] = {}
+
+    def __call__(self, *values: str) -> M:
+        child = self._made.get(values)
+        if child is None:
+            child = self._made[values] = self._labels(*values)
+        return child
 
 
 class GatewayMetrics:
@@ -208,6 +231,14 @@ class GatewayMetrics:
         self.kv_seconds = Counter(
             "switchyard_kv_events_processing_seconds", "Seconds this process spent decoding and applying KV-cache "
             "events (its event loop's CPU for them).", registry=self.registry)
+
+        # The children the request path counts with (see Children).
+        self.requests_by = Children(self.requests)
+        self.duration_by = Children(self.duration)
+        self.first_byte_by = Children(self.first_byte)
+        self.in_flight_by = Children(self.in_flight)
+        self.attempts_by = Children(self.attempts)
+        self.cache_lookups_by = Children(self.cache_lookups)
 
     def usage_counters(self, model: str) -> tuple[Counter, Counter, Counter, Counter]:
         """The prompt, completion, cached-token and spend counters of ``model`` (looked up once per model)."""

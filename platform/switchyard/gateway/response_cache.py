@@ -135,7 +135,7 @@ class CacheRunner:
             elif plan.read:
                 found.outcome = "hit" if found.entry is not None else "miss"
         if plan.read:
-            self.metrics.cache_lookups.labels(rule, plan.mode, found.outcome).inc()
+            self.metrics.cache_lookups_by(rule, plan.mode, found.outcome).inc()
         return found
 
     async def _embedding(self, snapshot: PolicySnapshot, plan: CachePlan) -> list[float] | None:

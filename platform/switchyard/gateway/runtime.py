@@ -169,7 +169,7 @@ class GatewayRuntime:
         """A request was answered with ``status``: count it (``switchyard_requests{model, pool, status}``)
         and keep its record."""
         outcome = outcome_of(status, shed=record.shed, broken=record.broken)
-        self.metrics.requests.labels(model, pool, str(status), record.tier or "-", record.priority or "-",
+        self.metrics.requests_by(model, pool, str(status), record.tier or "-", record.priority or "-",
                                      record.region or "-", outcome).inc()
         self.activity.finish(record, status)
 
