@@ -109,20 +109,21 @@ class _Flaky:
 
 def test_the_periodic_flush_writes_in_paced_chunks_and_keeps_what_it_did_not_write(engine: Any) -> None:
     writer = RequestLogWriter(engine)
-    records = [finished(Activity(), f"p-{i:02d}", 200) for i in range(2 * request_log.FLUSH_CHUNK + 8)]
+    one = request_log.WRITE_ROWS
+    records = [finished(Activity(), f"p-{i:03d}", 200) for i in range(2 * one + 8)]
     for record in records:
         writer.offer(record)
-    flaky = _Flaky(records[request_log.FLUSH_CHUNK + 3])
-    writer._buffer[request_log.FLUSH_CHUNK + 3] = flaky
+    flaky = _Flaky(records[one + request_log.FLUSH_CHUNK + 3])
+    writer._buffer[one + request_log.FLUSH_CHUNK + 3] = flaky
     with pytest.raises(OperationalError):
         writer.flush(pause_s=0.001)
-    # The first chunk is in; its successor (with the record that failed) and the rest wait for the next flush.
+    # The first transaction is in; its successor (with the record that failed) and the rest wait for the next flush.
     with Session(engine) as s:
         written = {r["request_id"] for r in request_log.search(s, limit=1000) if r["request_id"].startswith("p-")}
-    assert written == {f"p-{i:02d}" for i in range(request_log.FLUSH_CHUNK)}
-    assert writer.pending == len(records) - request_log.FLUSH_CHUNK
+    assert written == {f"p-{i:03d}" for i in range(one)}
+    assert writer.pending == len(records) - one
     started = time.monotonic()
-    assert writer.flush(pause_s=0.001) == len(records) - request_log.FLUSH_CHUNK
+    assert writer.flush(pause_s=0.001) == len(records) - one
     assert time.monotonic() - started >= 0.001  # it paused between its chunks
     with Session(engine) as s:
         written = {r["request_id"] for r in request_log.search(s, limit=1000) if r["request_id"].startswith("p-")}

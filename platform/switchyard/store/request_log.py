@@ -3,8 +3,8 @@
 The gateway hands each finished request to :meth:`RequestLogWriter.offer` on the hot path (its
 record appended to a bounded buffer; nothing touches the database there, and the record is read
 only when written, so a stream's usage, counted just after it ends, is in); a background task writes the
-buffer every ``flush_interval_s``, in short transactions with pauses between them (``FLUSH_CHUNK``: a
-flush in one go stalled the event loop), and deletes rows older than the retention every
+buffer every ``flush_interval_s``, making its rows ready in short chunks with pauses between them
+(``FLUSH_CHUNK``: a flush in one go stalled the event loop), and deletes rows older than the retention every
 ``PRUNE_EVERY_S``. Successful requests are kept at ``sample_rate`` (chosen at random); every
 request that did not succeed is kept, since those are what an operator looks for. A buffer that
 fills while the database is away drops its oldest entries (counted in ``dropped``) rather than grow.
@@ -44,14 +44,18 @@ _TABLE: Table = RequestLogEntry.__table__  # type: ignore[attr-defined]
 PRUNE_EVERY_S = 600.0
 #: Entries buffered at most between flushes.
 BUFFER = 20_000
-#: Rows the gateway's periodic flush writes in one transaction before it pauses for :data:`FLUSH_PAUSE_S`. A
-#: flush runs in a worker thread of the gateway's process and its rows are Python work (the record's columns, its
-#: trace put into words, the driver's parameters: about 35 µs a row); while it runs, the event loop mostly waits
-#: for the GIL (each time the loop lets go of it, at every socket call, the flush may keep it for up to the
-#: interpreter's switch interval, 5 ms). A second's requests flushed in one go made the flush the gateway's p99 at
-#: 500 requests/s (`switchyard bench --scenario overhead`: added p99 24-30 ms non-streamed, 41-128 ms streamed,
-#: against 6.6-7.2 and 5.7-13 ms with the request log off).
+#: Rows the gateway's periodic flush makes ready before it pauses for :data:`FLUSH_PAUSE_S`. A flush runs in a
+#: worker thread of the gateway's process and making its rows ready is Python work (the record's columns, its trace
+#: put into words: about 12 µs a row); while it runs, the event loop mostly waits for the GIL (each time the loop
+#: lets go of it, at every socket call, the flush may keep it for up to the interpreter's switch interval, 5 ms). A
+#: second's requests flushed in one go made the flush the gateway's p99 at 500 requests/s (`switchyard bench
+#: --scenario overhead`: added p99 24-30 ms non-streamed, 41-128 ms streamed, against 6.6-7.2 and 5.7-13 ms with
+#: the request log off).
 FLUSH_CHUNK = 16
+#: Rows the periodic flush writes in one transaction (:data:`FLUSH_CHUNK` at a time made ready): the database's
+#: own work runs without the GIL, and a commit costs about as much as eight rows (CPU a row: 36 µs in transactions
+#: of 16, 28 in transactions of 64).
+WRITE_ROWS = 64
 #: The periodic flush's pause between its chunks: about a half-millisecond chunk in every 2.5 ms, so the loop runs
 #: at least four fifths of the time while the request log is written (a second's 1,300 rows take about 0.2 s).
 FLUSH_PAUSE_S = 0.002
@@ -138,8 +142,9 @@ class RequestLogWriter:
     def flush(self, pause_s: float = 0.0) -> int:
         """Write what is buffered; blocking. Returns the rows written.
 
-        With ``pause_s`` (the gateway's periodic flush), the rows go in transactions of :data:`FLUSH_CHUNK`
-        with a pause of ``pause_s`` between them, so that the event loop keeps running; without, in one.
+        With ``pause_s`` (the gateway's periodic flush), the rows are made ready :data:`FLUSH_CHUNK` at a time with a
+        pause of ``pause_s`` after each, so that the event loop keeps running, and written in transactions of
+        :data:`WRITE_ROWS`; without, in one.
 
         Raises:
             Whatever the database raised; the rows not written are then kept for the next flush (the oldest
@@ -152,13 +157,16 @@ class RequestLogWriter:
             return 0
         chunk = FLUSH_CHUNK if pause_s > 0 else len(taken)
         written = 0
+        rows: list[tuple[Any, ...]] = []
         try:
             for start in range(0, len(taken), chunk):
                 if start:
                     time.sleep(pause_s)  # the event loop's turn (see FLUSH_CHUNK)
-                part = taken[start:start + chunk]
-                self._inserter.write([self._row(record) for record in part])
-                written += len(part)
+                rows += [self._row(record) for record in taken[start:start + chunk]]
+                if len(rows) >= WRITE_ROWS or start + chunk >= len(taken):
+                    self._inserter.write(rows)
+                    written += len(rows)
+                    rows = []
         except BaseException:
             with self._lock:
                 rest = taken[written:]
