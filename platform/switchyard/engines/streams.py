@@ -439,7 +439,8 @@ class StreamRelay:
             leg.response.release()
         else:
             leg.response.close()
-        leg.ended(LegEnd(self._completed, broken, kind, leg.usage))
+        ended, leg.ended = leg.ended, _leg_ended
+        ended(LegEnd(self._completed, broken, kind, leg.usage))
 
     def finish(self) -> None:
         """Release the upstream response and report the outcome (idempotent)."""
@@ -447,11 +448,21 @@ class StreamRelay:
             return
         self._finished = True
         self._end_leg(None, "")
-        self._on_finish(self._completed)
+        on_finish, self._on_finish = self._on_finish, _finished
+        self._resume = None  # (the hooks refer back to the request: left set, they made a cycle per stream)
+        on_finish(self._completed)
 
     async def afinish(self) -> None:
         """:meth:`finish` as a background task, for when the client leaves mid-stream."""
         self.finish()
+
+
+def _finished(_completed: bool) -> None:
+    """A finished relay's ``on_finish``: it was called."""
+
+
+def _leg_ended(_end: LegEnd) -> None:
+    """An ended leg's ``ended``: it was called (the try it told refers back to the relay: a cycle, left set)."""
 
 
 class _ErrorAfter(Exception):

@@ -4,6 +4,8 @@ followed), and answers that are no answer (wrong type, not JSON, too large, stre
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -232,6 +234,42 @@ async def test_a_stream_that_ends_with_done_is_relayed_whole(upstream: Upstream)
     out, outcomes, relay = await _relay(upstream, *chunked("text/event-stream", EVENT + EVENT[:10], EVENT[10:],
                                                            EVENT[:-1], b"\n" + DONE))
     assert out == EVENT * 3 + DONE and outcomes == [True] and not relay.broken
+
+
+class Holder:
+    """What the gateway's try is to a relay: told when its leg ends and when the relay finishes, and keeping the relay
+    (its watchdog entry) and the answer that runs the relay's ``afinish`` afterwards."""
+
+    def __init__(self) -> None:
+        self.relay: StreamRelay | None = None
+        self.ends: list[object] = []
+
+    def leg_ended(self, end: object) -> None:
+        self.ends.append(end)
+
+    def finished(self, completed: bool) -> None:
+        self.ends.append(completed)
+
+
+async def test_a_finished_relay_lets_go_of_the_hooks_that_refer_back_to_it(upstream: Upstream) -> None:
+    """A relay, its leg and the try they tell refer to each other while the stream runs; once it is finished the
+    relay drops its hooks, so the whole stream is freed by reference counting, not left to the garbage collector."""
+    response = await upstream.post(*chunked("text/event-stream", EVENT, DONE))
+    holder = Holder()
+    relay = StreamRelay(Leg(response, await first_chunk(response), holder.leg_ended), holder.finished,
+                        resume=lambda _break: asyncio.sleep(0, None))
+    holder.relay = relay
+    holder.answer = relay.afinish  # type: ignore[attr-defined]
+    assert [chunk async for chunk in relay.chunks()] == [EVENT, DONE]
+    await relay.afinish()
+    assert len(holder.ends) == 2 and holder.ends[-1] is True
+    gone = weakref.ref(holder)
+    gc.disable()
+    try:
+        del holder, relay
+        assert gone() is None  # freed without a collection: no cycle left
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize(("parts", "where"), [
