@@ -217,8 +217,8 @@ class _Inserter:
 
     The request log is the gateway's busiest write (a row per request, in a worker thread of the gateway's process
     that takes the GIL from the event loop for its Python work). Through SQLAlchemy's Core ``insert`` with a dict
-    per row a row cost about 64 µs of CPU (its parameters' processing, and a synchronous commit); this way about
-    a quarter of that (``switchyard bench --scenario overhead``; the figures are in the README).
+    per row a row cost about 64 µs of CPU (its parameters' processing, and a synchronous commit); this way, in
+    transactions of :data:`WRITE_ROWS`, about 28 µs (the README's step table under ``overhead``).
 
     Durability: the log is a record of traffic, not of anything a client or an operator wrote, so a commit of its
     rows does not wait for the disk: on PostgreSQL ``SET LOCAL synchronous_commit TO OFF`` (a crash of the server
