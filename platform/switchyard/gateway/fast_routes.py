@@ -31,7 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from litestar import Litestar, Response
+from litestar.enums import MediaType
 from litestar.response import Stream
+from litestar.utils.helpers import get_enum_string_value
 
 from switchyard.api.errors import INTERNAL_ERROR_BODY, ApiError, error_body, http_error
 from switchyard.gateway.request import Incoming, Kind
@@ -148,7 +150,7 @@ def _content(answer: Response[Any]) -> bytes:
 
 
 def _media_type(answer: Response[Any]) -> bytes:
-    media_type = str(answer.media_type or "application/json")
+    media_type = get_enum_string_value(answer.media_type or MediaType.JSON)  # (as Litestar reads it)
     if media_type.startswith("text/") and "charset=" not in media_type:
         media_type += f"; charset={answer.encoding}"
     return media_type.encode("latin-1")

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from litestar import Request, Response, post
 from litestar.background_tasks import BackgroundTask
+from litestar.enums import MediaType
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
@@ -95,9 +96,11 @@ def _whole(incoming: Incoming) -> Response[Any]:
                     headers={"X-Switchyard-Route": "model=small", "x-request-id": incoming.headers["x-request-id"]})
 
 
-@pytest.mark.parametrize("answer", ["whole", "refused", "limited", "bug"])
+@pytest.mark.parametrize("answer", ["whole", "enum", "refused", "limited", "bug"])
 async def test_answers_and_errors_are_the_messages_litestar_sends(answer: str) -> None:
     def make(incoming: Incoming) -> Response[Any]:
+        if answer == "enum":  # a media type given as Litestar's enum
+            return Response(b"{}", media_type=MediaType.JSON, headers={"x-request-id": "r"})
         if answer == "refused":
             raise Unauthorized("Incorrect API key provided.", headers={"x-request-id": "r1"})
         if answer == "limited":
@@ -110,7 +113,7 @@ async def test_answers_and_errors_are_the_messages_litestar_sends(answer: str) -
     headers = [(b"content-length", b"2"), (b"X-Request-Id", b"first"), (b"x-request-id", b"second")]
     expected = await _call(slow, b"{}", headers=headers)
     assert await _call(fast, b"{}", headers=headers) == expected
-    assert expected[0]["status"] == {"whole": 200, "refused": 401, "limited": 429, "bug": 500}[answer]
+    assert expected[0]["status"] == {"whole": 200, "enum": 200, "refused": 401, "limited": 429, "bug": 500}[answer]
     if answer == "whole":  # the first of repeated headers, as Litestar's ``get``; names in lower case
         assert (b"x-request-id", b"first") in expected[0]["headers"]
 
