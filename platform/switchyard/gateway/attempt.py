@@ -377,11 +377,9 @@ class Try:
                                        bytes(captured) if captured is not None else None)
         if relay.broken and not completed:
             record.broken = True
-        # What refers back to the request is let go: left set, the stream's objects (the request, its decision,
-        # the relay, the resume hook) made one reference cycle per stream, for the garbage collector to find.
+        # The resume hook refers back to the request (and the request to it): let go, or every stream is a
+        # reference cycle for the garbage collector (the relay drops its own hooks: StreamRelay.finish).
         req.resume = None
-        if self.watched is not None:
-            self.watched.relay = self.watched.leg = None
         self.finish_request(200)
         runtime.spawn(account(runtime, req, req.legs, record))
 

@@ -36,7 +36,7 @@ from litestar.response import Stream
 from litestar.utils.helpers import get_enum_string_value
 
 from switchyard.api.errors import INTERNAL_ERROR_BODY, ApiError, error_body, http_error
-from switchyard.gateway.request import Incoming, Kind
+from switchyard.gateway.request import Incoming, Kind, client_left
 
 if TYPE_CHECKING:
     from litestar.types import HTTPResponseBodyEvent, Message, Receive, Scope, Send
@@ -92,7 +92,7 @@ class FastRoutes:
             return
         except _Left:
             return
-        incoming = Incoming(headers, raw, functools.partial(_disconnected, receive))
+        incoming = Incoming(headers, raw, functools.partial(client_left, receive))
         try:
             answer = await self.proxy.serve(incoming, kind)
         except ApiError as error:
@@ -136,12 +136,6 @@ class FastRoutes:
                 raise _Left
 
 
-async def _disconnected(receive: Receive) -> None:
-    """Returns when the client has gone (its body has been read: the next message is the disconnect)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 def _content(answer: Response[Any]) -> bytes:
     content = answer.content
     if isinstance(content, bytes):
@@ -179,7 +173,7 @@ async def _send_stream(answer: Stream, receive: Receive, send: Send) -> None:
     state = {"left": False, "done": False}
 
     async def listen() -> None:
-        await _disconnected(receive)
+        await client_left(receive)
         if not state["done"]:
             state["left"] = True
             relaying.cancel()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import re
 import uuid
@@ -70,12 +71,13 @@ class Incoming:
 
     @classmethod
     async def from_http(cls, request: Request[Any, Any, Any]) -> Incoming:
-        async def disconnected() -> None:
-            # The body has been read: the next ASGI message is the disconnect.
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
+        return cls(request.headers, await request.body(), functools.partial(client_left, request.receive))
 
-        return cls(request.headers, await request.body(), disconnected)
+
+async def client_left(receive: Callable[[], Awaitable[Mapping[str, Any]]]) -> None:
+    """Returns when the client has gone (its body has been read: the next ASGI message is the disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def never() -> None:

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import anyio.to_thread
 import msgspec
-from sqlalchemy import BigInteger, Engine, Integer, Table, create_engine, delete, event, insert, or_
+from sqlalchemy import BigInteger, Engine, Integer, Table, create_engine, delete, event, or_
 from sqlmodel import Session, col, select
 
 from switchyard.store.models import RequestLogEntry
@@ -229,12 +229,11 @@ class _Inserter:
 
     def __init__(self, engine: Engine) -> None:
         dialect = engine.dialect
-        mark = {"qmark": "?", "format": "%s", "pyformat": "%s"}.get(dialect.paramstyle)
+        # (SQLite's driver takes ``?``, psycopg's ``%s``; the table's own names, quoted by the dialect.)
+        mark = "?" if dialect.paramstyle == "qmark" else "%s"
         quote = dialect.identifier_preparer.quote
-        self._sql: str | None = None
-        if mark is not None:  # (the table's own names, quoted by the dialect: nothing from outside)
-            names, marks = ", ".join(quote(c) for c in INSERT_COLUMNS), ", ".join([mark] * len(INSERT_COLUMNS))
-            self._sql = f"INSERT INTO {quote(_TABLE.name)} ({names}) VALUES ({marks})"  # noqa: S608
+        names, marks = ", ".join(quote(c) for c in INSERT_COLUMNS), ", ".join([mark] * len(INSERT_COLUMNS))
+        self._sql = f"INSERT INTO {quote(_TABLE.name)} ({names}) VALUES ({marks})"  # noqa: S608
         #: (position, processor) of the columns whose values the driver does not take as they are.
         self._processors = [(i, processor) for i, name in enumerate(INSERT_COLUMNS)
                             if (processor := _TABLE.c[name].type.dialect_impl(dialect).bind_processor(dialect))
@@ -247,10 +246,6 @@ class _Inserter:
 
     def write(self, rows: list[tuple[Any, ...]]) -> None:
         """Insert ``rows`` (values in the order of :data:`INSERT_COLUMNS`) in one transaction."""
-        if self._sql is None:  # a driver with another parameter style: SQLAlchemy's own insert
-            with self._engine.begin() as conn:
-                conn.execute(insert(_TABLE), [dict(zip(INSERT_COLUMNS, row, strict=True)) for row in rows])
-            return
         if self._processors:
             processed = []
             for row in rows:
