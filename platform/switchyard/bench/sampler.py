@@ -192,6 +192,9 @@ class EngineStateSampler(Sampler):
     - ``busy``: the share of the bin's time the engines spent computing steps (simulated busy seconds over
       simulated seconds): what a GPU's utilisation counter reports, the share of time a kernel ran;
     - ``occupancy``: sequences running over their sequence slots (``max_num_seqs`` each);
+    - ``in_use``: the share of the engines' throughput their steps used (simulated ``used_s`` over simulated
+      seconds; each step counts the larger of its slots taken and its compute's share of the roofline, so a
+      compute-bound prefill counts whole and a decode of one sequence in four a quarter; idle time counts 0);
     - ``lag_s``: the largest lag of an engine behind its wall clock (simulated seconds): how far the machine
       running the simulators fell short of simulating them in real time;
     - ``engines``: how many answered.
@@ -203,18 +206,19 @@ class EngineStateSampler(Sampler):
         self.max_num_seqs = max_num_seqs
         self.time_scale = time_scale
         self.busy: list[float | None] = []
+        self.in_use: list[float | None] = []
         self.occupancy: list[float | None] = []
         self.lag_s: list[float | None] = []
         self.engines: list[int] = []
 
     async def _run(self, at: float) -> None:
         loop = asyncio.get_running_loop()
-        last: dict[str, tuple[float, float]] = {}  # url -> (loop time, busy_s) of its last answer
+        last: dict[str, tuple[float, float, float]] = {}  # url -> (loop time, busy_s, used_s) of its last answer
         async with aiohttp.ClientSession() as session:
             async for _ in self._bins(at):
                 states = await asyncio.gather(*(sim_state(session, url, self.bin_s) for url in self.urls))
                 now = loop.time()
-                busy = elapsed = 0.0
+                busy = used = elapsed = 0.0
                 running, lags, answered = 0.0, [], 0
                 for url, state in zip(self.urls, states, strict=True):
                     if state is None:
@@ -223,14 +227,20 @@ class EngineStateSampler(Sampler):
                     answered += 1
                     running += float(state["running"])
                     lags.append(float(state["lag_s"]))
-                    seen = float(state["busy_s"])
+                    seen, seen_used = float(state["busy_s"]), float(state.get("used_s", 0.0))
                     if url in last:
-                        then, before = last[url]
-                        busy += seen - before if seen >= before else seen  # a restarted engine counts from 0
+                        then, before, before_used = last[url]
+                        if seen >= before:
+                            busy += seen - before
+                            used += seen_used - before_used
+                        else:  # a restarted engine counts from 0
+                            busy += seen
+                            used += seen_used
                         elapsed += (now - then) * self.time_scale
-                    last[url] = (now, seen)
+                    last[url] = (now, seen, seen_used)
                 self.engines.append(answered)
                 self.busy.append(min(1.0, busy / elapsed) if elapsed > 0 else None)
+                self.in_use.append(min(1.0, used / elapsed) if elapsed > 0 else None)
                 self.occupancy.append(running / (answered * self.max_num_seqs) if answered else None)
                 self.lag_s.append(max(lags) if lags else None)
 

@@ -136,6 +136,9 @@ class EngineCore:
         self._seq = itertools.count()
         self.steps = 0
         self.busy_seconds = 0.0
+        #: Step seconds weighted by the share of the engine's throughput each step used (:meth:`in_use`).
+        self.used_seconds = 0.0
+        self._step_time = profile.step_time
         #: Receives each step's KV-cache events (None: events are not recorded).
         self.kv_sink: Callable[[list[Event]], object] | None = None
         #: The adapters' engine side (None without ``--enable-lora``).
@@ -391,8 +394,10 @@ class EngineCore:
             prefill += n
         if scheduled:
             duration = self.profile.step_seconds(tokens, len(scheduled), kv_read, pairs)
+            share = self.in_use(len(scheduled), tokens, kv_read, pairs)
         else:
             duration = self.profile.step_overhead_s  # nothing fit: let time pass, no spin
+            share = 0.0
         lora = self.lora
         if lora is not None:
             duration += lora.prepare([r.lora for r in scheduled if r.lora is not None])
@@ -401,6 +406,7 @@ class EngineCore:
         self.now = end
         self.steps += 1
         self.busy_seconds += duration
+        self.used_seconds += duration * share
         stats = self.stats
         result = StepResult(start=start, duration=duration, scheduled=len(scheduled),
                             prefill_tokens=prefill, decode_tokens=tokens - prefill,
@@ -444,6 +450,19 @@ class EngineCore:
         if self.kv.events:
             self.flush_kv_events()
         return result
+
+    def in_use(self, num_seqs: int, num_tokens: int, kv_read_tokens: int, attn_pairs: int) -> float:
+        """The share of the engine's throughput a step uses: the larger of its sequence slots taken and its
+        compute's share of the roofline (:meth:`~switchyard.sim.measured.StepTimeModel.compute_share`).
+
+        A step bound by reading weights and KV gains throughput with every sequence it batches, up to
+        ``max_num_seqs``: its slots say how much of that it uses. A compute-bound step (a long prefill) turns
+        over all the engine can whatever its slots: more work would only lengthen it.
+        """
+        slots = num_seqs / self.max_num_seqs
+        if slots >= 1.0:
+            return 1.0
+        return max(slots, self._step_time.compute_share(num_tokens, kv_read_tokens, attn_pairs))
 
     def drop_finished(self) -> None:
         """Remove finished requests from the running list."""

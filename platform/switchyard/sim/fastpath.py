@@ -70,6 +70,7 @@ def run_decodes(core: EngineCore, until: float, max_steps: int,
     t = core.now
     ends: list[float] = []
     durations: list[float] = []
+    used: list[float] = []  # each step's duration times its share of the engine's throughput (``in_use``)
     limit = min(remaining, max_steps)
     while len(ends) < limit:
         if ends and (t >= until or t >= next_arrival):
@@ -77,6 +78,7 @@ def run_decodes(core: EngineCore, until: float, max_steps: int,
         kv_read = context + batch * (len(ends) + 1)
         d = (profile.step_seconds(batch, batch, kv_read, kv_read) + extra) * factor
         durations.append(d)
+        used.append(d * core.in_use(batch, batch, kv_read, kv_read))
         t = t + d
         ends.append(t)
 
@@ -93,15 +95,15 @@ def run_decodes(core: EngineCore, until: float, max_steps: int,
         k = lo
         if k == 0:
             return 0
-        ends, durations = ends[:k], durations[:k]
+        ends, durations, used = ends[:k], durations[:k], used[:k]
 
     if lora is not None and skipped:
         lora.deferred.update(dict.fromkeys(skipped))
-    _apply(core, k, ends, durations, emitted)
+    _apply(core, k, ends, durations, used, emitted)
     return k
 
 
-def _apply(core: EngineCore, k: int, ends: list[float], durations: list[float],
+def _apply(core: EngineCore, k: int, ends: list[float], durations: list[float], used: list[float],
            emitted: dict[SimRequest, None]) -> None:
     running = core.running
     batch = len(running)
@@ -120,6 +122,8 @@ def _apply(core: EngineCore, k: int, ends: list[float], durations: list[float],
     stats.generation_tokens += batch * k
     for d in durations:
         core.busy_seconds += d
+    for u in used:
+        core.used_seconds += u
     core.steps += k
     end = ends[-1]
     core.now = end

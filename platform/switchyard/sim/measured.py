@@ -80,6 +80,16 @@ class StepTimeModel:
         memory = self.weights_s + self.per_kv_token_s * kv_read_tokens
         return self.step_s + self.per_seq_s * num_seqs + max(compute, memory)
 
+    def compute_share(self, num_tokens: int, kv_read_tokens: int, attn_pairs: int) -> float:
+        """How much of a step's roofline term its compute is: 1.0 when the step is compute-bound (more tokens
+        would lengthen it in proportion: the engine turns over all it can), less when reading weights and KV
+        bounds it (tokens of more sequences would ride along almost for free); 0 for an empty step."""
+        if num_tokens <= 0:
+            return 0.0
+        compute = self.per_token_s * num_tokens + self.per_attn_pair_s * attn_pairs
+        memory = self.weights_s + self.per_kv_token_s * kv_read_tokens
+        return compute / max(compute, memory) if compute > 0 else 0.0
+
     def as_dict(self) -> dict[str, float]:
         """The coefficients by name, in file order."""
         return {name: getattr(self, name) for name in STEP_TIME_FIELDS}

@@ -209,6 +209,9 @@ class EngineProfile(Protocol):
     @property
     def lora_step_overhead_s(self) -> float: ...
 
+    @property
+    def step_time(self) -> StepTimeModel: ...
+
     def step_seconds(self, num_tokens: int, num_seqs: int, kv_read_tokens: int,
                      attn_pairs: int) -> float:
         """Simulated duration of one engine step (see ``HardwareProfile.step_seconds``)."""

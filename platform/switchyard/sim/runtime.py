@@ -419,6 +419,7 @@ class EngineRuntime:
             "clock_s": core.now,
             "steps": core.steps,
             "busy_s": core.busy_seconds,
+            "used_s": core.used_seconds,
             "running": len(core.running),
             "waiting": core.num_waiting,
             "kv_blocks_total": kv.num_blocks,

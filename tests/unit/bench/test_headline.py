@@ -105,3 +105,22 @@ def test_goodput_attainment_and_the_goals_from_the_results() -> None:
     assert cost_per_1k(arms[0].results) == pytest.approx((120e-6 + 520e-6) / 2 * 1000)
     series = goodput_series(arms[2].results, 100.0, bins=10)
     assert series == [1.0] * 10
+
+
+def test_the_utilisation_goal_reads_the_throughput_in_use_where_the_engines_report_it() -> None:
+    arms = []
+    for name in ARMS:
+        arm = Arm(name)
+        arm.results = _day(name, good=True)
+        arm.busy = [0.95] * 100  # type: ignore[attr-defined]
+        arm.occupancy = [0.9] * 100  # type: ignore[attr-defined]
+        arm.in_use = [0.8] * 99 + [None]  # type: ignore[attr-defined]
+        arms.append(arm)
+    measured = measure(arms, Workload((), 100.0, {}))
+    assert measured[SWITCHYARD]["in_use"] == pytest.approx(0.8)
+    goal = {g["goal"]: g for g in goals_of(measured)}["engine utilisation over the day, with the backlog"]
+    # Slots 90% taken would meet the goal; the throughput in use (80%) is what it is judged on.
+    assert goal["value"] == pytest.approx(0.8) and goal["met"] is False
+    assert "slots taken 90.0%" in goal["note"] and "busy 95.0%" in goal["note"]
+    fleet = tables_of(measured, Capacity(32, 4.0, 40, 0, 10.0, 100.0, 1.0), Workload((), 100.0, {}))[3]
+    assert [row["in_use"] for row in fleet["rows"]] == pytest.approx([0.8] * len(ARMS))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from switchyard.sim.request import Status
 
 from .conftest import CoreFactory, make_request, prompt_of, run_until_done
@@ -265,7 +267,7 @@ def _scenario(make_core: CoreFactory, use_advance: bool) -> tuple[object, ...]:
             core.step()
     s = core.stats
     return (
-        core.now, core.steps, core.busy_seconds,
+        core.now, core.steps, core.busy_seconds, core.used_seconds,
         [(r.output, r.first_token_at, r.finished_at, r.num_cached_tokens, r.num_preemptions)
          for r in reqs],
         s.prompt_tokens, s.generation_tokens, s.preemptions, s.prefix_hits, s.prefix_queries,
@@ -277,7 +279,7 @@ def _scenario(make_core: CoreFactory, use_advance: bool) -> tuple[object, ...]:
 def test_batched_advance_is_identical_to_single_steps(make_core: CoreFactory) -> None:
     stepped = _scenario(make_core, use_advance=False)
     advanced = _scenario(make_core, use_advance=True)
-    preemptions = stepped[6]
+    preemptions = stepped[7]
     assert isinstance(preemptions, int) and preemptions > 0  # every path is exercised
     assert advanced == stepped
 
@@ -336,3 +338,20 @@ def test_a_recomputed_prompt_is_not_counted_again(make_core: CoreFactory) -> Non
     assert low.num_preemptions + high.num_preemptions >= 1
     hist = core.stats.iteration_tokens
     assert hist.sum == 90 + 90 + 60 + 60 == core.stats.prompt_tokens + core.stats.generation_tokens
+
+
+def test_throughput_in_use_counts_slots_for_decodes_and_all_of_a_compute_bound_prefill(
+        make_core: CoreFactory) -> None:
+    core = make_core(max_num_seqs=4)
+    core.add_request(make_request(prompt_of(1500, 7), max_output=20))
+    prefill = core.step()  # the prompt alone: compute-bound, all of the engine's throughput
+    assert prefill.prefill_tokens == 1500
+    assert core.used_seconds == pytest.approx(prefill.duration)
+    core.add_request(make_request(prompt_of(8, 8), max_output=20))
+    core.step()  # a decode and a short prefill
+    before_used, before_busy = core.used_seconds, core.busy_seconds
+    decodes = core.step()  # two decodes of four slots: bound by reading the weights and KV
+    assert decodes.prefill_tokens == 0 and decodes.scheduled == 2
+    assert core.used_seconds - before_used == pytest.approx(0.5 * (core.busy_seconds - before_busy))
+    assert core.in_use(4, 4, 3000, 3000) == 1.0
+    assert 0.25 < core.in_use(1, 100, 100, 5050) < 1.0  # a short chunk: its compute is part of the step

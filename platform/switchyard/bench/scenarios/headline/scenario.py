@@ -61,6 +61,7 @@ from switchyard.bench.scenarios.headline.fleet import (
     SERVED,
     SLO_TTFT_S,
     SMALL,
+    SWITCHYARD,
     TENANTS,
     TIERS,
     TOKEN_SCALE,
@@ -94,8 +95,10 @@ class ArmRun(Arm):
     """What one arm measured."""
 
     #: The fleet's engines per bin of the day (:class:`~switchyard.bench.sampler.EngineStateSampler`): the share
-    #: of time they computed, their sequence slots taken, the largest lag behind the wall clock.
+    #: of time they computed, the share of their throughput in use, their sequence slots taken, the largest lag
+    #: behind the wall clock.
     busy: list[float | None] = field(default_factory=list)
+    in_use: list[float | None] = field(default_factory=list)
     occupancy: list[float | None] = field(default_factory=list)
     lag_s: list[float | None] = field(default_factory=list)
     batch_lines: int = 0
@@ -186,21 +189,28 @@ class Headline(FreshArms[ArmRun]):
 
     def workload_for(self, capacity: Capacity) -> Workload:
         """The day, scaled to the first arm's capacity (and the backlog sized to what it leaves idle)."""
-        self.backlog = self.backlog_lines(capacity)
-        return day(capacity.rps, self.duration_s, self.ctx.options.seed, tenants=TENANTS, class_of_tier=TIERS,
-                   model="auto", token_scale=TOKEN_SCALE, max_model_len=CONTEXT)
+        workload = day(capacity.rps, self.duration_s, self.ctx.options.seed, tenants=TENANTS, class_of_tier=TIERS,
+                       model="auto", token_scale=TOKEN_SCALE, max_model_len=CONTEXT)
+        self.backlog = self.backlog_lines(capacity, workload)
+        return workload
 
-    def backlog_lines(self, capacity: Capacity) -> list[RequestSpec]:
+    def backlog_lines(self, capacity: Capacity, workload: Workload) -> list[RequestSpec]:
         """The batch backlog: the Mooncake synthetic trace's rows (long documents, short answers; scaled like the
-        day's), enough that each model's lines fill ``BACKLOG_SHARE`` of the capacity its pools have left idle
-        over the day (``auto`` sends a line's prompt to one model: the small model's pools, the faster, would
-        otherwise run out of lines first). The trace is read again with another seed (other text) when it is
-        too short."""
+        day's), enough that each model's lines fill ``BACKLOG_SHARE`` of the capacity its pools leave idle over
+        the day (``auto`` sends a line's prompt to one model). A model's pools are loaded by the day's share of
+        requests ``auto`` sends it, against their part of the capacity: the large model, a third of the fleet's
+        capacity for some two fifths of the day's requests, has far less room than the small one. Lines of a
+        model that has its count are passed over; the trace is read again with another seed (other text) when
+        it is too short."""
         shape = load_shape(arrival_curve())
         points = np.linspace(0.0, self.duration_s, 400, endpoint=False)
-        idle = float(np.mean([max(0.0, 1.0 - load_at(shape, t, self.duration_s)) for t in points]))
         parts = self.pool_capacity or {SMALL: capacity.rps}
-        wanted = {model: BACKLOG_SHARE * rps * self.duration_s * idle for model, rps in parts.items()}
+        small = sum(1 for s in workload.specs if s.prompt_tokens < AUTO_SMALL_BELOW) / max(1, len(workload.specs))
+        share = {SMALL: small, LARGE: 1.0 - small} if len(parts) > 1 else dict.fromkeys(parts, 1.0)
+        wanted = {model: BACKLOG_SHARE * rps * self.duration_s
+                  * float(np.mean([max(0.0, 1.0 - capacity.rps * load_at(shape, t, self.duration_s) * share[model]
+                                       / rps) for t in points]))
+                  for model, rps in parts.items()}
         labels = Labels(tenant=BATCH_TENANT, request_class=BATCH_CLASS, model="auto", stream=False)
         lines: list[RequestSpec] = []
         counts = dict.fromkeys(wanted, 0)
@@ -214,8 +224,11 @@ class Headline(FreshArms[ArmRun]):
             for spec in rows:
                 if enough():
                     break
+                model = SMALL if spec.prompt_tokens < AUTO_SMALL_BELOW else LARGE
+                if counts[model] >= wanted[model]:
+                    continue  # this model has its lines: the trace is read on for the other's
                 lines.append(replace(spec, index=len(lines)))
-                counts[SMALL if spec.prompt_tokens < AUTO_SMALL_BELOW else LARGE] += 1
+                counts[model] += 1
             if enough():
                 break
         self.backlog_models = counts
@@ -265,7 +278,8 @@ class Headline(FreshArms[ArmRun]):
                 stop_batch.set()
                 await sampler.stop()
                 await asyncio.gather(*tasks, return_exceptions=True)
-            arm.busy, arm.occupancy, arm.lag_s = sampler.busy, sampler.occupancy, sampler.lag_s
+            arm.busy, arm.in_use, arm.occupancy, arm.lag_s = (sampler.busy, sampler.in_use, sampler.occupancy,
+                                                              sampler.lag_s)
             if batch_id is not None:
                 batch = await get_json(session, f"{base}/v1/batches/{batch_id}", auth)
                 arm.batch_done = int(batch["request_counts"]["completed"])
@@ -331,7 +345,10 @@ def run(ctx: ScenarioContext) -> Outcome:
     workload, capacity = h.workload, h.capacity
     measured = figures.measure(h.arms, workload)
     tables = figures.tables_of(measured, capacity, workload, h.pool_capacity)
-    goals = figures.goals_of(measured)
+    down = next((a.outage_s for a in h.arms if a.name == SWITCHYARD and a.outage_s), None)
+    reachable = figures.attainable(workload, capacity.rps, down or (OUTAGE[0] * h.duration_s, OUTAGE[1] * h.duration_s),
+                                   1.0 - 1.0 / len(REGIONS))
+    goals = figures.goals_of(measured, reachable)
     notes = figures.notes_of(h, capacity)
     parameters = {"scenario": "headline", "duration_s": h.duration_s, "time_scale": h.time_scale,
                   "client_timeout_s": h.timeout_s, "capacity_rps": capacity.rps,
@@ -345,6 +362,7 @@ def run(ctx: ScenarioContext) -> Outcome:
                   "outage_s": {a.name: list(a.outage_s) if a.outage_s else None for a in h.arms},
                   "batch": {a.name: {"lines": a.batch_lines, "done": a.batch_done, "failed": a.batch_failed,
                                      "via": a.batch_via} for a in h.arms},
+                  "attainable_estimate": reachable,
                   "arm_wall_s": {a.name: a.wall_s for a in h.arms}, "wall_s": time.monotonic() - started}
     report = build_report({a.name: a.results for a in h.arms}, title="switchyard bench: headline (a day on fixed "
                           "capacity)", workload=workload, parameters=parameters,
@@ -353,8 +371,8 @@ def run(ctx: ScenarioContext) -> Outcome:
                           slo=figures.slo_spec(), groups=("class", "tenant"), baseline=ROUND_ROBIN, tables=tables,
                           goals=goals, notes=notes)
     # Each arm's engines per second of the day (None: no engine answered), beside the load generator's series.
-    report["engines"] = {a.name: {"bin_s": SAMPLE_BIN_S, "utilisation": a.occupancy, "busy": a.busy, "lag_s": a.lag_s}
-                         for a in h.arms}
+    report["engines"] = {a.name: {"bin_s": SAMPLE_BIN_S, "in_use": a.in_use, "utilisation": a.occupancy,
+                                  "busy": a.busy, "lag_s": a.lag_s} for a in h.arms}
     write_report(report, ctx.out_dir)
     figures.write_day_plot(measured, workload, capacity, ctx.out_dir / "headline_day.png")
     report["plots"] = sorted({*report["plots"], "headline_day.png"})
