@@ -67,6 +67,15 @@ def test_the_engines_were_sampled_through_the_day_and_the_capacity_is_the_fleets
         assert known and all(0.0 <= v <= 1.0 for v in known) and max(known) > 0
         assert all(v is None or 0.0 <= v <= 1.0 for v in engines["busy"])
         assert all(v is None or v >= 0.0 for v in engines["lag_s"])
+        # The throughput in use: within [0, 1] and never more than the time busy (a step counts at most whole).
+        in_use = [v for v in engines["in_use"] if v is not None]
+        assert in_use and all(0.0 <= v <= 1.0 for v in in_use) and max(in_use) > 0
+        assert all(u <= b + 1e-9 for u, b in zip(engines["in_use"], engines["busy"], strict=False)
+                   if u is not None and b is not None)
+    # What any router could have attained: a share for each class.
+    reachable = report["parameters"]["attainable_estimate"]
+    assert set(reachable) == {"critical", "standard", "sheddable"}
+    assert all(0.0 <= v <= 1.0 for v in reachable.values())
     # The capacity is every engine of the fleet called directly: the two models' pools side by side.
     parts = report["parameters"]["pool_capacity_rps"]
     assert set(parts) == {"small", "large"} and all(v > 0 for v in parts.values())

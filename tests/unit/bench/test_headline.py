@@ -124,3 +124,28 @@ def test_the_utilisation_goal_reads_the_throughput_in_use_where_the_engines_repo
     assert "slots taken 90.0%" in goal["note"] and "busy 95.0%" in goal["note"]
     fleet = tables_of(measured, Capacity(32, 4.0, 40, 0, 10.0, 100.0, 1.0), Workload((), 100.0, {}))[3]
     assert [row["in_use"] for row in fleet["rows"]] == pytest.approx([0.8] * len(ARMS))
+
+
+def test_the_attainable_estimate_gives_capacity_to_the_best_class_first() -> None:
+    from types import SimpleNamespace
+
+    from switchyard.bench.scenarios.headline.figures import attainable
+
+    def day(rates: dict[str, float], seconds: float) -> Workload:
+        specs = [SimpleNamespace(arrival_s=i / rate, request_class=cls)
+                 for cls, rate in rates.items() for i in range(int(rate * seconds))]
+        return SimpleNamespace(specs=specs, duration_s=seconds)  # type: ignore[return-value]
+
+    # Under capacity every class gets everything.
+    assert attainable(day({"critical": 2, "standard": 3, "sheddable": 4}, 60.0), 10.0, None, 0.5) == {
+        "critical": 1.0, "standard": 1.0, "sheddable": 1.0}
+    # At twice the capacity for a minute: critical whole; standard the rest of the capacity (6 of its 8 a second),
+    # and after the last arrival the 3 s of it still waiting; sheddable only what is left after that.
+    shares = attainable(day({"critical": 4, "standard": 8, "sheddable": 8}, 60.0), 10.0, None, 0.5)
+    assert shares["critical"] == 1.0
+    assert 6 / 8 < shares["standard"] <= (6 * 60 + 3 * 8) / (8 * 60)
+    assert shares["sheddable"] < 0.15
+    # Half the capacity for half the minute: critical takes 4 of the 5 a second, standard 1 of its 6; when the
+    # region is back, the 3 s of standard still waiting (15) are served too, and everything after.
+    down = attainable(day({"critical": 4, "standard": 6}, 60.0), 10.0, (0.0, 30.0), 0.5)
+    assert down["critical"] == 1.0 and down["standard"] == pytest.approx((30 + 15 + 180) / 360, abs=0.02)

@@ -328,7 +328,7 @@ def notes_of(h: Headline, capacity: Capacity) -> list[str]:
         "health probes and breakers as Switchyard (what a load balancer with health checks also has). "
         "switchyard-no-backlog is the full policy without the backlog. The classes' TTFT objectives are declared "
         "in the Switchyard policy (`ttft_objective`) and measured the same way for every arm. No LiteLLM arm: "
-        "on this machine its proxy sustains about 29 streamed requests/s on one worker (the overhead scenario), "
+        "on this machine its proxy sustains some 60-70 streamed requests/s on one worker (the overhead scenario), "
         "against a day that peaks near 1.5x the fleet's capacity, so it would measure its own CPU, not its "
         "routing.",
         f"The day: the Azure conversation trace's arrivals per minute (smoothed) mapped onto {TROUGH:g}x-{PEAK:g}x "
