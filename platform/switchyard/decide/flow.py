@@ -33,13 +33,12 @@ youngest of them there until it is under the class's ceiling (:func:`preemption_
 priority scheduling only orders its waiting queue and never preempts a running request for a waiting
 one, so without this an interactive request would wait for a batch sequence to end.
 
-**Prefills kept apart.** An engine step's prefills run together (a step carrying two long ones takes
-about as long as both), so batch work is not sent to an endpoint while an interactive stream there
-waits for its first byte, nor while the batch requests sent there that are likely still in their
-prefill hold the pool's ``batch_prefill_tokens`` of prompt (:func:`batch_view`; 0, the default: batch
-prefills go one at a time; short prompts, whose prefill hardly lengthens a step, may share one); and
-with ``max_num_seqs`` declared the batch lane leaves ``batch_reserve_slots`` of a pool free for
-interactive arrivals (:func:`batch_pool_utilisation`).
+**Prefills kept apart.** An engine step's prefills run together (a step carrying two takes about as
+long as both), so batch work is not sent to an endpoint while an interactive stream there waits for
+its first byte, nor while the last batch request sent there is likely still in its prefill
+(:func:`batch_view`: batch prefills go one at a time); and with ``max_num_seqs`` declared the batch
+lane leaves ``batch_reserve_slots`` of a pool free for interactive arrivals
+(:func:`batch_pool_utilisation`).
 """
 
 from __future__ import annotations
@@ -296,10 +295,9 @@ def schedule(snapshot: PolicySnapshot, model: Model, cls: ClassDecision, cost: i
 
 def batch_view(utilisation: float, prefilling: int, batch_prefilling: bool) -> float:
     """An endpoint's ``utilisation`` as batch work sees it: full while an interactive stream there is in its
-    prefill (a batch prefill sent now would share its first engine step), and while ``batch_prefilling``: the
-    batch requests sent there that are likely still in their own hold the pool's ``batch_prefill_tokens`` of
-    prompt (an engine step carrying several long prefills takes as long as all of them, and an interactive
-    request arriving meanwhile waits for it)."""
+    prefill (a batch prefill sent now would share its first engine step), and while the last batch request
+    sent there is likely still in its own (batch prefills go one at a time: an engine step carrying several
+    takes as long as all of them, and an interactive request arriving meanwhile waits for it)."""
     return max(utilisation, 1.0) if prefilling or batch_prefilling else utilisation
 
 

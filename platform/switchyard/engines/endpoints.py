@@ -19,15 +19,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from switchyard.engines.breakers import CircuitBreaker, Listener
 from switchyard.policy.resilience import Resilience
 
-#: Batch requests sent to an endpoint remembered for :meth:`EndpointState.batch_prefilling` (far more than are
-#: ever sent within one time to first byte).
-BATCH_PREFILLS_KEPT = 64
 #: Weight of the newest first byte in an endpoint's moving average of interactive prefill times.
 PREFILL_EMA = 0.1
 
@@ -58,8 +54,7 @@ class EngineSignals:
 class EndpointState:
     """Everything the gateway knows about one engine URL."""
 
-    __slots__ = ("adapter_flight", "adapter_used", "adapters_loaded", "alive_at", "alive_busy", "batch_prefills",
-                 "batch_sent_at",
+    __slots__ = ("adapter_flight", "adapter_used", "adapters_loaded", "alive_at", "alive_busy", "batch_sent_at",
                  "breaker", "completed_since_scrape",
                  "dispatched_since_scrape", "down_since", "failure", "heard_at", "hung_at", "moved_at", "outstanding",
                  "outstanding_at_scrape", "prefill_s", "prefilling", "probe_streak", "probed_at", "reserved",
@@ -80,8 +75,6 @@ class EndpointState:
         self.prefill_s: float | None = None
         #: When this process last sent a yielding (batch) request here (monotonic seconds).
         self.batch_sent_at = -math.inf
-        #: The yielding requests sent here lately: when, and their prompt tokens (see :meth:`batch_prefilling`).
-        self.batch_prefills: deque[tuple[float, int]] = deque(maxlen=BATCH_PREFILLS_KEPT)
         self.reserved_at_scrape = 0
         self.dispatched_since_scrape = 0
         self.completed_since_scrape = 0
@@ -229,23 +222,10 @@ class EndpointState:
             used = max(used, signals.running + signals.waiting + self.outstanding - self.outstanding_at_scrape - n_y)
         return used
 
-    def batch_prefilling(self, now: float, budget_tokens: int = 0) -> bool:
-        """Whether the batch requests sent here that are likely still in their prefill (sent less than the usual
-        interactive time to first byte ago; never before an interactive stream came here) hold at least
-        ``budget_tokens`` prompt tokens (0: whether there is one at all)."""
-        window = self.prefill_s
-        if window is None:
-            return False
-        held = 0
-        for sent, tokens in reversed(self.batch_prefills):  # newest first
-            if now < sent:
-                continue
-            if now - sent >= window:
-                break
-            held += tokens
-            if held >= budget_tokens:
-                return True
-        return False
+    def batch_prefilling(self, now: float) -> bool:
+        """Whether the last batch request sent here is likely still in its prefill: sent less than the usual
+        interactive time to first byte ago (never, before an interactive stream came here)."""
+        return self.prefill_s is not None and now - self.batch_sent_at < self.prefill_s
 
     def queued(self, now: float, max_age: float) -> float:
         """Requests waiting inside the engine at the last fresh scrape (0 when unknown)."""
@@ -349,11 +329,10 @@ class EndpointRegistry:
         state = self._states.get(url)
         return state.outstanding if state is not None else 0
 
-    def acquire(self, url: str, tokens: int = 0, yielding: bool = False, prompt_tokens: int | None = None) -> None:
+    def acquire(self, url: str, tokens: int = 0, yielding: bool = False) -> None:
         """Count a request of ``tokens`` (prompt + expected output) dispatched to ``url``.
 
-        ``yielding``: it gives way to interactive requests (see :meth:`EndpointState.utilisation`);
-        ``prompt_tokens``: of those tokens, its prompt's (what its prefill computes; default all of them).
+        ``yielding``: it gives way to interactive requests (see :meth:`EndpointState.utilisation`).
         """
         state = self.state(url)
         state.outstanding += 1
@@ -362,8 +341,7 @@ class EndpointRegistry:
         if yielding:
             state.yielding += 1
             state.yielding_reserved += tokens
-            state.batch_sent_at = now = time.monotonic()
-            state.batch_prefills.append((now, tokens if prompt_tokens is None else prompt_tokens))
+            state.batch_sent_at = time.monotonic()
 
     def release(self, url: str, tokens: int = 0, yielding: bool = False) -> None:
         """Count a request of ``tokens`` at ``url`` as finished (``yielding`` as it was acquired)."""

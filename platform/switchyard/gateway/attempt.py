@@ -159,7 +159,7 @@ class Try:
         self.span = req.trace.child("upstream", {"switchyard.endpoint": url, "switchyard.pool": self.pool,
                                                  "switchyard.model": self.model,
                                                  "switchyard.attempt": decision.attempts.count})
-        endpoints.acquire(url, req.cost, self.yielder is not None, decision.prompt_tokens)
+        endpoints.acquire(url, req.cost, self.yielder is not None)
         if self.yielder is not None:
             flow.batch_sent(self.pool, url)
         # An interactive stream's prefill: batch work is not sent here until its first byte (decide.flow.batch_view).

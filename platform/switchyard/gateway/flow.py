@@ -124,7 +124,7 @@ class FlowController:
         age = self.endpoints.signal_max_age
         return batch_pool_utilisation(
             pool, [batch_view(s.utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs), s.prefilling,
-                              s.batch_prefilling(now, pool.batch_prefill_tokens)) for s in healthy],
+                              s.batch_prefilling(now)) for s in healthy],
             sum(s.slots_used(now, age) for s in healthy) if pool.max_num_seqs else 0.0)
 
     def full(self, pool: Pool, url: str, ceiling: float, now: float, preempting: bool = False) -> bool:

@@ -58,7 +58,7 @@ class LiveView:
         healthy = state.healthy(now) and registry.pool_breaker(pool.name).allows(now)
         u = state.utilisation(now, age, pool.kv_cache_tokens, pool.max_num_seqs, preempting)
         if not preempting:
-            u = batch_view(u, state.prefilling, state.batch_prefilling(now, pool.batch_prefill_tokens))
+            u = batch_view(u, state.prefilling, state.batch_prefilling(now))
         view = EndpointView(healthy, state.load(now, age, preempting), state.queued(now, age), u, state.reserved,
                             state.served_models(now, age))
         if state.adapter_used or (state.signals is not None and state.signals.adapters is not None):

@@ -147,15 +147,6 @@ class Pool(Strict):
         description="vLLM's --max-num-seqs of the replicas, when known: a replica running this many requests "
         "counts as saturated (see the utilisation formula in the README).",
     )
-    batch_prefill_tokens: NonNegativeInt = Field(
-        default=0,
-        description="Prompt tokens of batch-lane requests that may be in their prefill at one replica at once "
-        "(a request sent there less than the replica's usual interactive time to first byte ago counts as in "
-        "it). Batch work is not sent to a replica while its batch prefills reach this; one request always may "
-        "go. 0: batch prefills go one at a time. A step that carries a few hundred more prompt tokens takes "
-        "hardly longer on a GPU (its time goes to reading the weights), so short batch prompts can share one "
-        "without holding up an interactive request arriving meanwhile.",
-    )
     batch_reserve_slots: NonNegativeInt = Field(
         default=1,
         description="With max_num_seqs: sequence slots of the pool (all its replicas together) that batch-lane "

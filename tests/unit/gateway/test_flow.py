@@ -571,39 +571,6 @@ async def test_batch_prefills_go_to_an_endpoint_one_at_a_time(snapshot: PolicySn
     assert got.ticket is not None and time.monotonic() - sent >= 0.1
 
 
-def test_short_batch_prompts_share_a_prefill_window_up_to_the_pools_token_budget(snapshot: PolicySnapshot) -> None:
-    doc = eight_slots(snapshot).document.model_dump(by_alias=True, exclude_none=True)
-    doc["pools"][0].update(batch_prefill_tokens=512)
-    pool = compile_policy(to_yaml(doc)).pools["big"]
-    flow = FlowController(EndpointRegistry(), GatewayMetrics())
-    registry = flow.endpoints
-    state = registry.state(BIG)
-    registry.prefill_started(BIG)
-    registry.prefill_ended(BIG, 0.1)  # batch requests count as in their prefill for 0.1 s after they are sent
-    # Batch requests of 150 prompt tokens (and 30 of output): three fit under 512 tokens of prefill, a fourth
-    # reaches it.
-    for _ in range(3):
-        registry.acquire(BIG, 180, yielding=True, prompt_tokens=150)
-        now = state.batch_sent_at
-        assert not state.batch_prefilling(now, 512) and flow.batch_utilisation(pool, now) < 1.0
-        assert state.batch_prefilling(now)  # with no budget they would go one at a time
-    registry.acquire(BIG, 180, yielding=True, prompt_tokens=150)
-    now = state.batch_sent_at
-    assert state.batch_prefilling(now, 512) and flow.batch_utilisation(pool, now) == 1.0
-    # Once the window of the first ones has passed, their tokens no longer count.
-    assert not state.batch_prefilling(now + 0.1, 512) and flow.batch_utilisation(pool, now + 0.1) < 1.0
-    # A long prompt alone may go (one request always may), and holds the window for everything after it.
-    long_pool = FlowController(EndpointRegistry(), GatewayMetrics())
-    other = long_pool.endpoints
-    other.prefill_started(BIG)
-    other.prefill_ended(BIG, 0.1)
-    assert long_pool.batch_utilisation(pool, time.monotonic()) < 1.0
-    other.acquire(BIG, 2100, yielding=True, prompt_tokens=2000)
-    sent = other.state(BIG).batch_sent_at
-    assert long_pool.batch_utilisation(pool, sent + 0.05) == 1.0
-    assert long_pool.batch_utilisation(pool, sent + 0.11) < 1.0
-
-
 def test_an_interactive_request_weighs_load_without_batch_work_and_prefills_twice() -> None:
     registry = EndpointRegistry(signal_max_age=3.0)
     state = registry.state(BIG)

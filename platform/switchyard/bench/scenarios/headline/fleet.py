@@ -54,11 +54,6 @@ FREE_TOKENS_PER_MINUTE = 1_000_000
 #: of the large pools is kept for critical requests (``on_saturation.at_utilisation``).
 DOWNGRADE_AT = 0.75
 BATCH_TENANT, BATCH_TIER = "analytics", "pro"
-#: The Switchyard arms' ``batch_prefill_tokens``: batch prompts of up to this many tokens together may be in
-#: their prefill at one replica. A step of either profile computes some 210 tokens in the time it reads its
-#: weights (the roofline's ridge), so the backlog's short lines (about 150 prompt tokens) go three or four at
-#: a time, adding some 10 ms to a step of the small model, and its long documents one at a time.
-BATCH_PREFILL_TOKENS = 512
 BATCH_CLASS = "batch"
 
 
@@ -93,8 +88,7 @@ def policy(arm: str, ports: Mapping[tuple[str, str], Sequence[int]]) -> str:
         urls = ", ".join(f"http://127.0.0.1:{p}" for p in endpoints)
         pools.append(f"  - {{name: {pool_name(region, model)}, region: {region}, served_model: {SERVED[model]}, "
                      f"endpoints: [{urls}], kv_cache_tokens: {KV_TOKENS}, sim_profile: {PROFILE[model]}, "
-                     f"max_num_seqs: {MAX_NUM_SEQS}, priority_scheduling: {'true' if full else 'false'}"
-                     + (f", batch_prefill_tokens: {BATCH_PREFILL_TOKENS}" if full else "") + "}")
+                     f"max_num_seqs: {MAX_NUM_SEQS}, priority_scheduling: {'true' if full else 'false'}}}")
     models = []
     for model in MODELS:
         inp, out = PRICE[model]
