@@ -18,7 +18,7 @@ from sqlmodel import Session
 from switchyard.batch.intake import create_batch
 from switchyard.store import db
 from switchyard.store.batch_finalize import finalize_ready
-from switchyard.store.batch_queue import claim, record_result, release, renew_leases, retry_later
+from switchyard.store.batch_queue import claim, put_back, record_result, release, renew_leases, retry_later
 from switchyard.store.batches import cancel_batch, get_batch, list_batches, request_states
 from switchyard.store.errors import Conflict, InvalidParam, NotFound, TooLarge
 from switchyard.store.files import MAX_LINES, create_file, delete_file, file_content, get_file, list_files
@@ -220,6 +220,22 @@ def test_renew_release_and_retry(engine: Engine) -> None:
     assert tx(engine, lambda s: finalize_ready(s, at(79))) == [batch.id]
     (failed,) = output(engine, acme[0], tx(engine, lambda s: get_batch(s, acme[0], batch.id)).error_file_id)
     assert (failed["custom_id"], failed["response"], failed["error"]) == ("a", None, err)
+
+
+def test_lines_a_full_lane_refused_go_back_together_each_due_after_its_delay(engine: Engine) -> None:
+    acme = tenant(engine, "acme")
+    new_batch(engine, acme, jsonl(line("a"), line("b"), line("c")))
+    a, bb, c = tx(engine, lambda s: claim(s, "w", 3, 30, at(0)))
+    full = {"code": "batch_lane_full", "message": "full"}
+    # One statement for both refusals; a line no longer this worker's (c, handed back) is left alone.
+    assert tx(engine, lambda s: release(s, "w", [c.id], at(1))) == 1
+    tx(engine, lambda s: put_back(s, "w", [(a.id, 5, full), (bb.id, 20, full), (c.id, 5, full)], at(2)))
+    assert tx(engine, lambda s: request_states(s, a.batch_id)) == {"pending": 3}
+    # Due after each one's delay, with the try given back (the lane had no room: nothing failed).
+    assert [x.custom_id for x in tx(engine, lambda s: claim(s, "x", 3, 30, at(3)))] == ["c"]
+    again = tx(engine, lambda s: claim(s, "x", 3, 30, at(8)))
+    assert [(x.custom_id, x.attempts) for x in again] == [("a", 1)]
+    assert [(x.custom_id, x.attempts) for x in tx(engine, lambda s: claim(s, "x", 3, 30, at(23)))] == [("b", 1)]
 
 
 def test_finalize_writes_output_and_error_files_in_input_order(engine: Engine) -> None:

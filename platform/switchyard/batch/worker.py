@@ -154,6 +154,9 @@ class BatchWorker:
         self._paused_until = 0.0
         #: Set when a line ends: the loop claims again at once.
         self._line_done = asyncio.Event()
+        #: Lines a full batch lane refused, still leased here, to be handed back in the loop's next round (row, delay
+        #: before its next try, the refusal, when: monotonic): one write for all of them, not one each.
+        self._lane_returns: list[tuple[int, float, dict[str, Any], float]] = []
 
     async def _db(self, work: Callable[[Session], T]) -> T:
         return await in_transaction(self.engine, work)
@@ -164,6 +167,7 @@ class BatchWorker:
         while True:
             now = time.time()
             try:
+                await self._put_back(now)
                 free = self.concurrency - len(self._running) if time.monotonic() >= self._paused_until else 0
                 claimed = (await self._db(functools.partial(_claim, owner=self.owner, limit=free, lease_s=self.lease_s,
                                                             now=now, paced=self._room(now))) if free > 0 else [])
@@ -187,6 +191,20 @@ class BatchWorker:
                 log.exception("batch worker: a round failed; trying again")
                 claimed = []
             await self._until_room(0.05 if claimed else self.poll_s)
+
+    async def _put_back(self, now: float) -> None:
+        """Hand the lines full batch lanes refused back to their jobs' queues (see :meth:`_lane_full`)."""
+        if self._lane_returns:
+            # Those refused more than half a lease ago (the database was down since) may be this worker's again by
+            # a new claim: they are left to their leases.
+            recent = time.monotonic() - self.lease_s / 2
+            returns = [r for r in self._lane_returns if r[3] >= recent]
+            self._lane_returns = []
+            try:
+                await self._db(lambda s: batch_queue.put_back(s, self.owner, [r[:3] for r in returns], now))
+            except BaseException:
+                self._lane_returns = returns + self._lane_returns  # the next round tries again (the leases hold)
+                raise
 
     async def _until_room(self, delay_s: float) -> None:
         """Wait ``delay_s`` seconds (until a pause ends, at most), or less when a line ends: a full worker claims
@@ -236,6 +254,8 @@ class BatchWorker:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         rows = [int(task.get_name().rpartition("-")[2]) for task in tasks]
+        with contextlib.suppress(Exception):
+            await self._put_back(time.time())
         if rows:
             with contextlib.suppress(Exception):
                 await self._db(lambda s: batch_queue.release(s, self.owner, rows))
@@ -326,11 +346,11 @@ class BatchWorker:
     async def _lane_full(self, line: batch_queue.ClaimedRequest, error: ApiError, detail: dict[str, Any]) -> None:
         """A line its model's batch lane had no waiting room for: it goes back to the job's queue without spending
         a try, due when the lane is likely to have room (the refusal's ``Retry-After``), and the worker claims
-        again after a pause, so that its room goes to lines other pools can start now."""
-        now = time.time()
+        again after a pause, so that its room goes to lines other pools can start now. The lines refused meanwhile
+        go back together at the loop's next round (while the lanes are full, one write a round instead of one a
+        refusal: each write waits for SQLite's one writer)."""
         self._paused_until = max(self._paused_until, time.monotonic() + LANE_FULL_PAUSE_S)
-        await self._db(lambda s: batch_queue.retry_later(s, line.id, self.owner, _retry_after_s(error.headers),
-                                                         detail, now, count_attempt=False))
+        self._lane_returns.append((line.id, _retry_after_s(error.headers), detail, time.monotonic()))
 
     async def _finish(self, line: batch_queue.ClaimedRequest, status: int, body: dict[str, Any] | None,
                       error: dict[str, Any] | None, request_id: str | None = None) -> None:

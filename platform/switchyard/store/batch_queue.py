@@ -18,12 +18,12 @@ Functions take the caller's session and do not commit. Batches end in
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, exists, or_, select, update
+from sqlalchemy import ColumnElement, and_, bindparam, exists, or_, select, update
 from sqlmodel import Session
 
 from switchyard.store.batch_tables import BATCHES, LINES, Now, on_postgres, rows_changed, utc
@@ -137,6 +137,22 @@ def release(session: Session, owner: str, row_ids: Iterable[int], now: Now | Non
                              .values(state="pending", lease_owner=None, lease_until=None, next_attempt_at=utc(now),
                                      attempts=LINES.c.attempts - 1))
     return rows_changed(result)
+
+
+def put_back(session: Session, owner: str, lines: Sequence[tuple[int, float, dict[str, Any] | None]], now: Now) -> None:
+    """Hand ``owner``'s leased lines back untried, in one statement: each ``(row, delay_s, error)`` pending again,
+    due ``delay_s`` after ``now``, its last error kept and the claim's attempt not counted (a line whose model's
+    batch lane had no room: it did not fail). Lines no longer held under ``owner``'s lease are left alone."""
+    if not lines:
+        return
+    at = utc(now)
+    statement = update(LINES).where(
+        LINES.c.id == bindparam("b_id"), LINES.c.state == "running", LINES.c.lease_owner == owner,
+    ).values(state="pending", lease_owner=None, lease_until=None,
+             next_attempt_at=bindparam("b_due", type_=LINES.c.next_attempt_at.type),
+             error=bindparam("b_error", type_=LINES.c.error.type), attempts=LINES.c.attempts - 1)
+    session.execute(statement, [{"b_id": row, "b_due": at + timedelta(seconds=delay_s), "b_error": error}
+                                for row, delay_s, error in lines])
 
 
 def _lock_batch_of(session: Session, row_id: int) -> str | None:
