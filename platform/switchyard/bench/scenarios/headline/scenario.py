@@ -225,6 +225,8 @@ class Headline(FreshArms[ArmRun]):
                 if enough():
                     break
                 model = SMALL if spec.prompt_tokens < AUTO_SMALL_BELOW else LARGE
+                if len(parts) == 1:  # (no per-model capacity measured: every line counts towards the one part)
+                    model = next(iter(parts))
                 if counts[model] >= wanted[model]:
                     continue  # this model has its lines: the trace is read on for the other's
                 lines.append(replace(spec, index=len(lines)))
