@@ -71,14 +71,19 @@ class StepTimeModel:
     weights_s: float
     per_kv_token_s: float
 
+    def roofline(self, num_tokens: int, kv_read_tokens: int, attn_pairs: int) -> tuple[float, float]:
+        """A step's two roofline terms in seconds: its compute (matmuls and attention) and its memory traffic
+        (weights once, and the KV it reads)."""
+        compute = self.per_token_s * num_tokens + self.per_attn_pair_s * attn_pairs
+        memory = self.weights_s + self.per_kv_token_s * kv_read_tokens
+        return compute, memory
+
     def seconds(self, num_tokens: int, num_seqs: int, kv_read_tokens: int,
                 attn_pairs: int) -> float:
         """Duration of one step; 0 for an empty one (same arguments as ``step_seconds``)."""
         if num_tokens <= 0:
             return 0.0
-        compute = self.per_token_s * num_tokens + self.per_attn_pair_s * attn_pairs
-        memory = self.weights_s + self.per_kv_token_s * kv_read_tokens
-        return self.step_s + self.per_seq_s * num_seqs + max(compute, memory)
+        return self.step_s + self.per_seq_s * num_seqs + max(self.roofline(num_tokens, kv_read_tokens, attn_pairs))
 
     def compute_share(self, num_tokens: int, kv_read_tokens: int, attn_pairs: int) -> float:
         """How much of a step's roofline term its compute is: 1.0 when the step is compute-bound (more tokens
@@ -86,9 +91,9 @@ class StepTimeModel:
         bounds it (tokens of more sequences would ride along almost for free); 0 for an empty step."""
         if num_tokens <= 0:
             return 0.0
-        compute = self.per_token_s * num_tokens + self.per_attn_pair_s * attn_pairs
-        memory = self.weights_s + self.per_kv_token_s * kv_read_tokens
-        return compute / max(compute, memory) if compute > 0 else 0.0
+        compute, memory = self.roofline(num_tokens, kv_read_tokens, attn_pairs)
+        bound = max(compute, memory)
+        return compute / bound if bound > 0 else 0.0
 
     def as_dict(self) -> dict[str, float]:
         """The coefficients by name, in file order."""
