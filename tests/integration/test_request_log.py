@@ -95,16 +95,47 @@ def test_a_failed_write_keeps_the_entries_for_the_next_one(engine: Any) -> None:
 
 
 class _Flaky:
-    """A record whose first write fails (as a database that went away between two chunks would)."""
+    """A record whose first write fails (as a database that went away between two chunks would): its first read
+    raises, every later one is the record's."""
 
     def __init__(self, record: RequestRecord) -> None:
         self.record, self.outcome, self.failed = record, record.outcome, False
 
-    def as_dict(self) -> dict[str, Any]:
+    def __getattr__(self, name: str) -> Any:
         if not self.failed:
             self.failed = True
             raise OperationalError("INSERT", {}, Exception("the database went away"))
-        return self.record.as_dict()
+        return getattr(self.record, name)
+
+
+def test_a_row_holds_what_the_record_says(engine: Any) -> None:
+    """Every field of a record's ``as_dict()`` comes back from the log as it was (the time to the millisecond), a
+    value longer than its column cut to it, and the detail (trace, moves, resumes, hedges, shadow) whole."""
+    writer = RequestLogWriter(engine)
+    activity = Activity()
+    activity.sink = writer.offer
+    record = activity.begin("r-full", "chat", now=1_767_225_600.123_987)
+    record.tenant, record.tenant_id, record.key_id, record.tier = "acme", 7, 3, "pro"
+    record.model, record.resolved_model, record.served_model = "auto", "x" * 300, "small"
+    record.pool, record.region, record.endpoint = "small-us", "us-east", "http://127.0.0.1:9/v1"
+    record.stream, record.priority, record.queue_ms, record.attempts = True, "standard", 1.5, 2
+    record.moved_on, record.resumes, record.hedges = ["http://127.0.0.1:8 connect_error"], 1, 1
+    record.ttft_s, record.prompt_tokens, record.completion_tokens, record.cached_tokens = 0.01234, 12, 7, 4
+    record.max_tokens, record.digest, record.deterministic = 64, "ab" * 8, True
+    record.cache, record.cache_rule, record.policy_version, record.canary = "miss", "exact", 5, "canary"
+    record.shadow = {"model": ["small", "large"]}
+    record.trace = ["model: auto → small", "route: pool=small-us"]
+    activity.finish(record, 200)
+    record.duration_s = 0.2468  # (set by finish; a stream's ends later)
+    assert writer.flush() == 1
+    with Session(engine) as s:
+        row = request_log.find(s, "r-full")
+    assert row is not None
+    expected = record.as_dict() | {"resolved_model": "x" * 256}
+    del expected["batch"]  # (a batch line's record is not a column: batch lines have the batch tables)
+    assert expected["time"] == "2026-01-01T00:00:00.123Z" and expected["ttft_ms"] == 12.3
+    assert expected["duration_ms"] == 246.8
+    assert {name: row[name] for name in expected} == expected
 
 
 def test_the_periodic_flush_writes_in_paced_chunks_and_keeps_what_it_did_not_write(engine: Any) -> None:
