@@ -143,8 +143,10 @@ def _encode(doc: Mapping[str, Any]) -> bytes:
         return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
-def _document(kind: RequestKind, model: str, body: Mapping[str, Any]) -> dict[str, Any]:
-    doc: dict[str, Any] = {"kind": kind, "model": model, "params": _parameters(body)}
+def _content(kind: RequestKind, body: Mapping[str, Any]) -> dict[str, Any]:
+    """What a request's canonical document holds besides its kind and model: its parameters, and its messages,
+    input or prompt (normalised: the Python work of a key)."""
+    doc: dict[str, Any] = {"params": _parameters(body)}
     if kind == "chat":
         doc["messages"] = [_message(m) for m in body.get("messages") or []]
     elif kind in ("embedding", "responses"):
@@ -152,6 +154,33 @@ def _document(kind: RequestKind, model: str, body: Mapping[str, Any]) -> dict[st
     else:
         doc["prompt"] = _normal(body.get("prompt"))
     return doc
+
+
+def _document(kind: RequestKind, model: str, body: Mapping[str, Any]) -> dict[str, Any]:
+    return {"kind": kind, "model": model, **_content(kind, body)}
+
+
+class CanonicalRequest:
+    """One request's :func:`canonical_request`, normalised once and encoded for each model it is asked for: the
+    model as asked (the request log's :meth:`digest`) and the resolved one (a cache key). The gateway makes one per
+    request and hands it to the decision procedure (``Ask.canonical``), so that its body is walked once."""
+
+    __slots__ = ("_content", "body", "kind")
+
+    def __init__(self, kind: RequestKind, body: Mapping[str, Any]) -> None:
+        self.kind, self.body = kind, body
+        self._content: dict[str, Any] | None = None
+
+    def encode(self, model: str) -> bytes:
+        """:func:`canonical_request` of the request for ``model``."""
+        if self._content is None:
+            self._content = _content(self.kind, self.body)
+        return _encode({"kind": self.kind, "model": model, **self._content})
+
+    def digest(self) -> str:
+        """:func:`request_digest` of the request."""
+        model = self.body.get("model")
+        return hashlib.sha256(self.encode(model if isinstance(model, str) else "")).hexdigest()[:16]
 
 
 def canonical_request(kind: RequestKind, model: str, body: Mapping[str, Any]) -> bytes:
@@ -169,8 +198,7 @@ def request_digest(kind: RequestKind, body: Mapping[str, Any]) -> str:
     64 bits of SHA-256 over :func:`canonical_request` with the model as asked. The request log
     keeps it (never the text) so that a replay of the log knows which requests repeated.
     """
-    model = body.get("model")
-    return hashlib.sha256(canonical_request(kind, model if isinstance(model, str) else "", body)).hexdigest()[:16]
+    return CanonicalRequest(kind, body).digest()
 
 
 def _last_user(messages: Any) -> int | None:
@@ -283,7 +311,8 @@ def _usage(read: bool, write: bool) -> str:
 
 
 def plan_cache(snapshot: PolicySnapshot, *, kind: RequestKind, model: str, route: str | None, tier: str,
-               tenant: str, body: Mapping[str, Any], read: bool = True, write: bool = True) -> CachePlan | None:
+               tenant: str, body: Mapping[str, Any], read: bool = True, write: bool = True,
+               canonical: CanonicalRequest | None = None) -> CachePlan | None:
     """The cache plan of a request: the first rule, in document order, that applies to it.
 
     Args:
@@ -295,6 +324,7 @@ def plan_cache(snapshot: PolicySnapshot, *, kind: RequestKind, model: str, route
         tenant: The tenant's id (the scope of ``tenant`` rules).
         body: The validated request body.
         read, write: What the client allows (:func:`parse_cache_control`).
+        canonical: The request's :class:`CanonicalRequest`, when its executor made one (None: made here).
 
     A rule applies when its ``models``, ``routes`` and ``tiers`` (absent: any) admit the request
     and the request is deterministic (:func:`is_deterministic`) unless the rule caches
@@ -309,7 +339,7 @@ def plan_cache(snapshot: PolicySnapshot, *, kind: RequestKind, model: str, route
         return None
     deterministic = is_deterministic(body, kind)
     skipped: list[str] = []
-    canonical: bytes | None = None
+    encoded: bytes | None = None
     for index, rule in enumerate(snapshot.document.cache):
         label = rule.name or f"cache[{index}]"
         reason = _skip_reason(rule, model, route, tier, deterministic)
@@ -322,14 +352,14 @@ def plan_cache(snapshot: PolicySnapshot, *, kind: RequestKind, model: str, route
             skipped.append(f"{label} ({reason})")
             continue
         scope = f"tenant:{tenant}" if rule.scope == "tenant" else "global"
-        if canonical is None:
-            canonical = canonical_request(kind, model, body)
+        if encoded is None:
+            encoded = (canonical or CanonicalRequest(kind, body)).encode(model)
         trace = f"cache rule {label} ({rule.mode}, {rule.scope}): {_usage(read, write)}"
         if skipped:
             trace += f"; skipped {', '.join(skipped)}"
         return CachePlan(
             rule=rule, label=label, mode=rule.mode, scope=scope,
-            key=_digest("key", label, scope, canonical),
+            key=_digest("key", label, scope, encoded),
             context="" if split is None else _digest("context", label, scope, split[0]),
             text=None if split is None else split[1],
             read=read, write=write, trace=trace,

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from switchyard.decide.admit import Estimate, LimitCharge, Reserve
-from switchyard.decide.cache import CachePlan, RequestKind
+from switchyard.decide.cache import CachePlan, CanonicalRequest, RequestKind
 from switchyard.decide.classes import ClassDecision
 from switchyard.decide.features import RequestFeatures
 from switchyard.decide.flow import Queue, Scheduled
 from switchyard.decide.pick import EndpointChoice, Stage, Strategy
-from switchyard.decide.picking import PromptRenderer
+from switchyard.decide.picking import PromptRenderer, Subject
 from switchyard.decide.refusals import Refusal
 from switchyard.decide.regions import Placement
 from switchyard.decide.resolve import ModelDecision
@@ -80,6 +80,9 @@ class Ask:
     flow_control: bool = True
     counters: Mapping[str, TokenCounter] = field(default_factory=dict)
     renderers: Mapping[str, PromptRenderer] = field(default_factory=dict)
+    #: The body's canonical form for cache keys, when the executor already made it (the gateway does, for the
+    #: request log's digest); None: made where needed.
+    canonical: CanonicalRequest | None = None
 
 
 # --- effects: what the procedure asks its executor -------------------------------------------------

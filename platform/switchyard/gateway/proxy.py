@@ -28,7 +28,7 @@ from switchyard.api.headers import (
     ROUTE_HEADER,
 )
 from switchyard.decide.admit import LimitAnswer, Reserve
-from switchyard.decide.cache import GENERATING_KINDS, is_deterministic, request_digest
+from switchyard.decide.cache import GENERATING_KINDS, CanonicalRequest, is_deterministic
 from switchyard.decide.decision import (
     Ask,
     Attempt,
@@ -116,8 +116,9 @@ class Proxy:
         check_body(kind, body, settings.max_messages)
         features = request_features(kind, body, headers)
         record.prompt_tokens, record.max_tokens = features.prompt_tokens, features.max_tokens
+        canonical = CanonicalRequest(kind, body)  # (normalised once, for the digest and a cache key)
         if runtime.activity.sink is not None:  # the request log keeps what a replay of it needs
-            record.digest, record.deterministic = request_digest(kind, body), is_deterministic(body, kind)
+            record.digest, record.deterministic = canonical.digest(), is_deterministic(body, kind)
         holder = runtime.policy
         # Read once, in one step of the event loop: this request keeps a matching set to the end.
         snapshot, counters, renderers = holder.snapshot, holder.counters, holder.renderers
@@ -133,7 +134,7 @@ class Proxy:
         caller = Caller(identity.tier, str(identity.tenant_id), str(identity.key_id), identity.tenant_limits,
                         identity.key_limits, identity.region)
         ask = Ask(kind, body, features, caller, settings.region, settings.picker, runtime.flow.enabled, counters,
-                  renderers)
+                  renderers, canonical)
         d = Decision(snapshot, ask)
         record.trace = d.trace  # one trace: the procedure's lines, and this gateway's own
         req = PendingRequest(kind, body, incoming.raw, record.stream, record.request_id, record.started, identity, d,

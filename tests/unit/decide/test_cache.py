@@ -11,6 +11,7 @@ from switchyard.api.headers import CACHE_CONTROL_HEADER
 from switchyard.decide.cache import (
     BadCacheControl,
     CachePlan,
+    CanonicalRequest,
     canonical_request,
     is_deterministic,
     parse_cache_control,
@@ -296,3 +297,25 @@ def test_the_request_digest_is_equal_for_requests_the_cache_answers_alike() -> N
             {"role": "user", "content": "hi!"}]}):
         assert request_digest("chat", other) != request_digest("chat", ask)
     assert request_digest("completion", {"model": "auto", "prompt": "hi"}) != request_digest("chat", ask)
+
+
+@pytest.mark.parametrize(("kind", "body"), [
+    ("chat", {"model": "auto", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                                            {"role": "assistant", "content": None, "name": "x"}],
+              "temperature": 0.0, "stop": "END", "x-extra": 1, "stream": True}),
+    ("completion", {"model": "small", "prompt": ["a", "b"], "seed": 3}),
+    ("embedding", {"model": "bge", "input": "text", "dimensions": 8.0}),
+])
+def test_a_requests_canonical_form_made_once_encodes_as_canonical_request_for_each_model(
+        snapshot: PolicySnapshot, kind: Any, body: dict[str, Any]) -> None:
+    """The gateway normalises a body once (``CanonicalRequest``) for its digest and its cache key: each encoding
+    is what ``canonical_request`` gives for that model, and a plan made with it has the key made without."""
+    once = CanonicalRequest(kind, body)
+    assert once.digest() == request_digest(kind, body)
+    for model in ("small", "large", ""):
+        assert once.encode(model) == canonical_request(kind, model, body)
+    assert once.encode("small") != once.encode("large")
+    plain = plan_cache(snapshot, kind=kind, model="small", route=None, tier="pro", tenant="7", body=body)
+    shared = plan_cache(snapshot, kind=kind, model="small", route=None, tier="pro", tenant="7", body=body,
+                        canonical=once)
+    assert plain is not None and shared is not None and shared.key == plain.key
