@@ -69,6 +69,7 @@ class Ask:
         counters: Prompt counters by model (a model's own tokenizer counts exactly; others estimate).
         renderers: Prompt renderers by model: the token ids its engine will cache (for the precise
             KV-cache scorer; a model without one is scored by the approximate index).
+        canonical: See the attribute.
     """
 
     kind: RequestKind
@@ -310,6 +311,9 @@ class Decision:
     hedges: int = 0
     refusal: Refusal | None = None
     trace: list[Line] = field(default_factory=list)
+    #: The request as the picks see it (:class:`~switchyard.decide.picking.Subject`): made once, so that a prompt
+    #: rendered to count it is not rendered again to pick its endpoint.
+    subject: Subject | None = None
 
     @property
     def gives_way(self) -> bool:

@@ -129,7 +129,13 @@ def decide(d: Decision, fleet: FleetView) -> Steps:
     model = d.model.model
     counter = ask.counters.get(model.name)
     if counter is not None and counter.exact:
-        d.prompt_tokens, longest = count_prompts(counter, ask.kind, ask.body)
+        # A chat the model's renderer renders is counted as its engine will see it (the template's own tokens
+        # exact), and rendered once: its endpoint's pick scores the same ids.
+        rendered = _subject(d).tokens(model.name) if ask.kind == "chat" and model.name in ask.renderers else None
+        if rendered is not None:
+            d.prompt_tokens = longest = len(rendered)
+        else:
+            d.prompt_tokens, longest = count_prompts(counter, ask.kind, ask.body)
         exact = True
     else:
         d.prompt_tokens, exact = features.prompt_tokens, features.prompt_exact
@@ -214,6 +220,14 @@ def _max_tokens_param(kind: RequestKind, body: Mapping[str, Any]) -> str:
     return "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
 
 
+def _subject(d: Decision) -> Subject:
+    """The request as its picks see it, made on first use and kept (its renders with it)."""
+    if d.subject is None:
+        ask = d.ask
+        d.subject = Subject(ask.body, ask.features.headers, ask.caller.tenant, ask.renderers)
+    return d.subject
+
+
 def _needed(features: RequestFeatures) -> int:
     """Tokens a request may hold in a context window: its prompt (as estimated) and its output budget."""
     return features.prompt_tokens + (features.max_tokens or 0)
@@ -234,7 +248,7 @@ def _cached(d: Decision) -> Generator[Effect, Any, bool]:
     assert d.model is not None
     model = d.model.model
     d.cache = plan_cache(snapshot, kind=ask.kind, model=model.name, route=d.model.route, tier=caller.tier,
-                         tenant=caller.tenant, body=ask.body, read=read, write=write)
+                         tenant=caller.tenant, body=ask.body, read=read, write=write, canonical=ask.canonical)
     if d.cache is None:
         d.trace.append("response cache: no rule applies (a rule's match, or not deterministic: temperature 0 or "
                        "a seed)")
@@ -284,7 +298,7 @@ def _dispatch(d: Decision, fleet: FleetView, *, resuming: bool = False) -> Gener
         d.trace += skipped
         d.trace.append(Later(plan_trace, snapshot, stages, d.model.model, d.cls))
         first = 0
-    subject = Subject(ask.body, ask.features.headers, ask.caller.tenant, ask.renderers)
+    subject = _subject(d)
     lane, ceiling = klass.lane, klass.dispatch_ceiling
     streamed = bool(ask.body.get("stream"))
     for stage in stages[first:]:

@@ -264,3 +264,30 @@ class Loaded(IdleFleet):
     def full(self, candidate: Candidate, ceiling: float, now: float, preempting: bool) -> bool:
         return self.is_full and not preempting
 
+
+
+def test_a_chat_its_models_renderer_renders_is_counted_by_that_render_once(snapshot: PolicySnapshot) -> None:
+    """With the model's exact counter and renderer, the prompt's count is the rendered ids' (the template's own
+    tokens exact), and the picks use that same render: the prompt is rendered once, not counted and rendered."""
+    from switchyard.gateway.prompts import SimPromptRenderer
+    from switchyard.gateway.tokenizers import sim_counter
+
+    sim = SimPromptRenderer()
+    renders: list[Any] = []
+
+    def render(body: Any) -> list[int] | None:
+        renders.append(body)
+        return sim(body)
+
+    request = ask(messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": LONG}])
+    request.counters, request.renderers = {"small": sim_counter()}, {"small": render}
+    d = run(snapshot, request, Script())
+    assert d.outcome == "served" and len(renders) == 1
+    ids = sim(request.body)
+    assert ids is not None and d.prompt_tokens == len(ids)
+    assert d.subject is not None and d.subject.tokens("small") == ids
+    # A chat it cannot render (the sim renders no cache_salt'ed prompt) is counted by the counter, as before.
+    salted = ask(cache_salt="s")
+    salted.counters, salted.renderers = {"small": sim_counter()}, {"small": render}
+    counted = run(snapshot, salted, Script())
+    assert counted.prompt_tokens == sim_counter().count_chat([LONG + "?"])
