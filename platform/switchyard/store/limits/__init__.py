@@ -42,6 +42,7 @@ answers to the same calls. :func:`create_limit_store` picks one from the setting
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -79,7 +80,13 @@ REDIS_SOCKET_TIMEOUT_S = 2.0
 def charges_of(limits: Sequence[LimitCharge]) -> list[Charge]:
     """The store's charges for the limits ``decide.admit`` says a request is charged against
     (each limit refills its whole capacity over its period)."""
-    return [Charge(Bucket(c.key, c.capacity, c.capacity / c.period_s, c.limit, c.unit), c.amount) for c in limits]
+    return [Charge(_bucket(c.key, c.capacity, c.period_s, c.limit, c.unit), c.amount) for c in limits]
+
+
+@functools.lru_cache(maxsize=4096)
+def _bucket(key: str, capacity: float, period_s: float, limit: str, unit: Unit) -> Bucket:
+    """The bucket of one limit of one subject, made (and checked) once while it is in use, not per request."""
+    return Bucket(key, capacity, capacity / period_s, limit, unit)
 
 
 def answer_of(admission: Admission) -> LimitAnswer:
