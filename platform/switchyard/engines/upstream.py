@@ -49,9 +49,10 @@ def create_client_session(timeouts: UpstreamTimeouts, max_connections: int,
                                       keepalive_timeout=KEEPALIVE_S))
     timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_read=timeouts.read_s)
     # (No ``skip_auto_headers``: with it aiohttp builds two header multidicts more for every request; the requests
-    # name their User-Agent instead, :data:`USER_AGENT`.)
+    # name their User-Agent instead, :data:`USER_AGENT`.) No cookie jar: a cookie one engine set would go with every
+    # later request to that host, whichever tenant sent it.
     return aiohttp.ClientSession(connector=connector, timeout=timeout, raise_for_status=False,
-                                 auto_decompress=False)
+                                 auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
 
 
 #: The User-Agent of the gateway's requests to engines.

@@ -192,6 +192,36 @@ async def test_a_body_that_is_no_answer_is_an_invalid_response(upstream: Upstrea
     assert response.closed  # what was left unread never goes back to the pool
 
 
+async def test_a_cookie_an_engine_sets_is_never_sent_on(upstream: Upstream) -> None:
+    """The upstream client keeps no cookies: what one engine sets would otherwise go with every later request,
+    whoever sent it, to that engine and any other on the same host."""
+    heads: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                heads.append(head.lower())
+                writer.write(http_answer("application/json", b"{}", extra="set-cookie: session=tenant-a; Path=/\r\n"))
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    listener = await asyncio.start_server(handle, "127.0.0.1", 0)
+    upstream.listeners.append(listener)
+    # (A name, not an address: a cookie jar takes no cookie from an IP address.)
+    url = f"http://localhost:{listener.sockets[0].getsockname()[1]}/v1/completions"
+    for _ in range(2):
+        response = await post(upstream.session, url, b"{}", {"content-type": "application/json"}, upstream.fresh)
+        assert await read_body(response) == b"{}"
+    assert len(heads) == 2 and not any(b"\r\ncookie:" in head for head in heads)
+
+
 async def test_a_good_body_is_read_whole(upstream: Upstream) -> None:
     body = b'{"id": "cmpl-1", "choices": [{"text": "' + b"y" * 900 + b'"}]}'
     for answer in (http_answer("application/json; charset=utf-8", body),
