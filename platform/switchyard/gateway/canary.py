@@ -179,7 +179,7 @@ class CanaryFollower:
         if live is None:
             return None
         shadow_ask = Ask(ask.kind, ask.body, ask.features, ask.caller, ask.gateway_region, ask.strategy,
-                         ask.flow_control, live.counters, live.renderers)
+                         ask.flow_control, live.counters, live.renderers, ask.canonical)
         return run_idle(Decision(live.snapshot, shadow_ask), Looking(self._fleet))
 
     # --- counting ----------------------------------------------------------------------------------
