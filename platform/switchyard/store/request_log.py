@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
@@ -87,14 +87,24 @@ class Loggable(Protocol):
     :data:`_ATTRIBUTES`, ``ttft_s`` and ``duration_s``, ``at`` (epoch seconds) and the detail's."""
 
     outcome: str | None
-    at: float
-    ttft_s: float | None
-    duration_s: float | None
-    moved_on: list[str]
-    trace: Sequence[object]
-    resumes: int
-    hedges: int
-    shadow: dict[str, list[str | None]] | None
+
+    @property
+    def at(self) -> float: ...
+
+    @property
+    def moved_on(self) -> Sequence[str]: ...
+
+    @property
+    def trace(self) -> Sequence[object]: ...
+
+    @property
+    def resumes(self) -> int: ...
+
+    @property
+    def hedges(self) -> int: ...
+
+    @property
+    def shadow(self) -> Mapping[str, Sequence[str | None]] | None: ...
 
     def as_dict(self) -> dict[str, Any]: ...
 
