@@ -60,7 +60,7 @@ WRITE_ROWS = 64
 #: The periodic flush's pause between its chunks: about a half-millisecond chunk in every 2.5 ms, so the loop runs
 #: at least four fifths of the time while the request log is written (a second's 1,300 rows take about 0.2 s).
 FLUSH_PAUSE_S = 0.002
-#: The columns copied from a request record's ``as_dict()`` as they are.
+#: The columns of a row that hold a request record's values as they are (its ``as_dict()`` names them so too).
 COLUMNS = ("request_id", "kind", "tenant", "tenant_id", "key_id", "tier", "model", "resolved_model", "served_model",
            "pool", "region", "endpoint", "status", "outcome", "error_code", "stream", "priority", "queue_ms",
            "attempts", "ttft_ms", "duration_ms", "prompt_tokens", "completion_tokens", "cached_tokens", "max_tokens",
@@ -105,8 +105,6 @@ class Loggable(Protocol):
 
     @property
     def shadow(self) -> Mapping[str, Sequence[str | None]] | None: ...
-
-    def as_dict(self) -> dict[str, Any]: ...
 
 
 def replica_name() -> str:
