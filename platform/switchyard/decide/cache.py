@@ -189,7 +189,7 @@ def canonical_request(kind: RequestKind, model: str, body: Mapping[str, Any]) ->
     ``model`` is the resolved model (``body["model"]`` is not read). See the module docstring for
     what is equal and what is not.
     """
-    return _encode(_document(kind, model, body))
+    return CanonicalRequest(kind, body).encode(model)
 
 
 def request_digest(kind: RequestKind, body: Mapping[str, Any]) -> str:

@@ -64,13 +64,8 @@ class MemoryLimitStore:
         current = [self._refilled(c.bucket, at) for c in merged]
         if not all(fits(c, level) for c, (level, _) in zip(merged, current, strict=True)):
             return admission(merged, [level for level, _ in current], None)
-        buckets = self._buckets
         for charge, (level, since) in zip(merged, current, strict=True):
-            held = buckets.get(charge.bucket.key)
-            if held is None:
-                buckets[charge.bucket.key] = _Level(charge.bucket, level - charge.amount, since)
-            else:  # (changed in place: a request's reservation is the hot path)
-                held.bucket, held.level, held.since = charge.bucket, level - charge.amount, since
+            self._set(charge.bucket, level - charge.amount, since)
         reservation = new_reservation_id()
         self._reservations[reservation] = _Reservation(at + ttl_s, tuple(merged))
         heapq.heappush(self._expiries, (at + ttl_s, reservation))
@@ -90,15 +85,10 @@ class MemoryLimitStore:
             heapq.heapify(self._expiries)
         if held.expires_at <= at:
             return False
-        buckets = self._buckets
         for charge in held.charges:
             level, since = self._refilled(charge.bucket, at)
-            level = settled(charge.bucket, level, charge.amount, actual.get(charge.bucket.key, charge.amount))
-            kept = buckets.get(charge.bucket.key)
-            if kept is None:
-                buckets[charge.bucket.key] = _Level(charge.bucket, level, since)
-            else:
-                kept.bucket, kept.level, kept.since = charge.bucket, level, since
+            used = actual.get(charge.bucket.key, charge.amount)
+            self._set(charge.bucket, settled(charge.bucket, level, charge.amount, used), since)
         return True
 
     async def sweep(self, now: float | None = None) -> int:
@@ -118,6 +108,15 @@ class MemoryLimitStore:
 
     async def aclose(self) -> None:
         """Nothing to release: the buckets live and die with the process."""
+
+    def _set(self, bucket: Bucket, level: float, since: float) -> None:
+        """``bucket`` holds ``level`` as of ``since`` (its level object changed in place: every request's
+        reservation and settlement pass here)."""
+        held = self._buckets.get(bucket.key)
+        if held is None:
+            self._buckets[bucket.key] = _Level(bucket, level, since)
+        else:
+            held.bucket, held.level, held.since = bucket, level, since
 
     def _refilled(self, bucket: Bucket, now: float) -> tuple[float, float]:
         held = self._buckets.get(bucket.key)
