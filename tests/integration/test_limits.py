@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
 from switchyard.decide.tokens import TokenCounter
@@ -322,11 +323,14 @@ def test_a_slow_but_steady_body_is_served(gw: Gateway) -> None:
 
 # --- abandoned streams -----------------------------------------------------------------------------
 
-def test_an_abandoned_stream_aborts_the_engine_request_and_releases_its_reservation(gw: Gateway) -> None:
+def test_an_abandoned_stream_aborts_the_engine_request_and_releases_its_reservation(gw: Gateway,
+                                                                                    engines: Engines) -> None:
     """Free tier: 6000 tokens a minute. A stream reserving about 4000 is left after a few chunks; a request
     reserving 3000 is then admitted at once, which it could not be while the first one's reservation held."""
     key = gw.keys["free"]
     hi = [{"role": "user", "content": "Tell me everything."}]
+    small = [f"http://127.0.0.1:{port}" for pool in ("small-us", "small-eu") for port in engines.ports[pool]]
+    produced = generated(small)
     with httpx.stream("POST", f"{gw.base_url}/v1/chat/completions", timeout=30,
                       headers={"Authorization": f"Bearer {key}"},
                       json={"model": "small", "messages": hi, "max_tokens": 4000, "stream": True,
@@ -344,6 +348,10 @@ def test_an_abandoned_stream_aborts_the_engine_request_and_releases_its_reservat
     while json.loads(httpx.get(f"{endpoint}/sim/state").text)["aborted"] == aborted:
         assert time.monotonic() < deadline, "the engine must see the client leave"
         time.sleep(0.05)
+    # What the engine produced before it saw the client leave (more, the later it saw it; the gateway charges
+    # the tokens that reached it, at most these).
+    produced = generated(small) - produced
+    assert produced < 4000, "the engine stops generating when the client leaves"
     # Without the release, 3000 more would need ~1000 tokens refilled: 10 s at 100 a second.
     status, headers, body = 0, dict[str, str](), None
     while time.monotonic() < left_at + 3:
@@ -353,8 +361,18 @@ def test_an_abandoned_stream_aborts_the_engine_request_and_releases_its_reservat
             break
         time.sleep(0.1)
     assert status == 200, body
-    charged = FREE_TOKENS_PER_MINUTE - int(headers["x-ratelimit-remaining-tokens"]) - (reserved - 4000) - 3000
-    assert charged < 1000, "the abandoned stream is charged what it used, not what it reserved"
+    prompt = reserved - 4000
+    # What the abandoned stream was charged, less what the bucket refilled since (100 tokens a second).
+    charged = FREE_TOKENS_PER_MINUTE - int(headers["x-ratelimit-remaining-tokens"]) - prompt - 3000
+    assert charged <= prompt + produced, "the abandoned stream is charged what it used, not what it reserved"
+
+
+def generated(endpoints: list[str]) -> float:
+    """The tokens ``endpoints``' engines have generated so far (``vllm:generation_tokens_total``, aborted requests'
+    too)."""
+    return sum(sample.value for endpoint in endpoints
+               for family in text_string_to_metric_families(httpx.get(f"{endpoint}/metrics").text)
+               for sample in family.samples if sample.name == "vllm:generation_tokens_total")
 
 
 # --- batch uploads ---------------------------------------------------------------------------------
