@@ -21,9 +21,17 @@ import psycopg
 import pytest
 
 from switchyard.kvcache.config import KVEventsConfig
+from switchyard.store.admin_users import use_hash_profile
 from tests import realvllm
 from tests.helpers import free_port
 from tests.realvllm import VllmServer
+
+# Console passwords are hashed with argon2-cffi's cheapest parameters throughout the suite (the settings'
+# password_hash_profile), here and in every gateway and command the tests start: a hash at the default ones costs
+# about 0.1 s of CPU, and the suite makes and logs in hundreds of users (with the default, the console and admin
+# tests took 319 CPU seconds against 167). test_console_auth checks the default profile and a change of profile.
+os.environ.setdefault("SWITCHYARD_PASSWORD_HASH_PROFILE", "cheapest")
+use_hash_profile(os.environ["SWITCHYARD_PASSWORD_HASH_PROFILE"])
 
 # The PostgreSQL server these machines run (trust auth). A test that needs it fails, loudly,
 # when it does not answer: CI must never pass by skipping the real database.

@@ -137,6 +137,12 @@ class Settings(BaseSettings):
         "a random secret is made once and kept in <data_dir>/console-secret.",
     )
     console_session_ttl_s: float = Field(default=12 * 3600, gt=0, description="How long a console login lasts.")
+    password_hash_profile: Literal["rfc9106-low-memory", "rfc9106-high-memory", "cheapest"] = Field(
+        default="rfc9106-low-memory", description="The argon2id parameters console passwords are hashed with: "
+        "RFC 9106's low-memory profile (64 MiB, 3 passes, about 0.1 s a hash), its high-memory one (2 GiB, 1 pass), "
+        "or argon2-cffi's cheapest (for test suites only). A login with a password hashed under other parameters "
+        "stores it again under these.",
+    )
     console_secure_cookies: bool | None = Field(
         default=None, description="Mark console cookies Secure. Unset: when the request came over https "
         "(directly or as X-Forwarded-Proto from a proxy that terminates TLS).",

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from sqlmodel import select
 
 from switchyard.policy import compile_policy
 from switchyard.store import db
+from switchyard.store.models import AdminUser
 from tests.integration.conftest import SWITCHYARD
 from tests.unit.policy.base import base, to_yaml
 
@@ -155,3 +157,16 @@ def test_console_users_from_the_command_line(tmp_path: Path, database_url: str) 
     (listed,) = admin("users").stdout.splitlines()
     assert listed.split()[:3] == ["alice", "admin", "disabled"]
     assert "a long passphrase" not in made.stdout + made.stderr
+    # The command hashes with the settings' profile: the suite's cheapest, or the default when told.
+    env["SWITCHYARD_PASSWORD_HASH_PROFILE"] = "rfc9106-low-memory"
+    assert admin("create-user", "carol", "--password-stdin", password="a long passphrase\n").returncode == 0
+    engine = db.create_db_engine(database_url)
+    try:
+        with db.session_scope(engine) as session:
+            hashes = dict(session.exec(select(AdminUser.username, AdminUser.password_hash)).all())
+    finally:
+        engine.dispose()
+    assert "$m=8,t=1,p=1$" in hashes["alice"] and "$m=65536,t=3,p=4$" in hashes["carol"]
+    env["SWITCHYARD_PASSWORD_HASH_PROFILE"] = "bcrypt"
+    wrong = admin("create-user", "dave", "--password-stdin", password="a long passphrase\n")
+    assert wrong.returncode == 1 and "password_hash_profile" in wrong.stderr, wrong.stderr

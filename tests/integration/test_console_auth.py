@@ -4,17 +4,30 @@ when a user is disabled."""
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 from litestar.routes import HTTPRoute
 from litestar.testing import TestClient
+from sqlmodel import Session, select
 
 from switchyard.admin.session import SESSION_COOKIE
+from switchyard.app import create_app
+from switchyard.settings import Settings
 from switchyard.store import db
-from switchyard.store.admin_users import disable_user, list_users, verify_password
+from switchyard.store.admin_users import (
+    DEFAULT_HASH_PROFILE,
+    create_user,
+    disable_user,
+    list_users,
+    use_hash_profile,
+    verify_password,
+)
 from switchyard.store.audit import list_events
+from switchyard.store.models import AdminUser
 from tests.integration.conftest import (
     ADMIN_AUTH,
     CONSOLE_PASSWORD,
@@ -22,6 +35,7 @@ from tests.integration.conftest import (
     console_login,
     csrf_headers,
 )
+from tests.unit.policy.base import base, to_yaml
 
 #: Reachable without logging in: the login form itself.
 PUBLIC = {("GET", "/admin/login"), ("POST", "/admin/login")}
@@ -160,6 +174,41 @@ def test_passwords_are_stored_as_argon2id_hashes_only(admin_client: TestClient[A
         assert user is not None and user.password_hash.startswith("$argon2id$")
         assert CONSOLE_PASSWORD not in user.password_hash
         assert verify_password(session, "ada", CONSOLE_PASSWORD + "x") is None
+
+
+def test_passwords_are_hashed_with_the_settings_profile_and_rehashed_when_it_changes(tmp_path: Path,
+                                                                                      database_url: str) -> None:
+    """The default profile is RFC 9106's low-memory one (64 MiB, 3 passes, 4 lanes); a login with a password
+    hashed under another profile stores it again under the current one, and still refuses a wrong password."""
+    assert Settings.model_fields["password_hash_profile"].default == DEFAULT_HASH_PROFILE == "rfc9106-low-memory"
+    policy = tmp_path / "policies.yaml"
+    policy.write_text(to_yaml(base()))
+    suite = os.environ["SWITCHYARD_PASSWORD_HASH_PROFILE"]
+    try:
+        settings = Settings(data_dir=tmp_path, database_url=database_url, policy_file=policy,
+                            password_hash_profile="rfc9106-low-memory")
+        with TestClient(app=create_app(settings)) as client:  # the app applies its settings' profile
+            engine = client.app.state.runtime.engine
+            with db.session_scope(engine) as session:
+                create_user(session, "ada", CONSOLE_PASSWORD, "admin", actor="test", origin="test")
+            with db.session_scope(engine) as session:
+                assert "$m=65536,t=3,p=4$" in _hash_of(session, "ada")
+            use_hash_profile("cheapest")
+            with db.session_scope(engine) as session:
+                assert verify_password(session, "ada", CONSOLE_PASSWORD + "x") is None
+                assert "$m=65536,t=3,p=4$" in _hash_of(session, "ada")  # a refused login changes nothing
+                assert verify_password(session, "ada", CONSOLE_PASSWORD) is not None
+            with db.session_scope(engine) as session:
+                assert "$m=8,t=1,p=1$" in _hash_of(session, "ada")
+                assert verify_password(session, "ada", CONSOLE_PASSWORD) is not None
+                assert verify_password(session, "nobody", CONSOLE_PASSWORD) is None
+    finally:
+        use_hash_profile(suite)
+
+
+def _hash_of(session: Session, username: str) -> str:
+    user = session.exec(select(AdminUser).where(AdminUser.username == username)).one()
+    return user.password_hash
 
 
 #: Console POSTs a viewer may make: they change nothing (the CSRF token is still checked).

@@ -39,7 +39,14 @@ from switchyard.admin.session import (
     security_headers,
 )
 from switchyard.settings import Settings
-from switchyard.store.admin_users import SignInRefused, close_session, open_session, sso_user, verify_password
+from switchyard.store.admin_users import (
+    SignInRefused,
+    close_session,
+    open_session,
+    sso_user,
+    use_hash_profile,
+    verify_password,
+)
 from switchyard.store.audit import append_event
 from switchyard.store.db import session_scope
 
@@ -213,8 +220,9 @@ async def logout(request: Request[Any, Any, Any], db: NamedDependency[Engine]) -
 
 def login_router(dependencies: AdminDependencies) -> Router:
     """The login form's routes (outside the console's guard), given ``dependencies`` and this app's login
-    throttle (failed logins are counted per process)."""
+    throttle (failed logins are counted per process). This process hashes passwords with the settings' profile."""
     settings = dependencies.settings
+    use_hash_profile(settings.password_hash_profile)
     throttle = LoginThrottle(settings.console_login_attempts, settings.console_login_window_s)
     handlers: list[Any] = [login_form, login]
     providers = {**dependencies.providers(),

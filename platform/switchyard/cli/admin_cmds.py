@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from switchyard.cli.context import cli_author, cli_origin
+from switchyard.cli.context import cli_author, cli_context, cli_origin
 from switchyard.cli.database import open_session
 
 #: The console's roles, weakest first: ``switchyard.store.admin_users.ROLES``, repeated here so that parsing the
@@ -19,6 +19,13 @@ def _password(from_stdin: bool) -> str:
         return sys.stdin.readline().rstrip("\r\n")
     value: str = click.prompt("Password", hide_input=True, confirmation_prompt=True)
     return value
+
+
+def _hash_as_configured() -> None:
+    """Hash passwords with the settings' profile (``SWITCHYARD_PASSWORD_HASH_PROFILE``)."""
+    from switchyard.store.admin_users import use_hash_profile
+
+    use_hash_profile(cli_context().settings().password_hash_profile)
 
 
 @click.group()
@@ -37,6 +44,7 @@ def create_user_cmd(username: str, role: str, password_stdin: bool, author: str 
     """Add a console user. The password is asked twice (or read from stdin) and stored only as a hash."""
     from switchyard.store.admin_users import create_user
 
+    _hash_as_configured()
     password = _password(password_stdin)
     with open_session() as session:
         user = create_user(session, username, password, role, actor=cli_author(author), origin=cli_origin())
@@ -77,6 +85,7 @@ def set_password_cmd(username: str, password_stdin: bool, author: str | None) ->
     """Set a new password; the user's sessions end."""
     from switchyard.store.admin_users import set_password
 
+    _hash_as_configured()
     password = _password(password_stdin)
     with open_session() as session:
         set_password(session, username, password, actor=cli_author(author), origin=cli_origin())

@@ -141,8 +141,9 @@ def _demo_key(settings: Settings, snapshot: PolicySnapshot) -> tuple[str, str]:
 def _demo_console_user(settings: Settings) -> str:
     """A console admin for the demo (made with a random password the first time), as a banner line."""
     from switchyard.store import db as store_db
-    from switchyard.store.admin_users import create_user, list_users
+    from switchyard.store.admin_users import create_user, list_users, use_hash_profile
 
+    use_hash_profile(settings.password_hash_profile)
     engine = store_db.create_db_engine(settings.resolved_database_url)
     try:
         with store_db.session_scope(engine) as session:

@@ -1,9 +1,11 @@
 """Console users and their login sessions.
 
-Passwords are hashed with argon2id (``argon2-cffi``'s defaults, RFC 9106's low-memory profile) and
-never stored or logged otherwise. A session is a random 256-bit token in an HttpOnly cookie; the
-database keeps only its sha256 (like API keys: a random token needs no slow hash), so sessions work
-on every gateway replica and a logout or a disabled user ends them everywhere at the next request.
+Passwords are hashed with argon2id and never stored or logged otherwise: by default with ``argon2-cffi``'s
+defaults (RFC 9106's low-memory profile: 64 MiB, 3 passes, about 0.1 s), or another of :data:`HASH_PROFILES`
+(``SWITCHYARD_PASSWORD_HASH_PROFILE``, applied by :func:`use_hash_profile`); a login with a password hashed
+under other parameters stores it again under the current ones. A session is a random 256-bit token in an
+HttpOnly cookie; the database keeps only its sha256 (like API keys: a random token needs no slow hash), so
+sessions work on every gateway replica and a logout or a disabled user ends them everywhere at the next request.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal, get_args
 
-from argon2 import PasswordHasher
+from argon2 import Parameters, PasswordHasher, profiles
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
 from sqlmodel import Session, col, delete, select
 
@@ -31,7 +33,24 @@ RANK: dict[str, int] = {role: rank for rank, role in enumerate(ROLES)}
 USERNAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$"
 MIN_PASSWORD_LENGTH = 12
 
-_hasher = PasswordHasher()
+#: The argon2id parameters a process may hash passwords with, by name: RFC 9106's two recommendations, and
+#: argon2-cffi's cheapest (8 KiB, one pass: made for test suites, which log in hundreds of times; never for a
+#: console anyone can reach).
+HASH_PROFILES: dict[str, Parameters] = {"rfc9106-low-memory": profiles.RFC_9106_LOW_MEMORY,
+                                        "rfc9106-high-memory": profiles.RFC_9106_HIGH_MEMORY,
+                                        "cheapest": profiles.CHEAPEST}
+DEFAULT_HASH_PROFILE = "rfc9106-low-memory"
+
+_profile = DEFAULT_HASH_PROFILE
+_hasher = PasswordHasher.from_parameters(HASH_PROFILES[_profile])
+
+
+def use_hash_profile(name: str) -> None:
+    """Hash this process's new and rehashed passwords with the parameters of profile ``name``."""
+    global _hasher, _profile
+    if name != _profile:
+        _hasher, _profile = PasswordHasher.from_parameters(HASH_PROFILES[name]), name
+        _dummy_hash.cache_clear()  # an unknown name is checked at the same cost as a known one
 
 
 @functools.cache
@@ -142,7 +161,7 @@ def verify_password(session: Session, username: str, password: str) -> AdminUser
         return None
     if user is None or user.disabled_at is not None:
         return None
-    if _hasher.check_needs_rehash(user.password_hash):  # the library's parameters moved on
+    if _hasher.check_needs_rehash(user.password_hash):  # the parameters moved on (the library's, or the profile)
         user.password_hash = _hasher.hash(password)
         session.add(user)
     return user
