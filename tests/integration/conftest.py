@@ -264,7 +264,13 @@ def endpoints(gw: Gateway) -> dict[str, dict[str, object]]:
 
 def gateway_counter(gw: Gateway, name: str, **labels: str) -> float:
     """The sum of a gateway's ``name`` samples whose labels include ``labels``."""
-    with urllib.request.urlopen(gw.base_url + "/metrics", timeout=5) as r:
+    return metric_sum(gw.base_url, name, **labels)
+
+
+def metric_sum(base_url: str, name: str, **labels: str) -> float:
+    """The sum of the ``name`` samples whose labels include ``labels`` in ``base_url``'s ``/metrics`` (a gateway's
+    or an engine's)."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=5) as r:
         text = r.read().decode()
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))

@@ -21,11 +21,18 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
 from switchyard.decide.tokens import TokenCounter
-from tests.integration.conftest import Engines, Gateway, gateway_counter, http_json, start_gateway, stop
+from tests.integration.conftest import (
+    Engines,
+    Gateway,
+    gateway_counter,
+    http_json,
+    metric_sum,
+    start_gateway,
+    stop,
+)
 from tests.unit.decide.test_tokens import make_tokenizer
 
 HEADER_TIMEOUT_S = 2.0
@@ -370,9 +377,7 @@ def test_an_abandoned_stream_aborts_the_engine_request_and_releases_its_reservat
 def generated(endpoints: list[str]) -> float:
     """The tokens ``endpoints``' engines have generated so far (``vllm:generation_tokens_total``, aborted requests'
     too)."""
-    return sum(sample.value for endpoint in endpoints
-               for family in text_string_to_metric_families(httpx.get(f"{endpoint}/metrics").text)
-               for sample in family.samples if sample.name == "vllm:generation_tokens_total")
+    return sum(metric_sum(endpoint, "vllm:generation_tokens_total") for endpoint in endpoints)
 
 
 # --- batch uploads ---------------------------------------------------------------------------------
