@@ -126,7 +126,9 @@ class Settings(BaseSettings):
     batch_worker: bool = Field(
         default=True, description="Run a batch worker in this process (see also `switchyard worker`).",
     )
-    batch_concurrency: int = Field(default=32, gt=0, description="Batch lines one worker keeps in flight.")
+    batch_concurrency: int | None = Field(
+        default=None, gt=0, description="Batch lines one worker keeps in flight. Unset: enough to fill every pool's "
+        "sequence slots and its batch waiting room, from the policy in force (at most 1,024).")
     batch_lease_s: float = Field(
         default=60.0, gt=0, description="How long a claimed batch line stays a worker's without being renewed "
         "(a crashed worker's lines are claimed again after this).",

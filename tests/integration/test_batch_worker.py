@@ -132,9 +132,12 @@ def test_batch_lines_are_charged_at_the_batch_price(batch_gateway: Gateway, tmp_
                                                                                            expected)
 
 
+CANCELLED_LINES = 2000  # (the worker fills every pool's slots: 400 lines had all run before the cancel landed)
+
+
 def test_cancel_stops_dispatching_and_finalises_what_ran(batch_gateway: Gateway) -> None:
     client = _sdk(batch_gateway, batch_gateway.keys["pro"])
-    lines = [_chat_line(i) for i in range(400)]
+    lines = [_chat_line(i) for i in range(CANCELLED_LINES)]
     uploaded = client.files.create(file=("c.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                   completion_window="24h")
@@ -144,11 +147,11 @@ def test_cancel_stops_dispatching_and_finalises_what_ran(batch_gateway: Gateway)
     done = wait_done(client, batch.id, timeout=60)
     assert done.status == "cancelled" and done.cancelled_at, done
     ran = done.request_counts.completed
-    assert 10 <= ran < 400 and done.request_counts.failed == 0, done.request_counts
+    assert 10 <= ran < CANCELLED_LINES and done.request_counts.failed == 0, done.request_counts
     out, errors = batch_results(client, done.output_file_id), batch_results(client, done.error_file_id)
     assert len(out) == ran and all(r["response"]["status_code"] == 200 for r in out)
     assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
-    assert sorted(r["custom_id"] for r in out + errors) == sorted(f"req-{i}" for i in range(400))  # each once
+    assert sorted(r["custom_id"] for r in out + errors) == sorted(f"req-{i}" for i in range(CANCELLED_LINES))  # once
     after = client.batches.retrieve(batch.id).request_counts.completed
     assert after == ran  # nothing ran after it was cancelled
 

@@ -14,9 +14,14 @@ few at a time (halved at each refusal, one more for each line served) — so a b
 tenant's budget instead of retried into it. It fails on a limit only when it can never
 fit: alone larger than the limit, or room only after the job's completion window. Nor is a line
 whose model's batch lane already has as many lines waiting as its pools have sequence slots
-(``batch_lane_full``): it goes back without spending a try, due when the lane is likely to have room,
-and the worker pauses its claims a moment; otherwise the worker's room would fill with lines waiting
-for the slowest model while the other models' pools stood idle.
+(``batch_lane_full``): it goes back without spending a try, due when the lane is likely to have room;
+otherwise the worker's room would fill with lines waiting for the slowest model while the other models'
+pools stood idle. The worker claims no more lines than the lanes have room for
+(``FlowController.batch_room``), none while every lane is full, and claims again as soon as a line leaves
+a lane's queue: lines are handed back only when they go to a full lane while another has room. (It used
+to claim all its free room at once, hand back what the lanes refused and pause a quarter of a second: in
+the headline bench the small model's fast lines drained its lane during each pause, and its pools had no
+batch line waiting a third to half of the time before the peak.)
 
 A line runs as the key that made its job, as that key is *now*: the worker caches identities by key
 id only while the process's key cache hears of no key change (``KeyAuthenticator.changes``: PostgreSQL
@@ -39,7 +44,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 from litestar import Response
@@ -48,6 +53,7 @@ from sqlmodel import Session
 
 from switchyard.api.errors import ApiError, RateLimited
 from switchyard.api.headers import PRIORITY_HEADER
+from switchyard.decide.flow import batch_lines_in_flight
 from switchyard.gateway.request import Incoming, Kind, never
 from switchyard.gateway.runtime import GatewayRuntime
 from switchyard.policy import PolicySnapshot
@@ -72,9 +78,19 @@ IDENTITY_TTL_S = 5.0
 _LOOKUP_TRIES = 3
 #: The refusal of a line whose model's batch lane already has as many lines waiting as its pools have slots.
 LANE_FULL = "batch_lane_full"
-#: After such a refusal the worker claims nothing for this long (the lines it claims next are likely the
-#: same model's: a pause keeps it from handing lines back as fast as it can claim them).
-LANE_FULL_PAUSE_S = 0.25
+
+
+class BatchLanes(Protocol):
+    """The batch lanes of the request path the worker sends its lines through (the process's
+    :class:`~switchyard.gateway.flow.FlowController`)."""
+
+    def batch_room(self, snapshot: PolicySnapshot) -> int:
+        """How many batch lines the lanes take now, whichever models they go to."""
+        ...
+
+    def on_batch_room(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` whenever a lane has room again."""
+        ...
 
 
 def backoff_s(attempts: int, base_s: float = 2.0) -> float:
@@ -131,12 +147,16 @@ class BatchWorker:
     """Claims lines while it has room, runs each through ``serve``, records results, finalizes jobs."""
 
     def __init__(self, engine: Engine, serve: Serve, policy: Callable[[], PolicySnapshot], *,
-                 concurrency: int, lease_s: float, max_attempts: int, poll_s: float = 1.0,
-                 owner: str | None = None, key_changes: Callable[[], int | None] | None = None) -> None:
+                 concurrency: int | None, lease_s: float, max_attempts: int, poll_s: float = 1.0,
+                 owner: str | None = None, key_changes: Callable[[], int | None] | None = None,
+                 lanes: BatchLanes | None = None) -> None:
         self.engine = engine
         self.serve = serve
         self.policy = policy
-        self.concurrency = concurrency
+        #: Lines kept in flight (None: :func:`~switchyard.decide.flow.batch_lines_in_flight` of the policy in force).
+        self.fixed_concurrency = concurrency
+        #: The lanes that say how many lines to claim (None: as many as the worker has room for).
+        self.lanes = lanes
         self.lease_s = lease_s
         self.max_attempts = max_attempts
         self.poll_s = poll_s
@@ -150,13 +170,25 @@ class BatchWorker:
         #: Tenants whose limits had no room (their lines are paced), and the tenant of each running line.
         self._paced: dict[int, _Pace] = {}
         self._tenant_of: dict[int, int] = {}
-        #: No claims before this (monotonic): a line just came back from a full batch lane.
-        self._paused_until = 0.0
-        #: Set when a line ends: the loop claims again at once.
-        self._line_done = asyncio.Event()
+        #: Set when a line ends or a batch lane has room again: the loop claims again at once.
+        self._wake = asyncio.Event()
+        if lanes is not None:
+            lanes.on_batch_room(self._wake.set)
         #: Lines a full batch lane refused, still leased here, to be handed back in the loop's next round (row, delay
         #: before its next try, the refusal, when: monotonic): one write for all of them, not one each.
         self._lane_returns: list[tuple[int, float, dict[str, Any], float]] = []
+
+    @property
+    def concurrency(self) -> int:
+        """Lines kept in flight now: the setting, or enough for the policy's pools (it follows reloads)."""
+        return self.fixed_concurrency or batch_lines_in_flight(self.policy())
+
+    def _claimable(self) -> int:
+        """How many lines to claim now: the worker's free room, at most what the batch lanes take."""
+        free = self.concurrency - len(self._running)
+        if self.lanes is not None and free > 0:
+            free = min(free, self.lanes.batch_room(self.policy()))
+        return free
 
     async def _db(self, work: Callable[[Session], T]) -> T:
         return await in_transaction(self.engine, work)
@@ -168,7 +200,7 @@ class BatchWorker:
             now = time.time()
             try:
                 await self._put_back(now)
-                free = self.concurrency - len(self._running) if time.monotonic() >= self._paused_until else 0
+                free = self._claimable()
                 claimed = (await self._db(functools.partial(_claim, owner=self.owner, limit=free, lease_s=self.lease_s,
                                                             now=now, paced=self._room(now))) if free > 0 else [])
                 for line in claimed:
@@ -207,15 +239,12 @@ class BatchWorker:
                 raise
 
     async def _until_room(self, delay_s: float) -> None:
-        """Wait ``delay_s`` seconds (until a pause ends, at most), or less when a line ends: a full worker claims
+        """Wait ``delay_s`` seconds, or less when a line ends or a batch lane has room again: a full worker claims
         again as soon as one of its lines is done, not at its next poll (a worker of 4 whose lines took 100 ms
-        ran 4 a second)."""
-        paused = self._paused_until - time.monotonic()
-        if paused > 0:
-            delay_s = min(delay_s, paused)
+        ran 4 a second), and a worker held back by full lanes as soon as one of them has room."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._line_done.wait(), delay_s)
-        self._line_done.clear()
+            await asyncio.wait_for(self._wake.wait(), delay_s)
+        self._wake.clear()
 
     def _running_of(self, tenant: int) -> int:
         return sum(1 for row in self._running if self._tenant_of.get(row) == tenant)
@@ -240,7 +269,7 @@ class BatchWorker:
     def _done(self, row: int, task: asyncio.Task[None]) -> None:
         self._running.pop(row, None)
         self._tenant_of.pop(row, None)
-        self._line_done.set()
+        self._wake.set()
         if not task.cancelled() and (error := task.exception()) is not None:
             # Its lease runs out and another round tries it again (the database may have been down).
             log.error("batch line %s: %s: %s", row, error.__class__.__name__, error)
@@ -344,12 +373,11 @@ class BatchWorker:
                                                          count_attempt=False))
 
     async def _lane_full(self, line: batch_queue.ClaimedRequest, error: ApiError, detail: dict[str, Any]) -> None:
-        """A line its model's batch lane had no waiting room for: it goes back to the job's queue without spending
-        a try, due when the lane is likely to have room (the refusal's ``Retry-After``), and the worker claims
-        again after a pause, so that its room goes to lines other pools can start now. The lines refused meanwhile
-        go back together at the loop's next round (while the lanes are full, one write a round instead of one a
-        refusal: each write waits for SQLite's one writer)."""
-        self._paused_until = max(self._paused_until, time.monotonic() + LANE_FULL_PAUSE_S)
+        """A line its model's batch lane had no waiting room for (another model's lane had room when it was
+        claimed, or a lane filled meanwhile): it goes back to the job's queue without spending a try, due when
+        the lane is likely to have room (the refusal's ``Retry-After``), and its place goes to the next lines
+        claimed. The lines refused meanwhile go back together at the loop's next round (one write a round
+        instead of one a refusal: each write waits for SQLite's one writer)."""
         self._lane_returns.append((line.id, _retry_after_s(error.headers), detail, time.monotonic()))
 
     async def _finish(self, line: batch_queue.ClaimedRequest, status: int, body: dict[str, Any] | None,
@@ -371,9 +399,11 @@ def worker_lifespan(runtime: GatewayRuntime, serve: Serve) -> Callable[[Any], Ab
             return
         worker = BatchWorker(runtime.engine, serve, lambda: runtime.policy.snapshot,
                              concurrency=settings.batch_concurrency, lease_s=settings.batch_lease_s,
-                             max_attempts=settings.batch_max_attempts, key_changes=runtime.auth.changes)
+                             max_attempts=settings.batch_max_attempts, key_changes=runtime.auth.changes,
+                             lanes=runtime.flow)
         task = asyncio.create_task(worker.run(), name="switchyard-batch")
-        log.info("batch worker %s running (%d lines at a time)", worker.owner, worker.concurrency)
+        log.info("batch worker %s running (%d lines at a time%s)", worker.owner, worker.concurrency,
+                 "" if settings.batch_concurrency else ", from the policy's pools")
         try:
             yield
         finally:

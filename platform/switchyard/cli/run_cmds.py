@@ -92,7 +92,8 @@ def worker_app() -> Litestar:
 
 @click.command()
 @click.option("--concurrency", type=int, default=None,
-              help="Batch lines kept in flight [env SWITCHYARD_BATCH_CONCURRENCY; default 32].")
+              help="Batch lines kept in flight [env SWITCHYARD_BATCH_CONCURRENCY; default: every pool's "
+              "sequence slots and batch waiting room, from the policy].")
 def worker(concurrency: int | None) -> None:
     """Run a dedicated batch worker: the gateway's request path without its HTTP server.
 

@@ -21,8 +21,9 @@ A request that has been admitted is scheduled (:func:`schedule`) before it picks
    exceeds the class's deadline. The batch lane keeps at most :func:`batch_waiting_room` requests
    waiting per pool: beyond that a batch line is refused (``batch_lane_full``) and goes back to its
    job's queue, so that lines for a slow model cannot take all of the batch worker's room while
-   another model's pools stand idle. A saturated pool turns
-   over the tokens it holds once per service time (Little's law), so the wait is predicted as
+   another model's pools stand idle (the worker claims no more lines than :func:`batch_lanes_room`).
+   A saturated pool turns over the tokens it holds once per service time (Little's law), so the wait
+   is predicted as
    ``tokens served before it * mean service time / tokens in flight there``. The request leaves
    with 503 when its deadline passes, or quietly when its client disconnects.
 
@@ -65,6 +66,41 @@ def batch_waiting_room(pool: Pool) -> int:
     per endpoint, or :data:`BATCH_WAITING_PER_ENDPOINT` when it declares none). More would only wait longer,
     and hold the batch worker's room for lines that other pools could start now."""
     return (pool.max_num_seqs or BATCH_WAITING_PER_ENDPOINT) * len(pool.endpoints)
+
+
+#: The most batch lines one worker keeps in flight when its concurrency is derived from the policy.
+MAX_BATCH_LINES_IN_FLIGHT = 1024
+
+
+def batch_lines_in_flight(snapshot: PolicySnapshot) -> int:
+    """How many batch lines a worker keeps in flight when no concurrency is set: enough to fill every pool's
+    sequence slots and its batch waiting room (:func:`batch_waiting_room`; a pool that declares no
+    ``max_num_seqs`` counts :data:`BATCH_WAITING_PER_ENDPOINT` slots per endpoint), at most
+    :data:`MAX_BATCH_LINES_IN_FLIGHT`. Fewer would leave pools idle while lines for a full lane hold the
+    worker's room: a line waits in its model's lane, or runs, for as long as it holds a place."""
+    room = sum((pool.max_num_seqs or BATCH_WAITING_PER_ENDPOINT) * len(pool.endpoints) + batch_waiting_room(pool)
+               for pool in snapshot.pools.values())
+    return max(1, min(MAX_BATCH_LINES_IN_FLIGHT, room))
+
+
+def batch_lane_room(pools: Sequence[Pool], queues: Callable[[Pool], QueueView]) -> int:
+    """How many more batch lines the lane of a model with ``pools`` takes before it refuses one
+    (``batch_lane_full``): a waiting line is in every pool's queue, and a line is refused only when each pool
+    already has its :func:`batch_waiting_room` waiting (0 when there are no pools)."""
+    return max(0, max((batch_waiting_room(p) - len(queues(p).lane("batch")) for p in pools), default=0))
+
+
+def batch_lane_full(pools: Sequence[Pool], queues: Callable[[Pool], QueueView]) -> bool:
+    """Whether the batch lane has no waiting room at any of ``pools`` (a batch line for them is refused)."""
+    return batch_lane_room(pools, queues) == 0
+
+
+def batch_lanes_room(snapshot: PolicySnapshot, queues: Callable[[Pool], QueueView]) -> int:
+    """How many batch lines the batch lanes of all the models take now, whichever models they go to: the sum of
+    each model's :func:`batch_lane_room`. A batch worker claims no more lines than this (and none while it is
+    0), so that it hands back only the lines of a model whose lane is full while another's has room, and claims
+    again as soon as a lane has room, instead of claiming at its own pace and handing back the excess."""
+    return sum(batch_lane_room(pools, queues) for pools in snapshot.model_pools.values() if pools)
 
 
 #: A batch request sent to an endpoint less than this share of its usual interactive time to first byte ago
@@ -264,7 +300,7 @@ def schedule(snapshot: PolicySnapshot, model: Model, cls: ClassDecision, cost: i
     pools = (*decision.pools, *also_pools)
     predicted = predicted_wait_s([(fleet.queues(p), fleet.service(p), fleet.reserved_tokens(p))
                                   for p in pools], klass.lane, tenant, cls.rank)
-    if klass.lane == "batch" and all(len(fleet.queues(p).lane("batch")) >= batch_waiting_room(p) for p in pools):
+    if klass.lane == "batch" and batch_lane_full(pools, fleet.queues):
         return Refusal(503, "batch_lane_full",
                        f"The batch lane of model {model.name} is full: each of its pools has as many batch requests "
                        "waiting as it has sequence slots. A batch line goes back to its job's queue without "

@@ -28,11 +28,20 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from switchyard.decide.flow import Queue, Scheduled, Waited, batch_pool_utilisation, batch_view, preemption_victims
+from switchyard.decide.flow import (
+    Queue,
+    Scheduled,
+    Waited,
+    batch_lanes_room,
+    batch_pool_utilisation,
+    batch_view,
+    preemption_victims,
+)
 from switchyard.decide.refusals import Refusal
 from switchyard.engines.endpoints import EndpointRegistry, EndpointState
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.policy.fleet import Pool
+from switchyard.policy.snapshot import PolicySnapshot
 from switchyard.state.queues import EXPIRED, GRANTED, LEFT, PoolQueues, ServiceTime, Ticket
 
 #: How often pools with waiting requests are re-examined without another trigger.
@@ -94,6 +103,8 @@ class FlowController:
         self._kicked: set[str] = set()
         #: Yielders by endpoint URL, oldest first.
         self._yielders: dict[str, list[Yielder]] = {}
+        #: Called when a batch-lane request leaves a queue (its lane has room again): the batch worker's wake-up.
+        self._batch_room_listeners: list[Callable[[], None]] = []
 
     # --- load ---------------------------------------------------------------------------------
 
@@ -136,6 +147,21 @@ class FlowController:
     def queues(self, pool: Pool) -> PoolQueues:
         """The pool's queues."""
         return self._state(pool).queues
+
+    def batch_room(self, snapshot: PolicySnapshot) -> int:
+        """How many batch lines this process's batch lanes take now (:func:`~switchyard.decide.flow.batch_lanes_room`):
+        what the batch worker claims at most."""
+        return batch_lanes_room(snapshot, self.queues)
+
+    def on_batch_room(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` whenever a batch-lane request leaves a queue (granted, expired or gone): its lane has
+        room for another line."""
+        self._batch_room_listeners.append(listener)
+
+    def _batch_left(self, ticket: Ticket) -> None:
+        if ticket.lane == "batch":
+            for listener in self._batch_room_listeners:
+                listener()
 
     def service(self, pool: Pool) -> ServiceTime:
         """The pool's service time."""
@@ -181,6 +207,7 @@ class FlowController:
                 ticket.leave(LEFT)
                 self.metrics.queue_left.labels(queue.class_name).inc()
                 self._gauge(ticket)
+                self._batch_left(ticket)
         waited = time.monotonic() - now
         if ticket.state == GRANTED:
             return Waited("granted", waited, ticket.granted_by), ticket
@@ -308,6 +335,7 @@ class FlowController:
         state.queues.grant(ticket, name)
         self.metrics.queue_wait.labels(name, ticket.lane, ticket.class_name).observe(now - ticket.enqueued)
         self._gauge(ticket)
+        self._batch_left(ticket)
         waiter: _Waiter = ticket.waiter
         if not waiter.future.done():
             waiter.future.set_result(None)
@@ -322,6 +350,7 @@ class FlowController:
     def _fail_expired(self, state: _PoolState, now: float) -> None:
         for ticket in state.queues.expire(now):
             self._gauge(ticket)
+            self._batch_left(ticket)
             waiter: _Waiter = ticket.waiter
             if not waiter.future.done():
                 waiter.future.set_result(None)

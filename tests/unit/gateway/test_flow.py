@@ -744,3 +744,40 @@ async def test_the_batch_lane_keeps_as_many_lines_waiting_as_the_pool_has_slots(
     for t in waiting:
         t.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
+
+
+async def test_the_batch_lanes_room_is_what_each_models_lane_takes_before_it_refuses(
+        flow: FlowController, snapshot: PolicySnapshot) -> None:
+    """What the batch worker claims at most: the lines every model's lane still takes (a full lane of one model
+    takes none, another's takes its room), and a listener hears each batch line that leaves a queue."""
+    big_room = decide_flow.batch_waiting_room(snapshot.pools["big"])
+    spare_room = decide_flow.batch_waiting_room(snapshot.pools["spare"])
+    assert flow.batch_room(snapshot) == big_room + spare_room == 2 + 16
+    heard: list[int] = []
+    flow.on_batch_room(lambda: heard.append(1))
+    fill(flow, 1)  # big at the batch class's ceiling (0.5): its lines wait, two at most
+    big = [asyncio.create_task(schedule(flow, snapshot, "batch")) for _ in range(big_room)]
+    await asyncio.sleep(0.01)
+    assert decide_flow.batch_lane_full((snapshot.pools["big"],), flow.queues)
+    assert flow.batch_room(snapshot) == spare_room  # big's lane is full, spare's has all its room
+    flow.endpoints.acquire(SPARE, 5000)  # spare at the ceiling too
+    spare = [asyncio.create_task(schedule(flow, snapshot, "batch", model="spare")) for _ in range(spare_room)]
+    await asyncio.sleep(0.01)
+    assert flow.waiting() == big_room + spare_room and flow.batch_room(snapshot) == 0
+    assert heard == []
+    spare.pop().cancel()  # one line leaves spare's lane: room for one, and the worker is woken
+    await asyncio.sleep(0.01)
+    assert flow.batch_room(snapshot) == 1 and heard == [1]
+    finish(flow)  # big has a free slot: its first waiting line is granted
+    done = await big.pop(0)
+    assert done.model.name == "big" and flow.batch_room(snapshot) == 2 and heard == [1, 1]
+    for t in big + spare:
+        t.cancel()
+
+
+def test_a_worker_keeps_the_pools_slots_and_batch_waiting_room_in_flight(snapshot: PolicySnapshot) -> None:
+    # big: one endpoint of two slots (and room for two waiting); spare: no max_num_seqs, sixteen of each.
+    assert decide_flow.batch_lines_in_flight(snapshot) == (2 + 2) + (16 + 16)
+    doc = snapshot.document.model_dump(mode="json", exclude_none=True)
+    doc["pools"][1]["endpoints"] = [f"http://127.0.0.1:{9200 + i}" for i in range(40)]
+    assert decide_flow.batch_lines_in_flight(compile_policy(to_yaml(doc))) == decide_flow.MAX_BATCH_LINES_IN_FLIGHT

@@ -5,8 +5,8 @@ pool's ``max_num_seqs``, priority scheduling on) serves two model names: ``chat`
 traffic) and ``chat-batch`` (the batch's lines; the same pool and engines, a name of its own only so
 that the gateway's ``switchyard_tokens_total`` counts the two apart). The policy has an interactive
 class and a batch-lane class ``batch: {lane: batch}`` (the lane's default utilisation ceiling); the
-gateway's own batch worker (every ``switchyard serve`` runs one, ``SWITCHYARD_BATCH_CONCURRENCY``
-lines at a time) sends the lines in that class.
+gateway's own batch worker (every ``switchyard serve`` runs one, as many lines at a time as the pool has
+sequence slots and batch waiting room) sends the lines in that class.
 
 1. **Arms.** ``without-batch`` (the baseline: interactive load alone) and ``with-batch`` (the same
    interactive schedule while a large batch runs), one after the other, each on fresh engines and a
