@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from switchyard.bench.procs import Processes
 from switchyard.bench.results import Result
 from switchyard.bench.scenarios import SCENARIOS
 from switchyard.bench.scenarios.arms import Arm, Capacity
+from switchyard.bench.scenarios.base import BenchOptions, ScenarioContext
+from switchyard.bench.scenarios.headline.day import day
 from switchyard.bench.scenarios.headline.figures import cost_per_1k, goals_of, goodput_series, measure, tables_of
 from switchyard.bench.scenarios.headline.fleet import (
     ARMS,
+    AUTO_SMALL_BELOW,
     BASELINES,
     CLASSES,
+    CONTEXT,
     LARGE,
     MAX_NUM_SEQS,
     MODELS,
@@ -22,11 +29,14 @@ from switchyard.bench.scenarios.headline.fleet import (
     SLO_TTFT_S,
     SMALL,
     SWITCHYARD,
+    TENANTS,
     TIERS,
+    TOKEN_SCALE,
     policy,
     ports_of,
 )
-from switchyard.bench.spec import Workload
+from switchyard.bench.scenarios.headline.scenario import BACKLOG_SHARE, Headline
+from switchyard.bench.spec import RequestSpec, Workload
 from switchyard.policy import compile_policy
 from tests.unit.bench.helpers import result
 
@@ -149,3 +159,26 @@ def test_the_attainable_estimate_gives_capacity_to_the_best_class_first() -> Non
     # region is back, the 3 s of standard still waiting (15) are served too, and everything after.
     down = attainable(day({"critical": 4, "standard": 6}, 60.0), 10.0, (0.0, 30.0), 0.5)
     assert down["critical"] == 1.0 and down["standard"] == pytest.approx((30 + 15 + 180) / 360, abs=0.02)
+
+
+def test_the_backlog_lasts_the_day_for_both_models_and_mixes_them_through_the_file(tmp_path: Path) -> None:
+    """Each model gets lines for twice what its pools leave idle (the small model's lines are cheaper than the
+    day's requests: at 1.2x its pools ran out before the day's end), and the lines are shuffled: read in the
+    order chosen, the large model's count was reached first and the file's second half had none of its lines."""
+    headline = Headline(ScenarioContext(BenchOptions(out_dir=tmp_path, quick=True), tmp_path, Processes(tmp_path)))
+    headline.pool_capacity = {SMALL: 40.0, LARGE: 20.0}
+    capacity = Capacity(32, 4.0, 240, 0, 60.0, 2000.0, 0.5)
+    workload = day(60.0, 60.0, 0, tenants=TENANTS, class_of_tier=TIERS, model="auto", token_scale=TOKEN_SCALE,
+                   max_model_len=CONTEXT)
+    lines = headline.backlog_lines(capacity, workload)
+    assert [line.index for line in lines] == list(range(len(lines)))
+    assert BACKLOG_SHARE == 2.0 and min(headline.backlog_models.values()) > 0
+
+    def large_share(part: list[RequestSpec]) -> float:
+        return sum(line.prompt_tokens >= AUTO_SMALL_BELOW for line in part) / len(part)
+
+    whole = large_share(lines)
+    half = len(lines) // 2
+    assert 0.0 < whole < 1.0
+    assert large_share(lines[:half]) == pytest.approx(whole, abs=0.1)
+    assert large_share(lines[half:]) == pytest.approx(whole, abs=0.1)
