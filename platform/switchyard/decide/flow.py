@@ -78,8 +78,8 @@ def batch_lines_in_flight(snapshot: PolicySnapshot) -> int:
     ``max_num_seqs`` counts :data:`BATCH_WAITING_PER_ENDPOINT` slots per endpoint), at most
     :data:`MAX_BATCH_LINES_IN_FLIGHT`. Fewer would leave pools idle while lines for a full lane hold the
     worker's room: a line waits in its model's lane, or runs, for as long as it holds a place."""
-    room = sum((pool.max_num_seqs or BATCH_WAITING_PER_ENDPOINT) * len(pool.endpoints) + batch_waiting_room(pool)
-               for pool in snapshot.pools.values())
+    # (A pool's waiting room is as many lines as it has slots: its slots and its room are twice that.)
+    room = sum(2 * batch_waiting_room(pool) for pool in snapshot.pools.values())
     return max(1, min(MAX_BATCH_LINES_IN_FLIGHT, room))
 
 
