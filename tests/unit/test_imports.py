@@ -22,6 +22,10 @@ TOOLING = ("switchyard.sim", "switchyard.bench", "switchyard.whatif", "numpy", "
 #: What printing the command line's help must not import.
 SERVER = ("litestar", "sqlalchemy", "sqlmodel", "aiohttp", "uvicorn", "pydantic", "switchyard.gateway",
           "switchyard.store.db", "switchyard.policy", "switchyard.decide", *TOOLING)
+#: What a process loads only when its settings or a request ask for it: the Redis client (``redis_url``),
+#: PostgreSQL's driver (a ``postgresql://`` database), the OpenID Connect client (a console sign-in through the
+#: identity provider) and AES-GCM (a sealed cookie); about a quarter of the gateway's import time.
+ON_DEMAND = ("redis", "psycopg", "httpx", "jwt", "cryptography", "opentelemetry")
 #: The bench extra's libraries (``pip install 'switchyard[bench]'``).
 BENCH_EXTRA = ("matplotlib", "tqdm")
 
@@ -43,6 +47,21 @@ def test_importing_the_gateway_loads_no_tooling() -> None:
     loaded = _loaded_after("import switchyard.app")
     assert "switchyard.app" in loaded and "switchyard.gateway.proxy" in loaded
     assert _among(loaded, TOOLING) == []
+
+
+def test_importing_the_gateway_or_the_store_loads_no_backend_it_may_not_use() -> None:
+    """Redis, PostgreSQL's driver, the OpenID Connect client and AES-GCM are loaded where they are first used, not
+    by the imports of the gateway, the console or the key and tenant commands' store."""
+    loaded = _loaded_after("import switchyard.app, switchyard.store.keys, switchyard.store.tenants\n"
+                           "from switchyard.store.limits import create_limit_store\n"
+                           "from switchyard.store.cache import create_response_cache\n"
+                           "create_limit_store(None), create_response_cache(None)")
+    assert _among(loaded, ON_DEMAND) == []
+    # ... and each is there when asked for by name (the packages' lazy attributes).
+    loaded = _loaded_after("from switchyard.store.limits import RedisLimitStore\n"
+                           "from switchyard.store.cache import RedisResponseCache\n"
+                           "import switchyard\nassert switchyard.__version__")
+    assert "redis" in loaded and "importlib.metadata" in loaded
 
 
 @pytest.mark.parametrize("args", [[], *([name] for name in sorted(COMMANDS))], ids=lambda a: " ".join(["--help", *a]))

@@ -28,14 +28,15 @@ import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
-
-import httpx
-import jwt
 
 from switchyard.settings import Settings
 from switchyard.store.admin_users import RANK, ROLES
+
+if TYPE_CHECKING:  # (imported where a sign-in uses them: a console without OpenID Connect never loads them)
+    import httpx
+    import jwt
 
 #: Signature algorithms an ID token may use: asymmetric ones (a symmetric one would make the client secret
 #: a signing key, and a public client has none).
@@ -177,6 +178,8 @@ class OidcClient:
         self._keys: jwt.PyJWKSet | None = None
 
     async def _json(self, method: str, url: str, what: str, **kwargs: Any) -> Any:
+        import httpx
+
         try:  # a client per call: sign-ins are rare, and nothing is left open between them
             async with httpx.AsyncClient(timeout=TIMEOUT_S, transport=self._transport) as http:
                 answer = await http.request(method, url, **kwargs)
@@ -233,6 +236,8 @@ class OidcClient:
         auth: httpx.BasicAuth | None = None
         secret = self.settings.console_oidc_client_secret
         if secret is not None:
+            import httpx
+
             if "client_secret_basic" in provider.auth_methods:  # RFC 6749 §2.3.1: each part form-encoded
                 auth = httpx.BasicAuth(_form_encoded(self.client_id), _form_encoded(secret.get_secret_value()))
             elif "client_secret_post" in provider.auth_methods:
@@ -269,6 +274,8 @@ class OidcClient:
                         claimed=values)
 
     async def _key(self, provider: Provider, kid: str | None) -> jwt.PyJWK:
+        import jwt
+
         for fresh in (False, True):
             if self._keys is None or fresh:
                 try:
@@ -283,6 +290,8 @@ class OidcClient:
         raise SignInError(f"the ID token was signed with a key the provider does not publish (kid {kid!r})")
 
     async def _verify(self, provider: Provider, id_token: str, nonce: str) -> dict[str, Any]:
+        import jwt
+
         try:
             header = jwt.get_unverified_header(id_token)
         except jwt.PyJWTError as e:

@@ -14,18 +14,20 @@ import hashlib
 import json
 import os
 import time
-from typing import Any
-
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from typing import TYPE_CHECKING, Any
 
 from switchyard.admin.session import console_secret
 from switchyard.settings import Settings
+
+if TYPE_CHECKING:  # (imported when a value is first sealed or opened: most processes never do)
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 _NONCE = 12
 
 
 def _aead(settings: Settings, purpose: str) -> AESGCM:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
     return AESGCM(hashlib.sha256(f"switchyard/{purpose}\0".encode() + console_secret(settings).encode()).digest())
 
 
@@ -40,6 +42,8 @@ def unseal(settings: Settings, purpose: str, sealed: str | None, bound: bytes) -
     """What :func:`seal` sealed, if ``sealed`` opens for this purpose and binding and is still fresh."""
     if not sealed:
         return None
+    from cryptography.exceptions import InvalidTag
+
     try:
         raw = base64.urlsafe_b64decode(sealed.encode())
         value: dict[str, Any] = json.loads(_aead(settings, purpose).decrypt(raw[:_NONCE], raw[_NONCE:], bound))

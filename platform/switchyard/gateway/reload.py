@@ -40,10 +40,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
-import psycopg
 import watchfiles
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
@@ -63,6 +62,9 @@ from switchyard.store.db import session_scope
 from switchyard.store.key_changes import libpq_url
 from switchyard.store.models import PolicyVersion
 from switchyard.store.policy_versions import CHANNEL
+
+if TYPE_CHECKING:
+    import psycopg
 
 #: While a reload check keeps failing (the database is unreachable), how often it is logged again.
 FAILURE_LOG_INTERVAL_S = 30.0
@@ -270,6 +272,8 @@ class PolicyReloader:
                 failing_since = None
 
     async def _listen(self, url: str) -> None:
+        import psycopg  # (PostgreSQL only: a gateway on SQLite never loads it)
+
         keys = self.keys
         while True:
             try:

@@ -47,13 +47,15 @@ import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import psycopg
 from sqlalchemy import Engine, event, make_url, text
 from sqlmodel import Session
 
 from switchyard.store.db import session_scope
+
+if TYPE_CHECKING:
+    import psycopg
 
 T = TypeVar("T")
 
@@ -228,6 +230,8 @@ def changing_keys(engine: Engine, work: Callable[[Session], T], *, wait_s: float
         if targets and committed is not None:
             committed(targets)
         return result, Propagation(targets)
+    import psycopg  # (PostgreSQL only: SQLite's processes never load it)
+
     with psycopg.connect(url, autocommit=True, connect_timeout=5) as conn:
         conn.execute(f"LISTEN {CHANNEL}")
         conn.execute(f"LISTEN {ACK_CHANNEL}")

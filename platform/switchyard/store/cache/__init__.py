@@ -20,6 +20,8 @@ Lua script per change). :func:`create_response_cache` picks one from the setting
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from switchyard.store.cache.memory import MemoryResponseCache
 from switchyard.store.cache.model import (
     SIMILARITY_EPSILON,
@@ -29,7 +31,9 @@ from switchyard.store.cache.model import (
     EvictionReason,
     ResponseCache,
 )
-from switchyard.store.cache.redis_store import DEFAULT_KEY_PREFIX, RedisResponseCache
+
+if TYPE_CHECKING:
+    from switchyard.store.cache.redis_store import RedisResponseCache
 
 __all__ = [
     "DEFAULT_KEY_PREFIX",
@@ -44,6 +48,9 @@ __all__ = [
     "create_response_cache",
 ]
 
+#: Prepended to every Redis key of the cache.
+DEFAULT_KEY_PREFIX = "sy:"
+
 
 def create_response_cache(redis_url: str | None, key_prefix: str = DEFAULT_KEY_PREFIX) -> ResponseCache:
     """The in-process cache when ``redis_url`` is None, else a Redis cache on that server.
@@ -54,4 +61,16 @@ def create_response_cache(redis_url: str | None, key_prefix: str = DEFAULT_KEY_P
     """
     if redis_url is None:
         return MemoryResponseCache()
+    from switchyard.store.cache.redis_store import RedisResponseCache
+
     return RedisResponseCache(redis_url, key_prefix)
+
+
+def __getattr__(name: str) -> Any:
+    """:class:`RedisResponseCache`, imported when first asked for (it loads the Redis client: see
+    ``switchyard.store.limits``)."""
+    if name == "RedisResponseCache":
+        from switchyard.store.cache.redis_store import RedisResponseCache
+
+        return RedisResponseCache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

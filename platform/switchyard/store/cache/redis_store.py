@@ -9,7 +9,7 @@ from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, Redis
 
-from switchyard.store.cache import lua
+from switchyard.store.cache import DEFAULT_KEY_PREFIX, lua
 from switchyard.store.cache.model import (
     VECTORS_PER_CONTEXT,
     CacheEntry,
@@ -27,8 +27,6 @@ from switchyard.store.limits import (
     REDIS_POOL_TIMEOUT_S,
     REDIS_SOCKET_TIMEOUT_S,
 )
-
-DEFAULT_KEY_PREFIX = "sy:"
 
 #: Expired entries one put sweeps (of its own rule), and one script call of a full sweep or purge.
 _BATCH = 100

@@ -44,13 +44,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-
-from redis.asyncio import BlockingConnectionPool, Redis
+from typing import TYPE_CHECKING, Any
 
 from switchyard.decide.admit import LimitAnswer, LimitCharge
 from switchyard.store.limits.memory import MemoryLimitStore
 from switchyard.store.limits.model import Admission, Bucket, BucketState, Charge, LimitStore, Unit
-from switchyard.store.limits.redis_store import DEFAULT_KEY_PREFIX, RedisLimitStore
+
+if TYPE_CHECKING:
+    from switchyard.store.limits.redis_store import RedisLimitStore
 
 __all__ = [
     "DEFAULT_KEY_PREFIX",
@@ -67,6 +68,8 @@ __all__ = [
     "create_limit_store",
 ]
 
+#: Prepended to every Redis key of the limits.
+DEFAULT_KEY_PREFIX = "sy:lim:"
 #: Connections one process opens to Redis; a burst beyond them waits for one (up to the timeout)
 #: instead of failing, as redis-py's default pool would.
 REDIS_POOL_SIZE = 64
@@ -107,7 +110,21 @@ def create_limit_store(redis_url: str | None, *, key_prefix: str = DEFAULT_KEY_P
     """
     if redis_url is None:
         return MemoryLimitStore()
+    from redis.asyncio import BlockingConnectionPool, Redis
+
+    from switchyard.store.limits.redis_store import RedisLimitStore
+
     pool = BlockingConnectionPool.from_url(redis_url, max_connections=REDIS_POOL_SIZE, timeout=REDIS_POOL_TIMEOUT_S,
                                            socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
                                            socket_timeout=REDIS_SOCKET_TIMEOUT_S)
     return RedisLimitStore(Redis.from_pool(pool), key_prefix=key_prefix)
+
+
+def __getattr__(name: str) -> Any:
+    """:class:`RedisLimitStore`, imported when first asked for: it loads the Redis client, which a gateway without
+    ``redis_url`` never needs (it costs the start of every process about a tenth of a second)."""
+    if name == "RedisLimitStore":
+        from switchyard.store.limits.redis_store import RedisLimitStore
+
+        return RedisLimitStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 from redis.asyncio import Redis
 
-from switchyard.store.limits import lua
+from switchyard.store.limits import DEFAULT_KEY_PREFIX, lua
 from switchyard.store.limits.arithmetic import (
     SWEEP_BATCH,
     admission,
@@ -17,8 +17,6 @@ from switchyard.store.limits.arithmetic import (
     state,
 )
 from switchyard.store.limits.model import Admission, Bucket, BucketState, Charge
-
-DEFAULT_KEY_PREFIX = "sy:lim:"
 
 #: Most expired reservations one sweep script call forgets.
 _SWEEP_SCRIPT_BATCH = 1000
