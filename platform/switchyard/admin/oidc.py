@@ -233,13 +233,11 @@ class OidcClient:
         provider = await self.provider()
         form = {"grant_type": "authorization_code", "code": code, "redirect_uri": attempt.redirect_uri,
                 "code_verifier": attempt.verifier, "client_id": self.client_id}
-        auth: httpx.BasicAuth | None = None
+        auth: tuple[str, str] | None = None  # (httpx sends a (user, password) pair as HTTP Basic)
         secret = self.settings.console_oidc_client_secret
         if secret is not None:
-            import httpx
-
             if "client_secret_basic" in provider.auth_methods:  # RFC 6749 §2.3.1: each part form-encoded
-                auth = httpx.BasicAuth(_form_encoded(self.client_id), _form_encoded(secret.get_secret_value()))
+                auth = (_form_encoded(self.client_id), _form_encoded(secret.get_secret_value()))
             elif "client_secret_post" in provider.auth_methods:
                 form["client_secret"] = secret.get_secret_value()
             else:
