@@ -26,10 +26,13 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m deselection sees the items
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark the tests under ``tests/vllm/`` with ``vllm`` (the default run deselects them)."""
+    """Mark the tests under ``tests/vllm/`` with ``vllm`` (the default run deselects them), and run the tests
+    marked ``kills_a_server`` last: a server they kill is started again (some 30 s) only by a later test that
+    needs it, so none does after the last of them."""
     for item in items:
         if HERE in item.path.resolve().parents:
             item.add_marker(pytest.mark.vllm)
+    items.sort(key=lambda item: item.get_closest_marker("kills_a_server") is not None)
 
 
 @pytest.fixture(scope="session")

@@ -272,6 +272,7 @@ def test_a_repeated_long_prompt_stays_on_the_replica_whose_prefix_cache_hits(
     assert homes == set(urls), "two different prompts should not be herded onto one replica when both are idle"
 
 
+@pytest.mark.kills_a_server
 def test_a_replica_killed_mid_run_and_the_other_takes_over(vllm_servers: Any, gateway: Gateway) -> None:
     b = vllm_servers.b.url
     results: list[tuple[str, str]] = []
@@ -310,10 +311,10 @@ def test_a_replica_killed_mid_run_and_the_other_takes_over(vllm_servers: Any, ga
         assert after and all(ep != b for ep, _ in after), results
         assert endpoint_rows(gateway)[b]["healthy"] is False
     finally:
-        stop_load.set()
-        vllm_servers.ensure_running()
+        stop_load.set()  # b stays down: the next test that needs it starts it again
 
 
+@pytest.mark.kills_a_server
 def test_a_stream_whose_replica_is_killed_mid_answer_completes_on_the_other(vllm_servers: Any,
                                                                            gateway: Gateway) -> None:
     """SIGKILL the real server streaming an answer: the gateway continues it on the other server with vLLM's
@@ -335,17 +336,14 @@ def test_a_stream_whose_replica_is_killed_mid_answer_completes_on_the_other(vllm
         serving = route(raw)["endpoint"]
         server, other = ((vllm_servers.a, vllm_servers.b) if serving == vllm_servers.a.url else
                          (vllm_servers.b, vllm_servers.a))
-        try:
-            stream = raw.parse()
-            head: list[Any] = []
-            for chunk in stream:
-                head.append(chunk)
-                if sum(1 for c in head if c.choices and c.choices[0].delta.content) >= 3:
-                    break
-            server.kill()  # mid-answer: the connection to the gateway is cut
-            chunks = head + list(stream)
-        finally:
-            vllm_servers.ensure_running()
+        stream = raw.parse()
+        head: list[Any] = []
+        for chunk in stream:
+            head.append(chunk)
+            if sum(1 for c in head if c.choices and c.choices[0].delta.content) >= 3:
+                break
+        server.kill()  # mid-answer: the connection to the gateway is cut (it stays down: see the loop below)
+        chunks = head + list(stream)
         status, _, body = http_json("GET", f"{gateway.base_url}/admin/api/requests/{raw.headers['x-request-id']}")
         assert status == 200, body
         return server, other, chunks, body
@@ -357,6 +355,7 @@ def test_a_stream_whose_replica_is_killed_mid_answer_completes_on_the_other(vllm
         server, other, chunks, body = attempt()
         if not (body["resumes"] == 0 and body["endpoint"] == server.url and body["status"] == 200):
             break
+        vllm_servers.ensure_running()  # the killed server, back for another try
         deadline = time.monotonic() + 90
         while not all(row["healthy"] for row in endpoint_rows(gateway).values()):
             assert time.monotonic() < deadline, endpoint_rows(gateway)
