@@ -353,13 +353,15 @@ class FaultFleet:
             cli_env = {**os.environ, **GATEWAY_SETTINGS, "SWITCHYARD_DATA_DIR": str(self.folder),
                        "SWITCHYARD_DATABASE_URL": f"sqlite:///{template}",
                        "SWITCHYARD_POLICY_FILE": str(self.folder / f"{policy}.yaml")}
-            secrets = {}
             subprocess.run([SWITCHYARD, "db", "upgrade"], env=cli_env, capture_output=True, timeout=60, check=True)
-            for name, (tenant, tier) in keys.items():
-                done = subprocess.run([SWITCHYARD, "keys", "create", "--tenant", tenant, "--tier", tier],
-                                      env=cli_env, capture_output=True, text=True, timeout=60, check=True)
-                secrets[name] = done.stdout.strip()
-                SECRETS.add(secrets[name])
+            tenants = dict(keys.values())
+            assert len(tenants) == len(keys), "one key per tenant (keys create-many makes one each)"
+            done = subprocess.run([SWITCHYARD, "keys", "create-many"], env=cli_env, capture_output=True, text=True,
+                                  timeout=60, check=True, input="".join(f"{t} {tier}\n" for t, tier in tenants.items()))
+            by_tenant: dict[str, str] = json.loads(done.stdout)
+            secrets = {name: by_tenant[tenant] for name, (tenant, _) in keys.items()}
+            for secret in secrets.values():
+                SECRETS.add(secret)
             made = self._databases[wanted] = (template, secrets)
         template, secrets = made
         database = tmp_path / "gw.db"

@@ -26,7 +26,7 @@ from switchyard.bench.results import Result
 from switchyard.bench.scenarios.base import ScenarioContext
 from switchyard.bench.sender import Target, send_one
 from switchyard.bench.spec import RequestSpec, Workload
-from switchyard.bench.stack import GatewayHandle, run_cli, start_gateway, state_env, switchyard_command
+from switchyard.bench.stack import GatewayHandle, create_keys, run_cli, start_gateway, state_env, switchyard_command
 from switchyard.bench.synthetic import RequestTemplate, poisson
 from switchyard.bench.tables import ms, num, table, text
 
@@ -216,8 +216,6 @@ class FreshArms(ABC, Generic[ArmT]):
     quick_duration_s: float
     #: Seconds per arm without ``--quick`` or ``--duration``.
     duration_default_s: float = DURATION_S
-    #: Key creations run at once (each is a ``switchyard keys create`` process).
-    key_workers: int
     #: Measure every arm's capacity (a check of the first's); False: the first arm's only.
     measure_every_arm: bool = True
 
@@ -270,17 +268,13 @@ class FreshArms(ABC, Generic[ArmT]):
         stack.gateway = start_gateway(self.ctx.procs, f"{self.scenario}-gateway-{stack.name}", self.env(stack.name))
 
     def create_keys(self, stack: Stack) -> None:
-        """A key per tenant, a few ``keys create`` at a time, while the first arm's gateway starts."""
+        """A key per tenant, all in one ``keys create-many``, while the first arm's gateway starts."""
         env = self.env(stack.name)
         run_cli(["db", "upgrade"], env)
-
-        def create(tenant: str, tier: str) -> str:
-            return run_cli(["keys", "create", "--tenant", tenant, "--tier", tier, "--name", "bench"], env).strip()
-
-        with ThreadPoolExecutor(self.key_workers) as pool:
-            made = {tenant: pool.submit(create, tenant, tier) for tenant, tier in self.tenants()}
+        with ThreadPoolExecutor(1) as pool:
+            made = pool.submit(create_keys, env, self.tenants())
             self.start_gateway(stack)
-            self.keys = {tenant: future.result() for tenant, future in made.items()}
+            self.keys = made.result()
 
     def measure(self, stack: Stack) -> Capacity:
         """The pool's capacity: its engines called directly by a closed loop over every sequence slot."""

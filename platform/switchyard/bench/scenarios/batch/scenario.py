@@ -120,7 +120,6 @@ class BatchRun(FreshArms[ArmRun]):
     load_factor = LOAD
     quick_duration_s = QUICK_DURATION_S
     duration_default_s = DURATION_S
-    key_workers = 2
 
     def __init__(self, ctx: ScenarioContext) -> None:
         super().__init__(ctx)

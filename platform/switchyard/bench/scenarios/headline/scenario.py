@@ -123,7 +123,6 @@ class Headline(FreshArms[ArmRun]):
     load_factor = PEAK
     quick_duration_s = QUICK_DURATION_S
     duration_default_s = DURATION_S
-    key_workers = 3
     measure_every_arm = False  # eight engines and a gateway per arm: the first arm's capacity is the fleet's
 
     def __init__(self, ctx: ScenarioContext) -> None:

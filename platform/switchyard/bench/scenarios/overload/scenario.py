@@ -53,8 +53,6 @@ from switchyard.figures import fixed, percent
 #: Seconds per arm with ``--quick`` (``arms.DURATION_S`` without; the other timings are ``arms``'s).
 QUICK_DURATION_S = 5.0
 GOAL_CRITICAL = 0.99
-#: Key creations run at once (each is a ``switchyard keys create`` process).
-KEY_WORKERS = 3
 ENGINE_SERIES = ("vllm:num_requests_waiting", "vllm:num_requests_running")
 QUEUE_DEPTH = "switchyard_queue_depth"
 
@@ -79,7 +77,6 @@ class Overload(FreshArms[ArmRun]):
     shape = EngineShape(PROFILE, MAX_NUM_SEQS, KV_TOKENS, CONTEXT)
     load_factor = OVERLOAD
     quick_duration_s = QUICK_DURATION_S
-    key_workers = KEY_WORKERS
 
     def start_engines(self, name: str) -> Stack:
         """Start an arm's engines (fresh ones, on new ports) and write its policy; nothing waited for."""
