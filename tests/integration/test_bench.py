@@ -31,8 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 #: ``overload``, ``failover`` and ``cache`` have quick runs of their own (``test_bench_overload``,
 #: ``failover_run``, ``cache_run`` below): with them, this one would not fit the per-test time limit.
 #: ``chaos`` is ``failover``'s other name; ``soak`` and ``headline`` have their own (``test_bench_soak``,
-#: ``test_bench_headline``), and so have ``canary`` and ``adapters`` (``test_bench_canary``, ``test_bench_adapters``).
-SEPARATE = ("overload", "failover", "chaos", "cache", "batch", "soak", "headline", "canary", "adapters")
+#: ``test_bench_headline``), and so have ``canary``, ``adapters`` and ``auto`` (``test_bench_canary``,
+#: ``test_bench_adapters``, ``test_bench_auto``).
+SEPARATE = ("overload", "failover", "chaos", "cache", "batch", "soak", "headline", "canary", "adapters", "auto")
 LANDED = [name for name, s in SCENARIOS.items() if s.landed and name not in SEPARATE]
 NOT_LANDED = [name for name, s in SCENARIOS.items() if not s.landed]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -156,7 +157,7 @@ def assert_same_numbers(out: Path, name: str, report: dict[str, Any], goals: int
     return md
 
 
-@pytest.mark.timeout(300)  # the module's bench run (four scenarios, about 100-160 s on two busy cores) is its setup
+@pytest.mark.timeout(300)  # the module's bench run (three scenarios, about 80-140 s on two busy cores) is its setup
 def test_the_run_succeeds_and_says_where_the_report_is(run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     out, done = run
     assert done.returncode == 0, done.stdout + done.stderr

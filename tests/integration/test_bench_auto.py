@@ -16,12 +16,11 @@ import pytest
 
 from switchyard.bench.labelled import load_prompts
 from switchyard.bench.scenarios.auto.scenario import QUICK_EVERY
-from switchyard.bench.tables import render_goal_row, render_row
 from switchyard.decide.dryrun import dry_run
 from switchyard.policy import compile_policy
 from switchyard.resources import demo_policy
 from switchyard.whatif.difficulty_fit import features_of
-from tests.integration.test_bench import PNG_MAGIC, _json, _ours, run_quick
+from tests.integration.test_bench import PNG_MAGIC, _json, _ours, assert_same_numbers, run_quick
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +42,8 @@ def test_the_run_writes_a_complete_report_and_stops_everything(
     assert not _ours(str(out)), "every process the bench started is stopped"
     assert [(s["name"], s["status"]) for s in _json(out / "report.json")["scenarios"]] == [("auto", "ok")]
     folder = out / "auto"
+    for file in ("report.md", "report.json", "ttft_cdf.png", "load_over_time.png", "shed_fallback.png"):
+        assert (folder / file).stat().st_size > 0, file
     assert all(png.read_bytes()[:8] == PNG_MAGIC for png in folder.glob("*.png"))
     assert report["plots"] and sorted(report["plots"]) == sorted(p.name for p in folder.glob("*.png"))
     assert report["overall"]["switchyard"]["count"] == report["figures"]["prompts"]
@@ -98,14 +99,5 @@ def test_the_figures_add_up(report: dict[str, Any]) -> None:
 
 def test_markdown_and_json_hold_the_same_numbers(run: tuple[Path, subprocess.CompletedProcess[str]],
                                                  report: dict[str, Any]) -> None:
-    out, _ = run
-    md = (out / "auto" / "report.md").read_text()
-    index_md = (out / "report.md").read_text()
-    index = _json(out / "report.json")["scenarios"][0]
-    assert index["goals"] == report["goals"]
-    for g in report["goals"]:
-        assert render_goal_row(g) in md and render_goal_row(g) in index_md, g["goal"]
-    for data in report["tables"]:
-        for row in data["rows"]:
-            assert render_row(data, row) in md, (data["title"], row)
+    md = assert_same_numbers(run[0], "auto", report, goals=3)
     assert "Cost per 1,000 requests" in md and "hard prompts sent to small" in md
