@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -46,6 +47,31 @@ SECRETS.add(ADMIN_TOKEN)  # never logged (tests/conftest.py checks the session's
 BIN = Path(sys.executable).parent
 SWITCHYARD = str(BIN / "switchyard") if (BIN / "switchyard").exists() else shutil.which("switchyard") or "switchyard"
 SIM_TIME_SCALE = 20
+
+
+def run_cli(args: Sequence[str], env: dict[str, str], *, check: bool = True,
+            input_text: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the real ``switchyard`` command (``switchyard.cli.main``) in this process, in the environment ``env``,
+    with ``input_text`` on its standard input; its exit status and outputs as a process's would be.
+
+    In this process, not a child: a ``switchyard`` process spends about a second of CPU importing itself, and the
+    gateway tests make keys, tenants and console users by the hundred. The tests of the command line itself
+    (``test_cli.py``, ``test_policy_cli.py``, ...) run it as a process, as an operator does.
+    """
+    from click.testing import CliRunner
+
+    from switchyard.cli import main
+
+    # (``env`` replaces the environment while the command runs; what it lacks is unset meanwhile.)
+    unset: dict[str, str | None] = {name: None for name in os.environ if name not in env}
+    result = CliRunner().invoke(main, list(args), input=input_text, env={**unset, **env}, catch_exceptions=True)
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(result.exception))
+    done = subprocess.CompletedProcess(["switchyard", *args], result.exit_code, result.stdout, stderr)
+    if check and done.returncode != 0:
+        raise AssertionError(f"switchyard {' '.join(args)} failed ({done.returncode}): {stderr}")
+    return done
 
 
 def wait_http(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 30.0) -> None:
@@ -215,12 +241,9 @@ class Gateway:
     console_users: set[str] = field(default_factory=set)
 
     def cli(self, *args: str, check: bool = True, input_text: str | None = None) -> subprocess.CompletedProcess[str]:
-        """Run `switchyard ARGS` against this gateway's database and policy (``input_text`` on stdin)."""
-        result = subprocess.run([SWITCHYARD, *args], env=self.env, capture_output=True, text=True, timeout=60,
-                                input=input_text)
-        if check and result.returncode != 0:
-            raise AssertionError(f"switchyard {' '.join(args)} failed: {result.stderr}")
-        return result
+        """Run `switchyard ARGS` against this gateway's database and policy (``input_text`` on stdin; in this
+        process: :func:`run_cli`)."""
+        return run_cli(args, self.env, check=check, input_text=input_text)
 
     def new_key(self, tenant: str, tier: str) -> str:
         """A new API key for ``tenant`` (created in ``tier`` if new), made with the real CLI (and watched: it
@@ -353,11 +376,11 @@ class FaultFleet:
             cli_env = {**os.environ, **GATEWAY_SETTINGS, "SWITCHYARD_DATA_DIR": str(self.folder),
                        "SWITCHYARD_DATABASE_URL": f"sqlite:///{template}",
                        "SWITCHYARD_POLICY_FILE": str(self.folder / f"{policy}.yaml")}
-            subprocess.run([SWITCHYARD, "db", "upgrade"], env=cli_env, capture_output=True, timeout=60, check=True)
+            run_cli(["db", "upgrade"], cli_env)
             tenants = dict(keys.values())
             assert len(tenants) == len(keys), "one key per tenant (keys create-many makes one each)"
-            done = subprocess.run([SWITCHYARD, "keys", "create-many"], env=cli_env, capture_output=True, text=True,
-                                  timeout=60, check=True, input="".join(f"{t} {tier}\n" for t, tier in tenants.items()))
+            done = run_cli(["keys", "create-many"], cli_env,
+                           input_text="".join(f"{t} {tier}\n" for t, tier in tenants.items()))
             by_tenant: dict[str, str] = json.loads(done.stdout)
             secrets = {name: by_tenant[tenant] for name, (tenant, _) in keys.items()}
             for secret in secrets.values():
