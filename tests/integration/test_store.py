@@ -22,9 +22,16 @@ from switchyard.store.tenants import create_tenant, list_tenants, set_tier
 def test_migrations_match_the_models_and_go_both_ways(database_url: str) -> None:
     engine = db.create_db_engine(database_url)
     try:
-        assert db.current_revision(engine) is None
+        assert db.current_revision(engine) is None and not db.is_current(engine)
         db.upgrade(engine)
         assert db.is_current(engine)
+        # The version table read directly (no Alembic) says what Alembic says; one revision behind is not current.
+        with engine.connect() as conn:
+            assert db.current_revision(engine) == MigrationContext.configure(conn).get_current_revision() \
+                == db.SCHEMA_HEAD
+        db.downgrade(engine, "-1")
+        assert db.current_revision(engine) not in (None, db.SCHEMA_HEAD) and not db.is_current(engine)
+        db.upgrade(engine)
         with engine.connect() as conn:
             diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}),
                                     SQLModel.metadata)

@@ -318,7 +318,7 @@ class GatewayRuntime:
         engine = db.create_db_engine(self.settings.resolved_database_url)
         try:
             if not db.is_current(engine):
-                log.info("upgrading the database schema to %s", db.head_revision())
+                log.info("upgrading the database schema to %s", db.SCHEMA_HEAD)
                 db.upgrade(engine)
             holder = load_startup_policy(self.settings, engine)
             holder.counters, holder.renderers = load_model_tokens(
