@@ -124,7 +124,7 @@ def current() -> None:
     settings = cli_context().settings()
     engine = store_db.create_db_engine(settings.resolved_database_url)
     try:
-        rev, head = store_db.current_revision(engine), store_db.head_revision()
+        rev, head = store_db.current_revision(engine), store_db.SCHEMA_HEAD
     except OperationalError as exc:
         raise click.ClickException(f"cannot reach the database: {exc.orig}") from None
     finally:
