@@ -27,6 +27,7 @@ from switchyard.store.limits import (
     REDIS_POOL_TIMEOUT_S,
     REDIS_SOCKET_TIMEOUT_S,
 )
+from switchyard.store.redis_link import ScriptLink
 
 #: Expired entries one put sweeps (of its own rule), and one script call of a full sweep or purge.
 _BATCH = 100
@@ -40,7 +41,9 @@ class RedisResponseCache:
 
     The key layout and what the scripts guarantee are in :mod:`switchyard.store.cache.lua`.
     Similarity is computed here: a lookup fetches its context's vectors (at most
-    :data:`VECTORS_PER_CONTEXT`). Connection errors propagate.
+    :data:`VECTORS_PER_CONTEXT`). Connection errors propagate. An exact lookup and a put (what a request
+    runs) go over one pipelined connection (:class:`~switchyard.store.redis_link.ScriptLink`) where the
+    client allows it; the rest over the client.
 
     Args:
         redis_url: A ``redis://`` URL (a pool is opened, as for the limit store), or a connection;
@@ -55,8 +58,10 @@ class RedisResponseCache:
         self._client = client
         self._prefix = key_prefix
         self._per_context = vectors_per_context
-        self._put = client.register_script(lua.PUT)
-        self._get = client.register_script(lua.GET)
+        self._link = ScriptLink.of(client)
+        hot = client.register_script if self._link is None else self._link.script
+        self._put = hot(lua.PUT)
+        self._get = hot(lua.GET)
         self._sweep = client.register_script(lua.SWEEP)
         self._purge = client.register_script(lua.PURGE)
         self._put_vector = client.register_script(lua.PUT_VECTOR)
@@ -138,7 +143,9 @@ class RedisResponseCache:
         return CacheStats(int(entries), int(size), {"ttl": int(ttl), "size": int(evicted)})
 
     async def aclose(self) -> None:
-        """Close the connection pool."""
+        """Close the connection pool and the pipelined connection."""
+        if self._link is not None:
+            await self._link.aclose()
         await self._client.aclose()
 
     async def _fetch(self, rule: str, key: str) -> CacheEntry | None:

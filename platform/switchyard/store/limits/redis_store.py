@@ -17,6 +17,7 @@ from switchyard.store.limits.arithmetic import (
     state,
 )
 from switchyard.store.limits.model import Admission, Bucket, BucketState, Charge
+from switchyard.store.redis_link import ScriptLink
 
 #: Most expired reservations one sweep script call forgets.
 _SWEEP_SCRIPT_BATCH = 1000
@@ -27,6 +28,8 @@ class RedisLimitStore:
 
     With ``now`` None the scripts read the Redis server's clock, so every process agrees on
     time. The key layout and what the scripts guarantee are in :mod:`switchyard.store.limits.lua`.
+    The two scripts every request with limits runs (reserve, reconcile) go over one pipelined connection
+    (:class:`~switchyard.store.redis_link.ScriptLink`) where the client allows it; the rest over ``client``.
 
     Args:
         client: The connection; the store owns it from now on and closes it in :meth:`aclose`.
@@ -37,8 +40,10 @@ class RedisLimitStore:
         self._client = client
         self._prefix = key_prefix
         self._index = f"{key_prefix}expiries"
-        self._reserve = client.register_script(lua.RESERVE)
-        self._reconcile = client.register_script(lua.RECONCILE)
+        self._link = ScriptLink.of(client)
+        hot = client.register_script if self._link is None else self._link.script
+        self._reserve = hot(lua.RESERVE)
+        self._reconcile = hot(lua.RECONCILE)
         self._sweep = client.register_script(lua.SWEEP)
         self._peek = client.register_script(lua.PEEK)
 
@@ -83,7 +88,9 @@ class RedisLimitStore:
         return [state(bucket, float(level)) for bucket, level in zip(buckets, reply, strict=True)]
 
     async def aclose(self) -> None:
-        """Close the connection pool."""
+        """Close the connection pool and the pipelined connection."""
+        if self._link is not None:
+            await self._link.aclose()
         await self._client.aclose()
 
 
