@@ -62,7 +62,8 @@ def test_stores_use_the_link_for_what_a_request_runs() -> None:
     limits = create_limit_store(REDIS_URL)
     cache = RedisResponseCache(REDIS_URL)
     assert isinstance(limits._reserve, LinkScript) and isinstance(limits._reconcile, LinkScript)  # type: ignore[attr-defined]
-    assert isinstance(cache._get, LinkScript) and isinstance(cache._put, LinkScript)
+    assert all(isinstance(s, LinkScript) for s in (cache._get, cache._put, cache._vectors, cache._put_vector,
+                                                   cache._drop_vectors))
     assert not isinstance(cache._sweep, LinkScript)  # the rest stays on redis-py
 
 

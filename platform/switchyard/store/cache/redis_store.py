@@ -41,9 +41,9 @@ class RedisResponseCache:
 
     The key layout and what the scripts guarantee are in :mod:`switchyard.store.cache.lua`.
     Similarity is computed here: a lookup fetches its context's vectors (at most
-    :data:`VECTORS_PER_CONTEXT`). Connection errors propagate. An exact lookup and a put (what a request
-    runs) go over one pipelined connection (:class:`~switchyard.store.redis_link.ScriptLink`) where the
-    client allows it; the rest over the client.
+    :data:`VECTORS_PER_CONTEXT`). Connection errors propagate. What a request runs (a lookup, exact or
+    semantic, and a put) goes over one pipelined connection (:class:`~switchyard.store.redis_link.ScriptLink`)
+    where the client allows it; sweeps, purges and statistics over the client.
 
     Args:
         redis_url: A ``redis://`` URL (a pool is opened, as for the limit store), or a connection;
@@ -62,11 +62,11 @@ class RedisResponseCache:
         hot = client.register_script if self._link is None else self._link.script
         self._put = hot(lua.PUT)
         self._get = hot(lua.GET)
+        self._put_vector = hot(lua.PUT_VECTOR)
+        self._drop_vectors = hot(lua.DROP_VECTORS)
+        self._vectors = hot(lua.VECTORS)
         self._sweep = client.register_script(lua.SWEEP)
         self._purge = client.register_script(lua.PURGE)
-        self._put_vector = client.register_script(lua.PUT_VECTOR)
-        self._drop_vectors = client.register_script(lua.DROP_VECTORS)
-        self._vectors = client.register_script(lua.VECTORS)
         self._stats = client.register_script(lua.STATS_READ)
 
     async def get(self, rule: str, key: str, tenant: str | None) -> CacheEntry | None:
