@@ -235,6 +235,13 @@ def test_overhead_says_litellm_was_not_measured_and_its_figures_agree(
     rows = {r["workers"]: r for r in scaling["rows"]}
     assert sorted(rows) == list(range(1, min(4, len(os.sched_getaffinity(0))) + 1))
     assert all(r["non-stream_rps"] > 0 and r["stream_rps"] > 0 for r in rows.values()), rows
+    # One process on Redis, the base of what more processes add (with Redis's own cost in both).
+    on_redis = report["parameters"]["one_process_on_redis"]
+    assert on_redis["workers"] == 1 and on_redis["non-stream_rps"] > 0 and on_redis["stream_rps"] > 0
+    assert f"carried {on_redis['non-stream_rps']:,.0f} / {on_redis['stream_rps']:,.0f} requests/s" in scaling["note"]
+    for n, row in rows.items():
+        for mode in ("non-stream", "stream"):
+            assert row[f"{mode}_x"] == (None if n == 1 else pytest.approx(row[f"{mode}_rps"] / on_redis[f"{mode}_rps"]))
     lite = [g for g in report["goals"] if "LiteLLM" in g["goal"]]
     assert lite and all(g["met"] is None and "--no-litellm" in g["note"] for g in lite)
     latency, saturation = report["tables"][0]["rows"], report["tables"][1]["rows"]

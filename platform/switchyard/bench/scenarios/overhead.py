@@ -171,6 +171,9 @@ class Overhead:
         self.cache_lookups: dict[str, float] = {}
         #: Max sustained requests/s against the gateway's worker processes (``scale_workers``).
         self.scaling: list[dict[str, Any]] = []
+        #: The same for one process with its limits and cache on Redis, as the processes of ``scaling`` beyond the
+        #: first have them (empty: not measured).
+        self.on_redis: dict[str, Any] = {}
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -353,18 +356,22 @@ class Overhead:
     async def scale_workers(self) -> None:
         """Max sustained requests/s of ``switchyard serve --workers N`` for N from 1 to the CPUs there are (at most
         :data:`MAX_WORKERS`), each mode, the measured proxies paused. One worker is the gateway measured above;
-        more need Redis (limits and caches shared by the processes)."""
+        more need Redis (limits and caches shared by the processes), so one process on Redis is measured too
+        (:attr:`on_redis`, not a row): the ratio of N processes to it is what adding processes buys, Redis's cost
+        apart."""
         gateway = next((a for a in self.arms if a.name == "switchyard"), None)
         if gateway is None or gateway.target is None:
             return
         row: dict[str, Any] = {"workers": 1, "cpus": ",".join(map(str, self.plan["proxy"])) or "all",
-                               "note": "the gateway measured above"}
+                               "note": "the gateway measured above (limits and the cache in process)"}
         for mode in MODES:
             row[f"{mode}_rps"] = self.sustained(gateway, mode)
             row[f"{mode}_cpu"] = gateway.cpu_share.get(mode)
         self.scaling = [row]
         cpus = sorted({c for role in self.plan.values() for c in role}) or [0]  # (this process is pinned by now)
         redis = _redis_url()
+        if redis is not None and len(cpus) > 1:
+            self.on_redis = await self._scaled(1, cpus, redis)
         for n in range(2, min(MAX_WORKERS, len(cpus)) + 1):
             if redis is None:
                 note = ("not measured: `--workers` needs Redis (SWITCHYARD_REDIS_URL, or one answering on "
@@ -386,7 +393,7 @@ class Overhead:
                 proc.popen.send_signal(signal.SIGCONT)
             self.ctx.procs.stop(handle.proc)
 
-    async def _scaled(self, n: int, cpus: list[int], redis: str) -> None:
+    async def _scaled(self, n: int, cpus: list[int], redis: str) -> dict[str, Any]:
         ctx = self.ctx
         # The workers get the last n CPUs when the load generator and engine keep at least one; else every CPU.
         mine = tuple(cpus[-n:]) if len(cpus) > n else ()
@@ -394,8 +401,8 @@ class Overhead:
                "SWITCHYARD_REDIS_KEY_PREFIX": f"sy-bench-{secrets.token_hex(4)}:"}
         ctx.say(f"overhead: {n} gateway worker processes")
         handle = start_gateway(ctx.procs, f"gateway-{n}-workers", env, cpus=mine)
-        for _ in range(300):  # ready means one worker answers: wait (30 s at most) for all n and the supervisor
-            if len(_descendants(handle.proc.pid)) >= n + 1:
+        for _ in range(300 if n > 1 else 0):  # ready means one worker answers: wait (30 s at most) for all n and
+            if len(_descendants(handle.proc.pid)) >= n + 1:  # the supervisor
                 break
             await asyncio.sleep(0.1)
         row: dict[str, Any] = {"workers": n, "cpus": ",".join(map(str, mine)) or "all",
@@ -415,7 +422,9 @@ class Overhead:
                 row[f"{mode}_rps"] = sat.throughput_rps if ok else None
                 row[f"{mode}_cpu"] = used / (time.monotonic() - wall)
                 ctx.say(f"overhead: {n} workers {mode}: max sustained {sat.throughput_rps:.0f} requests/s")
-        self.scaling.append(row)
+        if n > 1:
+            self.scaling.append(row)
+        return row
 
     async def find_stalls(self) -> None:
         """The diagnostic step (not counted): a second gateway with the stall sampler on takes the goal rate in

@@ -284,6 +284,29 @@ def _saturation_table(rows: Sequence[dict[str, Any]], seconds: float) -> dict[st
         "proxy is the limit, lower means the load generator was.")
 
 
+def scaling_rows(scaling: list[dict[str, Any]], on_redis: dict[str, Any]) -> list[dict[str, Any]]:
+    """The scaling step's rows; those of more than one process also with their requests/s over ``on_redis``'s
+    (one process on Redis)."""
+    rows = []
+    for row in scaling:
+        row = dict(row)
+        for mode in MODES:
+            base, mine = on_redis.get(f"{mode}_rps"), row.get(f"{mode}_rps")
+            row[f"{mode}_x"] = mine / base if row.get("workers", 1) > 1 and base and mine is not None else None
+        rows.append(row)
+    return rows
+
+
+def _on_redis_note(on_redis: dict[str, Any]) -> str:
+    """What one process on Redis carried, the base of the ``÷ one on Redis`` columns."""
+    if not on_redis:
+        return "One process on Redis was not measured."
+    figures = " / ".join("-" if on_redis.get(f"{m}_rps") is None else f"{on_redis[f'{m}_rps']:,.0f}" for m in MODES)
+    return (f"One process with its limits and cache on Redis (CPUs {on_redis.get('cpus', 'all')}) carried {figures} "
+            "requests/s non-stream / stream; the rows of more processes are divided by it (what the processes add, "
+            "Redis's own cost apart).")
+
+
 def write(ctx: ScenarioContext, run_: Overhead) -> Outcome:
     """Write the scenario's report; its outcome for the run's index."""
     latency, saturation, lag = latency_rows(run_), saturation_rows(run_), lag_rows(run_)
@@ -295,13 +318,15 @@ def write(ctx: ScenarioContext, run_: Overhead) -> Outcome:
         tables.append(table(
             "Max sustained requests/s against gateway processes (`switchyard serve --workers N`)",
             [num("workers", "processes", 0), text("cpus", "CPUs"), num("non-stream_rps", "non-stream req/s", 0),
-             num("stream_rps", "stream req/s", 0), num("non-stream_cpu", "cores used, non-stream", 2),
+             num("stream_rps", "stream req/s", 0), num("non-stream_x", "÷ one on Redis, non-stream", 2),
+             num("stream_x", "÷ one on Redis, stream", 2), num("non-stream_cpu", "cores used, non-stream", 2),
              num("stream_cpu", "cores used, stream", 2), text("note", "note")],
-            run_.scaling,
+            scaling_rows(run_.scaling, run_.on_redis),
             f"Closed loop as above ({CONCURRENCY} connections per process, {run_.saturation_s:g} s after a warm-up), "
-            "the other proxies paused. More than one process shares limits and caches through Redis. Cores used: "
-            "the processes' CPU time over the window. Where the processes get every CPU, the load generator and the "
-            "engine compete with them, and the figure is a lower bound."))
+            "the other proxies paused. More than one process shares limits and caches through Redis. "
+            f"{_on_redis_note(run_.on_redis)} Cores used: the processes' CPU time over the window. Where the "
+            "processes get every CPU, the load generator, the engine and Redis compete with them, and the figure is "
+            "a lower bound."))
     if lag:
         tables.append(table(
             f"Gateway event-loop lag at {GOAL_RATE:g} requests/s", [
@@ -359,7 +384,7 @@ def write(ctx: ScenarioContext, run_: Overhead) -> Outcome:
     parameters = {"scenario": "overhead", "rates": list(run_.rates), "step_s": run_.step_s,
                   "warmup_s": run_.warmup_s, "saturation_s": run_.saturation_s, "concurrency": CONCURRENCY,
                   "cpu_plan": {k: list(v) for k, v in run_.plan.items()}, "quick": ctx.options.quick,
-                  "plots_show": f"stream at {rate:g} requests/s"}
+                  "plots_show": f"stream at {rate:g} requests/s", "one_process_on_redis": run_.on_redis or None}
     report = build_report(arms or {"direct": []}, title="switchyard bench: overhead", parameters=parameters,
                           seeds={"workload": ctx.options.seed}, window_s=run_.step_s, tables=tables, goals=goals_,
                           notes=notes, baseline="direct")
