@@ -121,8 +121,8 @@ class _Pipe(asyncio.Protocol):
             self._timer = None
         while self._waiting:
             future, _ = self._waiting.popleft()
-            if not future.done():
-                future.set_exception(error)
+            if not future.done():  # (each caller its own exception: one raised in many tasks gathers their frames)
+                future.set_exception(type(error)(*error.args))
 
 
 class ScriptLink:
