@@ -145,7 +145,7 @@ class ScriptLink:
         self._reply_timeout_s = reply_timeout_s
         self._pipe: _Pipe | None = None
         self._connecting: asyncio.Future[_Pipe] | None = None
-        self._closed = False
+        self._generation = 0  # (one more at each aclose: a connection made for an earlier one is not kept)
 
     @classmethod
     def of(cls, client: Redis) -> ScriptLink | None:
@@ -178,16 +178,16 @@ class ScriptLink:
         return await pipe.send(args)
 
     async def aclose(self) -> None:
-        """Close the connection; calls waiting fail, later calls raise ``ConnectionError``."""
-        self._closed = True
+        """Close the connection (and drop one being made): calls waiting fail with ``ConnectionError``; a later
+        call connects again, as a redis-py client does after its ``aclose``."""
+        self._generation += 1
+        self._connecting = None
         if self._pipe is not None:
             self._pipe.close(RedisConnectionError("the Redis link was closed"))
             self._pipe = None
 
     async def _connected(self, loop: asyncio.AbstractEventLoop) -> _Pipe:
         """The open connection on ``loop``, made now if there is none (one attempt shared by every caller)."""
-        if self._closed:
-            raise RedisConnectionError("the Redis link was closed")
         connecting = self._connecting
         if connecting is None or connecting.get_loop() is not loop:
             old = self._pipe
@@ -196,10 +196,10 @@ class ScriptLink:
                     old.close(RedisConnectionError("the Redis link moved to another event loop"))
             self._pipe = None
             connecting = self._connecting = loop.create_future()
-            loop.create_task(self._connect(loop, connecting))
+            loop.create_task(self._connect(loop, connecting, self._generation))
         return await asyncio.shield(connecting)
 
-    async def _connect(self, loop: asyncio.AbstractEventLoop, done: asyncio.Future[_Pipe]) -> None:
+    async def _connect(self, loop: asyncio.AbstractEventLoop, done: asyncio.Future[_Pipe], generation: int) -> None:
         where = self._path or f"{self._host}:{self._port}"
         try:
             async with asyncio.timeout(self._connect_timeout_s):
@@ -224,15 +224,16 @@ class ScriptLink:
         except (OSError, RedisConnectionError) as exc:
             error = RedisConnectionError(f"Error connecting to Redis at {where}: {exc}")
         else:
-            if self._closed:
-                pipe.close(RedisConnectionError("the Redis link was closed"))
-                error = RedisConnectionError("the Redis link was closed")
+            if generation != self._generation:
+                error = RedisConnectionError("the Redis link was closed while it connected")
+                pipe.close(error)
             else:
                 self._pipe = pipe
                 self._connecting = None
                 done.set_result(pipe)
                 return
-        self._connecting = None
+        if self._connecting is done:
+            self._connecting = None
         done.set_exception(error)
         done.exception()  # retrieved here too: a failed attempt nobody awaited any more is not an unhandled error
 

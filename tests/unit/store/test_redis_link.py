@@ -278,8 +278,9 @@ def test_a_lost_connection_fails_the_waiting_calls(run: Run) -> None:
             assert all(isinstance(r, RedisConnectionError) for r in results), results
             assert await link.call("PING") == b"PONG"
             await link.aclose()
-            with pytest.raises(RedisConnectionError, match="closed"):
-                await link.call("PING")
+            assert link._pipe is None
+            assert await link.call("PING") == b"PONG"  # a closed link connects again, as redis-py's client does
+            await link.aclose()
 
     run(main())
 
@@ -290,6 +291,22 @@ def test_an_unreadable_reply_fails_the_call(run: Run) -> None:
             link = ScriptLink(port=port)
             with pytest.raises(RedisConnectionError, match="cannot be read"):
                 await link.call("PING")
+            await link.aclose()
+
+    run(main())
+
+
+def test_a_link_closed_while_it_connects_keeps_no_connection(run: Run) -> None:
+    async def main() -> None:
+        async with FakeRedis(lambda _: b"+OK\r\n") as port:
+            link = ScriptLink(port=port, password="pw")
+            call = asyncio.ensure_future(link.call("PING"))
+            await asyncio.sleep(0)  # the attempt has begun
+            await link.aclose()
+            with pytest.raises(RedisConnectionError, match="closed while it connected"):
+                await call
+            assert link._pipe is None
+            assert await link.call("PING") == b"OK"  # then a new attempt
             await link.aclose()
 
     run(main())
