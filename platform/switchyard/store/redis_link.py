@@ -1,11 +1,11 @@
 """The Lua scripts a request runs, over one pipelined Redis connection per process.
 
 A gateway with Redis runs three scripts a request (the exact cache's lookup, the limits' reserve and their
-reconcile). Through redis-py's asyncio client each costs about 60-150 µs of the gateway's CPU (its pool, its
-locks, retries, timeouts and events around every command): together about 40% of a request's CPU. A
-:class:`ScriptLink` sends the same ``EVALSHA`` commands on one connection, one after another without
-waiting (Redis answers a connection's commands in order), packed and parsed by hiredis, the C library
-redis-py itself uses for both: about 12 µs a script.
+reconcile). Through redis-py's asyncio client each cost 60-150 µs of the gateway's CPU (its pool, its locks,
+retries, timeouts and events around every command): together about a third of a request's CPU. A
+:class:`ScriptLink` (one per store and process) sends the same ``EVALSHA`` commands on one connection, one after
+another without waiting (Redis answers a connection's commands in order), packed and parsed by hiredis, the C
+library redis-py itself uses for both: 8-12 µs a script with several in flight, 31-46 µs with one.
 
 What a caller sees is what redis-py gives: the same replies (bytes, integers, lists, None), a script the server
 has not cached is sent whole (``EVAL``) and cached by it, an error reply raises ``redis.exceptions.ResponseError``
@@ -16,7 +16,7 @@ connection is then closed (as redis-py closes a connection whose read timed out)
 the next call connects again. A call cancelled while it waits leaves its reply to be read and dropped.
 
 Everything else (sweeps, purges, statistics) stays on redis-py, and so does a client this module does not
-reproduce exactly: TLS (``rediss://``), replies decoded to text, or a connection class of its own
+reproduce exactly: TLS (``rediss://``), replies decoded to text, RESP3, or a connection class of its own
 (:meth:`ScriptLink.of` returns None and the stores register their scripts on the client as before).
 """
 
@@ -145,6 +145,7 @@ class ScriptLink:
         self._reply_timeout_s = reply_timeout_s
         self._pipe: _Pipe | None = None
         self._connecting: asyncio.Future[_Pipe] | None = None
+        self._connect_task: asyncio.Task[None] | None = None  # (held: the loop keeps only a weak reference)
         self._generation = 0  # (one more at each aclose: a connection made for an earlier one is not kept)
 
     @classmethod
@@ -196,7 +197,7 @@ class ScriptLink:
                     old.close(RedisConnectionError("the Redis link moved to another event loop"))
             self._pipe = None
             connecting = self._connecting = loop.create_future()
-            loop.create_task(self._connect(loop, connecting, self._generation))
+            self._connect_task = loop.create_task(self._connect(loop, connecting, self._generation))
         return await asyncio.shield(connecting)
 
     async def _connect(self, loop: asyncio.AbstractEventLoop, done: asyncio.Future[_Pipe], generation: int) -> None:
