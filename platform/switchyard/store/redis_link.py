@@ -26,7 +26,6 @@ import asyncio
 import collections
 import contextlib
 import hashlib
-import time
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -66,9 +65,10 @@ class _Pipe(asyncio.Protocol):
         assert self.transport is not None
         future = self.loop.create_future()
         self.transport.write(hiredis.pack_command(tuple(args)))  # type: ignore[arg-type]  # (its stub types a 1-tuple)
-        self._waiting.append((future, time.monotonic() + self._reply_timeout_s))
+        deadline = self.loop.time() + self._reply_timeout_s
+        self._waiting.append((future, deadline))
         if self._timer is None:
-            self._timer = self.loop.call_at(self.loop.time() + self._reply_timeout_s, self._check_late)
+            self._timer = self.loop.call_at(deadline, self._check_late)
         return future
 
     def data_received(self, data: bytes) -> None:
@@ -76,7 +76,7 @@ class _Pipe(asyncio.Protocol):
         try:
             while (reply := self._reader.gets()) is not False:
                 if not self._waiting:
-                    self._fail(RedisConnectionError("Redis sent a reply nobody asked for"))
+                    self.close(RedisConnectionError("Redis sent a reply nobody asked for"))
                     return
                 future, _ = self._waiting.popleft()
                 if future.done():  # its caller was cancelled
@@ -86,29 +86,25 @@ class _Pipe(asyncio.Protocol):
                 else:
                     future.set_result(reply)
         except InvalidResponse as exc:
-            self._fail(RedisConnectionError(f"Redis sent a reply that cannot be read: {exc}"))
+            self.close(RedisConnectionError(f"Redis sent a reply that cannot be read: {exc}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.open = False
         self._fail_waiting(self._lost or RedisConnectionError(
             f"Connection to Redis lost{f': {exc}' if exc is not None else ''}"))
 
-    def close(self, error: Exception) -> None:
-        """Close the connection; every call waiting gets ``error``."""
-        self._fail(error)
-
     def _check_late(self) -> None:
         self._timer = None
         if not self._waiting:
             return
         deadline = self._waiting[0][1]
-        now = time.monotonic()
-        if deadline <= now:
-            self._fail(RedisTimeoutError(f"Timeout reading from Redis (no reply in {self._reply_timeout_s:g} s)"))
+        if deadline <= self.loop.time():
+            self.close(RedisTimeoutError(f"Timeout reading from Redis (no reply in {self._reply_timeout_s:g} s)"))
         else:
-            self._timer = self.loop.call_at(self.loop.time() + (deadline - now), self._check_late)
+            self._timer = self.loop.call_at(deadline, self._check_late)
 
-    def _fail(self, error: Exception) -> None:
+    def close(self, error: Exception) -> None:
+        """Close the connection; every call waiting gets ``error``."""
         self.open = False
         self._lost = error
         self._fail_waiting(error)
