@@ -103,3 +103,40 @@ def test_the_cache_hit_rate_comes_with_its_base() -> None:
         finish(activity, T0, cache=cache, rid=f"r{i}")
     total = summary(activity, window_s=10, now=T0 + 1)["total"]
     assert (total["cache_hit_rate"], total["cache_lookups"], total["requests"]) == (0.6667, 3, 5)
+
+
+def test_a_record_handed_to_the_request_log_has_its_trace_in_words_and_lets_go_of_its_objects() -> None:
+    import gc
+    import weakref
+
+    from switchyard.decide.decision import Later
+
+    class Choice:  # stands for what a lazy line describes (an endpoint chosen and its scores)
+        def __init__(self, url: str) -> None:
+            self.url = url
+
+    def describe(choice: Choice) -> str:
+        return f"endpoint {choice.url}"
+
+    handed: list[list[object]] = []
+    logged = Activity()
+    logged.sink = lambda record: handed.append(list(record.trace))
+    choice = Choice("http://a")
+    gone = weakref.ref(choice)
+    record = logged.begin("r1", "chat")
+    record.trace += ["model: small", Later(describe, choice)]
+    del choice
+    logged.finish(record, 200)
+    gc.collect()
+    assert handed == [["model: small", "endpoint http://a"]]  # (the sink sees words only)
+    assert record.trace == ["model: small", "endpoint http://a"]
+    assert gone() is None  # nothing the record keeps holds the choice any more
+
+    # Without a request log the line stays lazy (put into words only if the console reads it).
+    quiet = Activity()
+    kept = Choice("http://b")
+    record = quiet.begin("r2", "chat")
+    record.trace.append(Later(describe, kept))
+    quiet.finish(record, 200)
+    assert isinstance(record.trace[0], Later)
+    assert record.as_dict()["trace"] == ["endpoint http://b"]
