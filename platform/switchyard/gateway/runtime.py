@@ -62,9 +62,9 @@ CACHE_GAUGES_INTERVAL_S = 5.0
 KV_GAUGES_INTERVAL_S = 1.0
 #: The garbage collector's thresholds in the gateway (Python's default: 700, 10, 10). Measured at saturation (one
 #: process on one core, ``switchyard bench --scenario overhead``'s request; the gc-pause metric): with the
-#: defaults the collector took 70-90 ms of every second, most of it in full collections, two a second, each
+#: defaults the collector took 66-89 ms of every second, most of it in full collections, two a second, each
 #: walking every record the request log's buffer held. With its records settled (``RequestRecord.settle``) and
-#: these thresholds, 9-22 ms: a gen-0 collection every 10-60 ms of 0.2-0.4 ms, a gen-1 of 0.5-4 ms about once a
+#: these thresholds, 7-22 ms: a gen-0 collection every 10-60 ms of 0.2-0.4 ms, a gen-1 of 0.5-4 ms about once a
 #: second, a full collection once a minute or so. At 50,000 young objects (tried before the streams stopped
 #: being reference cycles) gen-0 pauses reached 100 ms.
 GC_THRESHOLDS = (2000, 10, 100)
