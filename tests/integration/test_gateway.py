@@ -273,7 +273,9 @@ def test_health_ready_and_metrics(gateway: Gateway) -> None:
     assert "switchyard_time_to_first_byte_seconds_bucket" in text
     # The loop-lag probe runs every 10 ms from start-up: the gateway has been up for a while.
     assert gateway_counter(gateway, "switchyard_event_loop_lag_seconds_count") > 10
-    assert gateway_counter(gateway, "switchyard_gc_pause_seconds_count", generation="0") > 0  # every collection timed
+    # The collector's pauses are timed from start-up, by generation (each timing: tests/unit/gateway/test_gc_timer.py;
+    # at the gateway's thresholds a young collection may not have come yet).
+    assert all(f'switchyard_gc_pause_seconds_count{{generation="{g}"}}' in text for g in range(3))
 
 
 def test_console_overview_and_live_partial(gateway: Gateway) -> None:

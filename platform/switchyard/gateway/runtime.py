@@ -72,6 +72,22 @@ GC_THRESHOLDS = (2000, 10, 100)
 T = TypeVar("T")
 
 
+def gc_timer(metrics: GatewayMetrics) -> Callable[[str, dict[str, Any]], None]:
+    """A ``gc.callbacks`` hook that times each collection into ``metrics``' ``switchyard_gc_pause_seconds``."""
+    pauses = [metrics.gc_pause.labels(str(g)) for g in range(3)]
+    started = 0.0
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        nonlocal started
+        if phase == "start":
+            started = time.perf_counter()
+        elif started:
+            pauses[min(int(info.get("generation", 0)), 2)].observe(time.perf_counter() - started)
+            started = 0.0
+
+    return on_gc
+
+
 class GatewayRuntime:
     """The state a gateway's handlers share; reached through ``app.state.runtime``."""
 
@@ -273,20 +289,6 @@ class GatewayRuntime:
                 log.debug("response cache stats unavailable: %s", exc)
             await asyncio.sleep(CACHE_GAUGES_INTERVAL_S)
 
-    def _gc_timer(self) -> Callable[[str, dict[str, Any]], None]:
-        """A ``gc.callbacks`` hook that times each collection into ``switchyard_gc_pause_seconds``."""
-        pauses = [self.metrics.gc_pause.labels(str(g)) for g in range(3)]
-        started = 0.0
-
-        def on_gc(phase: str, info: dict[str, Any]) -> None:
-            nonlocal started
-            if phase == "start":
-                started = time.perf_counter()
-            elif started:
-                pauses[min(int(info.get("generation", 0)), 2)].observe(time.perf_counter() - started)
-                started = 0.0
-
-        return on_gc
 
     async def _watch_loop_lag(self) -> None:
         """Time a 10 ms timer, forever: how late it fires is the event loop's lag (a metric)."""
@@ -362,7 +364,7 @@ class GatewayRuntime:
         gc.collect()
         gc.freeze()
         gc.set_threshold(*GC_THRESHOLDS)
-        gc_hook = self._gc_timer()
+        gc_hook = gc_timer(self.metrics)
         gc.callbacks.append(gc_hook)
         log.info("gateway ready on %s with policy %s (%s)", self.settings.listen, snapshot.label,
                  self.settings.policy_source)
