@@ -150,9 +150,10 @@ async def oidc_start(request: Request[Any, Any, Any], settings: NamedDependency[
 @get(OIDC_CALLBACK_PATH, name="admin:oidc-callback", include_in_schema=False)
 async def oidc_callback(request: Request[Any, Any, Any], settings: NamedDependency[Settings],
                         db: NamedDependency[Engine], oidc: NamedDependency[OidcClient],
-                        code: str | None = None,
+                        code: Annotated[str | None, QueryParameter()] = None,
                         given_state: Annotated[str | None, QueryParameter(name="state")] = None,
-                        error: str | None = None, error_description: str | None = None) -> Response[Any]:
+                        error: Annotated[str | None, QueryParameter()] = None,
+                        error_description: Annotated[str | None, QueryParameter()] = None) -> Response[Any]:
     """Where the provider sends the browser back: check the attempt, trade the code, open a console session."""
     client = request.client.host if request.client is not None else "?"
     sealed = unseal(settings, _ATTEMPT, request.cookies.get(OIDC_COOKIE), b"")

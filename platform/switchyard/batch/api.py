@@ -27,7 +27,7 @@ from litestar.openapi.spec import (
     RequestBody,
     Schema,
 )
-from litestar.params import QueryParameter
+from litestar.params import FromPath, FromQuery, QueryParameter
 from sqlmodel import Session
 
 from switchyard.api.errors import BadRequest, NotFound, PayloadTooLarge
@@ -271,8 +271,9 @@ async def create_file(request: Request[Any, Any, Any]) -> Response[bytes]:
 
 
 @get("/v1/files", operation_id="listFiles", operation_class=LIST_FILES)
-async def list_files(request: Request[Any, Any, Any], after: str | None = None, limit: FilesPage = MAX_FILES_PAGE,
-                     order: Literal["asc", "desc"] = "desc", purpose: str | None = None) -> Response[bytes]:
+async def list_files(request: Request[Any, Any, Any], after: FromQuery[str | None] = None,
+                     limit: FilesPage = MAX_FILES_PAGE, order: FromQuery[Literal["asc", "desc"]] = "desc",
+                     purpose: FromQuery[str | None] = None) -> Response[bytes]:
     """The caller's tenant's files, newest first (``order=asc``: oldest first), paginated by ``after``."""
     identity = await _identity(request)
     limit = _limit(limit, MAX_FILES_PAGE)
@@ -282,14 +283,14 @@ async def list_files(request: Request[Any, Any, Any], after: str | None = None, 
 
 
 @get("/v1/files/{file_id:str}", operation_id="retrieveFile", operation_class=RETRIEVE_FILE)
-async def retrieve_file(request: Request[Any, Any, Any], file_id: str) -> Response[bytes]:
+async def retrieve_file(request: Request[Any, Any, Any], file_id: FromPath[str]) -> Response[bytes]:
     """One of the caller's tenant's files."""
     identity = await _identity(request)
     return _json(file_object(await _db(request, lambda s: files.get_file(s, identity.tenant_id, file_id))))
 
 
 @get("/v1/files/{file_id:str}/content", operation_id="downloadFile", operation_class=DOWNLOAD_FILE)
-async def file_content(request: Request[Any, Any, Any], file_id: str) -> Response[bytes]:
+async def file_content(request: Request[Any, Any, Any], file_id: FromPath[str]) -> Response[bytes]:
     """The content of one of the caller's tenant's files."""
     identity = await _identity(request)
     _, content = await _db(request, lambda s: files.file_content(s, identity.tenant_id, file_id))
@@ -297,7 +298,7 @@ async def file_content(request: Request[Any, Any, Any], file_id: str) -> Respons
 
 
 @delete("/v1/files/{file_id:str}", operation_id="deleteFile", status_code=200, operation_class=DELETE_FILE)
-async def delete_file(request: Request[Any, Any, Any], file_id: str) -> Response[bytes]:
+async def delete_file(request: Request[Any, Any, Any], file_id: FromPath[str]) -> Response[bytes]:
     """Delete one of the caller's tenant's files (batches made from it are not affected)."""
     identity = await _identity(request)
     await _db(request, lambda s: files.delete_file(s, identity.tenant_id, file_id))
@@ -322,7 +323,7 @@ async def create_batch(request: Request[Any, Any, Any]) -> Response[bytes]:
 
 
 @get("/v1/batches", operation_id="listBatches", operation_class=LIST_BATCHES)
-async def list_batches(request: Request[Any, Any, Any], after: str | None = None,
+async def list_batches(request: Request[Any, Any, Any], after: FromQuery[str | None] = None,
                        limit: BatchesPage = 20) -> Response[bytes]:
     """The caller's tenant's batches, newest first, paginated by ``after``."""
     identity = await _identity(request)
@@ -332,14 +333,14 @@ async def list_batches(request: Request[Any, Any, Any], after: str | None = None
 
 
 @get("/v1/batches/{batch_id:str}", operation_id="retrieveBatch", operation_class=ONE_BATCH)
-async def retrieve_batch(request: Request[Any, Any, Any], batch_id: str) -> Response[bytes]:
+async def retrieve_batch(request: Request[Any, Any, Any], batch_id: FromPath[str]) -> Response[bytes]:
     """One of the caller's tenant's batches."""
     identity = await _identity(request)
     return _json(batch_object(await _db(request, lambda s: batches.get_batch(s, identity.tenant_id, batch_id))))
 
 
 @post("/v1/batches/{batch_id:str}/cancel", operation_id="cancelBatch", status_code=200, operation_class=ONE_BATCH)
-async def cancel_batch(request: Request[Any, Any, Any], batch_id: str) -> Response[bytes]:
+async def cancel_batch(request: Request[Any, Any, Any], batch_id: FromPath[str]) -> Response[bytes]:
     """Cancel a batch: ``cancelling`` while lines still run, then ``cancelled`` (at once when none does)."""
     identity = await _identity(request)
     return _json(batch_object(await _db(request, lambda s: batches.cancel_batch(s, identity.tenant_id, batch_id))))
