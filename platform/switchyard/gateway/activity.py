@@ -179,7 +179,11 @@ class RequestRecord:
         trace = self.trace
         for i, line in enumerate(trace):
             if line.__class__ is not str:
-                trace[i] = str(line)
+                try:
+                    trace[i] = str(line)
+                except Exception:  # a bug in a line's wording: the request and the rest of its trace are kept
+                    log.exception("request %s: a trace line could not be put into words", self.request_id)
+                    trace[i] = "(a trace line could not be put into words)"
 
     def as_dict(self) -> dict[str, Any]:
         """The record as JSON-ready data."""

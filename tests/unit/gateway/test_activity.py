@@ -140,3 +140,21 @@ def test_a_record_handed_to_the_request_log_has_its_trace_in_words_and_lets_go_o
     quiet.finish(record, 200)
     assert isinstance(record.trace[0], Later)
     assert record.as_dict()["trace"] == ["endpoint http://b"]
+
+
+def test_a_trace_line_that_cannot_be_put_into_words_does_not_fail_the_request(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from switchyard.decide.decision import Later
+
+    def broken() -> str:
+        raise KeyError("gone")
+
+    handed: list[list[object]] = []
+    logged = Activity()
+    logged.sink = lambda record: handed.append(list(record.trace))
+    record = logged.begin("r1", "chat")
+    record.trace += ["model: small", Later(broken), "route: model=small"]
+    logged.finish(record, 200)
+    assert record.status == 200 and logged.get("r1") is record
+    assert handed == [["model: small", "(a trace line could not be put into words)", "route: model=small"]]
+    assert "r1: a trace line could not be put into words" in caplog.text
