@@ -7,12 +7,21 @@ from pathlib import Path
 import pytest
 
 from switchyard.bench.procs import Processes
+from switchyard.bench.prompts import LiteralText
 from switchyard.bench.results import Result
 from switchyard.bench.scenarios import SCENARIOS
 from switchyard.bench.scenarios.arms import Arm, Capacity
 from switchyard.bench.scenarios.base import BenchOptions, ScenarioContext
 from switchyard.bench.scenarios.headline.day import day
-from switchyard.bench.scenarios.headline.figures import cost_per_1k, goals_of, goodput_series, measure, tables_of
+from switchyard.bench.scenarios.headline.figures import (
+    attainment_series,
+    cost_per_1k,
+    goals_of,
+    goodput_series,
+    measure,
+    tables_of,
+    write_day_plot,
+)
 from switchyard.bench.scenarios.headline.fleet import (
     ARMS,
     AUTO_SMALL_BELOW,
@@ -36,7 +45,7 @@ from switchyard.bench.scenarios.headline.fleet import (
     ports_of,
 )
 from switchyard.bench.scenarios.headline.scenario import BACKLOG_SHARE, Headline
-from switchyard.bench.spec import RequestSpec, Workload
+from switchyard.bench.spec import Labels, RequestSpec, Workload
 from switchyard.policy import compile_policy
 from tests.unit.bench.helpers import result
 
@@ -182,3 +191,24 @@ def test_the_backlog_lasts_the_day_for_both_models_and_mixes_them_through_the_fi
     assert 0.0 < whole < 1.0
     assert large_share(lines[:half]) == pytest.approx(whole, abs=0.1)
     assert large_share(lines[half:]) == pytest.approx(whole, abs=0.1)
+
+
+def test_each_class_attainment_over_the_day_and_the_plot_of_it(tmp_path: Path) -> None:
+    good, poor = _day(SWITCHYARD, good=True), _day(ROUND_ROBIN, good=False)
+    assert attainment_series(good, 100.0, bins=10) == {cls: [1.0] * 10 for cls in CLASSES}
+    # Round-robin's even-numbered requests miss their objective: bin 0 holds critical 0, 3, 6, 9 (3 and 9 met),
+    # standard 1, 4, 7 (1 and 7), sheddable 2, 5, 8 (5).
+    poor_series = attainment_series(poor, 100.0, bins=10)
+    assert [poor_series[cls][0] for cls in CLASSES] == pytest.approx([2 / 4, 2 / 3, 1 / 3])
+    assert attainment_series(poor[:10], 100.0, bins=10)["critical"][5] is None  # nothing sent then
+    arms = []
+    for name in ARMS:
+        arm = Arm(name)
+        arm.results = _day(name, good=name not in BASELINES)
+        arms.append(arm)
+    measured = measure(arms, Workload((), 100.0, {}))
+    assert measured[ROUND_ROBIN]["attainment_series"] == attainment_series(poor, 100.0)
+    workload = Workload(tuple(RequestSpec(i, i * 1.0, LiteralText("hello"), 5, Labels(model="auto"))
+                              for i in range(100)), 100.0, {})
+    plot = write_day_plot(measured, workload, Capacity(32, 4.0, 40, 0, 10.0, 100.0, 1.0), tmp_path / "day.png")
+    assert plot.read_bytes()[:4] == b"\x89PNG"

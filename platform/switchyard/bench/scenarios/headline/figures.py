@@ -97,6 +97,7 @@ def measure(arms: Sequence[Arm], workload: Workload) -> dict[str, dict[str, Any]
             "lag_max_s": max(lags) if lags else None,
             "lag_p99_s": float(np.percentile(lags, 99)) if lags else None,
             "goodput_series": goodput_series(results, duration),
+            "attainment_series": attainment_series(results, duration),
             "batch_lines": getattr(arm, "batch_lines", 0), "batch_done": getattr(arm, "batch_done", 0),
             "batch_failed": getattr(arm, "batch_failed", 0), "batch_via": getattr(arm, "batch_via", ""),
             "peak_window_s": peak_window,
@@ -328,7 +329,7 @@ def notes_of(h: Headline, capacity: Capacity) -> list[str]:
         "health probes and breakers as Switchyard (what a load balancer with health checks also has). "
         "switchyard-no-backlog is the full policy without the backlog. The classes' TTFT objectives are declared "
         "in the Switchyard policy (`ttft_objective`) and measured the same way for every arm. No LiteLLM arm: "
-        "on this machine its proxy sustains some 60-70 streamed requests/s on one worker (the overhead scenario), "
+        "on this machine its proxy sustains some 60-80 streamed requests/s on one worker (the overhead scenario), "
         "against a day that peaks near 1.5x the fleet's capacity, so it would measure its own CPU, not its "
         "routing.",
         f"The day: the Azure conversation trace's arrivals per minute (smoothed) mapped onto {TROUGH:g}x-{PEAK:g}x "
@@ -353,12 +354,13 @@ def summary(measured: Mapping[str, Mapping[str, Any]]) -> str:
 
 def write_day_plot(measured: Mapping[str, Mapping[str, Any]], workload: Workload, capacity: Capacity,
                    path: Path) -> Path:
-    """Offered load against capacity, goodput at SLO and engine utilisation over the day, per arm."""
+    """Offered load against capacity, goodput at SLO, each class's SLO attainment (Switchyard's, and round-robin's
+    beside it) and engine utilisation over the day, per arm."""
     duration = workload.duration_s
     width = duration / DAY_BINS
     edges = np.arange(DAY_BINS + 1) * width
-    fig = Figure(figsize=(9, 9))
-    axes = fig.subplots(3, 1, sharex=True)
+    fig = Figure(figsize=(9, 12))
+    axes = fig.subplots(4, 1, sharex=True)
     arrivals = np.histogram([s.arrival_s for s in workload.specs], bins=edges)[0] / width / capacity.rps
     axes[0].stairs(arrivals, edges, label="offered load")
     axes[0].axhline(1.0, color="0.4", linestyle="--", label="capacity")
@@ -369,16 +371,26 @@ def write_day_plot(measured: Mapping[str, Mapping[str, Any]], workload: Workload
     axes[0].legend(fontsize="small", loc="upper left")
     axes[0].set_title(f"The day (grey: {OUTAGE_REGION} down)")
     axes[1].set_ylabel("goodput at SLO (req/s)")
-    axes[2].set_ylabel("engine utilisation\n(throughput in use)")
-    axes[2].set_xlabel("time of the day (s)")
+    axes[2].set_ylabel("SLO attainment per class\n(solid: switchyard,\ndotted: round-robin)")
+    axes[3].set_ylabel("engine utilisation\n(throughput in use)")
+    axes[3].set_xlabel("time of the day (s)")
     for name, row in measured.items():
         series = row.get("goodput_series") or []
         if len(series) == DAY_BINS:
             axes[1].stairs(series, edges, label=name)
         use = [np.nan if v is None else v for v in row.get("in_use_series") or row.get("utilisation_series") or []]
-        axes[2].plot(np.arange(len(use)) + 0.5, use, label=name)
+        axes[3].plot(np.arange(len(use)) + 0.5, use, label=name)
+    for name, style in ((SWITCHYARD, "-"), (ROUND_ROBIN, ":")):
+        by_class = (measured.get(name) or {}).get("attainment_series") or {}
+        for color, cls in zip(("tab:red", "tab:blue", "tab:green"), CLASSES, strict=False):
+            shares = [np.nan if v is None else v for v in by_class.get(cls) or []]
+            if len(shares) == DAY_BINS:
+                axes[2].stairs(shares, edges, linestyle=style, color=color,
+                               label=cls if name == SWITCHYARD else None)
+    axes[2].set_ylim(-0.02, 1.02)
     axes[1].legend(fontsize="small", loc="upper left")
     axes[2].legend(fontsize="small", loc="lower left")
+    axes[3].legend(fontsize="small", loc="lower left")
     FigureCanvasAgg(fig)
     fig.savefig(path, dpi=110)
     return path
@@ -397,5 +409,24 @@ def goodput_series(results: Sequence[Result], duration_s: float, bins: int = DAY
     return [c / bin_s for c in counts]
 
 
-__all__ = ["BASELINES", "goals_of", "goodput_series", "measure", "notes_of", "summary", "tables_of",
-           "write_day_plot"]
+def attainment_series(results: Sequence[Result], duration_s: float,
+                      bins: int = DAY_BINS) -> dict[str, list[float | None]]:
+    """Each class's SLO attainment in ``bins`` bins of the day, by the requests' scheduled time (None: the class
+    sent nothing then)."""
+    spec = slo_spec()
+    bin_s = duration_s / bins
+    sent = {cls: [0] * bins for cls in CLASSES}
+    met = {cls: [0] * bins for cls in CLASSES}
+    for r in results:
+        cls = r.request_class
+        if cls not in spec:
+            continue
+        i = min(bins - 1, int(r.scheduled_s // bin_s))
+        if i >= 0:
+            sent[cls][i] += 1
+            met[cls][i] += spec[cls].met(r)
+    return {cls: [m / n if n else None for m, n in zip(met[cls], sent[cls], strict=True)] for cls in CLASSES}
+
+
+__all__ = ["BASELINES", "attainment_series", "goals_of", "goodput_series", "measure", "notes_of", "summary",
+           "tables_of", "write_day_plot"]
