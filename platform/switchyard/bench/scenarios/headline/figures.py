@@ -385,7 +385,7 @@ def write_day_plot(measured: Mapping[str, Mapping[str, Any]], workload: Workload
         for color, cls in zip(("tab:red", "tab:blue", "tab:green"), CLASSES, strict=False):
             shares = [np.nan if v is None else v for v in by_class.get(cls) or []]
             if len(shares) == DAY_BINS:
-                axes[2].stairs(shares, edges, linestyle=style, color=color,
+                axes[2].stairs(shares, edges, linestyle=style, color=color, baseline=None,
                                label=cls if name == SWITCHYARD else None)
     axes[2].set_ylim(-0.02, 1.02)
     axes[1].legend(fontsize="small", loc="upper left")
