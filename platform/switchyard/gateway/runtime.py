@@ -289,7 +289,6 @@ class GatewayRuntime:
                 log.debug("response cache stats unavailable: %s", exc)
             await asyncio.sleep(CACHE_GAUGES_INTERVAL_S)
 
-
     async def _watch_loop_lag(self) -> None:
         """Time a 10 ms timer, forever: how late it fires is the event loop's lag (a metric)."""
         loop = asyncio.get_running_loop()
