@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 
 from switchyard.admin.overview import summary
+from switchyard.decide.decision import Later
 from switchyard.gateway.activity import TTFT_SAMPLES, Activity, outcome_of
 from tests.unit.gateway.helpers import T0, finish, rows
 
@@ -106,11 +110,6 @@ def test_the_cache_hit_rate_comes_with_its_base() -> None:
 
 
 def test_a_record_handed_to_the_request_log_has_its_trace_in_words_and_lets_go_of_its_objects() -> None:
-    import gc
-    import weakref
-
-    from switchyard.decide.decision import Later
-
     class Choice:  # stands for what a lazy line describes (an endpoint chosen and its scores)
         def __init__(self, url: str) -> None:
             self.url = url
@@ -144,8 +143,6 @@ def test_a_record_handed_to_the_request_log_has_its_trace_in_words_and_lets_go_o
 
 def test_a_trace_line_that_cannot_be_put_into_words_does_not_fail_the_request(
         caplog: pytest.LogCaptureFixture) -> None:
-    from switchyard.decide.decision import Later
-
     def broken() -> str:
         raise KeyError("gone")
 
