@@ -64,9 +64,9 @@ KV_GAUGES_INTERVAL_S = 1.0
 #: process on one core, ``switchyard bench --scenario overhead``'s request; the gc-pause metric): with the
 #: defaults the collector took 66-89 ms of every second, most of it in full collections, two a second, each
 #: walking every record the request log's buffer held. With its records settled (``RequestRecord.settle``) and
-#: these thresholds, 7-22 ms: a gen-0 collection every 10-60 ms of 0.2-0.4 ms, a gen-1 of 0.5-4 ms about once a
-#: second, a full collection once a minute or so. At 50,000 young objects (tried before the streams stopped
-#: being reference cycles) gen-0 pauses reached 100 ms.
+#: these thresholds, 7-22 ms: a gen-0 collection every 10-100 ms of 0.2-0.5 ms, a gen-1 of 0.5-4 ms one to eight
+#: times a second, a full collection of 10-15 ms every 10-50 s. At 50,000 young objects (tried before the streams
+#: stopped being reference cycles) gen-0 pauses reached 100 ms.
 GC_THRESHOLDS = (2000, 10, 100)
 
 T = TypeVar("T")
