@@ -401,10 +401,11 @@ class Overhead:
                "SWITCHYARD_REDIS_KEY_PREFIX": f"sy-bench-{secrets.token_hex(4)}:"}
         ctx.say(f"overhead: {n} gateway worker processes")
         handle = start_gateway(ctx.procs, f"gateway-{n}-workers", env, cpus=mine)
-        for _ in range(300 if n > 1 else 0):  # ready means one worker answers: wait (30 s at most) for all n and
-            if len(_descendants(handle.proc.pid)) >= n + 1:  # the supervisor
-                break
-            await asyncio.sleep(0.1)
+        if n > 1:  # ready means one worker answers: wait (30 s at most) for all n and the supervisor
+            for _ in range(300):
+                if len(_descendants(handle.proc.pid)) >= n + 1:
+                    break
+                await asyncio.sleep(0.1)
         row: dict[str, Any] = {"workers": n, "cpus": ",".join(map(str, mine)) or "all",
                                "note": "" if mine else "shares its CPUs with the load generator and the engine"}
         with self._alone(handle):
