@@ -11,11 +11,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import msgspec
 
 from switchyard.engines.splice import Splice, Transcript
-from switchyard.engines.upstream import UpstreamFailure, invalid
+from switchyard.engines.upstream import BROKEN, Answer, UpstreamFailure, invalid
 
 #: The default of ``Settings.upstream_max_event_bytes``: the largest single SSE event of a stream the
 #: gateway reads from an engine.
@@ -26,7 +25,7 @@ _SSE_STARTS = (b"data:", b":", b"event:", b"id:", b"retry:")
 _DONE = b"data: [DONE]"
 
 
-async def first_chunk(response: aiohttp.ClientResponse) -> bytes:
+async def first_chunk(response: Answer) -> bytes:
     """The first bytes of a streamed answer (the caller bounds the wait).
 
     Raises:
@@ -39,7 +38,7 @@ async def first_chunk(response: aiohttp.ClientResponse) -> bytes:
                                     f"{response.content_type!r}, not text/event-stream")
     try:
         chunk = await response.content.readany()
-    except (aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
+    except (*BROKEN, asyncio.IncompleteReadError) as exc:
         raise UpstreamFailure(f"{response.url} broke off before its first byte: {exc}", timeout=False) from None
     if not chunk:
         raise UpstreamFailure(f"{response.url} ended its stream before the first byte", timeout=False)
@@ -232,7 +231,7 @@ class Leg:
             on as it comes).
     """
 
-    response: aiohttp.ClientResponse
+    response: Answer
     first: bytes
     ended: Callable[[LegEnd], None]
     splice: Splice | None = None
@@ -401,7 +400,7 @@ class StreamRelay:
                     why = (f"sent an event larger than the gateway's limit of {self._max_event} bytes "
                            "(upstream_max_event_bytes)")
                     kind = "invalid"
-                except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError) as exc:
+                except (*BROKEN, TimeoutError, asyncio.IncompleteReadError) as exc:
                     if self._stalled is not None:
                         why, kind = self._stalled, "stalled"
                     elif isinstance(exc, TimeoutError):

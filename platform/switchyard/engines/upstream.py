@@ -1,8 +1,10 @@
-"""The one connection pool to the engines, and what their failures mean.
+"""The engines' clients, and what their failures mean.
 
-aiohttp, not httpx, on the hot path: on this kind of machine a Litestar proxy with aiohttp
-carries 6-8x the requests per second of the same proxy with httpx (DESIGN.md's measurements).
-A streamed answer is read and relayed by :mod:`switchyard.engines.streams`.
+Requests to engines (completions, streams, adapter loads) go through :class:`~switchyard.engines.http1.EngineClient`,
+HTTP/1.1 over httptools made for that one job (its module doc says why); the gateway's other calls to engines
+(health probes, metrics scrapes, the embedding classifiers) use an aiohttp session (:func:`create_client_session`).
+A streamed answer is read and relayed by :mod:`switchyard.engines.streams`; the readers here take an answer of
+either client.
 """
 
 from __future__ import annotations
@@ -16,11 +18,17 @@ import aiohttp
 import msgspec
 import yarl
 
+from switchyard.engines.http1 import KEEPALIVE_S, AnswerBroken, EngineClient, EngineConnectError, EngineResponse
+
 # Error texts from an engine are shown to clients; never forward more than this of them.
 MAX_ERROR_BODY = 16_384
 #: The default of ``Settings.upstream_max_response_bytes``: the largest complete answer the gateway
 #: reads from an engine.
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+#: An engine's answer, from either client.
+Answer = EngineResponse | aiohttp.ClientResponse
+#: What reading an answer raises when its connection broke (either client's).
+BROKEN = (AnswerBroken, aiohttp.ClientError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,28 +39,21 @@ class UpstreamTimeouts:
     read_s: float
 
 
-#: Idle keep-alive connections are closed before vLLM's API server closes them: it runs uvicorn with a
-#: keep-alive timeout of 5 s (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``), and a request sent on a connection the
-#: server has just closed fails with "Server disconnected" (taking the endpoint out for a cool-down).
-KEEPALIVE_S = 4.0
-
-
-def create_client_session(timeouts: UpstreamTimeouts, max_connections: int,
-                          fresh: bool = False) -> aiohttp.ClientSession:
-    """The process-wide upstream client (create it inside the app's lifespan).
-
-    ``fresh``: a client that opens a new connection for every request and keeps none, for the one
-    retry of a request whose pooled connection the engine had closed (see :func:`post`).
-    """
-    connector = (aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, force_close=True) if fresh else
-                 aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, ttl_dns_cache=300,
-                                      keepalive_timeout=KEEPALIVE_S))
+def create_client_session(timeouts: UpstreamTimeouts, max_connections: int) -> aiohttp.ClientSession:
+    """The process-wide aiohttp client for the calls to engines off the request path (create it inside the app's
+    lifespan)."""
+    connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, ttl_dns_cache=300,
+                                     keepalive_timeout=KEEPALIVE_S)
     timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_read=timeouts.read_s)
-    # (No ``skip_auto_headers``: with it aiohttp builds two header multidicts more for every request; the requests
-    # name their User-Agent instead, :data:`USER_AGENT`.) No cookie jar: a cookie one engine set would go with every
-    # later request to that host, whichever tenant sent it.
+    # No cookie jar: a cookie one engine set would go with every later request to that host.
     return aiohttp.ClientSession(connector=connector, timeout=timeout, raise_for_status=False,
                                  auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
+
+
+def create_engine_client(timeouts: UpstreamTimeouts, max_connections: int) -> EngineClient:
+    """The process-wide client of requests to engines (inside the app's lifespan: it needs the running loop)."""
+    return EngineClient(connect_s=timeouts.connect_s, read_s=timeouts.read_s, max_connections=max_connections,
+                        user_agent=USER_AGENT)
 
 
 #: The User-Agent of the gateway's requests to engines.
@@ -103,42 +104,33 @@ class EngineError:
     retry_after: str | None
 
 
-async def post(session: aiohttp.ClientSession, url: str | yarl.URL, payload: bytes, headers: Mapping[str, str],
-               fresh: aiohttp.ClientSession | None = None) -> aiohttp.ClientResponse:
-    """POST to an engine; connection failures and timeouts become :class:`UpstreamFailure`.
+async def post(client: EngineClient, url: yarl.URL, payload: bytes, headers: Mapping[str, str]) -> EngineResponse:
+    """POST to an engine (:class:`~switchyard.engines.http1.EngineClient`); the answer once its head came.
+    Connection failures and timeouts become :class:`UpstreamFailure`.
 
-    A connection closed by the engine before any answer came is tried once more, at once, on a new
-    connection (``fresh``, else the pool): that is what a pooled keep-alive connection the engine
-    had just closed looks like. On a starved machine the gateway can take the connection from the
-    pool more than :data:`KEEPALIVE_S`'s margin after the engine's idle timer started, and the
-    connections released with it are as stale, so the retry must not take another pooled one. An
-    engine that is really gone refuses the second try.
-
-    Redirects are never followed: the gateway connects only to the endpoints of its policy, so an
-    engine's 3xx is answered like any other error status (the caller's to judge).
+    A kept-alive connection the engine closed before any answer came is tried once more, at once, on a new
+    connection (the client's own rule); an engine that is really gone closes or refuses that one too. Redirects
+    are never followed: the gateway connects only to the endpoints of its policy, so an engine's 3xx is answered
+    like any other error status (the caller's to judge).
     """
     try:
-        try:
-            return await session.post(url, data=payload, headers=headers, allow_redirects=False)
-        except aiohttp.ServerDisconnectedError:
-            return await (fresh or session).post(url, data=payload, headers=headers, allow_redirects=False)
+        return await client.post(url, payload, headers)
     except TimeoutError:
         raise UpstreamFailure(f"{url} did not answer in time", timeout=True) from None
-    except aiohttp.ClientConnectorError as exc:
-        reason = exc.os_error.strerror or str(exc.os_error)
-        raise UpstreamFailure(f"cannot connect to {url}: {reason}", timeout=False, refused=True) from None
-    except aiohttp.ClientError as exc:
-        raise UpstreamFailure(f"{url}: {exc.__class__.__name__}: {exc}", timeout=False) from None
+    except EngineConnectError as exc:
+        raise UpstreamFailure(f"cannot connect to {url}: {exc.strerror or exc}", timeout=False, refused=True) from None
+    except (AnswerBroken, ValueError) as exc:
+        raise UpstreamFailure(f"{url}: {exc}", timeout=False) from None
 
 
-async def read_body(response: aiohttp.ClientResponse, max_bytes: int = MAX_RESPONSE_BYTES) -> bytes:
+async def read_body(response: Answer, max_bytes: int = MAX_RESPONSE_BYTES) -> bytes:
     """The whole body of a non-streaming 2xx answer: a JSON object of at most ``max_bytes`` (see
     :func:`read_answer`, which also gives its ``usage``)."""
     data, _ = await read_answer(response, max_bytes)
     return data
 
 
-async def read_answer(response: aiohttp.ClientResponse,
+async def read_answer(response: Answer,
                       max_bytes: int = MAX_RESPONSE_BYTES) -> tuple[bytes, dict[str, Any] | None]:
     """The whole body of a non-streaming 2xx answer, a JSON object of at most ``max_bytes``, and its
     ``usage`` object (None when it has none): the body is decoded once, for both.
@@ -170,7 +162,7 @@ async def read_answer(response: aiohttp.ClientResponse,
         return data, usage
     except TimeoutError:
         raise UpstreamFailure(f"{response.url} stopped answering mid-response", timeout=True) from None
-    except aiohttp.ClientError as exc:
+    except BROKEN as exc:
         raise UpstreamFailure(f"{response.url} broke off its answer: {exc}", timeout=False) from None
     finally:
         if ok:
@@ -193,11 +185,11 @@ def check_json_object(url: object, data: bytes) -> dict[str, Any] | None:
     return usage if isinstance(usage, dict) else None
 
 
-async def read_engine_error(response: aiohttp.ClientResponse) -> EngineError:
+async def read_engine_error(response: Answer) -> EngineError:
     """Read a non-2xx answer in either of vLLM's error shapes (or plain text)."""
     try:
         raw = await response.content.read(MAX_ERROR_BODY)
-    except (aiohttp.ClientError, TimeoutError):
+    except (*BROKEN, TimeoutError):
         raw = b""
     finally:
         response.close()

@@ -15,11 +15,11 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-import aiohttp
 import msgspec
 
 from switchyard.engines.endpoints import EndpointRegistry
-from switchyard.engines.upstream import UpstreamFailure, post
+from switchyard.engines.http1 import EngineClient
+from switchyard.engines.upstream import UpstreamFailure, engine_url, post
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.policy.fleet import Model, Pool
 
@@ -63,7 +63,7 @@ class AdapterLoader:
         if model.served_name is not None:
             self.endpoints.state(url).adapters_loaded.discard(model.served_name)
 
-    async def ensure(self, http: aiohttp.ClientSession, url: str, pool: Pool, model: Model) -> Loaded:
+    async def ensure(self, http: EngineClient, url: str, pool: Pool, model: Model) -> Loaded:
         """Load ``model``'s adapter at ``url`` unless it is known to be there; how that went.
 
         Raises:
@@ -90,13 +90,13 @@ class AdapterLoader:
         future.set_result(result)
         return result
 
-    async def _load(self, http: aiohttp.ClientSession, url: str, pool: Pool, model: Model, name: str) -> Loaded:
+    async def _load(self, http: EngineClient, url: str, pool: Pool, model: Model, name: str) -> Loaded:
         started = time.perf_counter()
         payload = msgspec.json.encode({"lora_name": name, "lora_path": model.adapter_path or name})
         outcome = "failed"
         try:
             try:
-                response = await post(http, url + "/v1/load_lora_adapter", payload,
+                response = await post(http, engine_url(url, "/v1/load_lora_adapter"), payload,
                                       {"Content-Type": "application/json"})
             except UpstreamFailure as failure:
                 raise AdapterLoadFailed(f"loading adapter {name}: {failure}") from None

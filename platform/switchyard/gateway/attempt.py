@@ -31,7 +31,6 @@ from switchyard.engines.breakers import Trial
 from switchyard.engines.splice import Transcript, stream_kind
 from switchyard.engines.streams import Leg, LegEnd, ResponsesUsage, StreamRelay, StreamUsage, first_chunk
 from switchyard.engines.upstream import (
-    USER_AGENT,
     UpstreamFailure,
     engine_url,
     post,
@@ -200,8 +199,7 @@ class Try:
         assert trial is not None
         # The engine gets an id of our own: clients may reuse theirs, and two in-flight requests with one id
         # would collide inside the engine.
-        upstream_headers = {"Content-Type": "application/json", "User-Agent": USER_AGENT,
-                            "X-Request-Id": self.ids.new()}
+        upstream_headers = {"Content-Type": "application/json", "X-Request-Id": self.ids.new()}
         req.trace.inject(self.span, upstream_headers)
         payload = req.payload_for(self.choice.pool, self.stage.model)
         deadline = self.deadline_s
@@ -218,8 +216,7 @@ class Try:
                     if refused is not None:
                         watched.timer = None
                         return refused
-                response = await post(runtime.http, engine_url(url, _PATHS[req.kind]), payload, upstream_headers,
-                                      runtime.http_fresh)
+                response = await post(runtime.engines, engine_url(url, _PATHS[req.kind]), payload, upstream_headers)
                 if response.status >= 300:
                     watched.timer = None
                     return self._engine_refused(await read_engine_error(response))
@@ -263,7 +260,7 @@ class Try:
         """Load the model's adapter at the endpoint first (runtime loading); a failed try when it would not."""
         runtime, model, req = self.runtime, self.stage.model, self.req
         try:
-            loaded = await runtime.adapters.ensure(runtime.http, self.url, self.choice.pool, model)
+            loaded = await runtime.adapters.ensure(runtime.engines, self.url, self.choice.pool, model)
         except AdapterLoadFailed as failed:
             return self.failed("adapter_load", str(failed), BadGateway(
                 f"Upstream failure in pool {self.pool}: {failed}", headers=dict(self.headers)))

@@ -21,9 +21,10 @@ from sqlmodel import Session
 from switchyard.engines.breakers import STATE_VALUE, CircuitBreaker, State
 from switchyard.engines.endpoints import EndpointRegistry
 from switchyard.engines.health import HealthProber, Target
+from switchyard.engines.http1 import EngineClient
 from switchyard.engines.latency import PoolLatencies
 from switchyard.engines.scrape import MetricsScraper
-from switchyard.engines.upstream import UpstreamTimeouts, create_client_session
+from switchyard.engines.upstream import UpstreamTimeouts, create_client_session, create_engine_client
 from switchyard.gateway.activity import Activity, RequestRecord, outcome_of
 from switchyard.gateway.adapters import AdapterLoader
 from switchyard.gateway.admission import Admitter
@@ -114,7 +115,7 @@ class GatewayRuntime:
         self._engine: Engine | None = None
         self._policy: PolicyHolder | None = None
         self._http: aiohttp.ClientSession | None = None
-        self._http_fresh: aiohttp.ClientSession | None = None  # no pooling: a retry after a stale connection
+        self._engines: EngineClient | None = None
         self._classifiers: ClassifierRunner | None = None
         self._reloader: PolicyReloader | None = None
         self._usage: UsageRecorder | None = None
@@ -211,11 +212,11 @@ class GatewayRuntime:
         return self._http
 
     @property
-    def http_fresh(self) -> aiohttp.ClientSession:
-        """A client that opens a new connection per request (only inside the lifespan)."""
-        if self._http_fresh is None:
+    def engines(self) -> EngineClient:
+        """The client of requests to engines: completions, streams, adapter loads (only inside the lifespan)."""
+        if self._engines is None:
             raise RuntimeError("the gateway is not started")
-        return self._http_fresh
+        return self._engines
 
     @property
     def classifiers(self) -> ClassifierRunner:
@@ -357,7 +358,7 @@ class GatewayRuntime:
         self._usage = UsageRecorder(self.engine)
         timeouts = UpstreamTimeouts(self.settings.upstream_connect_timeout_s, self.settings.upstream_read_timeout_s)
         self._http = create_client_session(timeouts, self.settings.upstream_max_connections)
-        self._http_fresh = create_client_session(timeouts, self.settings.upstream_max_connections, fresh=True)
+        self._engines = create_engine_client(timeouts, self.settings.upstream_max_connections)
         self._classifiers = ClassifierRunner(self._http, self.endpoints, self.metrics)
         # Objects made during start-up live as long as the process: keep them out of the collector's way.
         gc.collect()
@@ -417,8 +418,8 @@ class GatewayRuntime:
             self._classifiers = None
             await self._http.close()
             self._http = None
-            await self._http_fresh.close()
-            self._http_fresh = None
+            await self._engines.close()
+            self._engines = None
             await anyio.to_thread.run_sync(self.tracing.shutdown)  # the last spans go out
             if marker is not None:
                 marker.close()

@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import yarl
 
 from switchyard.engines import splice
 from switchyard.engines.breakers import CircuitBreaker
@@ -188,7 +189,8 @@ class HoldingServer(ScriptedServer):
 
 async def test_an_aborted_leg_breaks_as_stalled(upstream: Upstream) -> None:  # noqa: F811
     url = await upstream.serve(HoldingServer(*chunked("text/event-stream", chat("Hi"), end=False)))
-    response = await post(upstream.session, url + "/v1/completions", b"{}", {"content-type": "application/json"})
+    response = await post(upstream.client, yarl.URL(url + "/v1/completions"), b"{}",
+                          {"content-type": "application/json"})
     ends: list[LegEnd] = []
     relay = StreamRelay(Leg(response, await first_chunk(response), ends.append), lambda _: None)
     chunks = relay.chunks()

@@ -1,5 +1,6 @@
-"""The upstream client against loopback servers: connections closed without an answer, redirects (never
-followed), and answers that are no answer (wrong type, not JSON, too large, streams cut short)."""
+"""The engines' client against loopback servers: connections closed without an answer, redirects (never
+followed), and answers that are no answer (wrong type, not JSON, too large, streams cut short). The client's own
+rules (keep-alive, the connection limit, timeouts, framing) are in ``test_http1.py``."""
 
 from __future__ import annotations
 
@@ -8,15 +9,16 @@ import gc
 import weakref
 from collections.abc import AsyncIterator
 
-import aiohttp
 import msgspec
 import pytest
+import yarl
 
+from switchyard.engines.http1 import EngineClient, EngineResponse
 from switchyard.engines.streams import Leg, ResponsesUsage, StreamRelay, first_chunk
 from switchyard.engines.upstream import (
     UpstreamFailure,
     UpstreamTimeouts,
-    create_client_session,
+    create_engine_client,
     post,
     read_body,
     read_engine_error,
@@ -51,32 +53,50 @@ class ClosingServer:
 async def _post_to(server: ClosingServer) -> tuple[int, int]:
     listener = await asyncio.start_server(server.handle, "127.0.0.1", 0)
     port = listener.sockets[0].getsockname()[1]
-    timeouts = UpstreamTimeouts(connect_s=2, read_s=5)
-    session = create_client_session(timeouts, max_connections=4)
-    fresh = create_client_session(timeouts, max_connections=4, fresh=True)
+    client = create_engine_client(UpstreamTimeouts(connect_s=2, read_s=5), max_connections=4)
+    url = yarl.URL(f"http://127.0.0.1:{port}/v1/completions")
     try:
-        response = await post(session, f"http://127.0.0.1:{port}/v1/completions", b'{"prompt": "x"}',
-                              {"content-type": "application/json"}, fresh)
+        # A first request on a new connection, kept alive: the server's close of it comes on the second.
+        first = await post(client, url, b'{"prompt": "x"}', {"content-type": "application/json"})
+        assert await first.read() == BODY
+        first.release()
+        server.requests = 0
+        response = await post(client, url, b'{"prompt": "x"}', {"content-type": "application/json"})
         body = await response.read()
         assert body == BODY
         return response.status, server.requests
     finally:
-        await session.close()
-        await fresh.close()
+        await client.close()
         listener.close()
         await listener.wait_closed()
 
 
-async def test_a_connection_closed_before_any_answer_is_tried_once_more() -> None:
-    status, requests = await _post_to(ClosingServer(drops=1))
+class ClosingAfterFirst(ClosingServer):
+    """Answers the first request, then closes the next ``drops`` connections at their first request."""
+
+    def __init__(self, drops: int) -> None:
+        super().__init__(drops)
+        self.answered_first = False
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self.answered_first:
+            self.answered_first = True
+            await read_request(reader)
+            writer.write(ANSWER)
+            await writer.drain()
+        await super().handle(reader, writer)
+
+
+async def test_a_kept_alive_connection_closed_before_any_answer_is_tried_once_more_on_a_new_one() -> None:
+    status, requests = await _post_to(ClosingAfterFirst(drops=1))
     assert (status, requests) == (200, 2)
 
 
 async def test_a_second_close_is_a_broken_upstream_not_a_third_try() -> None:
-    server = ClosingServer(drops=2)
+    server = ClosingAfterFirst(drops=2)
     with pytest.raises(UpstreamFailure) as failure:
         await _post_to(server)
-    assert failure.value.kind == "broken" and "ServerDisconnected" in str(failure.value)
+    assert failure.value.kind == "broken" and "closed before any answer" in str(failure.value)
     assert server.requests == 2
 
 
@@ -129,12 +149,10 @@ def chunked(content_type: str, *parts: bytes, end: bool = True) -> list[bytes]:
 
 
 class Upstream:
-    """Servers on loopback and the gateway's two client sessions."""
+    """Servers on loopback and the gateway's engine client."""
 
     def __init__(self) -> None:
-        timeouts = UpstreamTimeouts(connect_s=2, read_s=5)
-        self.session = create_client_session(timeouts, max_connections=4)
-        self.fresh = create_client_session(timeouts, max_connections=4, fresh=True)
+        self.client: EngineClient = create_engine_client(UpstreamTimeouts(connect_s=2, read_s=5), max_connections=4)
         self.listeners: list[asyncio.Server] = []
 
     async def serve(self, server: ScriptedServer) -> str:
@@ -142,14 +160,12 @@ class Upstream:
         self.listeners.append(listener)
         return f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
 
-    async def post(self, *pieces: bytes) -> aiohttp.ClientResponse:
+    async def post(self, *pieces: bytes) -> EngineResponse:
         url = await self.serve(ScriptedServer(*pieces))
-        return await post(self.session, url + "/v1/completions", b"{}", {"content-type": "application/json"},
-                          self.fresh)
+        return await post(self.client, yarl.URL(url + "/v1/completions"), b"{}", {"content-type": "application/json"})
 
     async def close(self) -> None:
-        await self.session.close()
-        await self.fresh.close()
+        await self.client.close()
         for listener in self.listeners:
             listener.close()
 
@@ -215,9 +231,9 @@ async def test_a_cookie_an_engine_sets_is_never_sent_on(upstream: Upstream) -> N
     listener = await asyncio.start_server(handle, "127.0.0.1", 0)
     upstream.listeners.append(listener)
     # (A name, not an address: a cookie jar takes no cookie from an IP address.)
-    url = f"http://localhost:{listener.sockets[0].getsockname()[1]}/v1/completions"
+    url = yarl.URL(f"http://localhost:{listener.sockets[0].getsockname()[1]}/v1/completions")
     for _ in range(2):
-        response = await post(upstream.session, url, b"{}", {"content-type": "application/json"}, upstream.fresh)
+        response = await post(upstream.client, url, b"{}", {"content-type": "application/json"})
         assert await read_body(response) == b"{}"
     assert len(heads) == 2 and not any(b"\r\ncookie:" in head for head in heads)
 

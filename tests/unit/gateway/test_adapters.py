@@ -4,14 +4,16 @@ engine's refusal means (a real HTTP server on loopback answers as vLLM does)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import aiohttp
 import pytest
 from aiohttp import web
 
 from switchyard.engines.endpoints import EndpointRegistry
+from switchyard.engines.http1 import EngineClient
+from switchyard.engines.upstream import UpstreamTimeouts, create_engine_client
 from switchyard.gateway.adapters import AdapterLoader, AdapterLoadFailed
 from switchyard.gateway.metrics import GatewayMetrics
 from switchyard.policy.fleet import Model, Pool
@@ -58,6 +60,16 @@ def loader() -> AdapterLoader:
     return AdapterLoader(EndpointRegistry(), GatewayMetrics())
 
 
+@contextlib.asynccontextmanager
+async def engine_client() -> AsyncIterator[EngineClient]:
+    """The gateway's client of requests to engines (adapter loads go through it)."""
+    client = create_engine_client(UpstreamTimeouts(connect_s=2, read_s=10), max_connections=8)
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
 def loads(metrics: GatewayMetrics, outcome: str) -> float:
     return metrics.adapter_loads.labels("lora-us", "support", outcome)._value.get()
 
@@ -66,7 +78,7 @@ async def test_an_adapter_is_loaded_once_per_replica_and_concurrent_requests_sha
     adapters = loader()
     assert adapters.needed(POOL, ADAPTER) and not adapters.loaded(engine.url, ADAPTER)
     engine.delay = 0.2
-    async with aiohttp.ClientSession() as http:
+    async with engine_client() as http:
         results = await asyncio.gather(*(adapters.ensure(http, engine.url, POOL, ADAPTER) for _ in range(5)))
     assert engine.bodies == [{"lora_name": "support-v1", "lora_path": "/adapters/s"}]
     assert sorted(r.outcome for r in results) == ["loaded", "shared", "shared", "shared", "shared"]
@@ -78,7 +90,7 @@ async def test_an_adapter_is_loaded_once_per_replica_and_concurrent_requests_sha
     # An engine that has it already (another gateway loaded it) counts as loaded.
     engine.status, engine.text = 400, ('{"error":{"message":"The lora adapter \'support-v1\' has already been loaded. '
                                        'If you want to load the adapter in place, set \'load_inplace\' to True."}}')
-    async with aiohttp.ClientSession() as http:
+    async with engine_client() as http:
         assert (await adapters.ensure(http, engine.url, POOL, ADAPTER)).outcome == "already"
     assert adapters.loaded(engine.url, ADAPTER) and loads(adapters.metrics, "already") == 1
 
@@ -86,7 +98,7 @@ async def test_an_adapter_is_loaded_once_per_replica_and_concurrent_requests_sha
 async def test_an_engine_that_will_not_load_it_fails_the_load_with_its_reason(engine: Engine) -> None:
     adapters = loader()
     engine.status, engine.text = 500, "Call to add_lora method failed: LoRA is not enabled."
-    async with aiohttp.ClientSession() as http:
+    async with engine_client() as http:
         with pytest.raises(AdapterLoadFailed, match=r"refused to load adapter support-v1 \(500\).*not enabled"):
             await adapters.ensure(http, engine.url, POOL, ADAPTER)
         assert not adapters.loaded(engine.url, ADAPTER) and loads(adapters.metrics, "failed") == 1
