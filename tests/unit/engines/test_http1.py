@@ -353,3 +353,23 @@ async def test_a_connection_that_does_not_open_in_time_is_a_timeout_not_a_refusa
     with pytest.raises(TimeoutError) as raised:
         await client.post(yarl.URL("http://127.0.0.1:9/v1/completions"), b"{}", {})
     assert not isinstance(raised.value, EngineConnectError) and client.open_connections == 0
+
+
+async def test_credentials_in_an_endpoints_url_are_sent_as_basic_authentication(client: EngineClient) -> None:
+    heads: list[bytes] = []
+
+    async def keep(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head, _ = await read_request(reader)
+        heads.append(head)
+        writer.write(answer(b"{}"))
+        await writer.drain()
+
+    server, url = await _serve(keep)
+    try:
+        response = await client.post(url.with_user("svc").with_password("s3cret"), b"{}", {})
+        await response.read()
+        response.release()
+        assert b"Authorization: Basic c3ZjOnMzY3JldA==" in heads[0].split(b"\r\n")
+        assert f"Host: 127.0.0.1:{url.port}".encode() in heads[0].split(b"\r\n")
+    finally:
+        server.close()
