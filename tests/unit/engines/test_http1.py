@@ -4,6 +4,7 @@ the connection limit, timeouts, an answer's framing, bounded reading, and what i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -70,14 +71,44 @@ async def client() -> AsyncIterator[EngineClient]:
     await engines.close()
 
 
-async def _serve(handler: Handler) -> tuple[Server, yarl.URL]:
+@contextlib.asynccontextmanager
+async def serving(handler: Handler) -> AsyncIterator[tuple[Server, yarl.URL]]:
+    """A :class:`Server` running ``handler``, and its URL."""
     server = Server(handler)
-    return server, await server.start()
+    url = await server.start()
+    try:
+        yield server, url
+    finally:
+        server.close()
+
+
+def answering(raw: bytes, hold_s: float = 0.0) -> Handler:
+    """Reads one request, writes ``raw`` (nothing when empty), then holds the connection ``hold_s`` and closes it."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        if raw:
+            writer.write(raw)
+            await writer.drain()
+        await asyncio.sleep(hold_s)
+
+    return handler
+
+
+def recording(heads: list[bytes]) -> Handler:
+    """Answers one request ``{}``, keeping its head in ``heads``."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head, _ = await read_request(reader)
+        heads.append(head)
+        writer.write(answer(b"{}"))
+        await writer.drain()
+
+    return handler
 
 
 async def test_a_connection_is_kept_alive_and_reused(client: EngineClient) -> None:
-    server, url = await _serve(echo_forever)
-    try:
+    async with serving(echo_forever) as (server, url):
         for i in range(5):
             response = await client.post(url, b'{"n": %d}' % i, {"Content-Type": "application/json"})
             assert response.status == 200 and await response.read() == b'{"n": %d}' % i
@@ -85,56 +116,48 @@ async def test_a_connection_is_kept_alive_and_reused(client: EngineClient) -> No
             response.release()
             assert not response.closed
         assert server.connections == 1 and client.open_connections == 1
-    finally:
-        server.close()
 
 
 async def test_the_request_head_names_the_host_agent_length_and_the_callers_headers(client: EngineClient) -> None:
     heads: list[bytes] = []
-
-    async def keep(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head, _ = await read_request(reader)
-        heads.append(head)
-        writer.write(answer(b"{}"))
-        await writer.drain()
-
-    server, url = await _serve(keep)
-    try:
+    async with serving(recording(heads)) as (_, url):
         response = await client.post(url.with_query(a="1"), b"{}", {"X-Request-Id": "r-1"})
         await response.read()
         response.release()
-        lines = heads[0].split(b"\r\n")
-        assert lines[0] == b"POST /v1/completions?a=1 HTTP/1.1"
-        assert f"Host: 127.0.0.1:{url.port}".encode() in lines
-        assert b"User-Agent: switchyard-test" in lines and b"X-Request-Id: r-1" in lines
-        assert b"Content-Length: 2" in lines
-        assert not any(line.lower().startswith((b"accept-encoding", b"cookie")) for line in lines)
-    finally:
-        server.close()
+    lines = heads[0].split(b"\r\n")
+    assert lines[0] == b"POST /v1/completions?a=1 HTTP/1.1"
+    assert f"Host: 127.0.0.1:{url.port}".encode() in lines
+    assert b"User-Agent: switchyard-test" in lines and b"X-Request-Id: r-1" in lines
+    assert b"Content-Length: 2" in lines
+    assert not any(line.lower().startswith((b"accept-encoding", b"cookie", b"authorization")) for line in lines)
+
+
+async def test_credentials_in_an_endpoints_url_are_sent_as_basic_authentication(client: EngineClient) -> None:
+    heads: list[bytes] = []
+    async with serving(recording(heads)) as (_, url):
+        response = await client.post(url.with_user("svc").with_password("s3cret"), b"{}", {})
+        await response.read()
+        response.release()
+    lines = heads[0].split(b"\r\n")
+    assert b"Authorization: Basic c3ZjOnMzY3JldA==" in lines and f"Host: 127.0.0.1:{url.port}".encode() in lines
 
 
 async def test_a_header_with_a_line_break_is_never_sent(client: EngineClient) -> None:
-    server, url = await _serve(echo_forever)
-    try:
+    async with serving(echo_forever) as (server, url):
         with pytest.raises(ValueError, match="line break"):
             await client.post(url, b"{}", {"X-Evil": "a\r\nX-Injected: 1"})
         assert server.connections == 0
-    finally:
-        server.close()
 
 
 async def test_an_idle_connection_past_the_keepalive_is_not_reused(client: EngineClient) -> None:
     client.keepalive_s = 0.05
-    server, url = await _serve(echo_forever)
-    try:
+    async with serving(echo_forever) as (server, url):
         for _ in range(2):
             response = await client.post(url, b"{}", {})
             await response.read()
             response.release()
             await asyncio.sleep(0.1)
         assert server.connections == 2 and client.open_connections == 1  # the stale one was closed
-    finally:
-        server.close()
 
 
 async def test_past_the_connection_limit_a_request_waits_for_one_to_come_free(client: EngineClient) -> None:
@@ -147,8 +170,7 @@ async def test_past_the_connection_limit_a_request_waits_for_one_to_come_free(cl
             writer.write(answer(b"{}"))
             await writer.drain()
 
-    server, url = await _serve(slow)
-    try:
+    async with serving(slow) as (server, url):
         posts = [asyncio.create_task(client.post(url, b"{}", {})) for _ in range(6)]
         await asyncio.sleep(0.1)
         assert client.open_connections == 4 and server.connections == 4 and not any(p.done() for p in posts)
@@ -158,47 +180,28 @@ async def test_past_the_connection_limit_a_request_waits_for_one_to_come_free(cl
             assert await response.read() == b"{}"
             response.release()
         assert server.connections == 4  # the last two went on connections given back
-    finally:
-        server.close()
 
 
 async def test_at_the_limit_an_idle_connection_to_another_engine_makes_room(client: EngineClient) -> None:
-    servers = [await _serve(echo_forever) for _ in range(5)]
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        servers = [await stack.enter_async_context(serving(echo_forever)) for _ in range(5)]
         for _server, url in servers:
             response = await client.post(url, b"{}", {})
             await response.read()
             response.release()
         assert client.open_connections == 4 and sum(s.connections for s, _ in servers) == 5
-    finally:
-        for server, _ in servers:
-            server.close()
 
 
 async def test_an_engine_silent_past_the_read_timeout_is_a_timeout(client: EngineClient) -> None:
-    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        await asyncio.sleep(5)
-
-    server, url = await _serve(silent)
-    try:
+    async with serving(answering(b"", hold_s=5)) as (_, url):
         client.read_s = 0.1
         with pytest.raises(TimeoutError):
             await client.post(url, b"{}", {})
         assert client.open_connections == 0  # the connection is closed, not kept
-    finally:
-        server.close()
 
 
 async def test_a_body_that_stops_coming_is_a_timeout_and_its_connection_closed(client: EngineClient) -> None:
-    async def half(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n12345")
-        await writer.drain()
-        await asyncio.sleep(5)
-
-    server, url = await _serve(half)
-    try:
+    async with serving(answering(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n12345", hold_s=5)) as (_, url):
         response = await client.post(url, b"{}", {})
         response._conn.read_s = 0.1
         assert await response.readany() == b"12345"
@@ -206,8 +209,6 @@ async def test_a_body_that_stops_coming_is_a_timeout_and_its_connection_closed(c
             await response.readany()
         response.close()
         assert response.closed and client.open_connections == 0
-    finally:
-        server.close()
 
 
 async def test_a_refused_connection_is_a_connect_error(client: EngineClient) -> None:
@@ -219,6 +220,18 @@ async def test_a_refused_connection_is_a_connect_error(client: EngineClient) -> 
     assert client.open_connections == 0
 
 
+async def test_a_connection_that_does_not_open_in_time_is_a_timeout_not_a_refusal(
+        client: EngineClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def never(*_args: object, **_kwargs: object) -> None:
+        await asyncio.sleep(5)
+
+    client.connect_s = 0.05
+    monkeypatch.setattr(client.loop, "create_connection", never)
+    with pytest.raises(TimeoutError) as raised:
+        await client.post(yarl.URL("http://127.0.0.1:9/v1/completions"), b"{}", {})
+    assert not isinstance(raised.value, EngineConnectError) and client.open_connections == 0
+
+
 async def test_an_answer_ended_by_the_connections_close_is_read_whole(client: EngineClient) -> None:
     async def closing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
@@ -228,46 +241,24 @@ async def test_an_answer_ended_by_the_connections_close_is_read_whole(client: En
         writer.write(b"it")
         await writer.drain()
 
-    server, url = await _serve(closing)
-    try:
+    async with serving(closing) as (_, url):
         response = await client.post(url, b"{}", {})
         assert await response.read() == b"all of it"
         response.release()
         assert response.closed  # the engine said close
-    finally:
-        server.close()
 
 
-async def test_a_connection_cut_mid_answer_is_a_broken_answer(client: EngineClient) -> None:
-    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly this")
-        await writer.drain()
-
-    server, url = await _serve(cut)
-    try:
-        response = await client.post(url, b"{}", {})
-        with pytest.raises(AnswerBroken, match="before the answer's end"):
+@pytest.mark.parametrize(("raw", "where", "why"), [
+    (b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly this", "read", "before the answer's end"),
+    (b"SSH-2.0-OpenSSH_9.6\r\n\r\n", "post", "no HTTP"),
+])
+async def test_an_answer_cut_short_or_that_is_no_http_is_broken(client: EngineClient, raw: bytes, where: str,
+                                                                  why: str) -> None:
+    async with serving(answering(raw, hold_s=0 if where == "read" else 1)) as (_, url):
+        with pytest.raises(AnswerBroken, match=why):
+            response = await client.post(url, b"{}", {})
             await response.read()
-        response.close()
-    finally:
-        server.close()
-
-
-async def test_bytes_that_are_no_http_are_a_broken_answer(client: EngineClient) -> None:
-    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
-        await writer.drain()
-        await asyncio.sleep(1)
-
-    server, url = await _serve(garbage)
-    try:
-        with pytest.raises(AnswerBroken, match="no HTTP"):
-            await client.post(url, b"{}", {})
-        assert client.open_connections == 0
-    finally:
-        server.close()
+        assert where == "read" or client.open_connections == 0
 
 
 async def test_reading_pauses_while_much_is_unread_and_nothing_is_lost(client: EngineClient,
@@ -285,8 +276,7 @@ async def test_reading_pauses_while_much_is_unread_and_nothing_is_lost(client: E
         writer.write(b"0\r\n\r\n")
         await writer.drain()
 
-    server, url = await _serve(big)
-    try:
+    async with serving(big) as (_, url):
         response = await client.post(url, b"{}", {})
         await asyncio.sleep(0.3)  # the engine writes while nobody reads
         assert response._size < 64 * 1024 + 1024 * 1024  # (the pause, and what the kernel's buffers held)
@@ -297,8 +287,6 @@ async def test_reading_pauses_while_much_is_unread_and_nothing_is_lost(client: E
         assert total == len(part) * parts
         response.release()
         assert not response.closed
-    finally:
-        server.close()
 
 
 async def test_a_request_cancelled_while_it_waits_closes_its_connection(client: EngineClient) -> None:
@@ -311,8 +299,7 @@ async def test_a_request_cancelled_while_it_waits_closes_its_connection(client: 
         if not await reader.read(1):  # the client closed its side
             gone.set()
 
-    server, url = await _serve(waits)
-    try:
+    async with serving(waits) as (_, url):
         post = asyncio.create_task(client.post(url, b"{}", {}))
         await seen.wait()
         post.cancel()
@@ -320,56 +307,14 @@ async def test_a_request_cancelled_while_it_waits_closes_its_connection(client: 
             await post
         await asyncio.wait_for(gone.wait(), 2)  # the engine sees the connection close (and aborts the request)
         assert client.open_connections == 0
-    finally:
-        server.close()
 
 
 async def test_an_error_status_is_an_answer_with_its_reason_and_headers(client: EngineClient) -> None:
-    async def busy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 3\r\ncontent-length: 4\r\n\r\nbusy")
-        await writer.drain()
-        await asyncio.sleep(1)
-
-    server, url = await _serve(busy)
-    try:
+    busy = b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 3\r\ncontent-length: 4\r\n\r\nbusy"
+    async with serving(answering(busy, hold_s=1)) as (_, url):
         response = await client.post(url, b"{}", {})
         assert (response.status, response.reason, response.headers["retry-after"]) == (503, "Service Unavailable",
                                                                                         "3")
         assert await response.content.read(2) == b"bu"
         response.release()
         assert response.closed  # what was left unread never goes back to the pool
-    finally:
-        server.close()
-
-
-async def test_a_connection_that_does_not_open_in_time_is_a_timeout_not_a_refusal(
-        client: EngineClient, monkeypatch: pytest.MonkeyPatch) -> None:
-    async def never(*_args: object, **_kwargs: object) -> None:
-        await asyncio.sleep(5)
-
-    client.connect_s = 0.05
-    monkeypatch.setattr(client.loop, "create_connection", never)
-    with pytest.raises(TimeoutError) as raised:
-        await client.post(yarl.URL("http://127.0.0.1:9/v1/completions"), b"{}", {})
-    assert not isinstance(raised.value, EngineConnectError) and client.open_connections == 0
-
-
-async def test_credentials_in_an_endpoints_url_are_sent_as_basic_authentication(client: EngineClient) -> None:
-    heads: list[bytes] = []
-
-    async def keep(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head, _ = await read_request(reader)
-        heads.append(head)
-        writer.write(answer(b"{}"))
-        await writer.drain()
-
-    server, url = await _serve(keep)
-    try:
-        response = await client.post(url.with_user("svc").with_password("s3cret"), b"{}", {})
-        await response.read()
-        response.release()
-        assert b"Authorization: Basic c3ZjOnMzY3JldA==" in heads[0].split(b"\r\n")
-        assert f"Host: 127.0.0.1:{url.port}".encode() in heads[0].split(b"\r\n")
-    finally:
-        server.close()
