@@ -395,10 +395,11 @@ class EngineClient:
         read_s: The longest wait for an answer's next bytes.
         max_connections: Connections open at most, to every engine together.
         user_agent: The ``User-Agent`` of every request.
+        tls: How ``https`` engines are checked (default: the system's CA store, the host name verified).
     """
 
     def __init__(self, *, connect_s: float, read_s: float, max_connections: int, user_agent: str,
-                 keepalive_s: float = KEEPALIVE_S) -> None:
+                 keepalive_s: float = KEEPALIVE_S, tls: ssl.SSLContext | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.connect_s = connect_s
         self.read_s = read_s
@@ -409,7 +410,7 @@ class EngineClient:
         self._open: set[_Connection] = set()
         self._waiting: deque[asyncio.Future[None]] = deque()
         self._starts: dict[yarl.URL, bytes] = {}
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl = tls
         self.closed = False
 
     @property

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
 import yarl
@@ -318,3 +321,60 @@ async def test_an_error_status_is_an_answer_with_its_reason_and_headers(client: 
         assert await response.content.read(2) == b"bu"
         response.release()
         assert response.closed  # what was left unread never goes back to the pool
+
+
+def _tls_pair(tmp_path: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """A server context with a certificate for ``localhost`` signed by a CA made here, and a client context that
+    trusts only that CA."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def certificate(subject: str, key: ec.EllipticCurvePrivateKey, issuer: str, signer: ec.EllipticCurvePrivateKey,
+                    ca: bool) -> x509.Certificate:
+        builder = (x509.CertificateBuilder()
+                   .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+                   .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(hours=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if not ca:
+            builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(subject)]), critical=False)
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_cert = certificate("test CA", ca_key, "test CA", ca_key, ca=True)
+    server_cert = certificate("localhost", server_key, "test CA", ca_key, ca=False)
+    (tmp_path / "server.pem").write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "server.key").write_bytes(server_key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(tmp_path / "server.pem", tmp_path / "server.key")
+    client = ssl.create_default_context(cadata=ca_cert.public_bytes(serialization.Encoding.PEM).decode())
+    return server, client
+
+
+async def test_an_https_engine_is_reached_over_tls_and_its_certificate_checked(tmp_path: Path) -> None:
+    server_tls, client_tls = _tls_pair(tmp_path)
+    listener = await asyncio.start_server(echo_forever, "127.0.0.1", 0, ssl=server_tls)
+    port = listener.sockets[0].getsockname()[1]
+    trusting = EngineClient(connect_s=2, read_s=2, max_connections=2, user_agent="t", tls=client_tls)
+    strict = EngineClient(connect_s=2, read_s=2, max_connections=2, user_agent="t")  # the system's CA store
+    try:
+        for _ in range(2):
+            response = await trusting.post(yarl.URL(f"https://localhost:{port}/v1/completions"), b'{"x": 1}', {})
+            assert await response.read() == b'{"x": 1}'
+            response.release()
+        assert trusting.open_connections == 1  # kept alive over TLS too
+        with pytest.raises(EngineConnectError):  # a certificate no trusted CA signed
+            await strict.post(yarl.URL(f"https://localhost:{port}/v1/completions"), b"{}", {})
+        with pytest.raises(EngineConnectError):  # a certificate for another name
+            await trusting.post(yarl.URL(f"https://127.0.0.1:{port}/v1/completions"), b"{}", {})
+    finally:
+        await trusting.close()
+        await strict.close()
+        listener.close()
