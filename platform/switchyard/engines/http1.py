@@ -275,14 +275,11 @@ class _Connection(asyncio.Protocol):
             self._failed(AnswerBroken(f"an answer that is no HTTP ({exc})"))
             self.shut()
 
-    def eof_received(self) -> bool | None:
-        return None  # (the transport closes; connection_lost follows)
-
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         answer = self.answer
         if answer is not None and not answer._complete:
-            if self.head is None and not answer._complete and self._ends_at_close():
+            if self.head is None and self._ends_at_close():
                 answer._ended()  # an answer without a length ends where its connection does
             else:
                 why = f" ({exc.__class__.__name__}: {exc})" if exc is not None else ""
@@ -431,26 +428,13 @@ class EngineClient:
             raise RuntimeError("the engine client is closed")
         request = self._request(url, body, headers)
         key = (url.scheme, url.raw_host or "", url.port or _DEFAULT_PORTS.get(url.scheme, 0))
-        conn = self._take(key)
+        conn = self._take(key) or await self._room(url, key)
         if conn is None:
-            conn = await self._acquire(url, key)
-            if conn.transport is None:
-                await self._connect(conn, url)
-            else:  # (one given back while this request waited for room)
-                return await self._resend(conn, url, key, request)
-            return await conn.send(url, request)
-        return await self._resend(conn, url, key, request)
-
-    async def _resend(self, conn: _Connection, url: yarl.URL, key: tuple[str, str, int],
-                      request: bytes) -> EngineResponse:
-        """Send on a kept-alive connection; once more on a new one if the engine had closed it."""
+            return await (await self._connect(url, key)).send(url, request)
         try:
             return await conn.send(url, request)
         except _Disconnected:  # the engine closed the kept-alive connection as it was sent: once more, on a new one
-            fresh = _Connection(self, key)
-            self._open.add(fresh)
-            await self._connect(fresh, url)
-            return await fresh.send(url, request)
+            return await (await self._connect(url, key)).send(url, request)
 
     def _request(self, url: yarl.URL, body: bytes, headers: Mapping[str, str]) -> bytes:
         start = self._starts.get(url)
@@ -482,9 +466,8 @@ class EngineClient:
             return conn
         return None
 
-    async def _acquire(self, url: yarl.URL, key: tuple[str, str, int]) -> _Connection:
-        """A connection for ``key``: an idle one given back while this waited, or room for a new one (not yet
-        connected; counted among the open ones)."""
+    async def _room(self, url: yarl.URL, key: tuple[str, str, int]) -> _Connection | None:
+        """Room for a new connection (None), or an idle one for ``key`` given back while this waited for room."""
         if key[0] not in _DEFAULT_PORTS:
             raise ValueError(f"{url}: only http and https engines are served")
         while len(self._open) >= self.max_connections:
@@ -500,13 +483,13 @@ class EngineClient:
             conn = self._take(key)
             if conn is not None:
                 return conn
+        return None
+
+    async def _connect(self, url: yarl.URL, key: tuple[str, str, int]) -> _Connection:
+        """A new connection for ``key``, open (counted among the open ones while it opens)."""
         conn = _Connection(self, key)
         self._open.add(conn)
-        return conn
-
-    async def _connect(self, conn: _Connection, url: yarl.URL) -> None:
-        """Open ``conn`` (counted among the open ones already; given up on failure)."""
-        scheme, host, port = conn.key
+        scheme, host, port = key
         tls = None
         if scheme == "https":
             if self._ssl is None:
@@ -524,6 +507,7 @@ class EngineClient:
         except BaseException:
             self._lost(conn)
             raise
+        return conn
 
     def _close_an_idle_one(self) -> bool:
         oldest: _Connection | None = None
