@@ -1,4 +1,5 @@
-"""The gateway's HTTP protocol in-process, on a fake transport: head size, slow heads, stalled bodies.
+"""The gateway's HTTP protocol in-process, on a fake transport: head size, slow heads, stalled bodies, and answers
+written in one piece.
 
 (tests/integration/test_limits.py does the same over real sockets against a gateway process.)
 """
@@ -23,12 +24,15 @@ class FakeTransport(asyncio.Transport):
     def __init__(self) -> None:
         super().__init__()
         self.written = bytearray()
+        #: Each write, as it came.
+        self.writes: list[bytes] = []
         self.closed = False
         self.eof = False
         self.paused = False
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self.written += data
+        self.writes.append(bytes(data))
 
     def is_closing(self) -> bool:
         return self.closed
@@ -187,4 +191,77 @@ async def test_a_body_held_back_by_the_server_is_not_the_clients_pause() -> None
     for _ in range(5):
         await asyncio.sleep(0)
     assert bytes(transport.written).startswith(b"HTTP/1.1 200") and bytes(transport.written).endswith(b"70010")
+    protocol.connection_lost(None)
+
+
+async def turns(n: int = 5) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def test_a_whole_answer_is_written_in_one_piece_on_a_kept_alive_connection() -> None:
+    protocol, transport = connect()
+    for body in (b"hello", b""):
+        transport.writes.clear()
+        protocol.data_received(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        await turns()
+        assert len(transport.writes) == 1, transport.writes  # head and body: one write
+        head, _, sent = transport.writes[0].partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and b"content-length: " in head and sent == str(len(body)).encode()
+    assert not transport.closed
+    protocol.connection_lost(None)
+
+
+def _streaming_app(go_on: asyncio.Event) -> Any:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await go_on.wait()
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    return app
+
+
+async def test_a_streams_head_is_written_before_its_first_chunk() -> None:
+    go_on = asyncio.Event()
+    protocol, transport = connect(app=_streaming_app(go_on))
+    protocol.data_received(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+    await turns()
+    assert len(transport.writes) == 1 and b"transfer-encoding: chunked" in transport.writes[0]  # not held back
+    go_on.set()
+    await turns()
+    assert transport.writes[1:] == [b"9\r\ndata: 1\n\n\r\n", b"0\r\n\r\n"]
+    protocol.connection_lost(None)
+
+
+async def test_a_head_request_and_a_bodiless_status_get_their_head_at_once() -> None:
+    async def no_content(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await asyncio.sleep(3600)  # (its body message never comes)
+
+    protocol, transport = connect()
+    protocol.data_received(b"HEAD / HTTP/1.1\r\nHost: x\r\n\r\n")
+    await turns()
+    assert len(transport.writes) == 1 and b"content-length: 1" in transport.writes[0]
+    assert transport.writes[0].endswith(b"\r\n\r\n")  # the head only
+    protocol.connection_lost(None)
+    protocol, transport = connect(app=no_content)
+    protocol.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    await turns()
+    assert [w.split(b"\r\n")[0] for w in transport.writes] == [b"HTTP/1.1 204 No Content"]
+    protocol.connection_lost(None)
+
+
+async def test_an_app_failing_after_its_head_gets_the_head_written_and_the_connection_closed() -> None:
+    async def failing(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"10")]})
+        raise RuntimeError("a bug")
+
+    protocol, transport = connect(app=failing)
+    protocol.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    await turns()
+    assert len(transport.writes) == 1 and transport.writes[0].startswith(b"HTTP/1.1 200")
+    assert transport.closed and protocol.cycle.transport is transport
     protocol.connection_lost(None)
