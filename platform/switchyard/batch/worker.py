@@ -348,6 +348,8 @@ class BatchWorker:
             else:
                 await self._finish(line, error.status_code, None, detail)
             return
+        if response.background is not None:  # (the request's end: its record and accounting, as after a client's)
+            await response.background()
         self._served(line.tenant_id)
         content = response.content if isinstance(response.content, bytes) else msgspec.json.encode(response.content)
         await self._finish(line, response.status_code or 200, msgspec.json.decode(content),

@@ -17,7 +17,9 @@ in a task of its own (:mod:`switchyard.gateway.hedge`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from litestar import Response
@@ -56,6 +58,20 @@ from switchyard.gateway.watchdog import Watched
 
 if TYPE_CHECKING:
     from switchyard.gateway.runtime import GatewayRuntime
+
+log = logging.getLogger("switchyard.gateway")
+
+
+class _AfterAnswer(BackgroundTask):
+    """A whole answer's background (:meth:`Try._after_whole`): Litestar's task, without its check, on every
+    request, of whether the function given is a coroutine function (this one is)."""
+
+    __slots__ = ()
+
+    def __init__(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        self.fn = fn
+        self.args = args  # type: ignore[assignment]  # (Litestar types them by the function's parameters)
+        self.kwargs = {}  # type: ignore[assignment]
 
 _PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "embedding": "/v1/embeddings",
           "responses": "/v1/responses", "tokenize": "/tokenize", "detokenize": "/detokenize"}
@@ -392,22 +408,38 @@ class Try:
         runtime.finished(record, model, pool, status)
 
     async def _whole(self, data: bytes, usage: dict[str, Any] | None) -> Tried:
-        """Pass a whole answer on."""
+        """Pass a whole answer on. Its endpoint is given back at once; the rest of the request's end (its record,
+        the response cache, the accounting: about a tenth of a request's CPU) is the answer's background, run once
+        the answer is written (:meth:`_after_whole`)."""
         runtime, req, record = self.runtime, self.req, self.record
         assert self.trial is not None
         self.trial.succeeded(time.monotonic())
         record.ttft_s = time.perf_counter() - req.started
         runtime.metrics.first_byte_by(self.model, self.pool).observe(record.ttft_s)
-        self.done(200)
-        if req.cache is not None and runtime.cache.wants(req.cache, self.model):
-            runtime.cache.store_answer(req.cache, str(req.identity.tenant_id), data)
-        if req.kind not in TOKENIZER_KINDS:  # (the tokenizer endpoints use no GPU: nothing to charge or count)
-            prompt, completion, cached = req.decision.prompt_tokens, 0, 0
-            if usage is not None:
-                prompt, completion, cached = usage_counts(usage, prompt, completion)
-            await account(runtime, req, [LegUsage(self.stage.model, prompt, completion, cached)], record)
+        self.release()
         return Tried("ok", answer=Response(content=data, status_code=200, media_type="application/json",
-                                           headers=dict(self.headers)))
+                                           headers=dict(self.headers),
+                                           background=_AfterAnswer(self._after_whole, data, usage)))
+
+    async def _after_whole(self, data: bytes, usage: dict[str, Any] | None) -> None:
+        """A whole answer was written (or its client left): finish the request, store the answer, account for it.
+
+        Nothing of this changes the answer, and a client's next request sees it done: it runs before the event loop
+        takes that request (the answer's write does not wait), and the one store call that waits (a shared limit
+        store's reconcile) is sent before any later request's reserve on the same connection. Errors are logged,
+        never raised: the answer is out, and its connection is kept."""
+        runtime, req, record = self.runtime, self.req, self.record
+        try:
+            self.finish_request(200)
+            if req.cache is not None and runtime.cache.wants(req.cache, self.model):
+                runtime.cache.store_answer(req.cache, str(req.identity.tenant_id), data)
+            if req.kind not in TOKENIZER_KINDS:  # (the tokenizer endpoints use no GPU: nothing to charge or count)
+                prompt, completion, cached = req.decision.prompt_tokens, 0, 0
+                if usage is not None:
+                    prompt, completion, cached = usage_counts(usage, prompt, completion)
+                await account(runtime, req, [LegUsage(self.stage.model, prompt, completion, cached)], record)
+        except Exception:
+            log.exception("request %s: finishing its answered request failed", record.request_id)
 
     # --- giving it back -------------------------------------------------------------------------------
 

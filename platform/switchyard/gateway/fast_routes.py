@@ -12,7 +12,7 @@ one of those paths to :class:`FastRoutes`, which does what those layers did for 
 - the headers as a dict of lower-case names (the first of repeated ones, as Litestar's ``get``);
 - :meth:`Proxy.serve`'s answer sent as Litestar would (its headers, then ``content-type`` and, for a whole
   answer, ``content-length``), a stream relayed chunk by chunk until it ends or the client leaves (the stream is
-  then cancelled), and the answer's background task run after it;
+  then cancelled), and the answer's background task run after it (even when its write was cancelled);
 - :class:`~switchyard.api.errors.ApiError` answered with OpenAI's error object, any other exception raised
   before the answer began logged and answered 500, as the app's exception handlers do.
 
@@ -103,12 +103,15 @@ class FastRoutes:
             log.exception("unhandled error on POST %s", scope["path"])
             await _send_whole(send, 500, INTERNAL_ERROR_BODY, _JSON, {})
             return
-        if isinstance(answer, Stream):
-            await _send_stream(answer, receive, send)
-        else:
-            await _send_whole(send, answer.status_code or 200, _content(answer), _media_type(answer), answer.headers)
-        if answer.background is not None:
-            await answer.background()
+        try:
+            if isinstance(answer, Stream):
+                await _send_stream(answer, receive, send)
+            else:
+                await _send_whole(send, answer.status_code or 200, _content(answer), _media_type(answer),
+                                  answer.headers)
+        finally:  # (also when the write was cancelled: the request's end is accounted for all the same)
+            if answer.background is not None:
+                await answer.background()
 
     async def _body(self, receive: Receive, length: str | None) -> bytes:
         limit = self.max_body_bytes

@@ -81,13 +81,16 @@ async def _call(app: GatewayApp, body: bytes, *, headers: list[tuple[bytes, byte
         if complete or (leave_after is not None and len(sent) >= leave_after):
             gone.set()  # (uvicorn: once the answer is complete, the next message is the disconnect)
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": headers if headers is not None else [(b"content-length", str(len(body)).encode())],
-             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000), "state": {}}
+    scope = _scope(method, path, headers if headers is not None else [(b"content-length", str(len(body)).encode())])
     await asyncio.wait_for(app(scope, receive, send), 5)
     gone.set()
     return sent
+
+
+def _scope(method: str, path: str, headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+            "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
+            "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000), "state": {}}
 
 
 def _whole(incoming: Incoming) -> Response[Any]:
@@ -116,6 +119,35 @@ async def test_answers_and_errors_are_the_messages_litestar_sends(answer: str) -
     assert expected[0]["status"] == {"whole": 200, "enum": 200, "refused": 401, "limited": 429, "bug": 500}[answer]
     if answer == "whole":  # the first of repeated headers, as Litestar's ``get``; names in lower case
         assert (b"x-request-id", b"first") in expected[0]["headers"]
+
+
+@pytest.mark.parametrize("write", ["written", "cancelled"])
+async def test_a_whole_answers_background_runs_once_it_is_written_or_its_write_cancelled(write: str) -> None:
+    """The gateway settles a whole answer (its record, its accounting) in the answer's background: after the write,
+    and also when the write never ends (a shutdown cancelling it)."""
+    events: list[str] = []
+
+    async def after() -> None:
+        events.append("background")
+
+    _, fast = _apps(FakeProxy(lambda _: Response(b"{}", media_type=MediaType.JSON, background=BackgroundTask(after))))
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        events.append(message["type"])
+        if write == "cancelled":
+            raise asyncio.CancelledError
+
+    call = fast(_scope("POST", "/v1/chat/completions", [(b"content-length", b"2")]), receive, send)
+    if write == "cancelled":
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert events == ["http.response.start", "background"]
+    else:
+        await call
+        assert events == ["http.response.start", "http.response.body", "background"]
 
 
 @pytest.mark.parametrize(("body", "headers", "chunks"), [
