@@ -70,6 +70,7 @@ def test_chat_completion_sync(gateway: Gateway) -> None:
     assert route["model"] == "small" and route["pool"] in {"small-us", "small-eu"}
     assert route["policy"] == "v1" and route["endpoint"].startswith("http://127.0.0.1:")
     assert raw.headers["x-request-id"] == "req-123"
+    assert "server" not in raw.headers and raw.headers["date"]  # (the server's software is not announced)
 
 
 async def test_chat_completion_async_spreads_over_endpoints(gateway: Gateway) -> None:

@@ -70,6 +70,7 @@ def serve(host: str | None, port: int | None, policy_source: str | None, workers
                                "access_log": False, "loop": "uvloop", "http": protocol_factory(settings),
                                "lifespan": "on", "timeout_keep_alive": settings.client_keepalive_timeout_s,
                                "timeout_graceful_shutdown": 10,
+                               "server_header": False,  # (what serves is nobody's business; one header less)
                                "log_config": None}  # the handlers of switchyard.logs.configure
     if settings.workers == 1:
         uvicorn.run(app, **options)
