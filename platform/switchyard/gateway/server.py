@@ -25,9 +25,11 @@ the answer before the client reads it.
 
 Bodies' own limits (size, JSON depth) are the application's (``switchyard.app``, ``gateway.body``).
 
-An answer that says its length (a whole answer: every non-streamed completion) is written in one piece, its head
-with its body, where uvicorn writes each in a call of its own (:class:`_OnePieceCycle`): one system call and one
-TCP segment an answer instead of two, and the client woken once.
+An answer's head is written with its first body bytes, where uvicorn writes each in a call of its own
+(:class:`_OnePieceCycle`): a whole answer (every non-streamed completion) goes in one piece, one system call and
+one TCP segment instead of two, the client woken once; a stream's head goes with its first chunk when the
+application sends that chunk in the same turn of the event loop (the gateway does: it answers a stream once its
+first chunk has come), else at the end of that turn.
 """
 
 from __future__ import annotations
@@ -226,10 +228,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
 
 class _OnePieceCycle(RequestResponseCycle):
-    """uvicorn's request cycle, but the head of an answer with a ``content-length`` is held back and written with
-    the answer's first body bytes (see the module doc). The application sends its head and body messages one after
-    the other, so holding the head delays nothing; a stream's head (chunked: its body comes as the engine makes
-    it), a HEAD request's and a bodiless status's are written at once, as uvicorn does.
+    """uvicorn's request cycle, but an answer's head is held back and written with its first body bytes (see the
+    module doc):
+
+    - an answer with a ``content-length``: its body message follows its head message at once (a whole answer is
+      sent in one go), so its head waits for it;
+    - a stream (chunked): its head waits at most until the end of the event loop's turn, for a first chunk sent
+      in the same turn;
+    - a HEAD request's head and a bodiless status's are written at once, as uvicorn does.
 
     (The protocol makes each request's cycle uvicorn's way and then gives it this class: same state, one method.)
     """
@@ -244,14 +250,16 @@ class _OnePieceCycle(RequestResponseCycle):
         try:
             await super().send(message)
         finally:
-            if held.head is None or self.chunked_encoding is not False or self.scope["method"] == "HEAD":
+            if held.head is None or self.chunked_encoding is None or self.scope["method"] == "HEAD":
                 held.let_go(b"")
+            elif self.chunked_encoding:  # a stream: its first chunk may come later, and its head must not wait
+                asyncio.get_running_loop().call_soon(held.let_go, b"")
 
 
 class _HeldHead:
     """The transport of a :class:`_OnePieceCycle` between its answer's head and its body: the first write (the head)
-    is kept, the next one sends it with its own bytes and hands the cycle its transport back; anything else is the
-    transport's."""
+    is kept, the next one sends it with its own bytes and hands the cycle its transport back (as does
+    :meth:`let_go` itself, which may come later and then does nothing more); anything else is the transport's."""
 
     __slots__ = ("cycle", "head", "transport")
 

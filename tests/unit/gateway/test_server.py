@@ -212,23 +212,33 @@ async def test_a_whole_answer_is_written_in_one_piece_on_a_kept_alive_connection
     protocol.connection_lost(None)
 
 
-def _streaming_app(go_on: asyncio.Event) -> Any:
+def _streaming_app(go_on: asyncio.Event | None) -> Any:
+    """A stream whose first chunk waits for ``go_on`` (None: sent at once, as the gateway sends its streams)."""
     async def app(scope: Any, receive: Any, send: Any) -> None:
         await receive()
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
-        await go_on.wait()
+        if go_on is not None:
+            await go_on.wait()
         await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     return app
 
 
-async def test_a_streams_head_is_written_before_its_first_chunk() -> None:
+async def test_a_streams_head_goes_with_its_first_chunk_or_alone_when_that_chunk_waits() -> None:
+    protocol, transport = connect(app=_streaming_app(None))
+    protocol.data_received(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+    await turns()
+    head, _, first = transport.writes[0].partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head and first == b"9\r\ndata: 1\n\n\r\n"
+    assert transport.writes[1:] == [b"0\r\n\r\n"]
+    protocol.connection_lost(None)
+
     go_on = asyncio.Event()
     protocol, transport = connect(app=_streaming_app(go_on))
     protocol.data_received(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
     await turns()
-    assert len(transport.writes) == 1 and b"transfer-encoding: chunked" in transport.writes[0]  # not held back
-    go_on.set()
+    assert len(transport.writes) == 1 and transport.writes[0].endswith(b"transfer-encoding: chunked\r\n\r\n")
+    go_on.set()  # (the head did not wait for it)
     await turns()
     assert transport.writes[1:] == [b"9\r\ndata: 1\n\n\r\n", b"0\r\n\r\n"]
     protocol.connection_lost(None)
