@@ -227,11 +227,6 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._head_timer = self._body_timer = None
 
 
-#: The most body bytes a held head is joined with (one copy, then sent at once: uvloop sends what ``write`` is given
-#: right away, what ``writelines`` is given only at the end of the event loop's turn).
-_JOINED_AT_MOST = 256 * 1024
-
-
 class _OnePieceCycle(RequestResponseCycle):
     """uvicorn's request cycle, but an answer's head is held back and written with its first body bytes (see the
     module doc):
@@ -286,10 +281,10 @@ class _HeldHead:
         head, self.head = self.head, None
         if head is None or transport.is_closing():
             return
-        if len(data) <= _JOINED_AT_MOST:
-            transport.write(head + data if data else head)
-        else:  # (not copied; but uvloop sends a writelines' buffers only at the end of the event loop's turn)
-            transport.writelines((head, data))
+        if data:
+            transport.writelines((head, data))  # (one writev: the body is not copied)
+        else:
+            transport.write(head)
 
     def close(self) -> None:
         self.let_go(b"")
