@@ -63,8 +63,8 @@ log = logging.getLogger("switchyard.gateway")
 
 
 class _AfterAnswer(BackgroundTask):
-    """A whole answer's background (:meth:`Try._after_whole`): Litestar's task, without its check, on every
-    request, of whether the function given is a coroutine function (this one is)."""
+    """An answer's background (a whole answer's :meth:`Try._after_whole`, a stream's relay's end): Litestar's
+    task, without its check, on every request, of whether the function given is a coroutine function (these are)."""
 
     __slots__ = ()
 
@@ -352,7 +352,7 @@ class Try:
                             transcript=Transcript(stream_kind(req.kind)) if keep else None)
         self.watch(relay, leg)
         return Stream(relay.chunks(), media_type="text/event-stream",
-                      headers={**self.headers, "Cache-Control": "no-cache"}, background=BackgroundTask(relay.afinish))
+                      headers={**self.headers, "Cache-Control": "no-cache"}, background=_AfterAnswer(relay.afinish))
 
     def watch(self, relay: StreamRelay, leg: Leg) -> None:
         """Its stream is being passed on (as ``leg`` of ``relay``): the watchdog cuts it when it stalls."""

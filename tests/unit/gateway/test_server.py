@@ -81,6 +81,12 @@ def connect(limits: ClientLimits = LIMITS, app: Any = echo_app) -> tuple[Limited
     return protocol, transport
 
 
+async def turns(n: int = 5) -> None:
+    """Let the event loop run ``n`` turns (the app's task, its writes)."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
 def answer(transport: FakeTransport) -> tuple[int, dict[str, Any]]:
     head, _, body = bytes(transport.written).partition(b"\r\n\r\n")
     return int(head.split()[1]), json.loads(body)
@@ -115,8 +121,7 @@ async def test_heads_within_the_limit_are_served_and_kept_alive() -> None:
         transport.written.clear()
         protocol.data_received(b"POST / HTTP/1.1\r\nHost: x\r\nX-Fine: " + b"a" * 3000
                                + b"\r\nContent-Length: 5\r\n\r\nhello")
-        for _ in range(5):
-            await asyncio.sleep(0)
+        await turns()
         assert bytes(transport.written).startswith(b"HTTP/1.1 200") and bytes(transport.written).endswith(b"5")
     assert not transport.closed and protocol._head_timer is None and protocol._body_timer is None
     protocol.connection_lost(None)
@@ -145,14 +150,12 @@ async def test_a_connection_that_sends_nothing_is_closed_silently() -> None:
 async def test_the_header_clock_starts_with_a_requests_first_byte_on_a_kept_alive_connection() -> None:
     protocol, transport = connect()
     protocol.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-    for _ in range(5):
-        await asyncio.sleep(0)
+    await turns()
     await asyncio.sleep(0.3)  # idle longer than the header timeout: uvicorn's keep-alive timeout's business
     assert not transport.closed
     transport.written.clear()
     protocol.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-    for _ in range(5):
-        await asyncio.sleep(0)
+    await turns()
     assert bytes(transport.written).startswith(b"HTTP/1.1 200")
     protocol.connection_lost(None)
 
@@ -188,15 +191,9 @@ async def test_a_body_held_back_by_the_server_is_not_the_clients_pause() -> None
     await asyncio.sleep(0.1)  # the application reads at last
     assert not transport.paused
     protocol.data_received(b"0123456789")
-    for _ in range(5):
-        await asyncio.sleep(0)
+    await turns()
     assert bytes(transport.written).startswith(b"HTTP/1.1 200") and bytes(transport.written).endswith(b"70010")
     protocol.connection_lost(None)
-
-
-async def turns(n: int = 5) -> None:
-    for _ in range(n):
-        await asyncio.sleep(0)
 
 
 async def test_a_whole_answer_is_written_in_one_piece_on_a_kept_alive_connection() -> None:
