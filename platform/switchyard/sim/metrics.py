@@ -86,6 +86,18 @@ class EngineCollector(Collector):
         self.labels = [self.model, "0"]
         self.created = time.time()
 
+    def reported(self) -> tuple[object, ...]:
+        """Every value :meth:`collect` reads that can change: equal tuples, equal expositions (a histogram's
+        buckets and sum change only with its count; the rest of the text is fixed per engine)."""
+        core = self.engine.core
+        stats = core.stats
+        lora = core.lora
+        return (len(core.running), core.num_waiting, core.kv.usage, core.kv.num_blocks, stats.prompt_tokens,
+                stats.prompt_tokens_cached, stats.generation_tokens, stats.preemptions, stats.prefix_queries,
+                stats.prefix_hits, tuple(stats.finished.items()),
+                tuple(getattr(stats, attr).count for attr, _, _ in _HISTOGRAMS),
+                None if lora is None else (lora.max_loras, len(lora.deferred), tuple(lora.info.items())))
+
     def _counter(self, name: str, doc: str, values: dict[tuple[str, ...], float],
                  extra: tuple[str, ...] = (), labels: list[str] | None = None) -> Metric:
         family = CounterMetricFamily(name, doc, labels=[*(labels or _LABELS), *extra])
@@ -232,14 +244,25 @@ class EngineCollector(Collector):
 class EngineMetrics:
     """The per-engine registry and its text exposition.
 
+    The text is made again only when something it reports has changed since the last scrape
+    (:meth:`EngineCollector.reported`): an idle engine's scrapes cost next to nothing, as a gateway
+    reads every engine's ``/metrics`` once a second.
+
     Args:
         engine: The engine to report on.
     """
 
     def __init__(self, engine: EngineRuntime) -> None:
+        self.collector = EngineCollector(engine)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(EngineCollector(engine))
+        self.registry.register(self.collector)
+        self._reported: tuple[object, ...] | None = None
+        self._text = b""
 
     def render(self) -> bytes:
         """Prometheus text format."""
-        return generate_latest(self.registry)
+        reported = self.collector.reported()
+        if reported != self._reported:
+            self._text = generate_latest(self.registry)
+            self._reported = reported
+        return self._text

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
 from litestar.testing import AsyncTestClient
+from prometheus_client import generate_latest
 
 from switchyard.sim import EngineConfig, create_engine_app
 
@@ -209,3 +211,30 @@ async def test_abort_with_error_ends_a_stream_with_vllms_error_event(
     text = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": max_tokens, "stream": True})
     assert text.text.endswith(f"data: {STREAM_ERROR}\n\ndata: [DONE]\n\n")
     assert len(_events(text.text)) == tokens + 2
+
+
+async def test_metrics_are_made_again_only_when_what_they_report_changed(
+        client: AsyncTestClient) -> None:  # type: ignore[type-arg]
+    metrics = client.app.state["metrics"]
+    first = metrics.render()
+    assert metrics.render() is first  # an idle engine: the text made once is the text served
+    assert (await client.get("/metrics")).content == first
+    # While requests run, every scrape is what the registry says right now.
+    seen: set[bytes] = set()
+    done = asyncio.Event()
+
+    async def scrape() -> None:
+        while not done.is_set():
+            text = metrics.render()
+            assert text == generate_latest(metrics.registry)
+            seen.add(text)
+            await asyncio.sleep(0)
+
+    scraping = asyncio.create_task(scrape())
+    await asyncio.gather(*(client.post("/v1/completions", json={"prompt": f"hi {i}", "max_tokens": 8, "stream": s})
+                           for i, s in enumerate((False, True, False, True))))
+    done.set()
+    await scraping
+    after = metrics.render()
+    assert after == generate_latest(metrics.registry) and after != first and len(seen) >= 2
+    assert 'vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 4.0' in after.decode()
