@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -145,3 +147,20 @@ def test_requests_deferred_for_an_adapter_slot_are_no_queue_for_capacity() -> No
                                            'waiting{engine="0",model_name="base"} 5.0'))
     registry.record_scrape("http://b", queued, now=10.0)
     assert registry.state("http://b").utilisation(10.0, 3.0, 100_000, None) == 1.0 + 2.0 / 4.0
+
+
+def test_a_simulated_engines_whole_exposition_agrees_with_prometheus_client() -> None:
+    # The whole text an engine serves (every vLLM family, histograms, _created samples), after some traffic.
+    from litestar.testing import TestClient
+
+    from switchyard.sim import EngineConfig, create_engine_app
+
+    with TestClient(app=create_engine_app(EngineConfig(served_model="m", port=1, time_scale=1000, seed=1))) as c:
+        for i in range(3):
+            assert c.post("/v1/completions", json={"prompt": f"hi {i}", "max_tokens": 4}).status_code == 200
+        text = c.get("/metrics").text
+    signals = parse_engine_metrics(text)
+    assert dataclasses.replace(signals, progress=None) == reference(text)  # (the reference reads no progress)
+    assert signals.progress is not None and signals.progress > 0 and signals.models == frozenset({"m"})
+    # The same text with Windows line ends and without its final newline reads the same.
+    assert parse_engine_metrics(text.replace("\n", "\r\n").rstrip()) == signals
