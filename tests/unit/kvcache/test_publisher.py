@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import tempfile
 import time
 from collections.abc import Iterator
@@ -12,7 +13,16 @@ import zmq
 
 from switchyard.kvcache.config import KVEventsConfig, parse
 from switchyard.kvcache.publisher import Publisher, config_for, is_bind_endpoint, offset_endpoint, open_publisher
-from switchyard.kvcache.wire import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, Event, decode, seq_of
+from switchyard.kvcache.wire import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    KVEventBatch,
+    decode,
+    seq_of,
+)
 from tests.helpers import free_port
 
 TIMEOUT_MS = 5000
@@ -211,3 +221,32 @@ def test_open_publisher_only_for_zmq() -> None:
     assert open_publisher(parse('{"enable_kv_cache_events": true, "publisher": "null"}')) is None
     with pytest.raises(ValueError, match="unknown publisher"):
         open_publisher(parse('{"enable_kv_cache_events": true, "publisher": "kafka"}'))
+
+
+def test_an_idle_publisher_sleeps_until_a_batch_or_a_replay_request_wakes_it(
+        ipc_dir: Path, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    pub = Publisher(KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"ipc://{ipc_dir}/w",
+                                   replay_endpoint=f"ipc://{ipc_dir}/wr"), context=ctx)
+    looks: list[int] = []
+
+    class Watched(queue.Queue[KVEventBatch]):
+        def get_nowait(self) -> KVEventBatch:
+            looks.append(1)
+            return super().get_nowait()
+
+    sub = subscribe(ctx, pub.endpoint)
+    try:
+        publish_until_seen(pub, sub)
+        time.sleep(0.1)  # (the thread is back asleep)
+        pub._queue = Watched()  # what the thread reads from now on
+        time.sleep(0.5)
+        assert looks == []  # half a second idle: the thread never looked at its queue
+        assert pub.publish([stored(7)])
+        assert decode(sub.recv_multipart()[2]).events == [stored(7)]  # a batch wakes it at once
+        assert len(looks) >= 1
+        answered = replay(ctx, pub.replay_endpoint or "", 0)  # and so does a replay request
+        assert answered[-1][2] == END_SEQ and len(answered) >= 2
+    finally:
+        sub.close()
+        pub.close()
+    assert not pub._thread.is_alive()
