@@ -2,12 +2,12 @@
 
 The engine hands each step's events to :meth:`Publisher.publish`, which only puts them on a bounded queue
 (never blocking: when the queue is full the batch is dropped and counted) and wakes the publisher's thread
-through a pipe; the thread sleeps until a batch, a replay request or :meth:`Publisher.close` wakes it (an idle
-engine's publisher costs nothing: it used to look at its queue twenty times a second). The thread numbers the
-batches (from 0, one per batch), encodes them, sends ``[topic, seq, payload]`` on the PUB socket, keeps the
-last ``buffer_steps`` of them, and answers replay requests on the ROUTER socket: for a request frame holding
-a start sequence number it sends ``[client, b"", topic, seq, payload]`` for every buffered batch from there
-on, then the end marker ``[client, b"", b"", END_SEQ, b""]``.
+through a socket pair; the thread sleeps until a batch, a replay request or :meth:`Publisher.close` wakes
+it (an idle engine's publisher costs nothing: it used to look at its queue twenty times a second). The
+thread numbers the batches (from 0, one per batch), encodes them, sends ``[topic, seq, payload]`` on the PUB
+socket, keeps the last ``buffer_steps`` of them, and answers replay requests on the ROUTER socket: for a
+request frame holding a start sequence number it sends ``[client, b"", topic, seq, payload]`` for every
+buffered batch from there on, then the end marker ``[client, b"", b"", END_SEQ, b""]``.
 
 Endpoints follow vLLM's rule, which decides whether the PUB socket binds or connects: an endpoint with ``*``
 or ``::`` in it, or an ``ipc://`` or ``inproc://`` one, is bound; any other (``tcp://127.0.0.1:5557``) is
