@@ -49,15 +49,37 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free ports (held open together while chosen, so they differ)."""
-    socks = []
+def free_ports(count: int, offsets: Sequence[int] = ()) -> list[int]:
+    """``count`` distinct free ports (held open together while chosen, so they differ).
+
+    With ``offsets``, each port plus each offset is free as well, on every interface: the ports a simulated
+    engine's KV events bind there (a policy's ``kv_events`` ``port_offset`` and ``replay_port_offset``; the
+    shipped policy's are 1000 and 2000). A port whose offset ports are taken is passed over.
+
+    Raises:
+        StartError: Not enough such ports were found.
+    """
+    socks: list[socket.socket] = []
+    chosen: list[int] = []
     try:
-        for _ in range(count):
+        for _ in range(count * 50):
+            if len(chosen) == count:
+                return chosen
             s = socket.socket()
+            socks.append(s)  # (kept bound while choosing, taken or not: the OS offers it no more)
             s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
+            port = int(s.getsockname()[1])
+            try:
+                for offset in offsets:
+                    other = socket.socket()
+                    socks.append(other)
+                    other.bind(("", port + offset))
+            except (OSError, OverflowError):
+                continue
+            chosen.append(port)
+        if len(chosen) == count:
+            return chosen
+        raise StartError(f"no {count} free ports with their offsets {list(offsets)} free too")
     finally:
         for s in socks:
             s.close()

@@ -4,6 +4,7 @@ what it makes of the gateway's answers (the run itself, with real processes: tes
 from __future__ import annotations
 
 import math
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -11,11 +12,18 @@ import pytest
 from ruamel.yaml import YAML
 
 from switchyard.bench.labelled import Label, LabelledPrompt, Quality, Split, default_prompts_path, load_prompts
+from switchyard.bench.procs import free_ports
 from switchyard.bench.results import Result
 from switchyard.bench.scenarios import DEFAULT_SCENARIOS, SCENARIOS
 from switchyard.bench.scenarios.auto.client import ARM, DUMMY_TOOL, request_body
 from switchyard.bench.scenarios.auto.figures import Routed, cost_per_1000, cost_rows, figures, routed_of, tables_of
-from switchyard.bench.scenarios.auto.policy import RoutePolicy, endpoint_count, shipped_policy, with_endpoints
+from switchyard.bench.scenarios.auto.policy import (
+    RoutePolicy,
+    endpoint_count,
+    event_port_offsets,
+    shipped_policy,
+    with_endpoints,
+)
 
 HARD = "Prove there are infinitely many primes, then show the gaps between consecutive primes are unbounded."
 EASY = "What is the capital of Australia?"
@@ -210,3 +218,22 @@ def test_quality_counts_precision_and_recall_for_hard() -> None:
     assert (q.n, q.accuracy, q.precision, q.recall) == (4, 0.5, 0.5, 0.5)
     none = Quality.of([False], [False])
     assert none.accuracy == 1.0 and math.isnan(none.precision) and math.isnan(none.recall)
+
+
+def test_the_shipped_policys_engines_get_ports_whose_event_ports_are_free_too() -> None:
+    document = shipped_policy().read_text()
+    offsets = event_port_offsets(document)
+    assert offsets == (1000, 2000)  # policies.yaml: each engine publishes on its port + 1000, replays on + 2000
+    ports = free_ports(endpoint_count(document), offsets)
+    assert len(set(ports)) == len(ports) == endpoint_count(document)
+    # Every port and its offsets can be bound (the events socket binds every interface).
+    held: list[socket.socket] = []
+    try:
+        for port in ports:
+            for host, offset in (("127.0.0.1", 0), *(("", o) for o in offsets)):
+                s = socket.socket()
+                held.append(s)
+                s.bind((host, port + offset))
+    finally:
+        for s in held:
+            s.close()

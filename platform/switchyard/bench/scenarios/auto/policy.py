@@ -168,3 +168,12 @@ def endpoint_count(document: str) -> int:
     """How many endpoints the document's pools have."""
     doc = YAML(typ="safe", pure=True).load(document) or {}
     return sum(len(p.get("endpoints") or []) for p in doc.get("pools") or [])
+
+
+def event_port_offsets(document: str) -> tuple[int, ...]:
+    """The offsets from an endpoint's HTTP port of the ports its engine's KV events bind (every pool's
+    ``kv_events`` ``port_offset`` and ``replay_port_offset``)."""
+    doc = YAML(typ="safe", pure=True).load(document) or {}
+    found = {offset for pool in doc.get("pools") or [] for key in ("port_offset", "replay_port_offset")
+             if isinstance(offset := (pool.get("kv_events") or {}).get(key), int) and offset}
+    return tuple(sorted(found))

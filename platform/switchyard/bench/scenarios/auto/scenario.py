@@ -10,7 +10,14 @@ from switchyard.bench.procs import free_ports
 from switchyard.bench.report import build_report, write_report
 from switchyard.bench.scenarios.auto.client import ARM, CONCURRENCY, TENANT, TIER, send_prompts
 from switchyard.bench.scenarios.auto.figures import figures, goals_of, routed_of, tables_of
-from switchyard.bench.scenarios.auto.policy import ROUTE, RoutePolicy, endpoint_count, shipped_policy, with_endpoints
+from switchyard.bench.scenarios.auto.policy import (
+    ROUTE,
+    RoutePolicy,
+    endpoint_count,
+    event_port_offsets,
+    shipped_policy,
+    with_endpoints,
+)
 from switchyard.bench.scenarios.base import Outcome, ScenarioContext
 from switchyard.bench.stack import create_key, start_gateway, start_sims, state_env
 from switchyard.figures import fixed
@@ -31,7 +38,7 @@ def run(ctx: ScenarioContext) -> Outcome:
     every = QUICK_EVERY if opts.quick else 1
     prompts = load_prompts()[::every]
 
-    ports = free_ports(endpoint_count(document))
+    ports = free_ports(endpoint_count(document), event_port_offsets(document))  # (its engines publish KV events)
     policy_file = ctx.state_dir / "policies.yaml"
     policy_file.write_text(with_endpoints(document, ports), encoding="utf-8")
     ctx.say(f"{ROUTE}: starting simulated engines for the {len(ports)} endpoints of the shipped policy and the gateway")
