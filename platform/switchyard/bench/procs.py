@@ -61,10 +61,12 @@ def free_ports(count: int, offsets: Sequence[int] = ()) -> list[int]:
     """
     socks: list[socket.socket] = []
     chosen: list[int] = []
+    tries = count * 50
     try:
-        for _ in range(count * 50):
-            if len(chosen) == count:
-                return chosen
+        while len(chosen) < count:
+            if tries == 0:
+                raise StartError(f"no {count} free ports with their offsets {list(offsets)} free too")
+            tries -= 1
             s = socket.socket()
             socks.append(s)  # (kept bound while choosing, taken or not: the OS offers it no more)
             s.bind(("127.0.0.1", 0))
@@ -77,9 +79,7 @@ def free_ports(count: int, offsets: Sequence[int] = ()) -> list[int]:
             except (OSError, OverflowError):
                 continue
             chosen.append(port)
-        if len(chosen) == count:
-            return chosen
-        raise StartError(f"no {count} free ports with their offsets {list(offsets)} free too")
+        return chosen
     finally:
         for s in socks:
             s.close()
