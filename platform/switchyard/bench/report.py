@@ -9,10 +9,12 @@ dict, so the numbers in ``report.md``, ``report.json`` and the plots cannot disa
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import platform
 import sys
+import sysconfig
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from datetime import UTC, datetime
@@ -61,8 +63,44 @@ TABLE_METRICS: tuple[tuple[str, str, float, int], ...] = (
 _PACKAGES = ("switchyard", "aiohttp", "numpy", "matplotlib", "msgspec", "litestar", "uvicorn", "tqdm")
 
 
+#: The configure options of CPython's build that change how fast it runs Python code.
+_SPEED_OPTIONS = ("--enable-optimizations", "--with-lto", "--enable-shared")
+
+
+def interpreter_build() -> dict[str, Any]:
+    """How this Python was built, as far as it says: its executable (links resolved), the shared ``libpython`` it
+    runs from (None: the interpreter is one executable, or this is not Linux) and which of :data:`_SPEED_OPTIONS`
+    its ``configure`` was given.
+
+    The processes a bench starts run this same interpreter, and its build moves a run's figures: the gateway's CPU a
+    request differed by 7-21% between two builds of CPython 3.11 on one host (the README, `overhead`: "what the
+    interpreter itself costs").
+    A distribution may optimise its build by other means than these options (Debian's runs its profile-guided
+    build through its own rules), so they tell what was asked of ``configure``, not all that was done.
+    """
+    libpython = None
+    with contextlib.suppress(OSError):  # (no /proc: not Linux)
+        mapped = (fields[5] for line in Path("/proc/self/maps").read_text().splitlines()
+                  if len(fields := line.split(maxsplit=5)) == 6)
+        libpython = next((path for path in mapped if Path(path).name.startswith("libpython")), None)
+    configured = str(sysconfig.get_config_var("CONFIG_ARGS") or "")
+    return {"python_executable": os.path.realpath(sys.executable), "libpython": libpython,
+            "python_configured": [option for option in _SPEED_OPTIONS if f"'{option}'" in configured
+                                  or f"{option} " in f"{configured} "]}
+
+
+def python_build(machine: Mapping[str, Any]) -> str:
+    """:func:`interpreter_build`'s facts in words (a report's machine line)."""
+    executable = machine.get("python_executable") or "?"
+    libpython = machine.get("libpython")
+    runs = f"libpython shared ({Path(libpython).name})" if libpython else "no shared libpython"
+    configured = machine.get("python_configured") or []
+    options = ", ".join(configured) if configured else "none"
+    return f"{executable}, {runs}; configure options among {', '.join(_SPEED_OPTIONS)}: {options}"
+
+
 def machine_info() -> dict[str, Any]:
-    """Where the run happened: CPUs, memory, OS, Python and package versions."""
+    """Where the run happened: CPUs, memory, OS, Python (version and build) and package versions."""
     cpu_model = memory = None
     try:
         cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -81,7 +119,7 @@ def machine_info() -> dict[str, Any]:
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     return {"cpu_count": os.cpu_count(), "cpus_usable": affinity, "cpu_model": cpu_model, "memory_gib": memory,
             "platform": platform.platform(), "python": sys.version.split()[0],
-            "implementation": platform.python_implementation(), "packages": versions}
+            "implementation": platform.python_implementation(), **interpreter_build(), "packages": versions}
 
 
 def _cdf(results: Sequence[Result], points: int = CDF_POINTS) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from switchyard.bench.procs import CpuMeter, Processes
-from switchyard.bench.report import machine_info
+from switchyard.bench.report import machine_info, python_build
 from switchyard.bench.scenarios import SCENARIOS, BenchOptions, Outcome, Scenario, ScenarioContext
 from switchyard.bench.tables import render_goals, render_table
 
@@ -157,7 +157,8 @@ def render_index(report: dict[str, Any]) -> str:
     out += [f"| {k} | {v} |" for k, v in opts.items()]
     machine = report["machine"]
     out += ["", f"Machine: {machine['cpu_count']} CPUs ({machine['cpus_usable']} usable), {machine['cpu_model']}, "
-            f"{machine['memory_gib']} GiB, {machine['platform']}, Python {machine['python']}.", ""]
+            f"{machine['memory_gib']} GiB, {machine['platform']}, Python {machine['python']} "
+            f"({python_build(machine)}).", ""]
     return "\n".join(out)
 
 

@@ -9,7 +9,15 @@ from typing import Any
 
 import pytest
 
-from switchyard.bench.report import MISSING, TABLE_METRICS, build_report, render_markdown, write_report
+from switchyard.bench.report import (
+    MISSING,
+    TABLE_METRICS,
+    build_report,
+    interpreter_build,
+    python_build,
+    render_markdown,
+    write_report,
+)
 from switchyard.bench.results import Result
 from switchyard.bench.stats import Slo
 from switchyard.bench.workload import RequestTemplate, bursty
@@ -142,3 +150,30 @@ def test_single_arm_and_errors(tmp_path: Path) -> None:
         build_report({})
     with pytest.raises(ValueError, match="baseline"):
         build_report({"a": []}, baseline="b")
+
+
+def test_the_machine_names_the_interpreters_build(report: dict[str, Any]) -> None:
+    """The processes a run starts use this interpreter, and its build moves the figures: the report says which."""
+    import os
+    import sys
+    import sysconfig
+
+    build = interpreter_build()
+    assert Path(build["python_executable"]) == Path(os.path.realpath(sys.executable))
+    maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
+    if "libpython" in maps:  # a shared libpython is named by the file this process maps
+        assert build["libpython"] in maps and Path(build["libpython"]).name.startswith("libpython")
+    else:
+        assert build["libpython"] is None
+    configured = str(sysconfig.get_config_var("CONFIG_ARGS") or "")
+    assert build["python_configured"] == [o for o in ("--enable-optimizations", "--with-lto", "--enable-shared")
+                                          if o in configured]
+    assert {k: report["machine"][k] for k in build} == build
+    text = python_build(build)
+    assert text.startswith(build["python_executable"] + ", ")
+    assert ("libpython shared" in text) == (build["libpython"] is not None)
+    assert text.endswith(", ".join(build["python_configured"]) or "none")
+    assert "python_executable" in render_markdown(report)
+    bare = python_build({"python_executable": "/usr/bin/python3.11", "libpython": None, "python_configured": []})
+    assert bare == ("/usr/bin/python3.11, no shared libpython; configure options among --enable-optimizations, "
+                    "--with-lto, --enable-shared: none")
