@@ -75,8 +75,9 @@ def interpreter_build() -> dict[str, Any]:
     The processes a bench starts run this same interpreter, and its build moves a run's figures: the gateway's CPU a
     request differed by 7-21% between two builds of CPython 3.11 on one host (the README, `overhead`: "what the
     interpreter itself costs").
-    A distribution may optimise its build by other means than these options (Debian's runs its profile-guided
-    build through its own rules), so they tell what was asked of ``configure``, not all that was done.
+    A distribution may optimise its build by means these options do not show (Debian's runs its profile-guided and
+    link-time optimised build through its own rules and keeps those flags out of ``sysconfig``), so they tell what
+    was asked of ``configure``, not all that was done.
     """
     libpython = None
     with contextlib.suppress(OSError):  # (no /proc: not Linux)
