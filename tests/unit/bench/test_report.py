@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -154,10 +157,6 @@ def test_single_arm_and_errors(tmp_path: Path) -> None:
 
 def test_the_machine_names_the_interpreters_build(report: dict[str, Any]) -> None:
     """The processes a run starts use this interpreter, and its build moves the figures: the report says which."""
-    import os
-    import sys
-    import sysconfig
-
     build = interpreter_build()
     assert Path(build["python_executable"]) == Path(os.path.realpath(sys.executable))
     maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
