@@ -13,6 +13,7 @@ import contextlib
 import importlib.metadata
 import os
 import platform
+import shlex
 import sys
 import sysconfig
 from collections.abc import Mapping, Sequence
@@ -84,10 +85,9 @@ def interpreter_build() -> dict[str, Any]:
         mapped = (fields[5] for line in Path("/proc/self/maps").read_text().splitlines()
                   if len(fields := line.split(maxsplit=5)) == 6)
         libpython = next((path for path in mapped if Path(path).name.startswith("libpython")), None)
-    configured = str(sysconfig.get_config_var("CONFIG_ARGS") or "")
+    configured = shlex.split(str(sysconfig.get_config_var("CONFIG_ARGS") or ""))  # (shell-quoted, as given)
     return {"python_executable": os.path.realpath(sys.executable), "libpython": libpython,
-            "python_configured": [option for option in _SPEED_OPTIONS if f"'{option}'" in configured
-                                  or f"{option} " in f"{configured} "]}
+            "python_configured": [option for option in _SPEED_OPTIONS if option in configured]}
 
 
 def python_build(machine: Mapping[str, Any]) -> str:
