@@ -100,29 +100,69 @@ class _Scores:
         return score is not None and score >= spec.threshold
 
 
-def rule_matches(when: RuleConditions, features: RequestFeatures, tier: str, scores: _Scores | None = None) -> bool:
-    """Whether every condition that ``when`` sets holds for the request (classifiers last: they cost most)."""
-    for name in when.model_fields_set:
-        value = getattr(when, name)
-        if value is not None and name != "classifier" and not _CONDITIONS[name](value, features, tier):
+def rule_matches(tests: tuple[tuple[Condition, Any], ...], classifier: str | None, features: RequestFeatures,
+                 tier: str, scores: _Scores | None = None) -> bool:
+    """Whether every condition of a rule (its compiled ``tests``, then its ``classifier``: classifiers cost most)
+    holds for the request."""
+    for test, value in tests:
+        if not test(value, features, tier):
             return False
-    if when.classifier is not None:
-        return scores is not None and scores.says_yes(when.classifier)
+    if classifier is not None:
+        return scores is not None and scores.says_yes(classifier)
     return True
 
 
-def _cost_note(snapshot: PolicySnapshot, route: Route, chosen: Model, features: RequestFeatures) -> str:
-    """The chosen model's estimated cost against the route's comparison model's."""
+@dataclass(frozen=True, slots=True)
+class _Rule:
+    """A route's rule as every request reads it, compiled once per snapshot: its predicates bound to their values
+    (the policy's models read once, not on every request)."""
+
+    label: str
+    model: str
+    tests: tuple[tuple[Condition, Any], ...]
+    classifier: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """A route compiled once per snapshot: its rules, and the model its cost note compares with."""
+
+    name: str
+    rules: tuple[_Rule, ...]
+    compare_to: Model
+
+
+def _compile(snapshot: PolicySnapshot, route: Route) -> _Route:
+    """``route`` as :func:`resolve_model` reads it (its conditions in the document's field order)."""
+    rules = []
+    for index, rule in enumerate(route.rules):
+        when, given = rule.when, rule.when.model_fields_set
+        tests = tuple((_CONDITIONS[name], getattr(when, name)) for name in RuleConditions.model_fields
+                      if name in given and name != "classifier" and getattr(when, name) is not None)
+        rules.append(_Rule(rule.name or f"rules[{index}]", rule.model, tests, when.classifier))
     if route.compare_to is not None:
         other = snapshot.models[route.compare_to]
-    else:
+    else:  # the route's most expensive model (price per million tokens, in and out; the name breaks a tie)
         targets = [snapshot.models[r.model] for r in route.rules] + [snapshot.models[route.default]]
         other = max(targets, key=lambda m: (m.price.input_per_mtok + m.price.output_per_mtok, m.name))
+    return _Route(route.name, tuple(rules), other)
 
+
+def _compiled(snapshot: PolicySnapshot) -> dict[str, _Route]:
+    """The snapshot's routes, compiled on first use (kept in ``snapshot.compiled``)."""
+    routes: dict[str, _Route] | None = snapshot.compiled.get("routes")
+    if routes is None:
+        routes = snapshot.compiled["routes"] = {name: _compile(snapshot, r) for name, r in snapshot.routes.items()}
+    return routes
+
+
+def _cost_note(compiled: _Route, chosen: Model, features: RequestFeatures) -> str:
+    """The chosen model's estimated cost against the route's comparison model's."""
+    other = compiled.compare_to
     mine = estimate(chosen, features.prompt_tokens, features.max_tokens).spend
-    theirs = estimate(other, features.prompt_tokens, features.max_tokens).spend
     if other is chosen:
         return f"est. cost {mine:.6f} (the comparison model {other.name} itself)"
+    theirs = estimate(other, features.prompt_tokens, features.max_tokens).spend
     delta = f"{(mine - theirs) / theirs:+.0%}" if theirs > 0 else "n/a"
     return f"est. cost {mine:.6f} vs {theirs:.6f} on {other.name} ({delta})"
 
@@ -155,23 +195,25 @@ def resolve_model(snapshot: PolicySnapshot, tier_name: str, features: RequestFea
     if model is not None:
         return ModelDecision(name, model, None, None, (f"model {name} requested directly",))
     assert route is not None
+    compiled = _compiled(snapshot)[name]
     state = _Scores(snapshot, features, scores or {})
     barred: list[str] = []
-    for index, rule in enumerate(route.rules):
+    tier_name = tier.name
+    for rule in compiled.rules:
         if not snapshot.allowed(tier, rule.model):  # a route never resolves to a model the tier may not use
-            barred.append(f"rule {rule.name or f'rules[{index}]'} → {rule.model}")
+            barred.append(f"rule {rule.label} → {rule.model}")
             continue
-        if rule_matches(rule.when, features, tier.name, state):
-            label = rule.name or f"rules[{index}]"
+        if rule_matches(rule.tests, rule.classifier, features, tier_name, state):
+            label = rule.label
             chosen = snapshot.models[rule.model]
-            line = f"route {route.name}: rule {label} matched → {rule.model}"
+            line = f"route {name}: rule {label} matched → {rule.model}"
             break
     else:
         label, chosen, line = _default_for(snapshot, tier, route)
-    skipped = ([f"route {route.name}: skipped {', '.join(barred)}: tier {tier.name} may not use "
+    skipped = ([f"route {name}: skipped {', '.join(barred)}: tier {tier_name} may not use "
                 f"{_names(sorted({b.rsplit(' → ', 1)[1] for b in barred}))}"] if barred else [])
-    trace = (*skipped, *state.notes, f"{line}; {_cost_note(snapshot, route, chosen, features)}")
-    return ModelDecision(name, chosen, route.name, label, trace)
+    trace = (*skipped, *state.notes, f"{line}; {_cost_note(compiled, chosen, features)}")
+    return ModelDecision(name, chosen, name, label, trace)
 
 
 def _names(names: list[str]) -> str:

@@ -34,17 +34,28 @@ STORE_BACKOFF_S = 1.0
 WARN_EVERY_S = 30.0
 
 
+#: The headers of each unit that has them (limit, remaining, reset), in the order they are sent.
+_HEADER_NAMES = {unit: (f"x-ratelimit-limit-{unit}", f"x-ratelimit-remaining-{unit}", f"x-ratelimit-reset-{unit}")
+                 for unit in ("tokens", "requests")}
+
+
 def ratelimit_headers(states: Sequence[BucketState]) -> dict[str, str]:
-    """``x-ratelimit-{limit,remaining,reset}-{tokens,requests}`` from the tightest bucket of each unit."""
+    """``x-ratelimit-{limit,remaining,reset}-{tokens,requests}`` from the tightest bucket of each unit (the lowest
+    share left; the first of equals). Every admitted request's answer carries them: one pass, no key functions."""
+    tightest: dict[str, BucketState] = {}
+    for state in states:
+        unit = state.bucket.unit
+        if unit in _HEADER_NAMES:
+            best = tightest.get(unit)
+            if best is None or state.remaining / state.limit < best.remaining / best.limit:
+                tightest[unit] = state
     headers: dict[str, str] = {}
-    for unit in ("tokens", "requests"):
-        ours = [s for s in states if s.bucket.unit == unit]
-        if not ours:
-            continue
-        tight = min(ours, key=lambda s: s.remaining / s.limit)
-        headers[f"x-ratelimit-limit-{unit}"] = f"{tight.limit:.0f}"
-        headers[f"x-ratelimit-remaining-{unit}"] = f"{math.floor(tight.remaining):.0f}"
-        headers[f"x-ratelimit-reset-{unit}"] = duration(tight.reset_s)
+    for measured, (limit, remaining, reset) in _HEADER_NAMES.items():
+        tight = tightest.get(measured)
+        if tight is not None:
+            headers[limit] = f"{tight.limit:.0f}"
+            headers[remaining] = str(math.floor(tight.remaining))  # (remaining is at least 0)
+            headers[reset] = duration(tight.reset_s)
     return headers
 
 

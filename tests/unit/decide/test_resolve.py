@@ -57,6 +57,20 @@ def test_route_rules_first_match_wins(snapshot: PolicySnapshot, body: dict[str, 
     assert resolve(snapshot, body, headers=headers) == expected
 
 
+def test_a_snapshot_compiles_its_routes_once_and_each_snapshot_resolves_by_its_own() -> None:
+    doc = base()
+    doc["routes"][0]["rules"] = [{"name": "short", "when": {"prompt_tokens_lt": 100}, "model": "small"}]
+    first = compile_policy(to_yaml(doc))
+    assert resolve(first, chat("hi")) == ("small", "short")
+    compiled = first.compiled["routes"]
+    assert resolve(first, chat("x" * 1000)) == ("large", "default")
+    assert first.compiled["routes"] is compiled  # made on the first request, read by the next ones
+    doc["routes"][0]["rules"][0]["model"] = "large"  # a reload: a new snapshot with its own rules
+    second = compile_policy(to_yaml(doc))
+    assert resolve(second, chat("hi")) == ("large", "short")
+    assert resolve(first, chat("hi")) == ("small", "short")
+
+
 def test_system_prompt_rule(snapshot: PolicySnapshot) -> None:
     body = {"model": "auto", "messages": [{"role": "system", "content": "You are a Lawyer."},
                                           {"role": "user", "content": "hi"}]}

@@ -47,6 +47,13 @@ def test_headers_come_from_the_tightest_bucket_of_each_unit() -> None:
     assert headers == {"x-ratelimit-limit-tokens": "10000", "x-ratelimit-remaining-tokens": "500",
                        "x-ratelimit-reset-tokens": "1h0m0s", "x-ratelimit-limit-requests": "10",
                        "x-ratelimit-remaining-requests": "9", "x-ratelimit-reset-requests": "3s"}
+    # Equal shares left: the first bucket's; a spend limit has no header; nothing to show, no header.
+    tied = ratelimit_headers([state("spend_per_month", "spend", 5, 0, 9),
+                              state("tokens_per_minute", "tokens", 100, 50, 1),
+                              state("tokens_per_day", "tokens", 1000, 500, 2)])
+    assert tied == {"x-ratelimit-limit-tokens": "100", "x-ratelimit-remaining-tokens": "50",
+                    "x-ratelimit-reset-tokens": "1s"}
+    assert ratelimit_headers([]) == {}
 
 
 async def test_admit_refuse_and_settle_exactly_once() -> None:
