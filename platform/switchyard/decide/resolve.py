@@ -127,7 +127,6 @@ class _Rule:
 class _Route:
     """A route compiled once per snapshot: its rules, and the model its cost note compares with."""
 
-    name: str
     rules: tuple[_Rule, ...]
     compare_to: Model
 
@@ -145,7 +144,7 @@ def _compile(snapshot: PolicySnapshot, route: Route) -> _Route:
     else:  # the route's most expensive model (price per million tokens, in and out; the name breaks a tie)
         targets = [snapshot.models[r.model] for r in route.rules] + [snapshot.models[route.default]]
         other = max(targets, key=lambda m: (m.price.input_per_mtok + m.price.output_per_mtok, m.name))
-    return _Route(route.name, tuple(rules), other)
+    return _Route(tuple(rules), other)
 
 
 def _compiled(snapshot: PolicySnapshot) -> dict[str, _Route]:
