@@ -37,6 +37,7 @@ from litestar.utils.helpers import get_enum_string_value
 
 from switchyard.api.errors import INTERNAL_ERROR_BODY, ApiError, error_body, http_error
 from switchyard.gateway.request import Incoming, Kind, client_left
+from switchyard.gateway.server import OnePieceCycle
 
 if TYPE_CHECKING:
     from litestar.types import HTTPResponseBodyEvent, Message, Receive, Scope, Send
@@ -163,6 +164,9 @@ def _head(status: int, headers: Mapping[str, Any], media_type: bytes, length: in
 
 
 async def _send_whole(send: Send, status: int, body: bytes, media_type: bytes, headers: Mapping[str, Any]) -> None:
+    cycle = getattr(send, "__self__", None)  # (the gateway's server: the answer written at once)
+    if isinstance(cycle, OnePieceCycle) and cycle.send_whole(status, headers, media_type, body):
+        return
     await send(_head(status, headers, media_type, len(body)))
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
@@ -170,7 +174,10 @@ async def _send_whole(send: Send, status: int, body: bytes, media_type: bytes, h
 async def _send_stream(answer: Stream, receive: Receive, send: Send) -> None:
     """Relay ``answer``'s chunks until they end, or until the client leaves (the relay is then cancelled where it
     waits, as Litestar's cancel scope did)."""
-    await send(_head(answer.status_code or 200, answer.headers, _media_type(answer), None))
+    status, media_type = answer.status_code or 200, _media_type(answer)
+    cycle = getattr(send, "__self__", None)  # (the gateway's server: the head made at once)
+    if not (isinstance(cycle, OnePieceCycle) and cycle.start_stream(status, answer.headers, media_type)):
+        await send(_head(status, answer.headers, media_type, None))
     relaying = asyncio.current_task()
     assert relaying is not None
     state = {"left": False, "done": False}

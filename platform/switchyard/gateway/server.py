@@ -26,7 +26,7 @@ the answer before the client reads it.
 Bodies' own limits (size, JSON depth) are the application's (``switchyard.app``, ``gateway.body``).
 
 An answer's head is written with its first body bytes, where uvicorn writes each in a call of its own
-(:class:`_OnePieceCycle`): a whole answer (every non-streamed completion) goes in one piece, one system call and
+(:class:`OnePieceCycle`): a whole answer (every non-streamed completion) goes in one piece, one system call and
 one TCP segment instead of two, the client woken once; a stream's head goes with its first chunk when the
 application sends that chunk in the same turn of the event loop (the gateway does: it answers a stream once its
 first chunk has come), else at the end of that turn.
@@ -37,18 +37,32 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 from asyncio import TimerHandle
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
 from uvicorn.config import Config
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 from uvicorn.server import ServerState
 
 from switchyard.api.errors import error_body
 from switchyard.settings import Settings
 
 log = logging.getLogger("switchyard.gateway.server")
+#: uvicorn's checks of a header's name and value (:data:`HEADER_RE`, :data:`HEADER_VALUE_RE`), on text: latin-1 maps
+#: each character below 256 to the byte of the same value, and anything above cannot be encoded at all.
+_BAD_NAME = re.compile(HEADER_RE.pattern.decode("latin-1"))
+_BAD_VALUE = re.compile(HEADER_VALUE_RE.pattern.decode("latin-1"))
+#: Names whose value would change how uvicorn frames or ends an answer: an answer naming one goes uvicorn's way.
+_FRAMING = frozenset({"content-length", "transfer-encoding", "connection"})
 #: How long a refused connection is read (and what comes dropped) before it is closed.
 LINGER_S = 2.0
 
@@ -143,7 +157,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is not None and cycle.__class__ is RequestResponseCycle:  # (the request's, made just now)
-            cycle.__class__ = _OnePieceCycle
+            cycle.__class__ = OnePieceCycle
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:
@@ -227,7 +241,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._head_timer = self._body_timer = None
 
 
-class _OnePieceCycle(RequestResponseCycle):
+class OnePieceCycle(RequestResponseCycle):
     """uvicorn's request cycle, but an answer's head is held back and written with its first body bytes (see the
     module doc):
 
@@ -237,8 +251,95 @@ class _OnePieceCycle(RequestResponseCycle):
       in the same turn;
     - a HEAD request's head and a bodiless status's are written at once, as uvicorn does.
 
-    (The protocol makes each request's cycle uvicorn's way and then gives it this class: same state, one method.)
+    The gateway's own routes (``gateway.fast_routes``) hand it their answers' heads as a status and a mapping
+    (:meth:`send_whole`, :meth:`start_stream`) rather than as ASGI messages: the same bytes, made in one pass.
+
+    (The protocol makes each request's cycle uvicorn's way and then gives it this class: same state, three methods.)
     """
+
+    def send_whole(self, status: int, headers: Mapping[str, Any], media_type: bytes, body: bytes) -> bool:
+        """Write a whole answer (``status``, ``headers``, a ``content-type`` of ``media_type`` unless ``headers``
+        name one, a ``content-length``, ``body``) at once, and end the response: what uvicorn's :meth:`send` of its
+        start and of its body does (the same bytes, checks and connection handling), without two ASGI messages,
+        uvicorn's check of each header in turn and the held head (about 4% of a whole answer's instructions in the
+        gateway; the README's step table under ``overhead``).
+
+        False, with nothing done, where it is not that simple (:meth:`_head`); :meth:`send` then does it.
+
+        Raises:
+            RuntimeError: A header's name or value has a character HTTP does not allow (as uvicorn's :meth:`send`).
+        """
+        head = self._head(status, headers, media_type, len(body))
+        if head is None:
+            return False
+        self.response_complete = True
+        self.expected_content_length = 0
+        self.transport.writelines((head, body))  # (one writev: the body is not copied)
+        self.message_event.set()
+        if not self.keep_alive:
+            self.transport.close()
+        self.on_response()
+        return True
+
+    def start_stream(self, status: int, headers: Mapping[str, Any], media_type: bytes) -> bool:
+        """Start a chunked answer (``status``, ``headers``, a ``content-type`` of ``media_type`` unless ``headers``
+        name one): what :meth:`send` of its start message does, its head held for a first chunk sent in this turn
+        of the event loop. Its chunks are then sent as ASGI messages.
+
+        False, with nothing done, where it is not that simple (:meth:`_head`); :meth:`send` then does it.
+
+        Raises:
+            RuntimeError: As :meth:`send_whole`.
+        """
+        head = self._head(status, headers, media_type, None)
+        if head is None:
+            return False
+        held = _HeldHead(self, self.transport)
+        held.head = head
+        self.transport = held  # type: ignore[assignment]
+        asyncio.get_running_loop().call_soon(held.let_go, b"")
+        return True
+
+    def _head(self, status: int, headers: Mapping[str, Any], media_type: bytes, length: int | None) -> bytes | None:
+        """The answer's head as uvicorn's :meth:`send` writes it (its ``content-length`` ``length``, or chunked when
+        None), the response marked started; None, with nothing done, where the response has begun, the client is
+        gone, writing is paused (the send waits for the transport to drain), the request is a HEAD, a stream's
+        status has no body, there is an access log to write, or ``headers`` name the answer's length, transfer
+        encoding or connection.
+
+        Raises:
+            RuntimeError: A header's name or value has a character HTTP does not allow.
+        """
+        if (self.response_started or self.disconnected or self.flow.write_paused or self.access_log
+                or self.scope["method"] == "HEAD" or (length is None and status in (204, 304))):
+            return None
+        names = [name.lower() for name in headers]
+        if not _FRAMING.isdisjoint(names):
+            return None
+        values = [str(value) for value in headers.values()]
+        if _BAD_NAME.search("-".join(names)):  # (neither "-" nor a tab is one of the characters looked for)
+            raise RuntimeError("Invalid HTTP header name.")
+        if _BAD_VALUE.search("\t".join(values)):
+            raise RuntimeError("Invalid HTTP header value.")
+        lines = [STATUS_LINE[status]]
+        for name, value in self.default_headers:
+            lines += (name, b": ", value, b"\r\n")
+        lines.append("".join([f"{name}: {value}\r\n" for name, value in zip(names, values, strict=True)])
+                     .encode("latin-1"))
+        if "content-type" not in names:
+            lines += (b"content-type: ", media_type, b"\r\n")
+        if length is None:
+            lines.append(b"transfer-encoding: chunked\r\n")
+        else:
+            lines += (b"content-length: ", b"%d" % length, b"\r\n")
+        if not self.keep_alive:
+            lines.append(b"connection: close\r\n")
+        lines.append(b"\r\n")
+        self.response_started = True
+        self.waiting_for_100_continue = False
+        self.chunked_encoding = length is None
+        self.expected_content_length = 0
+        return b"".join(lines)
 
     async def send(self, message: Any) -> None:
         if self.response_started or message["type"] != "http.response.start":
@@ -257,7 +358,7 @@ class _OnePieceCycle(RequestResponseCycle):
 
 
 class _HeldHead:
-    """The transport of a :class:`_OnePieceCycle` between its answer's head and its body: the first write (the head)
+    """The transport of a :class:`OnePieceCycle` between its answer's head and its body: the first write (the head)
     is kept, the next one sends it with its own bytes and hands the cycle its transport back (as does
     :meth:`let_go` itself, which may come later and then does nothing more); anything else is the transport's."""
 

@@ -10,10 +10,11 @@ import asyncio
 import json
 from typing import Any
 
+import pytest
 from uvicorn.config import Config
 from uvicorn.server import ServerState
 
-from switchyard.gateway.server import ClientLimits, LimitedHttpToolsProtocol
+from switchyard.gateway.server import ClientLimits, LimitedHttpToolsProtocol, OnePieceCycle
 
 LIMITS = ClientLimits(max_header_bytes=4096, header_timeout_s=0.2, body_timeout_s=0.2)
 
@@ -73,7 +74,7 @@ async def echo_app(scope: Any, receive: Any, send: Any) -> None:
 
 
 def connect(limits: ClientLimits = LIMITS, app: Any = echo_app) -> tuple[LimitedHttpToolsProtocol, FakeTransport]:
-    config = Config(app, lifespan="off", log_level="warning")
+    config = Config(app, lifespan="off", log_level="warning", access_log=False)  # (as the gateway serves)
     config.load()
     protocol = LimitedHttpToolsProtocol(config=config, server_state=ServerState(), app_state={}, limits=limits)
     transport = FakeTransport()
@@ -209,11 +210,16 @@ async def test_a_whole_answer_is_written_in_one_piece_on_a_kept_alive_connection
     protocol.connection_lost(None)
 
 
-def _streaming_app(go_on: asyncio.Event | None) -> Any:
-    """A stream whose first chunk waits for ``go_on`` (None: sent at once, as the gateway sends its streams)."""
+def _streaming_app(go_on: asyncio.Event | None, *, at_once: bool = False) -> Any:
+    """A stream whose first chunk waits for ``go_on`` (None: sent at once, as the gateway sends its streams); its
+    head through :meth:`OnePieceCycle.start_stream` (``at_once``) or as uvicorn's start message."""
     async def app(scope: Any, receive: Any, send: Any) -> None:
         await receive()
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        if not at_once:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream")]})
+        elif not send.__self__.start_stream(200, {"X-Request-Id": "abc"}, b"text/event-stream"):
+            raise AssertionError("start_stream declined")
         if go_on is not None:
             await go_on.wait()
         await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
@@ -221,17 +227,21 @@ def _streaming_app(go_on: asyncio.Event | None) -> Any:
     return app
 
 
-async def test_a_streams_head_goes_with_its_first_chunk_or_alone_when_that_chunk_waits() -> None:
-    protocol, transport = connect(app=_streaming_app(None))
+@pytest.mark.parametrize("at_once", [False, True], ids=["asgi-start", "start_stream"])
+async def test_a_streams_head_goes_with_its_first_chunk_or_alone_when_that_chunk_waits(at_once: bool) -> None:
+    protocol, transport = connect(app=_streaming_app(None, at_once=at_once))
     protocol.data_received(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
     await turns()
     head, _, first = transport.writes[0].partition(b"\r\n\r\n")
     assert b"transfer-encoding: chunked" in head and first == b"9\r\ndata: 1\n\n\r\n"
     assert transport.writes[1:] == [b"0\r\n\r\n"]
+    if at_once:
+        assert head == (b"HTTP/1.1 200 OK\r\nx-request-id: abc\r\ncontent-type: text/event-stream\r\n"
+                        b"transfer-encoding: chunked")
     protocol.connection_lost(None)
 
     go_on = asyncio.Event()
-    protocol, transport = connect(app=_streaming_app(go_on))
+    protocol, transport = connect(app=_streaming_app(go_on, at_once=at_once))
     protocol.data_received(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
     await turns()
     assert len(transport.writes) == 1 and transport.writes[0].endswith(b"transfer-encoding: chunked\r\n\r\n")
@@ -272,3 +282,87 @@ async def test_an_app_failing_after_its_head_gets_the_head_written_and_the_conne
     assert len(transport.writes) == 1 and transport.writes[0].startswith(b"HTTP/1.1 200")
     assert transport.closed and protocol.cycle.transport is transport
     protocol.connection_lost(None)
+
+
+def _whole_app(headers: dict[str, Any], *, at_once: bool, status: int = 200, body: bytes = b'{"ok": true}') -> Any:
+    """Answers ``body`` with ``headers``: through :meth:`OnePieceCycle.send_whole` (``at_once``; what it returned
+    is kept in ``app.took``), else (or where it declined) as two ASGI messages, as uvicorn's ``send`` takes them."""
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        if at_once:
+            cycle = send.__self__
+            assert isinstance(cycle, OnePieceCycle)
+            took = cycle.send_whole(status, headers, b"application/json", body)
+            app.took.append((took, cycle.response_started))  # type: ignore[attr-defined]
+            if took:
+                return
+        encoded = [(name.lower().encode("latin-1"), str(value).encode("latin-1")) for name, value in headers.items()]
+        if "content-type" not in {name.lower() for name in headers}:
+            encoded.append((b"content-type", b"application/json"))
+        encoded.append((b"content-length", b"%d" % len(body)))
+        await send({"type": "http.response.start", "status": status, "headers": encoded})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    app.took = []  # type: ignore[attr-defined]
+    return app
+
+
+async def _exchange(app: Any, requests: list[bytes]) -> tuple[bool, list[bytes]]:
+    """What ``app`` wrote for each of ``requests`` in turn on one connection (the server's default headers: a date),
+    and whether the server closed the connection."""
+    config = Config(app, lifespan="off", log_level="warning", access_log=False)
+    config.load()
+    state = ServerState()
+    state.default_headers = [(b"date", b"Mon, 07 Dec 2026 10:00:00 GMT")]
+    protocol = LimitedHttpToolsProtocol(config=config, server_state=state, app_state={}, limits=LIMITS)
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    answers = []
+    for request in requests:
+        transport.writes.clear()
+        protocol.data_received(request)
+        await turns()
+        answers.append(b"".join(transport.writes))
+    closed = transport.closed
+    protocol.connection_lost(None)
+    return closed, answers
+
+
+KEPT = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+CLOSING = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}"
+
+
+async def test_a_whole_answer_sent_at_once_is_what_uvicorns_send_writes_and_the_connection_goes_on() -> None:
+    headers = {"X-Request-Id": "abc", "x-ratelimit-remaining-tokens": 99, "x-switchyard-route": "model=small; pool=p"}
+    for requests in ([KEPT, KEPT], [CLOSING]):
+        fast = _whole_app(headers, at_once=True)
+        fast_closed, fast_answers = await _exchange(fast, requests)
+        slow_closed, slow_answers = await _exchange(_whole_app(headers, at_once=False), requests)
+        assert fast.took == [(True, True)] * len(requests)
+        assert fast_answers == slow_answers  # byte for byte: the date, every header, the length, the body
+        assert all(len(a) > 0 for a in fast_answers) and fast_answers[0].startswith(b"HTTP/1.1 200 OK\r\ndate: ")
+        assert b"x-ratelimit-remaining-tokens: 99\r\n" in fast_answers[0]
+        assert fast_closed == slow_closed == (requests == [CLOSING])
+        if requests == [CLOSING]:
+            assert b"connection: close\r\n" in fast_answers[0]
+    # the answer's own content type is kept, and an error status too
+    typed = _whole_app({"Content-Type": "text/plain"}, at_once=True, status=429, body=b"no")
+    _, (answer,) = await _exchange(typed, [KEPT])
+    assert answer == (b"HTTP/1.1 429 Too Many Requests\r\ndate: Mon, 07 Dec 2026 10:00:00 GMT\r\n"
+                      b"content-type: text/plain\r\ncontent-length: 2\r\n\r\nno")
+
+
+async def test_send_whole_leaves_framing_headers_to_uvicorn_and_refuses_what_uvicorn_refuses() -> None:
+    framed = _whole_app({"Content-Length": "12"}, at_once=True)
+    _, written = await _exchange(framed, [KEPT])
+    assert framed.took == [(False, False)]  # nothing done: the caller sends it the ASGI way
+    assert written == (await _exchange(_whole_app({"Content-Length": "12"}, at_once=False), [KEPT]))[1]
+    for bad in ({"x-bad": "a\r\nx-injected: 1"}, {"bad name": "x"}):
+        async def app(scope: Any, receive: Any, send: Any, bad: dict[str, str] = bad) -> None:
+            await receive()
+            with pytest.raises(RuntimeError, match="Invalid HTTP header"):
+                send.__self__.send_whole(200, bad, b"application/json", b"{}")
+            app.checked = True  # type: ignore[attr-defined]
+
+        _, (written,) = await _exchange(app, [KEPT])
+        assert app.checked and not written.startswith(b"HTTP/1.1 200")  # type: ignore[attr-defined]
