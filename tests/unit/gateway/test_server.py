@@ -357,6 +357,15 @@ async def test_send_whole_leaves_framing_headers_to_uvicorn_and_refuses_what_uvi
     _, written = await _exchange(framed, [KEPT])
     assert framed.took == [(False, False)]  # nothing done: the caller sends it the ASGI way
     assert written == (await _exchange(_whole_app({"Content-Length": "12"}, at_once=False), [KEPT]))[1]
+    async def bodiless(scope: Any, receive: Any, send: Any) -> None:  # a stream of a status that has no body
+        await receive()
+        bodiless.took = send.__self__.start_stream(204, {}, b"text/event-stream")  # type: ignore[attr-defined]
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    _, (written,) = await _exchange(bodiless, [KEPT])
+    assert bodiless.took is False and written.startswith(b"HTTP/1.1 204")  # type: ignore[attr-defined]
+    assert b"transfer-encoding" not in written
     for bad in ({"x-bad": "a\r\nx-injected: 1"}, {"bad name": "x"}):
         async def app(scope: Any, receive: Any, send: Any, bad: dict[str, str] = bad) -> None:
             await receive()
