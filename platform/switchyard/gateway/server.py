@@ -262,7 +262,7 @@ class OnePieceCycle(RequestResponseCycle):
         name one, a ``content-length``, ``body``) at once, and end the response: what uvicorn's :meth:`send` of its
         start and of its body does (the same bytes, checks and connection handling), without two ASGI messages,
         uvicorn's check of each header in turn and the held head (about 4% of a whole answer's instructions in the
-        gateway; the README's step table under ``overhead``).
+        gateway; the README's fourth look under ``overhead``).
 
         False, with nothing done, where it is not that simple (:meth:`_head`); :meth:`send` then does it.
 
