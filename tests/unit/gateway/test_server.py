@@ -297,9 +297,11 @@ def _whole_app(headers: dict[str, Any], *, at_once: bool, status: int = 200, bod
             if took:
                 return
         encoded = [(name.lower().encode("latin-1"), str(value).encode("latin-1")) for name, value in headers.items()]
-        if "content-type" not in {name.lower() for name in headers}:
+        names = {name.lower() for name in headers}
+        if "content-type" not in names:
             encoded.append((b"content-type", b"application/json"))
-        encoded.append((b"content-length", b"%d" % len(body)))
+        if "content-length" not in names:
+            encoded.append((b"content-length", b"%d" % len(body)))
         await send({"type": "http.response.start", "status": status, "headers": encoded})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
@@ -357,6 +359,8 @@ async def test_send_whole_leaves_framing_headers_to_uvicorn_and_refuses_what_uvi
     _, written = await _exchange(framed, [KEPT])
     assert framed.took == [(False, False)]  # nothing done: the caller sends it the ASGI way
     assert written == (await _exchange(_whole_app({"Content-Length": "12"}, at_once=False), [KEPT]))[1]
+    assert written[0].count(b"content-length") == 1
+
     async def bodiless(scope: Any, receive: Any, send: Any) -> None:  # a stream of a status that has no body
         await receive()
         bodiless.took = send.__self__.start_stream(204, {}, b"text/event-stream")  # type: ignore[attr-defined]
@@ -375,3 +379,4 @@ async def test_send_whole_leaves_framing_headers_to_uvicorn_and_refuses_what_uvi
 
         _, (written,) = await _exchange(app, [KEPT])
         assert app.checked and not written.startswith(b"HTTP/1.1 200")  # type: ignore[attr-defined]
+        assert b"x-injected" not in written and b"bad name" not in written
