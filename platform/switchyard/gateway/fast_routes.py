@@ -163,9 +163,16 @@ def _head(status: int, headers: Mapping[str, Any], media_type: bytes, length: in
     return {"type": "http.response.start", "status": status, "headers": encoded}
 
 
+def _cycle(send: Send) -> OnePieceCycle | None:
+    """The gateway's server's request cycle behind ``send``, which takes an answer's head as a status and a mapping
+    (``gateway.server``); None under another server (the head then goes as an ASGI message)."""
+    cycle = getattr(send, "__self__", None)
+    return cycle if isinstance(cycle, OnePieceCycle) else None
+
+
 async def _send_whole(send: Send, status: int, body: bytes, media_type: bytes, headers: Mapping[str, Any]) -> None:
-    cycle = getattr(send, "__self__", None)  # (the gateway's server: the answer written at once)
-    if isinstance(cycle, OnePieceCycle) and cycle.send_whole(status, headers, media_type, body):
+    cycle = _cycle(send)
+    if cycle is not None and cycle.send_whole(status, headers, media_type, body):
         return
     await send(_head(status, headers, media_type, len(body)))
     await send({"type": "http.response.body", "body": body, "more_body": False})
@@ -175,8 +182,8 @@ async def _send_stream(answer: Stream, receive: Receive, send: Send) -> None:
     """Relay ``answer``'s chunks until they end, or until the client leaves (the relay is then cancelled where it
     waits, as Litestar's cancel scope did)."""
     status, media_type = answer.status_code or 200, _media_type(answer)
-    cycle = getattr(send, "__self__", None)  # (the gateway's server: the head made at once)
-    if not (isinstance(cycle, OnePieceCycle) and cycle.start_stream(status, answer.headers, media_type)):
+    cycle = _cycle(send)
+    if cycle is None or not cycle.start_stream(status, answer.headers, media_type):
         await send(_head(status, answer.headers, media_type, None))
     relaying = asyncio.current_task()
     assert relaying is not None
