@@ -180,7 +180,8 @@ async def _send_whole(send: Send, status: int, body: bytes, media_type: bytes, h
 
 async def _send_stream(answer: Stream, receive: Receive, send: Send) -> None:
     """Relay ``answer``'s chunks until they end, or until the client leaves (the relay is then cancelled where it
-    waits, as Litestar's cancel scope did)."""
+    waits, as Litestar's cancel scope did). The gateway's server says when the client leaves
+    (``OnePieceCycle.on_client_gone``); under another server a task waits for ``receive``'s ``http.disconnect``."""
     status, media_type = answer.status_code or 200, _media_type(answer)
     cycle = _cycle(send)
     if cycle is None or not cycle.start_stream(status, answer.headers, media_type):
@@ -189,13 +190,22 @@ async def _send_stream(answer: Stream, receive: Receive, send: Send) -> None:
     assert relaying is not None
     state = {"left": False, "done": False}
 
-    async def listen() -> None:
-        await client_left(receive)
+    def gone() -> None:
         if not state["done"]:
             state["left"] = True
             relaying.cancel()
 
-    listener = asyncio.create_task(listen())
+    async def listen() -> None:
+        await client_left(receive)
+        gone()
+
+    listener: asyncio.Task[None] | None = None
+    if cycle is None:
+        listener = asyncio.create_task(listen())
+    elif cycle.disconnected:  # (gone already: the relay stops at its first wait)
+        gone()
+    else:
+        cycle.on_client_gone = gone
     try:
         async for chunk in answer.iterator:  # type: ignore[union-attr]
             await send({"type": "http.response.body", "more_body": True,
@@ -207,7 +217,10 @@ async def _send_stream(answer: Stream, receive: Receive, send: Send) -> None:
         relaying.uncancel()  # the client left: the relay stopped, the answer ends here
     finally:
         state["done"] = True
-        listener.cancel()
+        if cycle is not None:
+            cycle.on_client_gone = None
+        if listener is not None:
+            listener.cancel()
 
 
 class GatewayApp(Litestar):

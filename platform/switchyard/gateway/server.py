@@ -39,7 +39,7 @@ import functools
 import logging
 import re
 from asyncio import TimerHandle
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -118,6 +118,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._lingering.cancel()
             self._lingering = None
         super().connection_lost(exc)
+        cycle = self.cycle
+        if isinstance(cycle, OnePieceCycle) and cycle.disconnected:
+            cycle.client_gone()
 
     def data_received(self, data: bytes) -> None:
         if self._lingering is not None:
@@ -213,6 +216,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         # The application reading the body sees the client leave; what it answers is dropped.
         cycle.disconnected = True
         cycle.message_event.set()
+        if isinstance(cycle, OnePieceCycle):
+            cycle.client_gone()
         self._refuse(408, f"The request body stopped arriving for {self.limits.body_timeout_s:g} s.",
                      "request_timeout")
 
@@ -254,8 +259,21 @@ class OnePieceCycle(RequestResponseCycle):
     The gateway's own routes (``gateway.fast_routes``) hand it their answers' heads as a status and a mapping
     (:meth:`send_whole`, :meth:`start_stream`) rather than as ASGI messages: the same bytes, made in one pass.
 
-    (The protocol makes each request's cycle uvicorn's way and then gives it this class: same state, three methods.)
+    A client that goes while its answer is unfinished is told to :attr:`on_client_gone` as well (the gateway's
+    stream relay stops there rather than in a task of its own that waits for ``receive``'s ``http.disconnect``).
+
+    (The protocol makes each request's cycle uvicorn's way and then gives it this class: same state, a few methods.)
     """
+
+    #: Called once, at once, when the client goes before its answer is complete: its connection is lost, or its body
+    #: stopped arriving (the protocol marks the cycle ``disconnected``, and ``receive`` answers ``http.disconnect``).
+    on_client_gone: Callable[[], object] | None = None
+
+    def client_gone(self) -> None:
+        """The client went before its answer was complete: call :attr:`on_client_gone` (once)."""
+        hook, self.on_client_gone = self.on_client_gone, None
+        if hook is not None:
+            hook()
 
     def send_whole(self, status: int, headers: Mapping[str, Any], media_type: bytes, body: bytes) -> bool:
         """Write a whole answer (``status``, ``headers``, a ``content-type`` of ``media_type`` unless ``headers``

@@ -24,6 +24,8 @@ from switchyard.api.errors import (
 )
 from switchyard.gateway.fast_routes import FastRoutes, GatewayApp
 from switchyard.gateway.request import Incoming
+from switchyard.gateway.server import OnePieceCycle
+from tests.unit.gateway.test_server import connect, turns
 
 LIMIT = 64
 
@@ -223,6 +225,44 @@ async def test_a_client_that_leaves_mid_stream_cancels_the_relay_and_its_backgro
     assert relay.ended == "cancelled" and relay.finished
     current = asyncio.current_task()
     assert current is not None and current.cancelling() == 0  # nothing left cancelled for the caller
+
+
+async def test_behind_the_gateways_server_a_client_leaving_mid_stream_stops_the_relay_without_a_task_of_its_own(
+) -> None:
+    """The gateway's server tells the relay that its client left (``OnePieceCycle.on_client_gone``): no task waits
+    for the disconnect beside the request's own, and the relay ends as when one did."""
+    relay = Relay()
+    relay.release.put_nowait(b"data: 1\n\n")  # then nothing more: the client leaves after the first chunk
+    _, fast = _apps(FakeProxy(relay.answer))
+    before = asyncio.all_tasks()
+    protocol, transport = connect(app=fast)
+    protocol.data_received(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+    await turns()
+    assert bytes(transport.written).startswith(b"HTTP/1.1 200") and b"data: 1" in bytes(transport.written)
+    cycle = protocol.cycle
+    assert isinstance(cycle, OnePieceCycle) and cycle.on_client_gone is not None
+    assert len(asyncio.all_tasks() - before) == 1  # the request's task alone
+    protocol.connection_lost(None)
+    await turns()
+    assert relay.ended == "cancelled" and relay.finished
+    assert cycle.on_client_gone is None
+    assert not asyncio.all_tasks() - before
+
+
+async def test_a_stream_that_ends_lets_go_of_its_hook_and_a_later_loss_tells_nobody() -> None:
+    relay = Relay()
+    for chunk in (b"data: 1\n\n", None):
+        relay.release.put_nowait(chunk)
+    _, fast = _apps(FakeProxy(relay.answer))
+    protocol, transport = connect(app=fast)
+    protocol.data_received(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+    await turns()
+    assert relay.ended == "completed" and relay.finished
+    assert bytes(transport.written).endswith(b"0\r\n\r\n")
+    cycle = protocol.cycle
+    assert isinstance(cycle, OnePieceCycle) and cycle.on_client_gone is None
+    protocol.connection_lost(None)
+    assert not cycle.disconnected  # (the answer was complete: nothing was cut off)
 
 
 async def test_other_methods_and_paths_go_to_litestar() -> None:

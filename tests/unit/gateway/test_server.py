@@ -175,6 +175,45 @@ async def test_a_stalled_body_is_408_and_the_app_sees_the_client_leave() -> None
     protocol.connection_lost(None)
 
 
+async def test_the_cycle_says_once_that_its_client_went_before_the_answer_was_complete() -> None:
+    told: list[str] = []
+    answered = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        cycle = send.__self__
+        cycle.on_client_gone = lambda: told.append(scope["path"])
+        await receive()
+        if scope["path"] == "/whole":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+            await send({"type": "http.response.body", "body": b"ok"})
+        answered.set()
+        await asyncio.sleep(10)
+
+    for path, gone in (("/whole", []), ("/unanswered", ["/unanswered"])):
+        told.clear()
+        answered.clear()
+        protocol, _ = connect(app=app)
+        protocol.data_received(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        await asyncio.wait_for(answered.wait(), 1)
+        protocol.connection_lost(None)
+        protocol.connection_lost(None)  # (a second loss says nothing more)
+        assert told == gone
+        for task in asyncio.all_tasks() - {asyncio.current_task()}:
+            task.cancel()
+        await turns()
+
+    told.clear()  # a body that stops arriving: the client is gone too
+    protocol, _ = connect(app=app)
+    protocol.data_received(b"POST /stalled HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123")
+    await asyncio.sleep(0.35)
+    assert told == ["/stalled"]
+    protocol.connection_lost(None)
+    assert told == ["/stalled"]
+    for task in asyncio.all_tasks() - {asyncio.current_task()}:
+        task.cancel()
+    await turns()
+
+
 async def slow_app(scope: Any, receive: Any, send: Any) -> None:
     """Busy for a while before it reads the body."""
     await asyncio.sleep(0.5)
