@@ -61,6 +61,12 @@ log = logging.getLogger("switchyard.gateway.server")
 #: each character below 256 to the byte of the same value, and anything above cannot be encoded at all.
 _BAD_NAME = re.compile(HEADER_RE.pattern.decode("latin-1"))
 _BAD_VALUE = re.compile(HEADER_VALUE_RE.pattern.decode("latin-1"))
+#: Every byte :data:`HEADER_VALUE_RE` allows in a value: what ``bytes.translate`` deletes to find, in one pass (about
+#: half what the regular expression costs), whether any other is there.
+_VALUE_BYTES = bytes([0x09, *range(0x20, 0x7F), *range(0x80, 0x100)])
+#: Header names found good already (answers' names come from the gateway's code: a few dozen; bounded all the same).
+_GOOD_NAMES: set[str] = set()
+_GOOD_NAMES_KEPT = 1024
 #: Names whose value would change how uvicorn frames or ends an answer: an answer naming one goes uvicorn's way.
 _FRAMING = frozenset({"content-length", "transfer-encoding", "connection"})
 #: How long a refused connection is read (and what comes dropped) before it is closed.
@@ -334,10 +340,18 @@ class OnePieceCycle(RequestResponseCycle):
         names = [name.lower() for name in headers]
         if not _FRAMING.isdisjoint(names):
             return None
+        if not _GOOD_NAMES.issuperset(names):
+            if _BAD_NAME.search("-".join(names)):  # (neither "-" nor a tab is one of the characters looked for)
+                raise RuntimeError("Invalid HTTP header name.")
+            if len(_GOOD_NAMES) < _GOOD_NAMES_KEPT:
+                _GOOD_NAMES.update(names)
         values = [str(value) for value in headers.values()]
-        if _BAD_NAME.search("-".join(names)):  # (neither "-" nor a tab is one of the characters looked for)
-            raise RuntimeError("Invalid HTTP header name.")
-        if _BAD_VALUE.search("\t".join(values)):
+        joined = "\t".join(values)
+        try:
+            clean = not joined.encode("latin-1").translate(None, _VALUE_BYTES)
+        except UnicodeEncodeError:  # (not latin-1: the regular expression says whether it is also refused)
+            clean = False
+        if not clean and _BAD_VALUE.search(joined):
             raise RuntimeError("Invalid HTTP header value.")
         lines = [STATUS_LINE[status]]
         for name, value in self.default_headers:

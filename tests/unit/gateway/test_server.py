@@ -393,6 +393,33 @@ async def test_a_whole_answer_sent_at_once_is_what_uvicorns_send_writes_and_the_
                       b"content-type: text/plain\r\ncontent-length: 2\r\n\r\nno")
 
 
+@pytest.mark.parametrize("headers", [
+    {"x-ok": "plain", "x-tab": "a\tb", "x-latin": "caf\u00e9", "x-all": "".join(map(chr, range(0x20, 0x7f)))},
+    {"x-ok": "plain", "x-del": "a\x7fb"}, {"x-nul": "\x00"}, {"x-lf": "a\nb"}, {"x-cr": "a\rb"},
+    {"x-ok": "plain", "x(paren)": "v"}, {"x-ok": "plain", "x:colon": "v"}, {"x\ttab": "v"}, {"x-ok": "plain"},
+])
+async def test_send_whole_refuses_exactly_the_headers_uvicorn_refuses(headers: dict[str, str]) -> None:
+    """Names found good are remembered and values checked in one pass: the verdict is still uvicorn's own, header
+    by header (a bad name after good ones, a bad byte among good ones)."""
+    from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE
+
+    refused = any(HEADER_RE.search(name.lower().encode("latin-1")) or HEADER_VALUE_RE.search(value.encode("latin-1"))
+                  for name, value in headers.items())
+    for _ in range(2):  # (the second time, the names of the first are remembered)
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            await receive()
+            try:
+                app.took = send.__self__.send_whole(200, headers, b"application/json", b"{}")  # type: ignore[attr-defined]
+            except RuntimeError:
+                app.took = "refused"  # type: ignore[attr-defined]
+
+        _, (written,) = await _exchange(app, [KEPT])
+        assert app.took == ("refused" if refused else True)  # type: ignore[attr-defined]
+        assert written.startswith(b"HTTP/1.1 200") != refused
+        if not refused:
+            assert "caf\u00e9".encode("latin-1") in written or "x-latin" not in headers
+
+
 async def test_send_whole_leaves_framing_headers_to_uvicorn_and_refuses_what_uvicorn_refuses() -> None:
     framed = _whole_app({"Content-Length": "12"}, at_once=True)
     _, written = await _exchange(framed, [KEPT])
