@@ -161,6 +161,26 @@ def test_the_periodic_flush_writes_in_paced_chunks_and_keeps_what_it_did_not_wri
     assert written == {r.request_id for r in records}
 
 
+@pytest.mark.parametrize(("waiting", "chunk"), [(request_log.BEHIND_ROWS, request_log.FLUSH_CHUNK),
+                                              (request_log.BEHIND_ROWS + 1, request_log.BEHIND_CHUNK)])
+def test_a_flush_that_fell_behind_pauses_less_often(engine: Any, monkeypatch: pytest.MonkeyPatch, waiting: int,
+                                                    chunk: int) -> None:
+    """The periodic flush pauses after every FLUSH_CHUNK rows it makes ready, unless more than BEHIND_ROWS wait: then
+    after every BEHIND_CHUNK, so that a gateway serving more than the paced chunks write keeps every row."""
+    writer = RequestLogWriter(engine)
+    activity = Activity()
+    for i in range(waiting):
+        writer.offer(finished(activity, f"b-{i:05d}", 200))
+    pauses: list[float] = []
+    monkeypatch.setattr(request_log.time, "sleep", pauses.append)
+    assert writer.flush(pause_s=0.002) == waiting
+    assert len(pauses) == -(-waiting // chunk) - 1  # (none before the first chunk)
+    assert writer.pending == 0 and writer.dropped == 0
+    with Session(engine) as s:
+        kept = s.execute(text("SELECT count(*) FROM request_log WHERE request_id LIKE 'b-%'")).scalar_one()
+    assert kept == waiting
+
+
 @pytest.fixture(scope="module")
 def replicas(engines: Engines, tmp_path_factory: pytest.TempPathFactory,
              pg_database: Callable[[], str]) -> Iterator[tuple[Gateway, Gateway]]:
