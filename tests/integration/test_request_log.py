@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import re
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError, ProgrammingError
 from sqlmodel import Session
@@ -18,7 +20,7 @@ from sqlmodel import Session
 from switchyard.gateway.activity import Activity, RequestRecord
 from switchyard.store import db, request_log
 from switchyard.store.request_log import RequestLogWriter
-from tests.integration.conftest import Engines, Gateway, client, eventually, start_gateway, stop
+from tests.integration.conftest import Engines, Gateway, client, eventually, metric_sum, start_gateway, stop
 
 
 def finished(activity: Activity, rid: str, status: int, *, tenant: str = "acme", model: str = "small",
@@ -161,6 +163,19 @@ def test_the_periodic_flush_writes_in_paced_chunks_and_keeps_what_it_did_not_wri
     assert written == {r.request_id for r in records}
 
 
+def test_a_full_buffer_drops_its_oldest_entries_and_counts_them(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(request_log, "BUFFER", 5)
+    writer = RequestLogWriter(engine)
+    activity = Activity()
+    for i in range(8):
+        writer.offer(finished(activity, f"d-{i}", 200))
+    assert (writer.pending, writer.dropped) == (5, 3)
+    assert writer.flush() == 5
+    with Session(engine) as s:
+        kept = s.execute(text("SELECT request_id FROM request_log WHERE request_id LIKE 'd-%'")).scalars().all()
+    assert sorted(kept) == [f"d-{i}" for i in range(3, 8)]
+
+
 @pytest.mark.parametrize(("waiting", "chunk"), [(request_log.BEHIND_ROWS, request_log.FLUSH_CHUNK),
                                               (request_log.BEHIND_ROWS + 1, request_log.BEHIND_CHUNK)])
 def test_a_flush_that_fell_behind_pauses_less_often(engine: Any, monkeypatch: pytest.MonkeyPatch, waiting: int,
@@ -238,3 +253,10 @@ def test_the_console_shows_another_replicas_requests_from_the_log(replicas: tupl
     assert gone["digest"] not in (None, row["digest"])
     old = datetime.now(UTC) - timedelta(minutes=5)
     assert datetime.fromisoformat(row["time"]) > old
+    # The writer's state is in each replica's metrics: nothing waits once written, nothing was dropped.
+    for gw in replicas:
+        assert eventually(lambda gw=gw: metric_sum(gw.base_url, "switchyard_request_log_pending") == 0)
+        assert metric_sum(gw.base_url, "switchyard_request_log_dropped") == 0
+        families = {f.name for f in text_string_to_metric_families(urllib.request.urlopen(gw.base_url + "/metrics",
+                                                                                         timeout=5).read().decode())}
+        assert {"switchyard_request_log_pending", "switchyard_request_log_dropped"} <= families

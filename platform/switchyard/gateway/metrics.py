@@ -203,6 +203,14 @@ class GatewayMetrics:
         self.cache_evictions = Gauge(
             "switchyard_cache_evictions", "Entries the response cache evicted since start-up, by reason (ttl, size).",
             ["reason"], registry=self.registry)
+        # The request log's writer, read at each scrape (set up by the runtime when the log is on).
+        self.request_log_pending = Gauge(
+            "switchyard_request_log_pending", "Finished requests this process holds for the request log's next "
+            "write.", registry=self.registry)
+        self.request_log_dropped = Gauge(
+            "switchyard_request_log_dropped", "Finished requests this process dropped from the request log since "
+            "start-up (its buffer was full: the database was away, or the writer fell behind).",
+            registry=self.registry)
         self.dependency_failures = Counter(
             "switchyard_dependency_failures", "Requests served or refused while a dependency of the gateway was "
             "unreachable, by dependency (redis, database) and what was done (fail_open, fail_closed).",

@@ -381,6 +381,9 @@ class GatewayRuntime:
             request_log = RequestLogWriter(self.engine, sample_rate=settings.request_log_sample_rate,
                                            retention_days=settings.request_log_retention_days)
             self.activity.sink = request_log.offer
+            writer = request_log
+            self.metrics.request_log_pending.set_function(lambda: writer.pending)
+            self.metrics.request_log_dropped.set_function(lambda: writer.dropped)
             logging_task = asyncio.create_task(request_log.run(settings.request_log_flush_interval_s),
                                                name="switchyard-request-log")
         pumping = asyncio.create_task(self.flow.run(), name="switchyard-flow")
