@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import ssl
 from collections import deque
 from collections.abc import Mapping
@@ -64,6 +65,14 @@ class EngineConnectError(OSError):
 
 class _Disconnected(AnswerBroken):
     """The connection closed before a byte of the answer came."""
+
+
+def _raisable(error: BaseException) -> BaseException:
+    """A copy of a kept ``error`` to raise. The one an answer keeps is never raised itself: raised, it would hold
+    the frames it passed through, whose locals hold the answer that keeps it, and every broken answer would be a
+    reference cycle that only the garbage collector frees, with its request's objects (the relay, the try, the
+    decision) held until then."""
+    return copy.copy(error)
 
 
 class EngineResponse:
@@ -142,7 +151,7 @@ class EngineResponse:
         """
         while not self._chunks:
             if self._error is not None:
-                raise self._error
+                raise _raisable(self._error)
             if self._complete:
                 return b""
             await self._wait()
@@ -180,6 +189,9 @@ class EngineResponse:
         finally:
             timer.cancel()
             self._waiter = None
+            # (a waiter given an error raises it with a traceback that holds this frame: without its local, the
+            # waiter, its error and the frame are no reference cycle)
+            del waiter
 
     # --- the connection's callbacks ---------------------------------------------------------------
 
@@ -205,7 +217,7 @@ class EngineResponse:
         self._error = error
         waiter = self._waiter
         if waiter is not None and not waiter.done():
-            waiter.set_exception(error)
+            waiter.set_exception(_raisable(error))
 
     # --- giving it back ---------------------------------------------------------------------------
 
@@ -246,7 +258,9 @@ class _Connection(asyncio.Protocol):
         self.key = key
         self.loop = client.loop
         self.read_s = client.read_s
-        self.parser = httptools.HttpResponseParser(self)
+        #: The answer's parser; it holds this connection (its callbacks), so it goes when the connection is lost, or
+        #: every connection closed would be a reference cycle, with the last answer it carried.
+        self.parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.answer: EngineResponse | None = None
         self.head: asyncio.Future[None] | None = None  # the answer's head's arrival
@@ -268,9 +282,12 @@ class _Connection(asyncio.Protocol):
             if answer is None:
                 self.shut()
             return
+        parser = self.parser
+        if parser is None:
+            return
         self.heard = True
         try:
-            self.parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._failed(AnswerBroken(f"an answer that is no HTTP ({exc})"))
             self.shut()
@@ -286,6 +303,7 @@ class _Connection(asyncio.Protocol):
                 self._failed((AnswerBroken if self.heard else _Disconnected)(
                     "the connection closed " + ("before the answer's end" if self.heard else "before any answer")
                     + why))
+        self.parser = None
         self.client._lost(self)
 
     # --- httptools' callbacks ---------------------------------------------------------------------
@@ -302,6 +320,7 @@ class _Connection(asyncio.Protocol):
         answer, head = self.answer, self.head
         if answer is None:
             return
+        assert self.parser is not None  # (a callback of its feed_data)
         answer.status = self.parser.get_status_code()
         if answer.status < 200:  # (an interim 1xx: the answer is still to come)
             answer._raw_headers.clear()
@@ -317,6 +336,7 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         answer = self.answer
         if answer is not None and answer.status >= 200:
+            assert self.parser is not None  # (a callback of its feed_data)
             self.keep_alive = self.parser.should_keep_alive()  # (llhttp forgets it once the next message begins)
             answer._ended()
 
@@ -332,7 +352,7 @@ class _Connection(asyncio.Protocol):
         if head is not None:
             self.head = None
             if not head.done():
-                head.set_exception(error)
+                head.set_exception(_raisable(error))
         if self.answer is not None:
             self.answer._broke(error)
 
@@ -348,6 +368,7 @@ class _Connection(asyncio.Protocol):
             await head
         except BaseException:
             self.head = None
+            del head  # (as in EngineResponse._wait: the head's error holds this frame)
             answer._given_back = True
             self.done(reuse=False)
             raise

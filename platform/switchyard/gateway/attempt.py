@@ -145,8 +145,12 @@ class Try:
     def abandon(self) -> None:
         """A try that lost a hedge's race, or whose waiting was given up: abort it (the engine sees the
         connection close and aborts the request), saying nothing of the engine's health."""
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
+        task = self.task
+        if task is not None and not task.done():
+            task.cancel()
+            # Once it is done, let go of it: the cancelled task keeps its CancelledError, whose traceback holds this
+            # try's frame, and so this try (a reference cycle, with the request it refers to, until the collector).
+            task.add_done_callback(self._let_go)
             return  # its own handler gives it back
         if self.ready is not None:
             response, _ = self.ready
@@ -157,6 +161,10 @@ class Try:
             self.release()
             if self.trial is not None:
                 self.trial.neutral()
+
+    def _let_go(self, task: asyncio.Task[Tried]) -> None:
+        if self.task is task:
+            self.task = None
 
     # --- sending ------------------------------------------------------------------------------------
 
@@ -224,8 +232,7 @@ class Try:
         try:
             # A stream's wait for its first chunk runs under its deadline; a complete answer's under none of its
             # own: the watchdog ends it when its engine shows no progress by the deadline, or is hung.
-            async with asyncio.timeout(deadline if req.stream else None) as timer:
-                watched.timer = timer
+            async with asyncio.timeout(deadline if req.stream else None) as watched.timer:
                 model, pool = self.stage.model, self.choice.pool
                 if runtime.adapters.needed(pool, model) and not runtime.adapters.loaded(url, model):
                     refused = await self._load_adapter()
@@ -265,6 +272,11 @@ class Try:
             if failure.refused:
                 runtime.mark_down(url, str(failure))
             return self.failed(failure.kind, str(failure), failure_error(failure, self.pool, dict(self.headers)))
+        except BaseException:
+            # Cancelled (the client left, or a hedge's loser): its task keeps the CancelledError, whose traceback
+            # holds this frame; the timeout holds the task, so it goes, or the two would be a reference cycle.
+            watched.timer = None
+            raise
         runtime.endpoints.state(url).heard(time.monotonic())
         runtime.metrics.attempts_by(self.pool, "ok").inc()
         if req.stream:
