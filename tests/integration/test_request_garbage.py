@@ -15,9 +15,11 @@ would have freed is kept in ``gc.garbage`` instead, and none of them may be the 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -32,6 +34,8 @@ from switchyard.store.keys import create_key
 from switchyard.store.models import TenantCreate
 from switchyard.store.tenants import create_tenant
 from tests.integration.conftest import FAULTS_CLEAR, Engines, FaultFleet, fault_fleet
+from tests.integration.test_stream_faults import NAMES as FAULT_NAMES
+from tests.integration.test_stream_faults import _policy as _fault_policy
 
 #: The modules whose objects a request makes (the collector's own bookkeeping of other libraries is not ours).
 OURS = ("switchyard.gateway", "switchyard.decide", "switchyard.engines", "switchyard.store.limits")
@@ -73,13 +77,21 @@ def gateway(engines: Engines, tmp_path_factory: pytest.TempPathFactory) -> Itera
     folder = tmp_path_factory.mktemp("garbage")
     policy = folder / "policies.yaml"
     policy.write_text(_policy(engines))
+    with _in_process(policy, ("pro", "tiny")) as started:
+        yield started
+
+
+@contextlib.contextmanager
+def _in_process(policy: Path, tiers: tuple[str, ...]) -> Iterator[Gateway]:
+    """A gateway in us-east on ``policy`` (its data beside it), in this process, with a key of each of ``tiers``."""
+    folder = policy.parent
     settings = Settings(data_dir=folder, database_url=f"sqlite:///{folder / 'switchyard.db'}", policy_file=policy,
-                        region="us-east", scrape_interval_s=3600, batch_worker=False)
+                        region="us-east", scrape_interval_s=3600, batch_worker=False, upstream_read_timeout_s=30)
     with TestClient(app=create_app(settings)) as client:
         runtime: GatewayRuntime = client.app.state.runtime
         keys = {}
         with db.session_scope(runtime.engine) as session:
-            for tier in ("pro", "tiny"):
+            for tier in tiers:
                 create_tenant(session, TenantCreate(name=f"garbage-{tier}", tier=tier))
                 keys[tier] = create_key(session, f"garbage-{tier}")[0]
         yield client, keys
@@ -137,75 +149,45 @@ def test_a_finished_request_leaves_no_reference_cycle(gateway: Gateway, case: st
     send, status = CASES[case]
     first = send(client, keys)  # (the first of a kind may fill caches that live on: not garbage)
     assert first.status_code == status or (case.startswith("limited") and first.status_code == 200), first.text
+
+    def again() -> None:
+        answer = send(client, keys)
+        assert answer.status_code == status, answer.text
+        answer.read()
+
+    ours = _cycles_left(again, 3)
+    assert not ours, f"{case}: reference cycles left {dict(ours)}"
+
+
+def _cycles_left(run: Callable[[], object], times: int) -> Counter[str]:
+    """The gateway's objects (by type) that ``times`` runs of ``run`` left for the garbage collector: what a
+    collection after them finds unreachable, kept in ``gc.garbage`` by ``gc.DEBUG_SAVEALL``."""
     gc.collect()
     gc.garbage.clear()
     gc.set_debug(gc.DEBUG_SAVEALL)
     try:
-        for _ in range(3):
-            answer = send(client, keys)
-            assert answer.status_code == status, answer.text
-            answer.read()
+        for _ in range(times):
+            run()
         gc.collect()
-        ours = Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage
+        return Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage
                        if type(o).__module__.startswith(OURS))
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
-    assert not ours, f"{case}: reference cycles left {dict(ours)}"
 
 
 def test_the_check_finds_a_cycle() -> None:
-    """The test above can fail: a cycle of the gateway's objects is found in the collector's garbage."""
+    """The tests here can fail: a cycle of the gateway's objects is found in the collector's garbage."""
     from switchyard.decide.decision import Tried
 
-    gc.collect()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
+    def cycle() -> None:
         tried = Tried("ok")
         tried.answer = tried
-        del tried
-        gc.collect()
-        ours = [o for o in gc.garbage if type(o).__module__.startswith(OURS)]
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-    assert [type(o).__name__ for o in ours] == ["Tried"]
+
+    assert _cycles_left(cycle, 2) == {"switchyard.decide.decision.Tried": 2}
 
 
 # --- what an engine's fault leads to: a stream continued elsewhere, one that is not, a hedge, a fallback ------------
-
-FAULT_NAMES = ("us-a", "us-b", "eu", "so")
-
-
-def _fault_policy(ports: dict[str, int]) -> str:
-    def url(name: str) -> str:
-        return f"http://127.0.0.1:{ports[name]}"
-
-    price = "{input_per_mtok: 1, output_per_mtok: 2}"
-    return f"""\
-schema: 1
-regions: [us-east, eu-west]
-pools:
-  - {{name: main-us, region: us-east, served_model: sim-m, endpoints: [{url("us-a")}, {url("us-b")}],
-      kv_cache_tokens: 100000}}
-  - {{name: main-eu, region: eu-west, served_model: sim-m, endpoints: [{url("eu")}], kv_cache_tokens: 100000}}
-  - {{name: solo-us, region: us-east, served_model: sim-m, endpoints: [{url("so")}], kv_cache_tokens: 100000}}
-models:
-  - {{name: main, pools: [main-us, main-eu], context_window: 4096, price: {price}, fallback: [main@eu-west]}}
-  - {{name: solo, pools: [solo-us], context_window: 4096, price: {price}, resume_streams: false}}
-priorities:
-  critical: {{max_queue_ms: 10000, ttft_objective: 2}}
-  hedged: {{max_queue_ms: 10000, first_token_deadline: 10, hedge: {{after: 0.3}}}}
-tiers:
-  - {{name: gold, priority: critical, models: ["*"]}}
-  - {{name: hedge, priority: hedged, models: ["*"]}}
-resilience:
-  health: {{probe_interval: 60}}
-  breakers:
-    endpoint: {{consecutive_failures: 1000, min_requests: 100000, open_for: 60}}
-    pool: {{consecutive_failures: 1000, min_requests: 100000}}
-"""
-
 
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FaultFleet, TestClient[Any], dict[str, str]]]:
@@ -214,16 +196,7 @@ def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FaultFlee
     fleets = fault_fleet(folder, FAULT_NAMES, lambda ports: {"policies": _fault_policy(ports)}, "policies")
     fleet = next(fleets)
     try:
-        settings = Settings(data_dir=folder, database_url=f"sqlite:///{folder / 'switchyard.db'}",
-                            policy_file=folder / "policies.yaml", region="us-east", scrape_interval_s=3600,
-                            batch_worker=False, upstream_read_timeout_s=30)
-        with TestClient(app=create_app(settings)) as client:
-            runtime: GatewayRuntime = client.app.state.runtime
-            keys = {}
-            with db.session_scope(runtime.engine) as session:
-                for tier in ("gold", "hedge"):
-                    create_tenant(session, TenantCreate(name=f"faults-{tier}", tier=tier))
-                    keys[tier] = create_key(session, f"faults-{tier}")[0]
+        with _in_process(folder / "policies.yaml", ("gold", "hedge")) as (client, keys):
             yield fleet, client, keys
     finally:
         fleets.close()
@@ -267,18 +240,7 @@ def test_a_request_through_an_engine_fault_leaves_no_reference_cycle(
         first = send()
         record = client.app.state.runtime.activity.get(first.headers["x-request-id"])
         assert record is not None and any(said in str(line) for line in record.trace), record.trace
-        gc.collect()
-        gc.garbage.clear()
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        try:
-            for _ in range(2):
-                send()
-            gc.collect()
-            ours = Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage
-                           if type(o).__module__.startswith(OURS))
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
+        ours = _cycles_left(send, 2)
     finally:
         fleet.fault(**FAULTS_CLEAR)
     assert not ours, f"{case}: reference cycles left {dict(ours)}"
