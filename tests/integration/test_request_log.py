@@ -257,6 +257,6 @@ def test_the_console_shows_another_replicas_requests_from_the_log(replicas: tupl
     for gw in replicas:
         assert eventually(lambda gw=gw: metric_sum(gw.base_url, "switchyard_request_log_pending") == 0)
         assert metric_sum(gw.base_url, "switchyard_request_log_dropped") == 0
-        families = {f.name for f in text_string_to_metric_families(urllib.request.urlopen(gw.base_url + "/metrics",
-                                                                                         timeout=5).read().decode())}
+        with urllib.request.urlopen(gw.base_url + "/metrics", timeout=5) as scraped:  # (metric_sum reads 0 if absent)
+            families = {f.name for f in text_string_to_metric_families(scraped.read().decode())}
         assert {"switchyard_request_log_pending", "switchyard_request_log_dropped"} <= families
