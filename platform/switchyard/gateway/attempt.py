@@ -230,37 +230,40 @@ class Try:
         data: bytes = b""
         usage: dict[str, Any] | None = None
         try:
-            # A stream's wait for its first chunk runs under its deadline; a complete answer's under none of its
-            # own: the watchdog ends it when its engine shows no progress by the deadline, or is hung.
-            async with asyncio.timeout(deadline if req.stream else None) as watched.timer:
-                model, pool = self.stage.model, self.choice.pool
-                if runtime.adapters.needed(pool, model) and not runtime.adapters.loaded(url, model):
-                    refused = await self._load_adapter()
-                    if refused is not None:
-                        watched.timer = None
-                        return refused
-                response = await post(runtime.engines, engine_url(url, _PATHS[req.kind]), payload, upstream_headers)
-                if response.status >= 300:
-                    watched.timer = None
-                    return self._engine_refused(await read_engine_error(response))
-                if req.stream:
-                    try:
-                        first = await first_chunk(response)
-                    except BaseException:
-                        response.close()
-                        raise
-                else:
-                    try:
-                        data, usage = await read_answer(response, runtime.settings.upstream_max_response_bytes)
-                    except UpstreamFailure as failure:
-                        watched.timer = None
-                        failed = ("body_timeout" if failure.timeout else failure.kind if failure.invalid
-                                  else "body_error")
-                        return self.failed(failed, str(failure), failure_error(failure, self.pool,
-                                                                               dict(self.headers)))
+            try:
+                # A stream's wait for its first chunk runs under its deadline; a complete answer's under none of its
+                # own: the watchdog ends it when its engine shows no progress by the deadline, or is hung.
+                async with asyncio.timeout(deadline if req.stream else None) as watched.timer:
+                    model, pool = self.stage.model, self.choice.pool
+                    if runtime.adapters.needed(pool, model) and not runtime.adapters.loaded(url, model):
+                        refused = await self._load_adapter()
+                        if refused is not None:
+                            return refused
+                    response = await post(runtime.engines, engine_url(url, _PATHS[req.kind]), payload,
+                                          upstream_headers)
+                    if response.status >= 300:
+                        watched.timer = None  # (its error is read with no watchdog to end the wait)
+                        return self._engine_refused(await read_engine_error(response))
+                    if req.stream:
+                        try:
+                            first = await first_chunk(response)
+                        except BaseException:
+                            response.close()
+                            raise
+                    else:
+                        try:
+                            data, usage = await read_answer(response, runtime.settings.upstream_max_response_bytes)
+                        except UpstreamFailure as failure:
+                            failed = ("body_timeout" if failure.timeout else failure.kind if failure.invalid
+                                      else "body_error")
+                            return self.failed(failed, str(failure), failure_error(failure, self.pool,
+                                                                                   dict(self.headers)))
+            finally:
+                # However the wait ends, its timeout goes with it: the watchdog has nothing left to end, and a
+                # cancelled try (the client left, or a hedge's loser), whose task keeps the CancelledError with its
+                # traceback and so this frame, is no reference cycle through the timeout, which holds the task.
                 watched.timer = None
         except TimeoutError:
-            watched.timer = None
             kind = watched.abort_kind or "first_token_timeout"
             reason = watched.abort_reason or f"no first token within {deadline:g} s"
             if watched.abort_kind is None:
@@ -268,15 +271,9 @@ class Try:
             return self.failed(kind, reason, GatewayTimeout(f"Upstream failure in pool {self.pool}: {reason}",
                                                             headers=dict(self.headers)))
         except UpstreamFailure as failure:
-            watched.timer = None
             if failure.refused:
                 runtime.mark_down(url, str(failure))
             return self.failed(failure.kind, str(failure), failure_error(failure, self.pool, dict(self.headers)))
-        except BaseException:
-            # Cancelled (the client left, or a hedge's loser): its task keeps the CancelledError, whose traceback
-            # holds this frame; the timeout holds the task, so it goes, or the two would be a reference cycle.
-            watched.timer = None
-            raise
         runtime.endpoints.state(url).heard(time.monotonic())
         runtime.metrics.attempts_by(self.pool, "ok").inc()
         if req.stream:
