@@ -138,10 +138,26 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 15) -> bool:
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
+        print(f"process {proc.pid} still running {timeout:g} s after SIGTERM; where its threads were:\n"
+              f"{thread_stacks(proc.pid)}", file=sys.stderr)  # (shown with the failing test)
         proc.kill()
         proc.wait()
         return False
     return proc.returncode in (0, -signal.SIGTERM)
+
+
+def thread_stacks(pid: int) -> str:
+    """Every Python thread's stack in process ``pid`` (py-spy, of the dev extra that ``.ci/run`` installs), or why
+    not: what a process that does not stop was doing."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(spy).exists():
+        return "(py-spy is not installed)"
+    try:
+        done = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30,
+                              check=False)
+    except subprocess.TimeoutExpired:
+        return "(py-spy dump took more than 30 s)"
+    return (done.stdout + done.stderr).strip()
 
 
 @pytest.fixture
