@@ -56,6 +56,7 @@ from switchyard.api.headers import PRIORITY_HEADER
 from switchyard.decide.flow import batch_lines_in_flight
 from switchyard.gateway.request import Incoming, Kind, never
 from switchyard.gateway.runtime import GatewayRuntime
+from switchyard.gateway.shutdown import ShutdownSteps
 from switchyard.policy import PolicySnapshot
 from switchyard.store import batch_finalize, batch_queue
 from switchyard.store.db import in_transaction
@@ -274,6 +275,11 @@ class BatchWorker:
             # Its lease runs out and another round tries it again (the database may have been down).
             log.error("batch line %s: %s: %s", row, error.__class__.__name__, error)
 
+    @property
+    def running(self) -> int:
+        """Lines in flight now."""
+        return len(self._running)
+
     async def aclose(self) -> None:
         """Stop: lines still running are handed back at once (not after their lease)."""
         tasks = list(self._running.values())
@@ -409,9 +415,12 @@ def worker_lifespan(runtime: GatewayRuntime, serve: Serve) -> Callable[[Any], Ab
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            await worker.aclose()
+            with ShutdownSteps("shutdown") as steps:
+                steps.at("stopping the batch worker")
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                steps.at(f"handing {worker.running} batch lines back")
+                await worker.aclose()
 
     return lifespan

@@ -39,6 +39,7 @@ from switchyard.gateway.policy_state import PolicyHolder, load_startup_policy
 from switchyard.gateway.reload import PolicyReloader, following
 from switchyard.gateway.response_cache import CacheRunner
 from switchyard.gateway.retries import RetryBudget
+from switchyard.gateway.shutdown import ShutdownSteps
 from switchyard.gateway.stalls import StallSampler
 from switchyard.gateway.tokenizers import TokenizerCache
 from switchyard.gateway.tracing import Tracing
@@ -401,32 +402,42 @@ class GatewayRuntime:
         finally:
             with contextlib.suppress(ValueError):
                 gc.callbacks.remove(gc_hook)
-            for task in (scraping, probing, pumping, watching, gauges, kv_gauges, lag, canary_task):
-                task.cancel()
+            with ShutdownSteps("shutdown") as steps:
+                steps.at("stopping the background tasks")
+                for task in (scraping, probing, pumping, watching, gauges, kv_gauges, lag, canary_task):
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                steps.at("closing the KV-cache event subscriptions")
+                await kv_events.close()
+                if self._background:  # streams that ended during shutdown settle before the store closes
+                    steps.at(f"settling {len(self._background)} finished requests")
+                    await asyncio.wait(self._background, timeout=5)
+                steps.at("writing the usage ledger")
+                ledger.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            await kv_events.close()
-            if self._background:  # streams that ended during shutdown settle before the store closes
-                await asyncio.wait(self._background, timeout=5)
-            ledger.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await ledger
-            await self._usage.aclose()  # nothing recorded is lost on a clean shutdown
-            if request_log is not None and logging_task is not None:
-                logging_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await logging_task
-                self.activity.sink = None
-                await request_log.aclose()
-            await self.admitter.store.aclose()
-            await self.cache.cache.aclose()
-            self._classifiers.close()
-            self._classifiers = None
-            await self._http.close()
-            self._http = None
-            await self._engines.close()
-            self._engines = None
-            await anyio.to_thread.run_sync(self.tracing.shutdown)  # the last spans go out
-            if marker is not None:
-                marker.close()
-            self.engine.dispose()
+                    await ledger
+                await self._usage.aclose()  # nothing recorded is lost on a clean shutdown
+                if request_log is not None and logging_task is not None:
+                    steps.at(f"writing the request log's last {request_log.pending} rows")
+                    logging_task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await logging_task
+                    self.activity.sink = None
+                    await request_log.aclose()
+                steps.at("closing the limit store and the response cache")
+                await self.admitter.store.aclose()
+                await self.cache.cache.aclose()
+                steps.at("closing the engines' connections")
+                self._classifiers.close()
+                self._classifiers = None
+                await self._http.close()
+                self._http = None
+                await self._engines.close()
+                self._engines = None
+                steps.at("sending the last trace spans")
+                await anyio.to_thread.run_sync(self.tracing.shutdown)  # the last spans go out
+                steps.at("closing the database")
+                if marker is not None:
+                    marker.close()
+                self.engine.dispose()
