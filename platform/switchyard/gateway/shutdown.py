@@ -63,15 +63,19 @@ class ShutdownSteps:
             self._thread = None
 
     def _watch(self) -> None:
-        with self._changed:
-            warned: tuple[str, float] | None = None
-            while self._step is not None:
+        warned: tuple[str, float] | None = None
+        while True:
+            with self._changed:
                 step, since = self._step, self._since
-                left = since + self.warn_after_s - time.monotonic()
+                if step is None:
+                    return
                 if (step, since) == warned:
                     self._changed.wait()  # (said once: until the next step)
-                elif left > 0:
+                    continue
+                left = since + self.warn_after_s - time.monotonic()
+                if left > 0:
                     self._changed.wait(left)
-                else:
-                    log.warning("%s: still %s after %.1f s", self.what, step, time.monotonic() - since)
-                    warned = (step, since)
+                    continue
+            # (Logged without the lock: a slow log handler cannot hold up the next step's ``at``.)
+            log.warning("%s: still %s after %.1f s", self.what, step, time.monotonic() - since)
+            warned = (step, since)
