@@ -7,6 +7,7 @@ from __future__ import annotations
 import html
 import re
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from switchyard.policy.rollout import DEFAULT_GUARDS
 from switchyard.store import canary as canary_store
 from switchyard.store import db
 from switchyard.store.audit import list_events
-from switchyard.store.models import PolicyCanary
+from switchyard.store.models import PolicyCanary, utcnow
 from switchyard.store.policy_versions import active_version, get_version, list_versions
 from tests.integration.conftest import add_console_users, console_login, csrf_headers, eventually
 from tests.integration.test_admin_policy_api import V2, _client
@@ -320,3 +321,24 @@ def test_file_mode_starts_no_canary_from_the_console(console: TestClient[Any]) -
     assert 'id="canary-options"' not in console.get("/admin/policy/edit").text
     assert "No canary has run" in console.get(PAGE).text
     assert "No canary has run." in console.get(PAGE, params={"live": 1}, headers=HTMX).text
+
+
+def test_a_passed_step_shows_what_it_passed_on(db_console: TestClient[Any]) -> None:
+    """The next step's window starts afresh; the panel says what each passed step passed on, as its audit entry
+    keeps it."""
+    canary_id = _start(db_console)
+    _in_db(db_console, lambda s: s.execute(
+        PolicyCanary.__table__.update().where(PolicyCanary.__table__.c.id == canary_id)  # type: ignore[attr-defined]
+        .values(step_started_at=utcnow() - timedelta(minutes=2))))
+    same = _tally(400, 4, 120.0, 0.002)
+    _record(db_console, canary_id, [("canary", "*", same), ("control", "*", _tally(800, 8, 120.0, 0.002))])
+    assert eventually(lambda: (r := _running(db_console)) is not None and r.step == 1, timeout=15), \
+        "the gateway never moved it on"
+    event = _events(db_console, "policy.canary.step")[0]
+    assert event.actor.startswith("canary@") and event.detail["step"] == 1
+    assert [g["guard"] for g in event.detail["guards_tested"]] == ["ttft_p99", "error_rate", "shed_rate",
+                                                                   "rate_limited_rate", "cost_per_1k"]
+    text = _text(db_console.get(PAGE).text)
+    assert re.search(r"1% for 1m \(passed at [\d-]+ [\d:]+ UTC on 5 guard tests, least p [\d.e-]+\) "
+                     r"10% for 2m \(now\) 50% for 5m promote", text), text
+    assert "No request of the canary's scope has been counted in the window yet" in text  # the new step's

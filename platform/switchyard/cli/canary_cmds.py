@@ -32,6 +32,11 @@ def _show(data: dict[str, Any] | None, as_json: bool) -> None:
     if nxt:
         when = f" in {nxt['in_s']:.0f} s" if nxt.get("in_s") is not None else ""
         click.echo(f"  next: {nxt['action']}{when} ({nxt['reason']})")
+    for passed in data.get("passed_steps") or ():
+        tests = passed["guards_tested"]
+        least = f", least p={min(t['p_value'] for t in tests):.2g}" if tests else ""
+        click.echo(f"  step {passed['step']} ({passed['percent']:g}%) passed at {passed['at']}: "
+                   f"{len(tests)} guard tests{least}")
     for cls, sides in data["figures"].items():
         for role in ("canary", "control"):
             f = sides.get(role)

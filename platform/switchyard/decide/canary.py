@@ -11,7 +11,10 @@ raising the percentage keeps everyone already in the slice, and every replica co
 ``session`` falls back to the key for a request that names no session.
 
 **Comparison.** The slice (``canary``) is compared with the rest of the canary's scope (``control``) over a
-sliding window, per priority class and over all classes (``*``), where both sides have ``min_requests``:
+sliding window, per priority class and over all classes (``*``), where both sides have ``min_requests``. The
+window never reaches back before the current step began (``store.canary.read_window``): both sides are then
+counted over the same time with the slice's share unchanged, so what changes with time (load, the fleet) weighs
+on both alike; across a step's start most of a slice that just grew would be recent and most of the rest older.
 
 - *Rates* (errors, shed, 429): a one-sided test of "the slice's rate exceeds the rest's by more than the
   allowed increase", with the Agresti-Caffo adjusted Wald statistic (one success and one failure added to each
@@ -430,7 +433,7 @@ def verdict(rollout: Rollout, step: int, step_age_s: float, slice_in_step: int,
         return Verdict("hold", "held until promoted or aborted", step, results=tuple(results))
     if not results:
         return Verdict("hold", f"waiting for {rollout.min_requests} requests on each side within the "
-                       f"{rollout.window:g} s window: no guard could be tested yet", step)
+                       f"{rollout.window:g} s window (in this step): no guard could be tested yet", step)
     if step + 1 < len(stages):
         return Verdict("advance", f"step {step + 1} passed: to {stages[step + 1].percent:g}%", step + 1,
                        results=tuple(results))

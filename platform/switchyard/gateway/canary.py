@@ -233,7 +233,7 @@ class CanaryFollower:
             row = store.running(session)
             if row is None or row.id != cid:
                 return None
-            found = store.status(session, row)
+            found = store.status(session, row, with_passed=False)
             if found is None or found.verdict is None:
                 return None
             done = store.carry_out(session, found, actor=f"canary@{self.replica}")

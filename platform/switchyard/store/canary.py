@@ -14,7 +14,7 @@ Publishing a version by any other way while a canary runs aborts the canary in t
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -38,7 +38,7 @@ from switchyard.decide.policy_tests import compile_checked
 from switchyard.policy.rollout import Rollout
 from switchyard.store.audit import append_event
 from switchyard.store.errors import Conflict, NotFound, StoreError
-from switchyard.store.models import CanaryFigures, PolicyCanary, PolicyVersion, utcnow
+from switchyard.store.models import AuditEvent, CanaryFigures, PolicyCanary, PolicyVersion, utcnow
 from switchyard.store.policy_versions import CHANNEL, MAX_AUTHOR, active_version, get_version
 
 #: The announcement of a canary change on the policy channel.
@@ -168,8 +168,10 @@ def follow_file(session: Session, text: str, sha256: str, rollout: Rollout, *, a
     return "started", row
 
 
-def advance(session: Session, row: PolicyCanary, to_step: int, reason: str, *, actor: str) -> bool:
-    """Move ``row`` from the step it was read at to ``to_step``; whether this call did it."""
+def advance(session: Session, row: PolicyCanary, to_step: int, reason: str, *, actor: str,
+            evidence: Sequence[Mapping[str, Any]] = ()) -> bool:
+    """Move ``row`` from the step it was read at to ``to_step``; whether this call did it. ``evidence``: the guards
+    the step passed on (:func:`tested`), kept in the audit log's entry (the next step's window starts afresh)."""
     percent = rollout_of(row).stages[to_step].percent
     was = row.percent  # (the update below refreshes ``row``)
     now = utcnow()
@@ -181,7 +183,7 @@ def advance(session: Session, row: PolicyCanary, to_step: int, reason: str, *, a
         return False
     append_event(session, actor=actor, origin="canary", action="policy.canary.step", target=f"policy:v{row.version}",
                  detail={"canary": row.id, "from_percent": was, "to_percent": percent, "step": to_step,
-                         "reason": reason})
+                         "reason": reason, "guards_tested": [dict(e) for e in evidence]})
     _announce(session)
     return True
 
@@ -267,24 +269,35 @@ def record_figures(session: Session, canary_id: int, replica: str, rows: Iterabl
 
 @dataclass
 class Window:
-    """A canary's figures read back: over the sliding window, and the slice's requests in the current step."""
+    """A canary's figures read back: over the span its guards compare, and the slice's requests in the current step.
+
+    Attributes:
+        since: Where the compared span begins: ``window`` before now, but never before the current step began.
+    """
 
     figures: Figures = field(default_factory=lambda: {"canary": {}, "control": {}})
     slice_in_step: int = 0
     shadowed: int = 0
     diffs: dict[str, int] = field(default_factory=dict)
     replicas: set[str] = field(default_factory=set)
+    since: datetime | None = None
 
 
 def read_window(session: Session, row: PolicyCanary, now: datetime, window_s: float) -> Window:
-    """The figures of ``row`` since ``now - window_s`` (and, for the step's count, since its step began)."""
+    """The figures of ``row`` over the last ``window_s`` of its current step (and the slice's count in that step).
+
+    The compared span never reaches back before the step began, so the slice and the rest are counted over the
+    same time with the slice's share unchanged throughout. Were the previous step's counts kept, a slice that
+    just grew would have most of its requests in the last seconds while most of the rest's came earlier: a
+    load spike after the step would fall on the slice's side alone, and a harmless candidate would be rolled
+    back for it (seen in ``bench canary``: both sides' TTFT rose tenfold in the new step's third second).
+    """
     step_start = row.step_started_at
-    since = min(now - timedelta(seconds=window_s), step_start)
+    window_start = max(now - timedelta(seconds=window_s), step_start)
     found = session.execute(sa_select(col(CanaryFigures.at), col(CanaryFigures.replica), col(CanaryFigures.role),
                                       col(CanaryFigures.priority), col(CanaryFigures.figures))
-                            .where(col(CanaryFigures.canary_id) == row.id, col(CanaryFigures.at) >= since)).all()
-    out = Window()
-    window_start = now - timedelta(seconds=window_s)
+                            .where(col(CanaryFigures.canary_id) == row.id, col(CanaryFigures.at) >= step_start)).all()
+    out = Window(since=window_start)
     for at, replica, role, cls, text in found:
         data = json.loads(text)
         out.replicas.add(replica)
@@ -293,19 +306,43 @@ def read_window(session: Session, row: PolicyCanary, now: datetime, window_s: fl
                 out.shadowed += int(data.get("requests", 0))
                 for name, n in dict(data.get("diffs", {})).items():
                     out.diffs[name] = out.diffs.get(name, 0) + int(n)
-            if at >= step_start and cls == ALL:
+            if cls == ALL:
                 out.slice_in_step += int(data.get("requests", 0))
             continue
         tally = Tally.from_json(data)
         if at >= window_start:
             side = out.figures.setdefault(role, {})
             side.setdefault(cls, Tally()).merge(tally)
-        if role == "canary" and cls == ALL and at >= step_start:
+        if role == "canary" and cls == ALL:
             out.slice_in_step += tally.requests
     return out
 
 
 # --- the status -------------------------------------------------------------------------------
+
+def tested(r: GuardResult) -> dict[str, Any]:
+    """One guard's test as the status and the audit log show it."""
+    return {"guard": r.guard, "class": r.cls, "canary": r.canary, "rest": r.rest, "limit": r.limit,
+            "p_value": r.p_value, "breached": r.breached, "n_canary": r.n_canary, "n_rest": r.n_rest}
+
+
+def passed_steps(session: Session, row: PolicyCanary) -> list[dict[str, Any]]:
+    """The steps ``row`` has passed, oldest first, from the audit log: each with when, who moved it on, and the
+    guards it passed on (its window's evidence: the next step's compares afresh)."""
+    found = session.exec(select(AuditEvent).where(col(AuditEvent.action) == "policy.canary.step",
+                                                  col(AuditEvent.target) == f"policy:v{row.version}")
+                         .order_by(col(AuditEvent.id))).all()
+    out: list[dict[str, Any]] = []
+    for event in found:
+        detail = event.detail or {}
+        if detail.get("canary") != row.id:
+            continue
+        out.append({"step": int(detail.get("step", 0)),  # (the index of the step moved to: the one passed, from 1)
+                    "percent": detail.get("from_percent"),
+                    "to_percent": detail.get("to_percent"), "at": event.at.isoformat(), "actor": event.actor,
+                    "reason": detail.get("reason"), "guards_tested": list(detail.get("guards_tested") or [])})
+    return out
+
 
 @dataclass
 class CanaryStatus:
@@ -316,6 +353,8 @@ class CanaryStatus:
     window: Window
     results: list[GuardResult]
     verdict: Verdict | None
+    #: The steps passed (:func:`passed_steps`; None: not read).
+    passed: list[dict[str, Any]] | None = None
 
     def as_json(self) -> dict[str, Any]:
         """The status as the admin API answers it."""
@@ -337,14 +376,15 @@ class CanaryStatus:
                                             for s in stages],
             "automatic": rollout.automatic, "only": rollout.only.model_dump(), "guards": rollout.guards,
             "window_s": rollout.window, "min_requests": rollout.min_requests, "alpha": rollout.alpha,
+            "compared_since": self.window.since.isoformat() if self.window.since else None,
             "started_at": row.started_at.isoformat(), "step_started_at": row.step_started_at.isoformat(),
             "ended_at": row.ended_at.isoformat() if row.ended_at else None, "author": row.author,
             "reason": row.reason, "figures": sides, "slice_in_step": self.window.slice_in_step,
             "replicas": sorted(self.window.replicas),
-            "guards_tested": [{"guard": r.guard, "class": r.cls, "canary": r.canary, "rest": r.rest,
-                               "limit": r.limit, "p_value": r.p_value, "breached": r.breached,
-                               "n_canary": r.n_canary, "n_rest": r.n_rest} for r in self.results],
+            "guards_tested": [tested(r) for r in self.results],
         }
+        if self.passed is not None:
+            out["passed_steps"] = self.passed
         if rollout.shadow:
             out["shadow"] = {"decided": self.window.shadowed, "differences": dict(sorted(self.window.diffs.items()))}
         if self.verdict is not None:
@@ -353,8 +393,10 @@ class CanaryStatus:
         return out
 
 
-def status(session: Session, row: PolicyCanary | None = None, now: datetime | None = None) -> CanaryStatus | None:
-    """The latest canary (or ``row``) with its window's figures and, while it runs, its next move."""
+def status(session: Session, row: PolicyCanary | None = None, now: datetime | None = None, *,
+           with_passed: bool = True) -> CanaryStatus | None:
+    """The latest canary (or ``row``) with its window's figures and, while it runs, its next move (and, unless
+    ``with_passed`` is false, the steps it has passed)."""
     row = row or latest(session)
     if row is None:
         return None
@@ -362,12 +404,13 @@ def status(session: Session, row: PolicyCanary | None = None, now: datetime | No
     now = now or utcnow()
     until = row.ended_at or now
     window = read_window(session, row, until, rollout.window)
+    passed = passed_steps(session, row) if with_passed else None
     if rollout.shadow:
-        return CanaryStatus(row, rollout, window, [], None)
+        return CanaryStatus(row, rollout, window, [], None, passed)
     results = evaluate(rollout, window.figures)
     step_age = (now - row.step_started_at).total_seconds()
     found = verdict(rollout, row.step, step_age, window.slice_in_step, results) if row.status == "running" else None
-    return CanaryStatus(row, rollout, window, results, found)
+    return CanaryStatus(row, rollout, window, results, found, passed)
 
 
 def carry_out(session: Session, found: CanaryStatus, actor: str) -> str | None:
@@ -377,9 +420,12 @@ def carry_out(session: Session, found: CanaryStatus, actor: str) -> str | None:
     if v is None or v.action == "hold":
         return None
     row = found.row
+    evidence = [tested(r) for r in v.results]
     if v.action == "advance":
-        return "advance" if advance(session, row, v.step, v.reason, actor=actor) else None
-    detail = {"guards": [r.describe() for r in v.results if r.breached]} if v.action == "rollback" else None
+        return "advance" if advance(session, row, v.step, v.reason, actor=actor, evidence=evidence) else None
+    detail: dict[str, Any] = {"guards_tested": evidence}
+    if v.action == "rollback":
+        detail["guards"] = [r.describe() for r in v.results if r.breached]
     status_ = "promoted" if v.action == "promote" else "rolled_back"
     return v.action if finish(session, row, status_, v.reason, actor=actor, origin="canary", detail=detail) else None
 

@@ -206,8 +206,10 @@ def panel(data: dict[str, Any] | None) -> dict[str, Any] | None:
                "limit": _figure(g["guard"], g["limit"]), "p_value": f"{g['p_value']:.2g}",
                "breached": g["breached"], "n": f"{g['n_canary']:,} / {g['n_rest']:,}"}
               for g in data["guards_tested"]]
+    passed = {int(p["step"]): p for p in data.get("passed_steps") or ()}
     steps = [{"percent": f"{s['percent']:g}%", "hold": duration(s["hold_s"]) if s["hold_s"] is not None else None,
-              "current": i + 1 == data["step"]} for i, s in enumerate(data["steps"])]
+              "current": i + 1 == data["step"], "passed": _passed(passed.get(i + 1))}
+             for i, s in enumerate(data["steps"])]
     shadow = data.get("shadow")
     return {
         "id": data["id"], "version": data["version"], "base": data["base"], "status": data["status"],
@@ -224,6 +226,15 @@ def panel(data: dict[str, Any] | None) -> dict[str, Any] | None:
         "shadow_decided": shadow["decided"] if shadow else None,
         "shadow_differences": list(shadow["differences"].items()) if shadow else [],
     }
+
+
+def _passed(step: dict[str, Any] | None) -> str | None:
+    """What a passed step passed on, in words (None: not passed)."""
+    if step is None:
+        return None
+    tests = step["guards_tested"]
+    least = f", least p {min(t['p_value'] for t in tests):.2g}" if tests else ""
+    return f"passed at {_when(step['at'])} on {len(tests)} guard test{'s' if len(tests) != 1 else ''}{least}"
 
 
 def _history(rows: list[PolicyCanary]) -> list[dict[str, Any]]:

@@ -138,11 +138,12 @@ def tables_of(f: dict[str, Any]) -> list[dict[str, Any]]:
                   [{**s, "least_p_text": _p(s["least_p"]), "alpha_text": _p(s["alpha_each"])}
                    for c in f["canaries"] for s in c["steps"]],
                   "A slice by tenant: its share of the traffic is that of the tenants whose hash falls under the "
-                  "percent, not the percent itself. The tests: the guards tested at the step's end (the first status "
-                  "read after it passed, read every 0.25 s, or the canary's end), the slice's requests in the window "
-                  "over all classes, the least p-value and the per-test alpha (alpha shared among the tests): the "
-                  "evidence the step passed or ended on.")
-    compared = table("The slice against the rest, as the canary compared them (all classes, over its window)",
+                  "percent, not the percent itself. The tests: the guards a step passed on (the status' "
+                  "passed_steps, from the audit log) or, for the step it ended in, those tested at its end; the "
+                  "slice's requests in that step's window (which starts no earlier than the step) over all "
+                  "classes, the least p-value and the per-test alpha (alpha shared among the tests).")
+    compared = table("The slice against the rest, as the canary compared them (all classes, over its window in "
+                     "its last step)",
                      [text("candidate", "candidate"), text("side", "side"), num("requests", "requests", 0),
                       num("ttft_p99_ms", "TTFT p99 ms", 1), num("cost_per_1k", "cost per 1,000 USD", 4),
                       pct("error_rate", "errors %", 2), pct("rate_limited_rate", "429 %", 2)],

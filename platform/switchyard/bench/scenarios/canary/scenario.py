@@ -96,8 +96,8 @@ class Watched:
     timeline: list[tuple[float, str, int, float]] = field(default_factory=list)
     #: Step number -> its start, from the status' ``step_started_at`` (the database's clock).
     step_starts: dict[int, float] = field(default_factory=dict)
-    #: Step number -> the guards tested at its end: at the first status read after it passed (within
-    #: :data:`POLL_S`, the window it passed on and what was flushed since), or at the canary's end.
+    #: Step number -> the guards it passed on (the status' ``passed_steps``: the next step's window starts
+    #: afresh) or, for the step it ended in, those tested at its end.
     evidence: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     sent_at: float = 0.0
     answered_at: float = 0.0
@@ -254,11 +254,9 @@ class CanaryRun:
     def _note(seen: Watched, status: dict[str, Any]) -> None:
         step = int(status["step"])
         seen.step_starts.setdefault(step, wall(status["step_started_at"]))
-        tests = list(status.get("guards_tested") or [])
-        if seen.timeline and seen.timeline[-1][1] == "running" and seen.timeline[-1][2] != step:
-            seen.evidence[seen.timeline[-1][2]] = tests  # the step before passed on (about) this window
-        if status["status"] != "running":
-            seen.evidence[step] = tests  # the window up to the end
+        seen.evidence[step] = list(status.get("guards_tested") or [])  # its window so far (or up to the end)
+        for passed in status.get("passed_steps") or ():
+            seen.evidence[int(passed["step"])] = list(passed["guards_tested"])
         entry = (time.time(), str(status["status"]), step, float(status["percent"]))
         if not seen.timeline or seen.timeline[-1][1:] != entry[1:]:
             seen.timeline.append(entry)

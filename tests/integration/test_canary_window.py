@@ -1,0 +1,133 @@
+"""A canary's guards compare the slice with the rest over the same time: never across a step's start, where the
+slice's share changed (on SQLite and the real PostgreSQL server)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from sqlalchemy import Engine
+
+from switchyard.decide.canary import Tally, evaluate
+from switchyard.policy.rollout import Rollout, Step
+from switchyard.store import canary as canary_store
+from switchyard.store import db
+from switchyard.store.models import PolicyCanary, utcnow
+from switchyard.store.policy_versions import publish
+from tests.unit.policy.base import base, to_yaml
+
+ROLLOUT = Rollout(steps=[Step(percent=5, hold=1), Step(percent=50, hold=60)], window=120, min_requests=20)
+
+
+def _tally(requests: int, ttft_ms: float, slow: int = 0, slow_ms: float = 0.0) -> dict[str, object]:
+    """``requests`` ok answers, ``slow`` of them at ``slow_ms`` to the first token and the rest at ``ttft_ms``."""
+    t = Tally()
+    for i in range(requests):
+        t.count("ok", slow_ms if i < slow else ttft_ms, 0.001)
+    return t.as_json()
+
+
+def _record(engine: Engine, canary_id: int, at_s: float, canary: dict[str, object],
+            control: dict[str, object]) -> None:
+    """One flush of a replica, ``at_s`` seconds from now."""
+    with db.session_scope(engine) as session:
+        canary_store.record_figures(session, canary_id, "gw-a", [("canary", "*", canary), ("control", "*", control)],
+                                    at=utcnow() + timedelta(seconds=at_s))
+
+
+def test_a_load_spike_after_a_step_up_falls_on_both_sides_and_rolls_nothing_back(engine: Engine) -> None:
+    """The slice grows from 5% to 50% and, seconds later, every request's first token is ten times slower (the
+    whole fleet's doing, not the candidate's). Counted over the whole window, most of the slice's requests
+    would be the slow ones and most of the rest's the calm ones before: the TTFT guard would breach. Over the
+    step alone both sides hold the spike in the same proportion, and the canary holds."""
+    with db.session_scope(engine) as session:
+        publish(session, to_yaml(base()), source="api", author="test")
+        row = canary_store.start(session, ROLLOUT, author="test", origin="test",
+                                 text=to_yaml(base()) + "\n# the candidate\n")
+        canary_id = row.id
+    assert canary_id is not None
+    # Step 1 (5%): 60 s of calm traffic, 50 slice requests against 950 of the rest.
+    for k in range(10):
+        _record(engine, canary_id, -60 + 6 * k, _tally(5, 40), _tally(95, 40))
+    with db.session_scope(engine) as session:
+        running = canary_store.running(session)
+        assert running is not None and running.step == 0
+        session.execute(PolicyCanary.__table__.update().where(PolicyCanary.__table__.c.id == canary_id)  # type: ignore[attr-defined]
+                        .values(step_started_at=utcnow() - timedelta(seconds=70)))
+    with db.session_scope(engine) as session:
+        running = canary_store.running(session)
+        assert running is not None
+        assert canary_store.advance(session, running, 1, "step 1 passed", actor="test")
+    # Step 2 (50%): a spike on both sides alike, 8 of each side's 100 requests at 600 ms.
+    _record(engine, canary_id, 1, _tally(100, 40, slow=8, slow_ms=600), _tally(100, 40, slow=8, slow_ms=600))
+
+    with db.session_scope(engine) as session:
+        found = canary_store.status(session)
+        assert found is not None
+        answer = found.as_json()
+    sides = answer["figures"]["*"]
+    assert (sides["canary"]["requests"], sides["control"]["requests"]) == (100, 100)  # the step's flush alone
+    assert answer["slice_in_step"] == 100
+    assert answer["compared_since"] == found.row.step_started_at.isoformat()
+    ttft = next(g for g in answer["guards_tested"] if g["guard"] == "ttft_p99" and g["class"] == "*")
+    assert not ttft["breached"] and (ttft["n_canary"], ttft["n_rest"]) == (100, 100)
+    assert found.verdict is not None and found.verdict.action == "hold"  # its hold of 60 s has not passed
+
+    # What the guard would have said over the whole window: the slice's slow requests against a calm rest.
+    with db.session_scope(engine) as session:
+        row = canary_store.running(session)
+        assert row is not None
+        row.step_started_at = utcnow() - timedelta(seconds=200)  # (as if the step had begun before the window)
+        whole = canary_store.read_window(session, row, utcnow(), ROLLOUT.window)
+        session.rollback()
+    breached = [r for r in evaluate(ROLLOUT, whole.figures) if r.breached]
+    assert [(r.guard, r.cls) for r in breached] == [("ttft_p99", "*")]
+
+
+def test_the_compared_span_is_the_last_window_of_a_long_step(engine: Engine) -> None:
+    """A step older than the window compares its last ``window`` seconds only; a step younger than it compares
+    from its start."""
+    with db.session_scope(engine) as session:
+        publish(session, to_yaml(base()), source="api", author="test")
+        row = canary_store.start(session, Rollout(percent=10, window=30, min_requests=20), author="test",
+                                 origin="test", text=to_yaml(base()) + "\n# the candidate\n")
+        canary_id = row.id
+        session.execute(PolicyCanary.__table__.update().where(PolicyCanary.__table__.c.id == canary_id)  # type: ignore[attr-defined]
+                        .values(step_started_at=utcnow() - timedelta(seconds=300)))
+    assert canary_id is not None
+    _record(engine, canary_id, -100, _tally(7, 40), _tally(70, 40))  # in the step, before the window
+    _record(engine, canary_id, -10, _tally(3, 40), _tally(30, 40))
+    with db.session_scope(engine) as session:
+        found = canary_store.status(session)
+        assert found is not None
+        answer = found.as_json()
+    assert answer["figures"]["*"]["canary"]["requests"] == 3 and answer["figures"]["*"]["control"]["requests"] == 30
+    assert answer["slice_in_step"] == 10  # the step's count reaches back to its start
+
+
+def test_a_passed_step_keeps_the_evidence_it_passed_on(engine: Engine) -> None:
+    """The next step compares afresh, so what a step passed on is kept with its audit entry and shown in the
+    status' ``passed_steps`` (and by ``canary status``)."""
+    with db.session_scope(engine) as session:
+        publish(session, to_yaml(base()), source="api", author="test")
+        row = canary_store.start(session, ROLLOUT, author="test", origin="test",
+                                 text=to_yaml(base()) + "\n# the candidate\n")
+        canary_id = row.id
+        session.execute(PolicyCanary.__table__.update().where(PolicyCanary.__table__.c.id == canary_id)  # type: ignore[attr-defined]
+                        .values(step_started_at=utcnow() - timedelta(seconds=10)))
+    assert canary_id is not None
+    _record(engine, canary_id, -5, _tally(30, 40), _tally(300, 40))
+    with db.session_scope(engine) as session:
+        found = canary_store.status(session)
+        assert found is not None and found.verdict is not None and found.verdict.action == "advance"
+        before = found.as_json()
+        assert before["passed_steps"] == [] and before["guards_tested"]
+        assert canary_store.carry_out(session, found, actor="canary@gw-a") == "advance"
+    with db.session_scope(engine) as session:
+        found = canary_store.status(session)
+        assert found is not None
+        after = found.as_json()
+    assert after["step"] == 2 and after["figures"] == {} and after["guards_tested"] == []  # afresh
+    [passed] = after["passed_steps"]
+    assert (passed["step"], passed["percent"], passed["to_percent"], passed["actor"]) == (1, 5.0, 50.0, "canary@gw-a")
+    assert passed["guards_tested"] == before["guards_tested"]
+    assert passed["reason"] == "step 1 passed: to 50%"
