@@ -35,10 +35,11 @@ def _record(engine: Engine, canary_id: int, at_s: float, canary: dict[str, objec
 
 
 def test_a_load_spike_after_a_step_up_falls_on_both_sides_and_rolls_nothing_back(engine: Engine) -> None:
-    """The slice grows from 5% to 50% and, seconds later, every request's first token is ten times slower (the
-    whole fleet's doing, not the candidate's). Counted over the whole window, most of the slice's requests
-    would be the slow ones and most of the rest's the calm ones before: the TTFT guard would breach. Over the
-    step alone both sides hold the spike in the same proportion, and the canary holds."""
+    """The slice grows from 5% to 50% and, a second later, 8% of every side's requests wait 15 times longer for
+    their first token (the whole fleet's doing, not the candidate's). Counted over the whole window, the slice's
+    requests are mostly the new step's and the rest's mostly the calm step's before: the spike is 5% of the
+    slice and under 1% of the rest, and the TTFT guard breaches. Over the step alone both sides hold it in the
+    same proportion, and the canary holds (a step younger than the window compares from its start)."""
     with db.session_scope(engine) as session:
         publish(session, to_yaml(base()), source="api", author="test")
         row = canary_store.start(session, ROLLOUT, author="test", origin="test",
@@ -84,8 +85,8 @@ def test_a_load_spike_after_a_step_up_falls_on_both_sides_and_rolls_nothing_back
 
 
 def test_the_compared_span_is_the_last_window_of_a_long_step(engine: Engine) -> None:
-    """A step older than the window compares its last ``window`` seconds only; a step younger than it compares
-    from its start."""
+    """A step older than the window compares its last ``window`` seconds only; the slice's count in the step
+    still reaches back to the step's start."""
     with db.session_scope(engine) as session:
         publish(session, to_yaml(base()), source="api", author="test")
         row = canary_store.start(session, Rollout(percent=10, window=30, min_requests=20), author="test",
