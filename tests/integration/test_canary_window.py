@@ -106,8 +106,8 @@ def test_the_compared_span_is_the_last_window_of_a_long_step(engine: Engine) -> 
 
 
 def test_a_passed_step_keeps_the_evidence_it_passed_on(engine: Engine) -> None:
-    """The next step compares afresh, so what a step passed on is kept with its audit entry and shown in the
-    status' ``passed_steps`` (and by ``canary status``)."""
+    """The next step's own span starts afresh, so what a step passed on is kept with its audit entry and shown in
+    the status' ``passed_steps`` (and by ``canary status``)."""
     with db.session_scope(engine) as session:
         publish(session, to_yaml(base()), source="api", author="test")
         row = canary_store.start(session, ROLLOUT, author="test", origin="test",
@@ -127,8 +127,40 @@ def test_a_passed_step_keeps_the_evidence_it_passed_on(engine: Engine) -> None:
         found = canary_store.status(session)
         assert found is not None
         after = found.as_json()
-    assert after["step"] == 2 and after["figures"] == {} and after["guards_tested"] == []  # afresh
+    # The new step has no request of its own yet: meanwhile the whole window is tested (step 1's included), which
+    # can roll back but cannot pass the step.
+    assert after["step"] == 2 and after["warming_up"] is True and after["guards_tested"] == before["guards_tested"]
+    assert after["compared_since"] < after["step_started_at"]
+    assert after["next"]["action"] == "hold"
     [passed] = after["passed_steps"]
     assert (passed["step"], passed["percent"], passed["to_percent"], passed["actor"]) == (1, 5.0, 50.0, "canary@gw-a")
     assert passed["guards_tested"] == before["guards_tested"]
     assert passed["reason"] == "step 1 passed: to 50%"
+
+
+def test_a_step_up_is_guarded_while_its_own_span_gathers(engine: Engine) -> None:
+    """Right after a step up the step's own span has too few requests: the whole window is tested meanwhile, so a
+    candidate that fails at the new step's share is rolled back at once, not after ``min_requests`` more."""
+    with db.session_scope(engine) as session:
+        publish(session, to_yaml(base()), source="api", author="test")
+        row = canary_store.start(session, ROLLOUT, author="test", origin="test",
+                                 text=to_yaml(base()) + "\n# the candidate\n")
+        canary_id = row.id
+        session.execute(PolicyCanary.__table__.update().where(PolicyCanary.__table__.c.id == canary_id)  # type: ignore[attr-defined]
+                        .values(step_started_at=utcnow() - timedelta(seconds=70)))
+    assert canary_id is not None
+    _record(engine, canary_id, -30, _tally(40, 40), _tally(400, 40))
+    with db.session_scope(engine) as session:
+        running = canary_store.running(session)
+        assert running is not None
+        assert canary_store.advance(session, running, 1, "step 1 passed", actor="test")
+    failing = Tally()
+    for i in range(16):  # the step's first 16 slice requests (fewer than min_requests): 12 of them errors
+        failing.count("error" if i < 12 else "ok", 40, 0.001)
+    _record(engine, canary_id, 1, failing.as_json(), _tally(16, 40))
+    with db.session_scope(engine) as session:
+        found = canary_store.status(session)
+        assert found is not None and found.warming_up
+        assert found.verdict is not None and found.verdict.action == "rollback", found.verdict
+        assert "error_rate in class *" in found.verdict.reason
+        assert found.as_json()["figures"]["*"]["canary"]["requests"] == 56  # step 1's and the step's

@@ -324,8 +324,8 @@ def test_file_mode_starts_no_canary_from_the_console(console: TestClient[Any]) -
 
 
 def test_a_passed_step_shows_what_it_passed_on(db_console: TestClient[Any]) -> None:
-    """The next step's window starts afresh; the panel says what each passed step passed on, as its audit entry
-    keeps it."""
+    """The next step's own span starts afresh; the panel says what each passed step passed on, as its audit entry
+    keeps it, and that the new step is tested over the whole window until it has its own evidence."""
     canary_id = _start(db_console)
     _in_db(db_console, lambda s: s.execute(
         PolicyCanary.__table__.update().where(PolicyCanary.__table__.c.id == canary_id)  # type: ignore[attr-defined]
@@ -341,4 +341,7 @@ def test_a_passed_step_shows_what_it_passed_on(db_console: TestClient[Any]) -> N
     text = _text(db_console.get(PAGE).text)
     assert re.search(r"1% for 1m \(passed at [\d-]+ [\d:]+ UTC on 5 guard tests, least p [\d.e-]+\) "
                      r"10% for 2m \(now\) 50% for 5m promote", text), text
-    assert "No request of the canary's scope has been counted in the window yet" in text  # the new step's
+    # the new step has no request of its own yet: meanwhile the whole window's figures and guardrails
+    assert "This step has not had 20 requests on each side yet: meanwhile the figures and guardrails are those of " \
+           "the whole last 90s, the steps before included" in text, text
+    assert "all classes slice (v2) 400" in text

@@ -32,6 +32,9 @@ def _show(data: dict[str, Any] | None, as_json: bool) -> None:
     if nxt:
         when = f" in {nxt['in_s']:.0f} s" if nxt.get("in_s") is not None else ""
         click.echo(f"  next: {nxt['action']}{when} ({nxt['reason']})")
+    if data.get("warming_up"):
+        click.echo(f"  this step has not had {data['min_requests']} requests on each side yet: tested meanwhile over "
+                   "the whole window, the steps before included")
     for passed in data.get("passed_steps") or ():
         tests = passed["guards_tested"]
         least = f", least p={min(t['p_value'] for t in tests):.2g}" if tests else ""

@@ -15,6 +15,8 @@ sliding window, per priority class and over all classes (``*``), where both side
 window never reaches back before the current step began (``store.canary.read_window``): both sides are then
 counted over the same time with the slice's share unchanged, so what changes with time (load, the fleet) weighs
 on both alike; across a step's start most of a slice that just grew would be recent and most of the rest older.
+Until the step's own span has ``min_requests`` on each side, the whole window is tested instead (``warming_up``):
+a breach there still rolls back, so no step up goes unguarded, but the step passes only on its own span.
 
 - *Rates* (errors, shed, 429): a one-sided test of "the slice's rate exceeds the rest's by more than the
   allowed increase", with the Agresti-Caffo adjusted Wald statistic (one success and one failure added to each
@@ -409,14 +411,15 @@ class Verdict:
 
 
 def verdict(rollout: Rollout, step: int, step_age_s: float, slice_in_step: int,
-            results: Sequence[GuardResult]) -> Verdict:
+            results: Sequence[GuardResult], *, warming_up: bool = False) -> Verdict:
     """The next move of a canary at ``step`` (an index into :attr:`Rollout.stages`), held for ``step_age_s``,
     whose slice served ``slice_in_step`` requests since the step began, given the window's guard ``results``.
 
     A breach rolls back whatever the step; a step passes when its hold is over, its slice has had
     ``min_requests`` and the guards could be tested over the window (``results`` is not empty: a window too short
     for ``min_requests`` of a slow slice would otherwise let a step pass untested); passing the last step promotes,
-    unless the canary holds a fixed percent.
+    unless the canary holds a fixed percent. ``warming_up``: the results are over a window reaching back before the
+    step (its own span has too few requests yet): they may roll back, but the step passes only on its own.
     """
     stages = rollout.stages
     breaches = [r for r in results if r.breached]
@@ -431,9 +434,11 @@ def verdict(rollout: Rollout, step: int, step_age_s: float, slice_in_step: int,
                        f"({slice_in_step} so far in this step)", step, results=tuple(results))
     if not rollout.automatic:
         return Verdict("hold", "held until promoted or aborted", step, results=tuple(results))
-    if not results:
+    if not results or warming_up:
         return Verdict("hold", f"waiting for {rollout.min_requests} requests on each side within the "
-                       f"{rollout.window:g} s window (in this step): no guard could be tested yet", step)
+                       f"{rollout.window:g} s window in this step: "
+                       + ("tested meanwhile over the window with the steps before" if results
+                          else "no guard could be tested yet"), step, results=tuple(results))
     if step + 1 < len(stages):
         return Verdict("advance", f"step {step + 1} passed: to {stages[step + 1].percent:g}%", step + 1,
                        results=tuple(results))

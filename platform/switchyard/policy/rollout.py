@@ -12,7 +12,8 @@ flags and from the admin API's body.
   seen ``min_requests`` of the slice in it); passing the last step promotes the version. A last step of
   100 is the promotion itself. Without steps a canary stays at ``percent`` until promoted or aborted.
 - **Guards**: compared between the slice and the rest of the canary's scope over the last ``window`` of the
-  current step (see :mod:`switchyard.decide.canary` for the tests). A breach rolls the canary back at once.
+  current step (the whole last ``window`` until the step has ``min_requests`` of its own; see
+  :mod:`switchyard.decide.canary` for the tests). A breach rolls the canary back at once.
 - **Shadow**: the candidate decides the requests of the slice alongside the active version without
   serving them; what differs is counted and sampled into the request log.
 """

@@ -272,7 +272,9 @@ class Window:
     """A canary's figures read back: over the span its guards compare, and the slice's requests in the current step.
 
     Attributes:
-        since: Where the compared span begins: ``window`` before now, but never before the current step began.
+        figures: Over the last ``window`` of the current step (from ``since``).
+        whole: Over the whole last ``window``, the steps before included (from ``whole_since``); None when the
+            step is older than the window (the same span as ``figures``).
     """
 
     figures: Figures = field(default_factory=lambda: {"canary": {}, "control": {}})
@@ -281,23 +283,30 @@ class Window:
     diffs: dict[str, int] = field(default_factory=dict)
     replicas: set[str] = field(default_factory=set)
     since: datetime | None = None
+    whole: Figures | None = None
+    whole_since: datetime | None = None
 
 
 def read_window(session: Session, row: PolicyCanary, now: datetime, window_s: float) -> Window:
-    """The figures of ``row`` over the last ``window_s`` of its current step (and the slice's count in that step).
+    """The figures of ``row`` over the last ``window_s`` of its current step, and over the whole last ``window_s``
+    when the step is younger (and the slice's count in that step).
 
-    The compared span never reaches back before the step began, so the slice and the rest are counted over the
-    same time with the slice's share unchanged throughout. Were the previous step's counts kept, a slice that
-    just grew would have most of its requests in the last seconds while most of the rest's came earlier: a
-    load spike after the step would fall on the slice's side alone, and a harmless candidate would be rolled
-    back for it (seen in ``bench canary``: both sides' TTFT rose tenfold in the new step's third second).
+    The guards compare the step's span (see :func:`status`): the slice and the rest are then counted over the
+    same time with the slice's share unchanged throughout. Over a span that reaches back before the step, a
+    slice that just grew has most of its requests in the last seconds while most of the rest's came earlier: a
+    load spike after the step falls on the slice's side alone, and a harmless candidate is rolled back for it
+    (seen in ``bench canary``: both sides' TTFT rose tenfold in the new step's third second).
     """
     step_start = row.step_started_at
-    window_start = max(now - timedelta(seconds=window_s), step_start)
+    whole_start = now - timedelta(seconds=window_s)
+    window_start = max(whole_start, step_start)
     found = session.execute(sa_select(col(CanaryFigures.at), col(CanaryFigures.replica), col(CanaryFigures.role),
                                       col(CanaryFigures.priority), col(CanaryFigures.figures))
-                            .where(col(CanaryFigures.canary_id) == row.id, col(CanaryFigures.at) >= step_start)).all()
+                            .where(col(CanaryFigures.canary_id) == row.id,
+                                   col(CanaryFigures.at) >= min(whole_start, step_start))).all()
     out = Window(since=window_start)
+    if whole_start < step_start:
+        out.whole, out.whole_since = {"canary": {}, "control": {}}, whole_start
     for at, replica, role, cls, text in found:
         data = json.loads(text)
         out.replicas.add(replica)
@@ -306,14 +315,15 @@ def read_window(session: Session, row: PolicyCanary, now: datetime, window_s: fl
                 out.shadowed += int(data.get("requests", 0))
                 for name, n in dict(data.get("diffs", {})).items():
                     out.diffs[name] = out.diffs.get(name, 0) + int(n)
-            if cls == ALL:
+            if cls == ALL and at >= step_start:
                 out.slice_in_step += int(data.get("requests", 0))
             continue
         tally = Tally.from_json(data)
+        if out.whole is not None and at >= whole_start:
+            out.whole.setdefault(role, {}).setdefault(cls, Tally()).merge(tally)
         if at >= window_start:
-            side = out.figures.setdefault(role, {})
-            side.setdefault(cls, Tally()).merge(tally)
-        if role == "canary" and cls == ALL:
+            out.figures.setdefault(role, {}).setdefault(cls, Tally()).merge(tally)
+        if role == "canary" and cls == ALL and at >= step_start:
             out.slice_in_step += tally.requests
     return out
 
@@ -355,13 +365,26 @@ class CanaryStatus:
     verdict: Verdict | None
     #: The steps passed (:func:`passed_steps`; None: not read).
     passed: list[dict[str, Any]] | None = None
+    #: The results are over the whole window, the steps before included: the current step has not yet had
+    #: ``min_requests`` on each side (see :func:`status`).
+    warming_up: bool = False
+
+    @property
+    def figures(self) -> Figures:
+        """The figures the results compare."""
+        return self.window.whole if self.warming_up and self.window.whole is not None else self.window.figures
+
+    @property
+    def compared_since(self) -> datetime | None:
+        """Where the compared span begins."""
+        return self.window.whole_since if self.warming_up else self.window.since
 
     def as_json(self) -> dict[str, Any]:
         """The status as the admin API answers it."""
         row, rollout = self.row, self.rollout
         stages = rollout.stages
         sides: dict[str, dict[str, dict[str, Any]]] = {}
-        for role, by_cls in self.window.figures.items():
+        for role, by_cls in self.figures.items():
             for cls, t in sorted(by_cls.items()):
                 sides.setdefault(cls, {})[role] = {
                     "requests": t.requests,
@@ -376,7 +399,8 @@ class CanaryStatus:
                                             for s in stages],
             "automatic": rollout.automatic, "only": rollout.only.model_dump(), "guards": rollout.guards,
             "window_s": rollout.window, "min_requests": rollout.min_requests, "alpha": rollout.alpha,
-            "compared_since": self.window.since.isoformat() if self.window.since else None,
+            "compared_since": self.compared_since.isoformat() if self.compared_since else None,
+            "warming_up": self.warming_up,
             "started_at": row.started_at.isoformat(), "step_started_at": row.step_started_at.isoformat(),
             "ended_at": row.ended_at.isoformat() if row.ended_at else None, "author": row.author,
             "reason": row.reason, "figures": sides, "slice_in_step": self.window.slice_in_step,
@@ -396,7 +420,13 @@ class CanaryStatus:
 def status(session: Session, row: PolicyCanary | None = None, now: datetime | None = None, *,
            with_passed: bool = True) -> CanaryStatus | None:
     """The latest canary (or ``row``) with its window's figures and, while it runs, its next move (and, unless
-    ``with_passed`` is false, the steps it has passed)."""
+    ``with_passed`` is false, the steps it has passed).
+
+    The guards compare the last ``window`` of the current step. Until that span has ``min_requests`` on each
+    side, they compare the whole last ``window`` instead, the steps before included (``warming_up``): a step up
+    is never left unguarded while its own evidence gathers, but those results can only roll back, never pass
+    the step (:func:`~switchyard.decide.canary.verdict`).
+    """
     row = row or latest(session)
     if row is None:
         return None
@@ -408,9 +438,14 @@ def status(session: Session, row: PolicyCanary | None = None, now: datetime | No
     if rollout.shadow:
         return CanaryStatus(row, rollout, window, [], None, passed)
     results = evaluate(rollout, window.figures)
+    warming_up = False
+    if not results and window.whole is not None:
+        results = evaluate(rollout, window.whole)
+        warming_up = bool(results)
     step_age = (now - row.step_started_at).total_seconds()
-    found = verdict(rollout, row.step, step_age, window.slice_in_step, results) if row.status == "running" else None
-    return CanaryStatus(row, rollout, window, results, found, passed)
+    found = (verdict(rollout, row.step, step_age, window.slice_in_step, results, warming_up=warming_up)
+             if row.status == "running" else None)
+    return CanaryStatus(row, rollout, window, results, found, passed, warming_up)
 
 
 def carry_out(session: Session, found: CanaryStatus, actor: str) -> str | None:

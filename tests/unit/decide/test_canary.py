@@ -184,6 +184,16 @@ def test_a_breach_rolls_back_in_any_step() -> None:
     assert v.action == "rollback" and "ttft_p99 in class standard" in v.reason
 
 
+def test_results_over_a_window_reaching_before_the_step_roll_back_but_never_pass_it() -> None:
+    """While the step's own span gathers ``min_requests``, the whole window is tested (``warming_up``)."""
+    rollout = rollout_from_flags(steps=["1:60s", "10:60s"], min_requests=50)
+    held = c.verdict(rollout, 0, 61, 60, _passing(), warming_up=True)
+    assert held.action == "hold" and "tested meanwhile over the window with the steps before" in held.reason
+    assert c.verdict(rollout, 1, 61, 60, _passing(), warming_up=True).action == "hold"  # nor promote
+    bad = [c.GuardResult("error_rate", c.ALL, 0.3, 0.01, 0.02, 1e-9, True, 60, 3000)]
+    assert c.verdict(rollout, 1, 1, 0, bad, warming_up=True).action == "rollback"
+
+
 def test_a_canary_at_a_fixed_percent_waits_for_a_person() -> None:
     rollout = rollout_from_flags(percent=5, min_requests=20)
     v = c.verdict(rollout, 0, 10_000, 10_000, _passing())

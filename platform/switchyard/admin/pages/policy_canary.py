@@ -222,6 +222,7 @@ def panel(data: dict[str, Any] | None) -> dict[str, Any] | None:
         "ended": _when(data["ended_at"]) if data["ended_at"] else None, "author": data["author"],
         "reason": data["reason"], "figures": figures, "guards": guards,
         "breached": any(g["breached"] for g in guards), "slice_in_step": data["slice_in_step"],
+        "warming_up": data.get("warming_up", False),
         "replicas": data["replicas"], "next": _next(data),
         "shadow_decided": shadow["decided"] if shadow else None,
         "shadow_differences": list(shadow["differences"].items()) if shadow else [],
