@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from sqlalchemy import Engine
+from sqlmodel import Session
 
 from switchyard.decide.canary import Tally, evaluate
 from switchyard.policy.rollout import Rollout, Step
@@ -34,26 +35,37 @@ def _record(engine: Engine, canary_id: int, at_s: float, canary: dict[str, objec
                                     at=utcnow() + timedelta(seconds=at_s))
 
 
+def _started(engine: Engine, rollout: Rollout, step_age_s: float | None = None) -> int:
+    """A canary of a candidate next to the published base; its id. ``step_age_s``: its step began that long ago."""
+    with db.session_scope(engine) as session:
+        publish(session, to_yaml(base()), source="api", author="test")
+        row = canary_store.start(session, rollout, author="test", origin="test",
+                                 text=to_yaml(base()) + "\n# the candidate\n")
+        assert row.id is not None
+        if step_age_s is not None:
+            _set_step_start(session, row.id, step_age_s)
+        return row.id
+
+
+def _set_step_start(session: Session, canary_id: int, age_s: float) -> None:
+    session.execute(PolicyCanary.__table__.update().where(PolicyCanary.__table__.c.id == canary_id)  # type: ignore[attr-defined]
+                    .values(step_started_at=utcnow() - timedelta(seconds=age_s)))
+
+
 def test_a_load_spike_after_a_step_up_falls_on_both_sides_and_rolls_nothing_back(engine: Engine) -> None:
     """The slice grows from 5% to 50% and, a second later, 8% of every side's requests wait 15 times longer for
     their first token (the whole fleet's doing, not the candidate's). Counted over the whole window, the slice's
     requests are mostly the new step's and the rest's mostly the calm step's before: the spike is 5% of the
     slice and under 1% of the rest, and the TTFT guard breaches. Over the step alone both sides hold it in the
     same proportion, and the canary holds (a step younger than the window compares from its start)."""
-    with db.session_scope(engine) as session:
-        publish(session, to_yaml(base()), source="api", author="test")
-        row = canary_store.start(session, ROLLOUT, author="test", origin="test",
-                                 text=to_yaml(base()) + "\n# the candidate\n")
-        canary_id = row.id
-    assert canary_id is not None
+    canary_id = _started(engine, ROLLOUT)
     # Step 1 (5%): 60 s of calm traffic, 50 slice requests against 950 of the rest.
     for k in range(10):
         _record(engine, canary_id, -60 + 6 * k, _tally(5, 40), _tally(95, 40))
     with db.session_scope(engine) as session:
         running = canary_store.running(session)
         assert running is not None and running.step == 0
-        session.execute(PolicyCanary.__table__.update().where(PolicyCanary.__table__.c.id == canary_id)  # type: ignore[attr-defined]
-                        .values(step_started_at=utcnow() - timedelta(seconds=70)))
+        _set_step_start(session, canary_id, 70)
     with db.session_scope(engine) as session:
         running = canary_store.running(session)
         assert running is not None
@@ -87,14 +99,7 @@ def test_a_load_spike_after_a_step_up_falls_on_both_sides_and_rolls_nothing_back
 def test_the_compared_span_is_the_last_window_of_a_long_step(engine: Engine) -> None:
     """A step older than the window compares its last ``window`` seconds only; the slice's count in the step
     still reaches back to the step's start."""
-    with db.session_scope(engine) as session:
-        publish(session, to_yaml(base()), source="api", author="test")
-        row = canary_store.start(session, Rollout(percent=10, window=30, min_requests=20), author="test",
-                                 origin="test", text=to_yaml(base()) + "\n# the candidate\n")
-        canary_id = row.id
-        session.execute(PolicyCanary.__table__.update().where(PolicyCanary.__table__.c.id == canary_id)  # type: ignore[attr-defined]
-                        .values(step_started_at=utcnow() - timedelta(seconds=300)))
-    assert canary_id is not None
+    canary_id = _started(engine, Rollout(percent=10, window=30, min_requests=20), step_age_s=300)
     _record(engine, canary_id, -100, _tally(7, 40), _tally(70, 40))  # in the step, before the window
     _record(engine, canary_id, -10, _tally(3, 40), _tally(30, 40))
     with db.session_scope(engine) as session:
@@ -108,14 +113,7 @@ def test_the_compared_span_is_the_last_window_of_a_long_step(engine: Engine) -> 
 def test_a_passed_step_keeps_the_evidence_it_passed_on(engine: Engine) -> None:
     """The next step's own span starts afresh, so what a step passed on is kept with its audit entry and shown in
     the status' ``passed_steps`` (and by ``canary status``)."""
-    with db.session_scope(engine) as session:
-        publish(session, to_yaml(base()), source="api", author="test")
-        row = canary_store.start(session, ROLLOUT, author="test", origin="test",
-                                 text=to_yaml(base()) + "\n# the candidate\n")
-        canary_id = row.id
-        session.execute(PolicyCanary.__table__.update().where(PolicyCanary.__table__.c.id == canary_id)  # type: ignore[attr-defined]
-                        .values(step_started_at=utcnow() - timedelta(seconds=10)))
-    assert canary_id is not None
+    canary_id = _started(engine, ROLLOUT, step_age_s=10)
     _record(engine, canary_id, -5, _tally(30, 40), _tally(300, 40))
     with db.session_scope(engine) as session:
         found = canary_store.status(session)
@@ -141,14 +139,7 @@ def test_a_passed_step_keeps_the_evidence_it_passed_on(engine: Engine) -> None:
 def test_a_step_up_is_guarded_while_its_own_span_gathers(engine: Engine) -> None:
     """Right after a step up the step's own span has too few requests: the whole window is tested meanwhile, so a
     candidate that fails at the new step's share is rolled back at once, not after ``min_requests`` more."""
-    with db.session_scope(engine) as session:
-        publish(session, to_yaml(base()), source="api", author="test")
-        row = canary_store.start(session, ROLLOUT, author="test", origin="test",
-                                 text=to_yaml(base()) + "\n# the candidate\n")
-        canary_id = row.id
-        session.execute(PolicyCanary.__table__.update().where(PolicyCanary.__table__.c.id == canary_id)  # type: ignore[attr-defined]
-                        .values(step_started_at=utcnow() - timedelta(seconds=70)))
-    assert canary_id is not None
+    canary_id = _started(engine, ROLLOUT, step_age_s=70)
     _record(engine, canary_id, -30, _tally(40, 40), _tally(400, 40))
     with db.session_scope(engine) as session:
         running = canary_store.running(session)
